@@ -1,0 +1,27 @@
+"""
+KCoral: run exported JAX programs on a changing pool of GPU machines through
+one stable address.
+
+The Router and the node supervisor never import JAX, so the client API is
+loaded on first use.
+"""
+
+from kcoral._version import __version__
+from kcoral.errors import (BadRequest, KCoralError, NodeFailure, ProgramExportError,
+                           ProgramFailed, ProgramRejected, ServerBusy)
+
+__all__ = ["AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure", "Program",
+           "ProgramExportError", "ProgramFailed", "ProgramRejected", "ServerBusy", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "Client":
+        from kcoral.client.sync import Client
+        return Client
+    if name == "AsyncClient":
+        from kcoral.client.asynchronous import AsyncClient
+        return AsyncClient
+    if name == "Program":
+        from kcoral.program import Program
+        return Program
+    raise AttributeError(f"module 'kcoral' has no attribute {name!r}")

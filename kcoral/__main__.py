@@ -1,0 +1,3 @@
+from kcoral.cli import entry
+
+entry()

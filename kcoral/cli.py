@@ -1,0 +1,102 @@
+"""
+The C{kcoral} command: C{router} and C{server} run the same services as the
+twistd plugins, with the same options; C{status} and C{health} are for
+operators.
+
+Unlike stock C{twistd}, which re-raises SIGTERM after shutting down, C{kcoral}
+drains on SIGTERM or Ctrl+C and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from twisted.internet.error import CannotListenError
+from twisted.python import usage
+
+from kcoral import operator
+from kcoral._version import __version__
+from kcoral.node import tap as node_tap
+from kcoral.router import tap as router_tap
+
+
+class Options(usage.Options):
+    synopsis = "kcoral <command> [options]"
+    longdesc = "Run JAX programs on a pool of GPU machines through one stable address."
+    subCommands = [
+        ["router", None, router_tap.Options, "Run a Router."],
+        ["server", None, node_tap.Options, "Run a server, or with --router a node."],
+        ["status", None, operator.StatusOptions, "Print a Router's pool and queue."],
+        ["health", None, operator.HealthOptions, "Print one service's /health."],
+    ]
+
+    def opt_version(self):
+        """Print the version and exit."""
+        print(f"kcoral {__version__}")
+        sys.exit(0)
+
+    def postOptions(self):
+        if self.subCommand is None:
+            raise usage.UsageError("a command is required: router, server, status or health")
+
+
+def run_service(tap, options) -> int:
+    from twisted.internet import reactor
+
+    from kcoral.logging import start_console_logging
+
+    start_console_logging()
+    try:
+        svc = tap.makeService(options, reactor)
+        svc.privilegedStartService()
+    except CannotListenError as e:
+        print(f"kcoral: error: cannot listen on {e.interface or '*'}:{e.port}: {e.socketError}",
+              file=sys.stderr)
+        return 1
+    except (usage.UsageError, ValueError, OSError) as e:
+        print(f"kcoral: error: {e}", file=sys.stderr)
+        return 1
+    reactor.callWhenRunning(svc.startService)
+    reactor.callWhenRunning(_stop_once_on_signals, reactor)
+    reactor.addSystemEventTrigger("before", "shutdown", svc.stopService)
+    reactor.run()
+    return getattr(svc, "exit_status", 0)
+
+
+def _stop_once_on_signals(reactor) -> None:
+    """SIGTERM and Ctrl+C start one draining shutdown; repeats are ignored
+    (the reactor's own handler would raise on them)."""
+    stopping = []
+
+    def handler(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            reactor.callFromThread(reactor.stop)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = Options()
+    try:
+        config.parseOptions(sys.argv[1:] if argv is None else argv)
+    except usage.UsageError as e:
+        command = config.subCommand or ""
+        print(f"kcoral {command}: error: {e}".replace("  ", " "), file=sys.stderr)
+        print(f"Try 'kcoral {command} --help'.".replace("  ", " "), file=sys.stderr)
+        return 2
+    if config.subCommand == "router":
+        return run_service(router_tap, config.subOptions)
+    if config.subCommand == "server":
+        return run_service(node_tap, config.subOptions)
+    return operator.run(config.subCommand, config.subOptions)
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,1 @@
+"""Clients for KCoral servers and Routers: L{Client} (blocking) and L{AsyncClient} (treq)."""

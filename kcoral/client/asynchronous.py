@@ -1,0 +1,98 @@
+"""
+L{AsyncClient}: the same client as L{kcoral.Client}, on treq; every method
+returns a Deferred. Hashing and framing large inputs run in a thread, so the
+caller's reactor never blocks on them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import treq
+from twisted.internet import error as netError
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+
+from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.sync import _retry_after
+from kcoral.errors import NodeFailure
+
+#: Inputs larger than this are prepared in a thread.
+_THREAD_BYTES = 1 << 20
+
+
+class AsyncClient:
+    def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
+                 reactor=None, pool: HTTPConnectionPool | None = None):
+        if reactor is None:
+            from twisted.internet import reactor
+        self.url = url.rstrip("/")
+        self.busy_timeout = busy_timeout
+        self.timeout = timeout
+        self._reactor = reactor
+        self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
+        self._held: set[str] = set()
+        self.bytes_sent = 0
+
+    def close(self):
+        """Close idle connections; returns a Deferred."""
+        return self._pool.closeCachedConnections()
+
+    @inlineCallbacks
+    def _request(self, method: str, path: str, send: Send | None):
+        body = None
+        headers = {}
+        if send is not None:
+            body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
+                (yield deferToThread(b"".join, send.parts))
+            headers = {k: [v] for k, v in send.headers.items()}
+        try:
+            answer = yield treq.request(method, self.url + path, data=body, headers=headers,
+                                        pool=self._pool, reactor=self._reactor,
+                                        timeout=self.timeout)
+            content = yield treq.content(answer)
+        except netError.ConnectError as e:
+            return Response(None, problem=str(e))
+        except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
+            raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
+        if send is not None:
+            self.bytes_sent += send.length
+        retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]
+        return Response(answer.code, content,
+                        _retry_after(retry_after.decode() if retry_after else None))
+
+    @inlineCallbacks
+    def run(self, program, *args, request_id: str | None = None, **kwargs):
+        call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
+            (yield deferToThread(RunCall.prepare, program, args, kwargs))
+        steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
+                         request_id=request_id, clock=self._reactor.seconds)
+        answer = None
+        while True:
+            try:
+                step = steps.send(answer)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, Send):
+                answer = yield self._request("POST", "/v1/run", step)
+            else:
+                yield deferLater(self._reactor, step.seconds, lambda: None)
+                answer = None
+
+    @inlineCallbacks
+    def health(self):
+        answer = yield self._request("GET", "/health", None)
+        if answer.status is None:
+            raise ConnectionError(f"could not reach {self.url}: {answer.problem}")
+        return json.loads(answer.body)
+
+
+def _small(args, kwargs) -> bool:
+    import numpy as np
+
+    import jax
+
+    leaves = jax.tree.leaves((args, kwargs))
+    return sum(np.asarray(leaf).nbytes for leaf in leaves) < _THREAD_BYTES

@@ -1,0 +1,117 @@
+"""
+The client's side of a run, written once for both clients: which content to
+send inline, what each server is known to hold, the resend after 409 and the
+retries after 503. L{exchange} is a generator that yields L{Send} and L{Sleep}
+steps; the blocking and the Twisted client each drive it with their own I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Generator
+
+import attrs
+import numpy as np
+from twisted.application.internet import backoffPolicy
+
+from kcoral.errors import KCoralError, ServerBusy, error_from_body
+from kcoral.program import Program
+from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, REQUEST_CONTENT_TYPE,
+                                  decode_result, encode_request, sha256, wire_array)
+
+#: Delays between retries of a busy answer: capped, jittered exponential.
+BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
+
+
+@attrs.frozen
+class Send:
+    parts: list
+    length: int
+    headers: dict
+
+
+@attrs.frozen
+class Sleep:
+    seconds: float
+
+
+@attrs.frozen
+class Response:
+    """An answer, or C{status} None when the connection could not be made
+    (the request never left: retried like a busy answer)."""
+
+    status: int | None
+    body: bytes = b""
+    retry_after: float | None = None
+    problem: str = ""
+
+
+@attrs.define
+class RunCall:
+    program: Program
+    arrays: list[np.ndarray]
+    digests: list[str | None]
+
+    @classmethod
+    def prepare(cls, program: Program, args: tuple, kwargs: dict) -> "RunCall":
+        """Check and flatten the inputs, hashing the large ones (may block)."""
+        arrays = [wire_array(a) for a in program.flatten_inputs(args, kwargs)]
+        digests = [sha256(a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None for a in arrays]
+        return cls(program, arrays, digests)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.program.serialized) + sum(a.nbytes for a in self.arrays)
+
+    def send(self, held: set[str], request_id: str | None) -> Send:
+        program = None if self.program.digest in held else self.program.serialized
+        inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
+        parts, length = encode_request(self.program.digest, program, inputs)
+        headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
+        if request_id:
+            headers["X-Request-ID"] = request_id
+        return Send(parts, length, headers)
+
+    def content_digests(self) -> set[str]:
+        return {self.program.digest} | {d for d in self.digests if d is not None}
+
+
+def _error(response: Response) -> KCoralError:
+    if response.status is None:
+        return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable")
+    try:
+        body = json.loads(response.body)
+    except ValueError:
+        body = None
+    return error_from_body(response.status, body, response.body[:200].decode("utf-8", "replace"))
+
+
+def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
+             request_id: str | None = None, clock=time.monotonic) -> Generator:
+    """
+    Run C{call}; C{held} is the set of digests this server is known to hold,
+    updated as answers arrive. Returns the outputs in the program's structure.
+    """
+    give_up = clock() + busy_timeout
+    resent = False
+    attempt = 0
+    while True:
+        response = yield call.send(held, request_id)
+        if response.status == 200:
+            held.update(call.content_digests())
+            return call.program.unflatten_outputs(decode_result(response.body))
+        error = _error(response)
+        if response.status == 409 and not resent:
+            # The server lost content we thought it held (a restart, an
+            # eviction, another node behind a Router): send it inline, once.
+            held.difference_update(error.missing or call.content_digests())
+            resent = True
+            continue
+        if isinstance(error, ServerBusy):
+            delay = max(BUSY_BACKOFF(attempt), response.retry_after or 0.0)
+            if clock() + delay <= give_up:
+                attempt += 1
+                yield Sleep(delay)
+                continue
+        raise error

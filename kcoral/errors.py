@@ -1,0 +1,129 @@
+"""
+The errors a KCoral client can see, and the one table that maps them to HTTP.
+
+Servers, the Router and clients all use L{ERRORS_BY_STATUS} so that a status
+code means the same thing everywhere (SPEC section 4).
+"""
+
+from __future__ import annotations
+
+
+class KCoralError(Exception):
+    """
+    Base of every error KCoral raises to a client.
+
+    @ivar status: the HTTP status code that carries this error.
+    @ivar type: the stable machine-readable name sent in the JSON body.
+    @ivar reason: a finer reason (for 503: C{queue_full}, C{queue_timeout},
+        C{no_ready_node}, C{draining}).
+    @ivar request_id: the request id the service reported, if any.
+    """
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 request_id: str | None = None, details: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        self.request_id = request_id
+        self.details = details or {}
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.request_id:
+            text += f" (request {self.request_id})"
+        return text
+
+
+class BadRequest(KCoralError):
+    """400 or 413: the request itself is malformed or too large."""
+
+    status = 400
+    type = "bad_request"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+    type = "payload_too_large"
+
+
+class MissingContent(KCoralError):
+    """409: the request referenced cached content the server does not hold."""
+
+    status = 409
+    type = "missing_content"
+
+    @property
+    def missing(self) -> list[str]:
+        return list(self.details.get("missing", []))
+
+
+class ProgramRejected(KCoralError):
+    """422: wrong inputs, no matching platform, or a compile failure."""
+
+    status = 422
+    type = "program_rejected"
+
+
+class ProgramFailed(KCoralError):
+    """500: the program failed while running, or an internal error."""
+
+    status = 500
+    type = "program_failed"
+
+
+class NodeFailure(KCoralError):
+    """502: the node was lost after the request may have started."""
+
+    status = 502
+    type = "node_failure"
+
+
+class ServerBusy(KCoralError):
+    """503: no capacity now (queue full or expired, no node, draining)."""
+
+    status = 503
+    type = "server_busy"
+
+
+class ProgramExportError(KCoralError, ValueError):
+    """A function that cannot be exported or serialized, raised locally."""
+
+    status = 0
+    type = "export_error"
+
+
+ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {
+    400: BadRequest,
+    409: MissingContent,
+    413: PayloadTooLarge,
+    422: ProgramRejected,
+    500: ProgramFailed,
+    502: NodeFailure,
+    503: ServerBusy,
+}
+
+
+def error_body(error: KCoralError, request_id: str) -> dict:
+    """The JSON error object every KCoral service answers with."""
+    body = {"type": error.type, "message": error.message, "request_id": request_id}
+    if error.reason:
+        body["reason"] = error.reason
+    body.update(error.details)
+    return {"error": body}
+
+
+def error_from_body(status: int, body: dict | None, fallback: str) -> KCoralError:
+    """Rebuild the client-side exception for an error answer."""
+    cls = ERRORS_BY_STATUS.get(status)
+    if cls is None:
+        cls = BadRequest if 400 <= status < 500 else ProgramFailed
+    info = (body or {}).get("error") if isinstance(body, dict) else None
+    if not isinstance(info, dict):
+        return cls(f"HTTP {status}: {fallback}")
+    details = {k: v for k, v in info.items()
+               if k not in ("type", "message", "request_id", "reason")}
+    return cls(str(info.get("message", fallback)), reason=info.get("reason"),
+               request_id=info.get("request_id"), details=details)

@@ -1,0 +1,43 @@
+"""
+Prometheus metrics. Each service owns a C{CollectorRegistry} (never the global
+one), so several services in one process, as in tests, keep their own series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+#: Latency buckets from sub-millisecond proxy hops to multi-minute programs.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 1800.0)
+
+
+class HttpMetrics:
+    """Requests by route and code, and their durations."""
+
+    def __init__(self, registry: CollectorRegistry, routes: frozenset[str]):
+        self.registry = registry
+        self._routes = routes
+        self.requests = Counter("kcoral_http_requests", "HTTP requests answered",
+                                ["route", "code"], registry=registry)
+        self.duration = Histogram("kcoral_http_request_duration_seconds",
+                                  "Time from the request's arrival to its answer",
+                                  ["route"], buckets=SECONDS_BUCKETS, registry=registry)
+
+    def route_of(self, path: bytes) -> str:
+        # Bounded label values: unknown paths share one label.
+        route = path.split(b"?", 1)[0].decode("ascii", "replace")
+        if route.startswith("/v1/nodes/"):
+            return "/v1/nodes/{node_id}"
+        return route if route in self._routes else "other"
+
+    def observe(self, path: bytes, code: int, seconds: float) -> None:
+        route = self.route_of(path)
+        self.requests.labels(route, str(code)).inc()
+        self.duration.labels(route).observe(seconds)
+
+
+def render(request, registry: CollectorRegistry, extra: bytes = b"") -> bytes:
+    request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode())
+    return generate_latest(registry) + extra

@@ -1,0 +1,1 @@
+"""The KCoral wire format: how programs, arrays and results cross HTTP."""

@@ -1,0 +1,273 @@
+"""
+The binary framing of C{POST /v1/run} requests and their results.
+
+A frame is a fixed 8-byte prefix (magic, header length), a small JSON header
+and a payload of raw array buffers, each aligned to L{ALIGN} bytes so that
+C{numpy.frombuffer} can view them without copying. The JSON header names each
+buffer by C{[offset, length]} within the payload. C{doc/protocol.rst} is the
+specification; this module is its reference implementation, used by the
+client and the server alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from typing import Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from kcoral.protocol.dtypes import UnknownDType, dtype_from_name, name_of
+
+MAGIC = b"KCR\x01"
+PREFIX = struct.Struct("<4sI")
+ALIGN = 64
+MAX_HEADER_BYTES = 1 << 20
+MAX_RANK = 64
+MAX_DIM = 1 << 62
+MAX_ARRAYS = 4096
+REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
+RESULT_CONTENT_TYPE = "application/x-kcoral-result"
+PROGRAM_HEADER = "X-KCoral-Program"
+#: Arrays at least this large are content-addressed, so a repeated call can
+#: send a reference instead of the bytes.
+CACHE_THRESHOLD_BYTES = 64 * 1024
+
+_DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
+
+
+class WireError(ValueError):
+    """The frame is malformed; the message says how (answered with 400)."""
+
+
+def sha256(data) -> str:
+    return hashlib.sha256(byte_view(data)).hexdigest()
+
+
+def is_digest(value: object) -> bool:
+    return isinstance(value, str) and _DIGEST.match(value) is not None
+
+
+def _pad(size: int) -> int:
+    return -size % ALIGN
+
+
+@attrs.frozen
+class Blob:
+    """
+    Content named by its sha256 C{digest}; C{data} is None when the sender
+    sent only the reference.
+    """
+
+    digest: str | None
+    data: memoryview | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class ArraySpec:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    blob: Blob
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.dtype.itemsize
+
+    def view(self, data) -> np.ndarray:
+        """The array over C{data}, without a copy."""
+        if len(data) != self.nbytes:
+            raise WireError(
+                f"array of shape {list(self.shape)} and dtype {name_of(self.dtype)} "
+                f"needs {self.nbytes} bytes, got {len(data)}")
+        return np.frombuffer(data, dtype=self.dtype).reshape(self.shape)
+
+
+@attrs.frozen
+class RunRequest:
+    program: Blob
+    inputs: tuple[ArraySpec, ...]
+
+    def references(self) -> list[str]:
+        """Digests sent without content: the server must hold them."""
+        blobs = [self.program] + [spec.blob for spec in self.inputs]
+        return [b.digest for b in blobs if b.data is None]
+
+
+def byte_view(buffer) -> memoryview:
+    """The bytes of C{buffer} (bytes or a C-contiguous array), without a copy."""
+    if isinstance(buffer, np.ndarray):
+        # Through uint8: numpy exports no buffer format for ml-dtypes types.
+        buffer = buffer.reshape(-1).view(np.uint8)
+    return memoryview(buffer).cast("B")
+
+
+class FrameWriter:
+    """Lays out buffers in a payload and produces the frame's parts."""
+
+    def __init__(self) -> None:
+        self._parts: list = []
+        self._size = 0
+
+    def add(self, buffer) -> list[int]:
+        view = byte_view(buffer)
+        if self._size % ALIGN:
+            padding = _pad(self._size)
+            self._parts.append(b"\0" * padding)
+            self._size += padding
+        where = [self._size, view.nbytes]
+        self._parts.append(view)
+        self._size += view.nbytes
+        return where
+
+    def finish(self, header: dict) -> tuple[list, int]:
+        """The parts to send, in order, and their total length."""
+        text = json.dumps(header, separators=(",", ":")).encode()
+        head = PREFIX.pack(MAGIC, len(text)) + text
+        head += b"\0" * _pad(len(head))
+        return [head] + self._parts, len(head) + self._size
+
+
+def read_frame(body) -> tuple[dict, memoryview]:
+    """Split a frame into its JSON header and its payload."""
+    view = memoryview(body).cast("B")
+    if view.nbytes < PREFIX.size:
+        raise WireError("body is shorter than the 8-byte frame prefix")
+    magic, length = PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError("body does not start with the KCoral frame magic")
+    if length > MAX_HEADER_BYTES:
+        raise WireError(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+    end = PREFIX.size + length
+    if end > view.nbytes:
+        raise WireError("body ends inside the frame header")
+    try:
+        header = json.loads(bytes(view[PREFIX.size:end]))
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"frame header is not valid JSON: {str(e)[:80]}") from None
+    if not isinstance(header, dict):
+        raise WireError("frame header must be a JSON object")
+    start = end + _pad(end)
+    return header, view[min(start, view.nbytes):]
+
+
+def _segment(payload: memoryview, where: object, what: str) -> memoryview:
+    if (not isinstance(where, list) or len(where) != 2
+            or not all(type(n) is int and n >= 0 for n in where)):
+        raise WireError(f"{what}: 'data' must be [offset, length]")
+    offset, length = where
+    if offset + length > payload.nbytes:
+        raise WireError(f"{what}: data [{offset}, {length}] lies outside the body")
+    return payload[offset:offset + length]
+
+
+def _blob(payload: memoryview, entry: dict, what: str, *, digest_required: bool) -> Blob:
+    digest = entry.get("digest")
+    if digest is not None and not is_digest(digest):
+        raise WireError(f"{what}: digest must be 64 lowercase hex characters")
+    if "data" not in entry:
+        if digest is None:
+            raise WireError(f"{what}: needs 'data', 'digest' or both")
+        return Blob(digest)
+    if digest is None and digest_required:
+        raise WireError(f"{what}: needs a 'digest'")
+    return Blob(digest, _segment(payload, entry["data"], what))
+
+
+def _shape(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_RANK:
+        raise WireError(f"{what}: shape must be a list of at most {MAX_RANK} dimensions")
+    if not all(type(d) is int and 0 <= d <= MAX_DIM for d in value):
+        raise WireError(f"{what}: each dimension must be an integer in [0, 2**62]")
+    return tuple(value)
+
+
+def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
+    if not isinstance(entry, dict):
+        raise WireError(f"{what} must be a JSON object")
+    unknown = set(entry) - {"dtype", "shape", "data", "digest"}
+    if unknown:
+        raise WireError(f"{what}: unknown field {sorted(unknown)[0][:40]!r}")
+    try:
+        dtype = dtype_from_name(entry.get("dtype"))
+    except UnknownDType as e:
+        raise WireError(f"{what}: {e}") from None
+    spec = ArraySpec(dtype, _shape(entry.get("shape"), what),
+                     _blob(payload, entry, what, digest_required=False))
+    if spec.blob.data is not None:
+        spec.view(spec.blob.data)  # checks the length against the shape
+    return spec
+
+
+def decode_request(body) -> RunRequest:
+    header, payload = read_frame(body)
+    unknown = set(header) - {"program", "inputs"}
+    if unknown:
+        raise WireError(f"unknown header field {sorted(unknown)[0][:40]!r}")
+    program = header.get("program")
+    if not isinstance(program, dict) or set(program) - {"digest", "data"}:
+        raise WireError("'program' must be an object with 'digest' and optional 'data'")
+    blob = _blob(payload, program, "program", digest_required=True)
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) > MAX_ARRAYS:
+        raise WireError(f"'inputs' must be a list of at most {MAX_ARRAYS} arrays")
+    specs = tuple(_array_spec(payload, e, f"input {i}") for i, e in enumerate(inputs))
+    return RunRequest(blob, specs)
+
+
+def _describe(writer: FrameWriter, array: np.ndarray, digest: str | None,
+              inline: bool) -> dict:
+    entry = {"dtype": name_of(array.dtype), "shape": list(array.shape)}
+    if digest is not None:
+        entry["digest"] = digest
+    if inline:
+        entry["data"] = writer.add(array)
+    return entry
+
+
+def wire_array(array) -> np.ndarray:
+    """C{array} as a C-contiguous little-endian numpy array."""
+    array = np.asarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def encode_request(program_digest: str, program: bytes | None,
+                   inputs: Sequence[tuple[np.ndarray, str | None, bool]]) -> tuple[list, int]:
+    """
+    Frame a run. Each input is C{(array, digest or None, send inline)}; the
+    arrays must already be L{wire_array}s.
+    """
+    writer = FrameWriter()
+    head: dict = {"program": {"digest": program_digest}}
+    if program is not None:
+        head["program"]["data"] = writer.add(program)
+    head["inputs"] = [_describe(writer, a, d, inline) for a, d, inline in inputs]
+    return writer.finish(head)
+
+
+def encode_result(outputs: Iterable[np.ndarray]) -> tuple[list, int]:
+    writer = FrameWriter()
+    entries = [_describe(writer, wire_array(a), None, True) for a in outputs]
+    return writer.finish({"outputs": entries})
+
+
+def decode_result(body) -> list[np.ndarray]:
+    header, payload = read_frame(body)
+    outputs = header.get("outputs")
+    if not isinstance(outputs, list):
+        raise WireError("result frame lacks an 'outputs' list")
+    arrays = []
+    for i, entry in enumerate(outputs):
+        spec = _array_spec(payload, entry, f"output {i}")
+        if spec.blob.data is None:
+            raise WireError(f"output {i} has no data")
+        arrays.append(spec.view(spec.blob.data))
+    return arrays

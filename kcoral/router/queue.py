@@ -1,0 +1,74 @@
+"""
+The wait queue: one FIFO of requests waiting for capacity, bounded in length
+(full: refused at once) and in waiting time (expired: refused). A waiter that
+is cancelled, because its client went away, leaves the queue at once.
+
+The Router, the embedded gateway and each server's admission all queue here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail
+
+
+class QueueFull(Exception):
+    """The queue already holds its maximum number of waiters."""
+
+
+class QueueTimeout(Exception):
+    """The waiter did not get capacity within the queue's timeout."""
+
+
+class _Waiter:
+    __slots__ = ("deferred", "timer")
+
+
+class WaitQueue:
+    def __init__(self, clock, max_waiting: int, timeout_seconds: float):
+        self._clock = clock
+        self.max_waiting = max_waiting
+        self.timeout_seconds = timeout_seconds
+        self._waiters: deque[_Waiter] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def wait(self) -> Deferred:
+        """
+        A Deferred that fires with what L{grant_next} hands over, or fails with
+        L{QueueFull} (at once) or L{QueueTimeout}.
+        """
+        if len(self._waiters) >= self.max_waiting:
+            return fail(QueueFull())
+        waiter = _Waiter()
+        waiter.deferred = Deferred(lambda d: self._leave(waiter))
+        waiter.timer = self._clock.callLater(self.timeout_seconds, self._expire, waiter)
+        self._waiters.append(waiter)
+        return waiter.deferred
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        if waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        waiter.deferred.errback(QueueTimeout())
+
+    def grant_next(self, grant: Any) -> bool:
+        """Hand C{grant} to the oldest waiter; False when nobody waits."""
+        if not self._waiters:
+            return False
+        waiter = self._waiters.popleft()
+        waiter.timer.cancel()
+        waiter.deferred.callback(grant)
+        return True
+
+    def fail_all(self, error: Exception) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.timer.cancel()
+            waiter.deferred.errback(error)

@@ -1,0 +1,1 @@
+"""The KCoral server: runs programs on one device for remote clients."""

@@ -1,0 +1,136 @@
+"""
+The server's HTTP API (SPEC section 4): C{/health}, C{/readyz}, C{/metrics} and
+C{POST /v1/run}.
+
+The reactor only parses the small JSON frame header and moves bytes; digest
+checks, cache I/O and JAX all run on the server's worker threads, so health
+probes are answered within milliseconds while a long program runs.
+"""
+
+from __future__ import annotations
+
+from klein import Klein
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from twisted.internet.defer import CancelledError, inlineCallbacks
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+
+from kcoral._version import __version__
+from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
+from kcoral.metrics import SECONDS_BUCKETS, render
+from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError, decode_request
+from kcoral.router.queue import QueueFull, QueueTimeout
+from kcoral.server.admission import Admission
+from kcoral.server.executor import Executor
+from kcoral.web import errors
+from kcoral.web.responses import error_response, json_response
+
+log = Logger()
+
+STARTING, OK, DRAINING, FAILED = "starting", "ok", "draining", "failed"
+
+
+class ServerApp:
+    app = Klein()
+    errors.install(app)
+
+    def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
+                 registry: CollectorRegistry):
+        self.executor = executor
+        self.admission = admission
+        self._threadpool = threadpool
+        self._reactor = reactor
+        self.registry = registry
+        self.status = STARTING
+        self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time runs waited for a slot",
+                                     buckets=SECONDS_BUCKETS, registry=registry)
+        Gauge("kcoral_active_runs", "Runs holding a slot", registry=registry).set_function(
+            lambda: self.admission.active)
+        Gauge("kcoral_queued_runs", "Runs waiting for a slot", registry=registry).set_function(
+            lambda: len(self.admission.queue))
+
+    def resource(self):
+        return self.app.resource()
+
+    # -- health -----------------------------------------------------------
+
+    def health(self) -> dict:
+        info = self.executor.info
+        return {
+            "status": self.status,
+            "gpu_target": info.gpu_target if info else None,
+            "capacity": self.admission.capacity,
+            "active": self.admission.active,
+            "queued": len(self.admission.queue),
+            "runtime": info.runtime if info else None,
+            "devices": info.devices if info else [],
+            "version": __version__,
+        }
+
+    @app.route("/health", methods=["GET"])
+    def get_health(self, request):
+        return json_response(request, 200 if self.status == OK else 503, self.health())
+
+    @app.route("/readyz", methods=["GET"])
+    def get_readyz(self, request):
+        ready = self.status == OK
+        return json_response(request, 200 if ready else 503, {"ready": ready, "status": self.status})
+
+    @app.route("/metrics", methods=["GET"])
+    def get_metrics(self, request):
+        return render(request, self.registry)
+
+    # -- runs -------------------------------------------------------------
+
+    @app.route("/v1/run", methods=["POST"])
+    @inlineCallbacks
+    def post_run(self, request):
+        rid = request.request_id
+        try:
+            if self.status != OK:
+                raise ServerBusy(f"the server is {self.status}", reason="draining"
+                                 if self.status == DRAINING else "starting")
+            try:
+                run = decode_request(request.content.getbuffer())
+            except WireError as e:
+                raise BadRequest(str(e)) from None
+            announced = request.getHeader(PROGRAM_HEADER)
+            if announced is not None and announced != run.program.digest:
+                raise BadRequest(f"{PROGRAM_HEADER} does not match the frame's program digest")
+            result = yield self._admitted(request, run)
+        except KCoralError as e:
+            log.info("{request_id} answered {status} {type}: {message}", request_id=rid,
+                     status=e.status, type=e.type, message=e.message)
+            return error_response(request, e)
+        except CancelledError:
+            log.info("{request_id} dropped: the client went away before it ran", request_id=rid)
+            return b""
+        request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
+        return result
+
+    @inlineCallbacks
+    def _admitted(self, request, run):
+        rid = request.request_id
+        arrived = self._reactor.seconds()
+        waiting = self.admission.acquire()
+        request.notifyFinish().addErrback(lambda _: waiting.cancel())
+        try:
+            yield waiting
+        except QueueFull:
+            raise ServerBusy("the server's queue is full", reason="queue_full") from None
+        except QueueTimeout:
+            raise ServerBusy("no slot freed up in time", reason="queue_timeout") from None
+        self._queue_wait.observe(self._reactor.seconds() - arrived)
+        try:
+            result = yield deferToThreadPool(self._reactor, self._threadpool,
+                                             self.executor.execute, run, rid)
+        except KCoralError:
+            raise
+        except Exception as e:
+            log.failure("{request_id} internal error", request_id=rid)
+            raise ProgramFailed(f"internal error: {type(e).__name__}") from None
+        finally:
+            self.admission.release()
+        log.info("{request_id} ran program {digest} ({size} result bytes)", request_id=rid,
+                 digest=run.program.digest[:12], size=len(result))
+        return result

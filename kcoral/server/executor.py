@@ -1,0 +1,196 @@
+"""
+The executor: turns a decoded run into output bytes on this server's device.
+
+Everything here blocks (hashing, disk, JAX): the server calls L{Executor.load}
+and L{Executor.execute} from worker threads, never from the reactor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import attrs
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from twisted.logger import Logger
+
+from kcoral._version import __version__
+from kcoral.errors import BadRequest, MissingContent, ProgramFailed, ProgramRejected
+from kcoral.metrics import SECONDS_BUCKETS
+from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
+from kcoral.server.compile_cache import CompileCache
+from kcoral.server.upload_cache import CacheMetrics, UploadCache, _EvictingLRU
+
+log = Logger()
+
+
+@attrs.frozen
+class DeviceInfo:
+    platform: str
+    gpu_target: str
+    devices: list
+    runtime: dict
+
+
+class ExecutorMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.executions = Counter("kcoral_executions", "Program executions by outcome",
+                                  ["outcome"], registry=registry)
+        self.compile_seconds = Histogram("kcoral_compile_seconds", "Time spent compiling programs",
+                                         buckets=SECONDS_BUCKETS, registry=registry)
+        self.execution_seconds = Histogram("kcoral_execution_seconds", "Time spent running programs",
+                                           buckets=SECONDS_BUCKETS, registry=registry)
+        self.caches = CacheMetrics(registry)
+
+
+def _select_platform(gpus: str) -> None:
+    """Pick the backend before JAX initialises one."""
+    import jax
+
+    if gpus == "none":
+        jax.config.update("jax_platforms", "cpu")
+    elif gpus != "all" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    # Exported programs carry their own types; serve 64-bit ones faithfully.
+    jax.config.update("jax_enable_x64", True)
+
+
+def gpu_target_of(device) -> str:
+    if device.platform == "cpu":
+        return "cpu"
+    capability = getattr(device, "compute_capability", "")
+    return f"{device.platform}:sm_{capability.replace('.', '')}" if capability else device.platform
+
+
+class Executor:
+    def __init__(self, *, uploads: UploadCache, compiled: CompileCache,
+                 metrics: ExecutorMetrics, gpus: str = "0",
+                 compilation_cache_dir: str | None = None):
+        self._uploads = uploads
+        self._compiled = compiled
+        self._metrics = metrics
+        self._gpus = gpus
+        self._compilation_cache_dir = compilation_cache_dir
+        self._programs = _EvictingLRU(64, lambda v: 1, lambda k, v: None)
+        self._programs_lock = threading.Lock()
+        self.info: DeviceInfo | None = None
+
+    def load(self) -> DeviceInfo:
+        _select_platform(self._gpus)
+        import jax
+        import jaxlib
+
+        if self._compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", self._compilation_cache_dir)
+        device = jax.devices()[0]
+        if device.platform == "cpu" and self._gpus != "none":
+            log.info("no GPU found: serving on the CPU")
+        self._device = device
+        self.info = DeviceInfo(
+            platform="cuda" if device.platform == "gpu" else device.platform,
+            gpu_target=gpu_target_of(device),
+            devices=[{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
+            runtime={"kcoral": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
+        )
+        return self.info
+
+    def _content(self, blob: Blob, what: str, missing: list[str]):
+        if blob.data is None:
+            data = self._uploads.get(blob.digest)
+            if data is None:
+                missing.append(blob.digest)
+            return data
+        if blob.digest is not None:
+            if sha256(blob.data) != blob.digest:
+                raise BadRequest(f"{what}: content does not match its digest {blob.digest}")
+            data = bytes(blob.data)
+            self._uploads.put(blob.digest, data)
+            return data
+        return blob.data
+
+    def _exported(self, digest: str, serialized):
+        from jax import export
+
+        with self._programs_lock:
+            exported = self._programs.get(digest)
+        if exported is None:
+            try:
+                exported = export.deserialize(bytearray(serialized))
+            except Exception as e:
+                raise ProgramRejected(f"the program could not be deserialized: {e}") from None
+            with self._programs_lock:
+                self._programs[digest] = exported
+        return exported
+
+    def _check_signature(self, exported, arrays: list[np.ndarray]) -> None:
+        platform = self.info.platform
+        if platform not in exported.platforms:
+            raise ProgramRejected(
+                f"the program was exported for {', '.join(exported.platforms)}; "
+                f"this server runs {platform}")
+        if len(arrays) != len(exported.in_avals):
+            raise ProgramRejected(f"the program takes {len(exported.in_avals)} inputs, got {len(arrays)}")
+        for i, (array, aval) in enumerate(zip(arrays, exported.in_avals)):
+            if np.dtype(aval.dtype) != array.dtype:
+                raise ProgramRejected(f"input {i} has dtype {array.dtype}, the program expects {aval.dtype}")
+            if len(aval.shape) != array.ndim or any(
+                    isinstance(d, int) and d != s for d, s in zip(aval.shape, array.shape)):
+                raise ProgramRejected(
+                    f"input {i} has shape {list(array.shape)}, the program expects {aval.shape}")
+
+    def execute(self, run: RunRequest, request_id: str) -> bytes:
+        import jax
+
+        missing: list[str] = []
+        serialized = self._content(run.program, "program", missing)
+        contents = [self._content(spec.blob, f"input {i}", missing) for i, spec in enumerate(run.inputs)]
+        if missing:
+            raise MissingContent(f"the server does not hold {len(missing)} referenced upload(s)",
+                                 details={"missing": missing})
+        try:
+            arrays = [spec.view(data) for spec, data in zip(run.inputs, contents)]
+        except WireError as e:
+            raise BadRequest(str(e)) from None
+        exported = self._exported(run.program.digest, serialized)
+        self._check_signature(exported, arrays)
+
+        args, kwargs = jax.tree.unflatten(
+            exported.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+        key = (run.program.digest, tuple((a.shape, a.dtype.str) for a in arrays), self._device.id)
+
+        def compile():
+            started = time.perf_counter()
+            try:
+                compiled = jax.jit(exported.call).lower(*args, **kwargs).compile()
+            except Exception as e:
+                raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
+            self._metrics.compile_seconds.observe(time.perf_counter() - started)
+            return compiled
+
+        try:
+            executable, fresh = self._compiled.get_or_compile(key, compile)
+        except ProgramRejected:
+            self._metrics.executions.labels("rejected").inc()
+            raise
+        if fresh:
+            log.info("{request_id} compiled program {digest}", request_id=request_id,
+                     digest=run.program.digest[:12])
+        inputs = jax.device_put(arrays, self._device)
+        call_args, call_kwargs = jax.tree.unflatten(exported.in_tree, inputs)
+        started = time.perf_counter()
+        try:
+            outputs = jax.device_get(jax.tree.leaves(executable(*call_args, **call_kwargs)))
+        except Exception as e:
+            self._metrics.executions.labels("failed").inc()
+            raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
+        self._metrics.execution_seconds.observe(time.perf_counter() - started)
+        self._metrics.executions.labels("ok").inc()
+        parts, _ = encode_result(np.asarray(o) for o in outputs)
+        return b"".join(parts)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:500]

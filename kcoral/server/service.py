@@ -1,0 +1,106 @@
+"""
+The standalone server as a Twisted service: one device, one HTTP port.
+"""
+
+from __future__ import annotations
+
+import attrs
+from prometheus_client import CollectorRegistry
+from twisted.application import service
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from kcoral.metrics import HttpMetrics
+from kcoral.router.queue import WaitQueue
+from kcoral.server.admission import Admission
+from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
+from kcoral.server.compile_cache import CompileCache
+from kcoral.server.executor import Executor, ExecutorMetrics
+from kcoral.server.upload_cache import UploadCache
+from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.listener import DrainingListener
+from kcoral.web.site import KCoralSite
+
+log = Logger()
+
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run"})
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gpus: str = "0"
+    capacity: int = 2
+    max_queued_requests: int = 64
+    queue_wait_timeout_seconds: float = 1800.0
+    max_request_bytes: int = 268435456
+    cache_memory_bytes: int = 1 << 30
+    cache_dir: str | None = None
+    cache_disk_bytes: int = 10 << 30
+    compile_cache_entries: int = 64
+    compilation_cache_dir: str | None = None
+    secured: bool = False
+
+
+class ServerService(service.MultiService):
+    """Loads the device off the reactor, serves, and drains on stop."""
+
+    exit_status = 0
+
+    def __init__(self, config: ServerConfig, reactor):
+        super().__init__()
+        self.config = config
+        self._reactor = reactor
+        registry = CollectorRegistry()
+        metrics = ExecutorMetrics(registry)
+        self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
+        uploads = UploadCache(config.cache_memory_bytes, metrics.caches,
+                              config.cache_dir, config.cache_disk_bytes)
+        self.executor = Executor(uploads=uploads,
+                                 compiled=CompileCache(config.compile_cache_entries, metrics.caches),
+                                 metrics=metrics, gpus=config.gpus,
+                                 compilation_cache_dir=config.compilation_cache_dir)
+        admission = Admission(config.capacity, WaitQueue(
+            reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
+        self.app = ServerApp(executor=self.executor, admission=admission,
+                             threadpool=self._threadpool, reactor=reactor, registry=registry)
+        site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
+                          maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
+        self.listener = DrainingListener("kcoral server", listen_endpoint(reactor, config.host, config.port),
+                                         site, self._drain, config.host, config.secured)
+        self.listener.setServiceParent(self)
+
+    def startService(self):
+        self._threadpool.start()
+        super().startService()
+        self._load()
+
+    @inlineCallbacks
+    def _load(self):
+        try:
+            info = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.load)
+        except Exception:
+            self.app.status = FAILED
+            log.failure("the server could not initialise its device")
+            self.exit_status = 1
+            self._reactor.stop()
+            return
+        if self.app.status != DRAINING:
+            self.app.status = OK
+            log.info("kcoral server ready on {target} (capacity {capacity})",
+                     target=info.gpu_target, capacity=self.config.capacity)
+
+    def _drain(self):
+        self.app.status = DRAINING
+        log.info("draining: {active} running, {queued} waiting", active=self.app.admission.active,
+                 queued=len(self.app.admission.queue))
+        return self.app.admission.idle()
+
+    @inlineCallbacks
+    def stopService(self):
+        yield super().stopService()
+        self._threadpool.stop()
+        log.info("kcoral server stopped")

@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the server, the Router and the gateway."""

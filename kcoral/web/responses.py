@@ -1,0 +1,34 @@
+"""JSON answers and errors, the same from every KCoral service."""
+
+from __future__ import annotations
+
+import json
+
+from kcoral.errors import KCoralError, ServerBusy, error_body
+
+#: Seconds a 503 asks the client to wait before retrying.
+RETRY_AFTER_SECONDS = 1
+
+
+def json_response(request, status: int, body: dict) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", b"application/json")
+    return json.dumps(body).encode() + b"\n"
+
+
+def error_response(request, error: KCoralError) -> bytes:
+    if isinstance(error, ServerBusy):
+        request.setHeader(b"Retry-After", str(RETRY_AFTER_SECONDS).encode())
+    return json_response(request, error.status or 500, error_body(error, request.request_id))
+
+
+def raw_error_response(status: int, phrase: bytes, error: KCoralError, request_id: str) -> bytes:
+    """A whole HTTP/1.1 response, for answers sent before Twisted's request
+    machinery runs (a body refused from its headers)."""
+    body = json.dumps(error_body(error, request_id)).encode() + b"\n"
+    head = [b"HTTP/1.1 %d %s" % (status, phrase),
+            b"Content-Type: application/json",
+            b"Content-Length: %d" % len(body),
+            b"X-Request-ID: " + request_id.encode(),
+            b"Connection: close"]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body

@@ -1,0 +1,165 @@
+"""
+A Twisted C{Site} that enforces KCoral's bounds while the request is still
+arriving, which C{twisted.web} itself does not offer:
+
+ - a body larger than C{maxRequestBytes} is refused with 413 straight from its
+   C{Content-Length}, or as soon as a chunked body passes the limit, without
+   reading (or buffering) the rest;
+ - bodies are kept in memory (they are bounded), never in a temporary file, so
+   no disk I/O happens on the reactor thread;
+ - every response carries C{X-Request-ID}, and every request is counted in the
+   service's metrics;
+ - a client must finish sending its request head within C{headerTimeout}
+   seconds, so a byte-a-second client cannot hold a connection forever.
+"""
+
+from __future__ import annotations
+
+import io
+
+from twisted.internet import reactor as _globalReactor
+from twisted.logger import Logger
+from twisted.web import http, server
+
+from kcoral.errors import PayloadTooLarge
+from kcoral.web.requestid import HEADER, request_id_from
+from kcoral.web.responses import raw_error_response
+
+#: After refusing a body, how long to keep reading (and discarding) it so the
+#: client sees our answer instead of a connection reset.
+LINGER_SECONDS = 2.0
+
+
+class _Body(io.BytesIO):
+    """A request body that handlers may view without copying (getbuffer):
+    closing it would fail while such views exist, and the GC frees it."""
+
+    def close(self):
+        pass
+
+
+class KCoralRequest(server.Request):
+    _refused = False
+    _received = 0
+    _started = None
+
+    @property
+    def request_id(self) -> str:
+        rid = getattr(self, "_request_id", None)
+        if rid is None:
+            rid = self._request_id = request_id_from(self.requestHeaders.getRawHeaders(HEADER, [None])[0])
+        return rid
+
+    def gotLength(self, length):
+        self._started = self.channel.site.clock.seconds()
+        self.channel.headersComplete()
+        limit = self.channel.site.maxRequestBytes
+        if length is not None and length > limit:
+            self._refuse(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+            return
+        self.content = _Body()
+
+    def handleContentChunk(self, data):
+        if self._refused:
+            return
+        self._received += len(data)
+        limit = self.channel.site.maxRequestBytes
+        if self._received > limit:
+            self._refuse(f"request body exceeds the limit of {limit} bytes")
+            return
+        self.content.write(data)
+
+    def _refuse(self, message: str) -> None:
+        self._refused = True
+        self.content = _Body()
+        site = self.channel.site
+        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id, message=message)
+        site.metrics.observe(self.uri or b"other", 413, 0.0)
+        self.channel.refuse(raw_error_response(413, b"Payload Too Large",
+                                               PayloadTooLarge(message), self.request_id))
+
+    def requestReceived(self, command, path, version):
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def process(self):
+        self.setHeader(HEADER, self.request_id.encode())
+        super().process()
+
+    def finish(self):
+        site = self.channel.site if self.channel is not None else None
+        if site is not None and not self.finished and self._started is not None:
+            site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
+        return super().finish()
+
+
+class KCoralChannel(http.HTTPChannel):
+    _refusing = False
+    _headerDeadline = None
+
+    def connectionMade(self):
+        super().connectionMade()
+        self._armHeaderDeadline()
+
+    def _armHeaderDeadline(self):
+        timeout = self.site.headerTimeout
+        if timeout and self._headerDeadline is None:
+            self._headerDeadline = self.site.clock.callLater(timeout, self._headerTimedOut)
+
+    def _headerTimedOut(self):
+        self._headerDeadline = None
+        self.site.logger.info("closing a connection that sent no complete request head in time")
+        self.transport.abortConnection()
+
+    def headersComplete(self):
+        if self._headerDeadline is not None:
+            self._headerDeadline.cancel()
+            self._headerDeadline = None
+
+    def requestDone(self, request):
+        super().requestDone(request)
+        if self.persistent and self.transport is not None and self.transport.connected:
+            self._armHeaderDeadline()
+
+    def refuse(self, response: bytes) -> None:
+        """Answer C{response} now, then discard whatever else arrives."""
+        self._refusing = True
+        self.rawDataReceived = self.dataReceived = lambda data: None
+        self.transport.write(response)
+        loseWrite = getattr(self.transport, "loseWriteConnection", None)
+        if loseWrite is not None:
+            loseWrite()
+        else:
+            self.transport.loseConnection()
+        self._lingering = self.site.clock.callLater(LINGER_SECONDS, self.transport.abortConnection)
+
+    def _send100Continue(self):
+        if not self._refusing:
+            super()._send100Continue()
+
+    def connectionLost(self, reason):
+        for call in (self._headerDeadline, getattr(self, "_lingering", None)):
+            if call is not None and call.active():
+                call.cancel()
+        self._headerDeadline = None
+        super().connectionLost(reason)
+
+
+class KCoralSite(server.Site):
+    protocol = KCoralChannel
+    requestFactory = KCoralRequest
+
+    def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
+                 idleTimeout: float = 60.0, headerTimeout: float = 30.0, clock=None):
+        super().__init__(resource, timeout=idleTimeout)
+        self.metrics = metrics
+        self.maxRequestBytes = maxRequestBytes
+        self.headerTimeout = headerTimeout
+        self.logger = log
+        self.clock = clock if clock is not None else _globalReactor
+        self.displayTracebacks = False
+        self.noisy = False
+
+    def log(self, request):
+        # No access log: each service logs its own events, with request ids.
+        pass
