@@ -1,0 +1,329 @@
+"""
+Benchmark of one standalone KCoral server against calling JAX in-process.
+
+    .venv/bin/python bench/server.py            # or: make bench
+
+Starts real ``kcoral server`` child processes on ephemeral loopback ports and
+measures, in one run:
+
+ - latency: the in-process call (``jax.jit(f)`` on numpy inputs, outputs
+   turned into numpy arrays) against ``Client.run`` of the same function
+   exported as a Program, for a trivial program (``x + 1`` on a scalar), a
+   ~5 ms program and a program with 64 MiB of weights: medians, p99s, the
+   time the round trip adds, and ratios;
+ - bytes: ``Client.bytes_sent`` for the first call of each program against a
+   fresh server and for a repeated call (new activations, same weights);
+ - throughput: trivial runs per second against a second server pinned to one
+   core (``taskset -c 0``), driven by client processes on the other cores.
+
+Targets (issue 2): the trivial round trip adds under 1 ms (median); a repeated
+call with cached 64 MiB weights sends under 1% of the first call's bytes; one
+core sustains 1,000 trivial runs/s. The exit status is 0 whatever the numbers;
+C{doc/benchmarks.rst} records the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TARGET_ADDED_MS = 1.0
+TARGET_BYTES_PERCENT = 1.0
+TARGET_RUNS_PER_SECOND = 1000.0
+WEIGHTS_SHAPE = (4096, 4096)  # float32: 64 MiB
+
+
+# -- the server child process --------------------------------------------------
+
+class ServerProcess:
+    """A ``kcoral server`` child on an ephemeral port, optionally pinned to
+    some cores; its console output goes to a temporary file."""
+
+    def __init__(self, gpus: str, cores: set[int] | None = None, extra: list[str] = ()):
+        self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "kcoral", "server", "--port", "0", "--gpus", gpus, *extra]
+        if cores is not None:
+            command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + command
+        self.command = command
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if gpus == "none":
+            env["JAX_PLATFORMS"] = "cpu"
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=ROOT, env=env, start_new_session=True)
+        self.url = self._wait_ready()
+
+    def _output(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def _wait_ready(self, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        url = None
+        while time.monotonic() < deadline:
+            text = self._output()
+            found = re.search(r"kcoral server listening on (http://\S+)", text)
+            if found:
+                url = found.group(1)
+            if url and "kcoral server ready" in text:
+                return url
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the server did not start:\n{self._output()[-3000:]}")
+
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time of the server process (all its threads)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        os.unlink(self._log.name)
+
+
+# -- measurements --------------------------------------------------------------
+
+def timings(call, count: int, warmup: int) -> list[float]:
+    """Seconds per call of C{call()}, after C{warmup} untimed calls."""
+    for _ in range(warmup):
+        call()
+    times = []
+    clock = time.perf_counter
+    for _ in range(count):
+        started = clock()
+        call()
+        times.append(clock() - started)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def programs(rng):
+    """(name, function, inputs, fresh inputs for a repeated call) for each
+    benchmarked program; the ~5 ms one is calibrated on this machine."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def trivial(x):
+        return x + 1
+
+    def work(n):
+        def step(x, w):
+            return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), x)
+        return step
+
+    a = rng.standard_normal((128, 256), dtype=np.float32)
+    w5 = rng.standard_normal((256, 256), dtype=np.float32) / 16
+    # Calibrate the loop count so the in-process call takes about 5 ms.
+    probe = jax.jit(work(16))
+    per_step = percentile(timings(lambda: np.asarray(probe(a, w5)), 20, 3), 50) / 16
+    steps = max(1, round(0.005 / per_step))
+
+    def weighted(w, x):
+        return jnp.tanh(x @ w)
+
+    weights = rng.standard_normal(WEIGHTS_SHAPE, dtype=np.float32)
+    x = rng.standard_normal((1, WEIGHTS_SHAPE[0]), dtype=np.float32)
+    x2 = rng.standard_normal((1, WEIGHTS_SHAPE[0]), dtype=np.float32)
+    return [
+        ("trivial (x + 1, scalar)", trivial, (np.float32(1.0),), (np.float32(2.0),)),
+        (f"~5 ms ({steps} x tanh(128x256 @ 256x256))", work(steps), (a, w5), (a * 0.5, w5)),
+        ("64 MiB weights (tanh(x @ W), W 4096x4096 f32)", weighted, (weights, x), (weights, x2)),
+    ]
+
+
+def _throughput_worker(url, serialized, warmup, ready, go, until_box, results):
+    import numpy as np
+
+    from kcoral import Client, Program
+
+    program = Program.from_bytes(serialized)
+    x = np.float32(1.0)
+    with Client(url) as client:
+        for _ in range(warmup):
+            client.run(program, x)
+        ready.wait()
+        go.wait()
+        until = until_box.value
+        count = 0
+        finished = time.time()
+        while finished < until:
+            client.run(program, x)
+            count += 1
+            finished = time.time()
+    results.put((count, finished))
+
+
+def throughput(server: ServerProcess, program, seconds: float, clients: int,
+               client_cores: set[int]) -> dict:
+    ctx = multiprocessing.get_context("spawn")  # never fork a process running JAX
+    ready, go = ctx.Barrier(clients + 1), ctx.Barrier(clients + 1)
+    until_box = ctx.Value("d", 0.0)
+    results = ctx.Queue()
+    workers = [ctx.Process(target=_throughput_worker,
+                           args=(server.url, program.serialized, 50, ready, go, until_box, results))
+               for _ in range(clients)]
+    for p in workers:
+        p.start()
+        if client_cores:
+            os.sched_setaffinity(p.pid, client_cores)
+    # Everyone warms up, then all start together for a fixed window.
+    ready.wait(timeout=300)
+    start = time.time()
+    until_box.value = start + seconds
+    cpu_before = server.cpu_seconds()
+    go.wait(timeout=60)
+    done = [results.get(timeout=seconds + 60) for _ in workers]
+    cpu = server.cpu_seconds() - cpu_before
+    for p in workers:
+        p.join(30)
+    runs = sum(count for count, _ in done)
+    elapsed = max(end for _, end in done) - start
+    return {"runs": runs, "seconds": elapsed, "runs_per_second": runs / elapsed,
+            "server_cpu_ms_per_run": 1000 * cpu / runs if runs else float("nan"),
+            "clients": clients}
+
+
+# -- reporting -----------------------------------------------------------------
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", default="none",
+                        help="the server's --gpus and, unless 'none', JAX's default device "
+                             "in-process (default: none, the CPU)")
+    parser.add_argument("--count", type=int, default=1000, help="timed calls of the trivial program")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of the throughput window")
+    parser.add_argument("--clients", type=int, default=4, help="client processes for the throughput test")
+    parser.add_argument("--server-core", type=int, default=0, help="the one core of the throughput server")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    if args.gpus == "none":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+
+    from kcoral import Client, Program
+
+    rng = np.random.default_rng(0)
+    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".rstrip(", "),
+               "jax": jax.__version__, "device": str(jax.devices()[0]), "latency": []}
+    servers = []
+    try:
+        print(f"device: {jax.devices()[0]}; starting a server ...", flush=True)
+        server = ServerProcess(args.gpus)
+        servers.append(server)
+        for name, function, inputs, again in programs(rng):
+            jitted = jax.jit(function)
+            program = Program.from_function(function, *inputs)
+            big = any(np.asarray(a).nbytes > 1 << 20 for a in inputs)
+            count = max(20, args.count // (50 if big else 1) // (10 if "5 ms" in name else 1))
+            warmup = max(3, count // 20)
+            local = timings(lambda: jax.tree.map(np.asarray, jitted(*inputs)), count, warmup)
+            with Client(server.url) as client:
+                client.run(program, *inputs)
+                first = client.bytes_sent
+                client.run(program, *again)
+                repeated = client.bytes_sent - first
+                remote = timings(lambda: client.run(program, *inputs), count, warmup)
+            row = {"program": name, "count": count,
+                   "local_median": percentile(local, 50), "local_p99": percentile(local, 99),
+                   "remote_median": percentile(remote, 50), "remote_p99": percentile(remote, 99),
+                   "first_bytes": first, "repeated_bytes": repeated}
+            row["added_median"] = row["remote_median"] - row["local_median"]
+            row["ratio"] = row["remote_median"] / row["local_median"]
+            results["latency"].append(row)
+            print(f"  measured {name}", flush=True)
+
+        cores = sorted(os.sched_getaffinity(0))
+        server_core = args.server_core if args.server_core in cores else cores[0]
+        client_cores = set(cores) - {server_core} or set(cores)
+        print(f"starting a server pinned to core {server_core} (clients on cores "
+              f"{','.join(map(str, sorted(client_cores)))}) ...", flush=True)
+        pinned = ServerProcess(args.gpus, cores={server_core})
+        servers.append(pinned)
+        trivial = Program.from_function(lambda x: x + 1, np.float32(1.0))
+        results["throughput"] = throughput(pinned, trivial, args.seconds, args.clients, client_cores)
+        results["throughput"]["server_command"] = " ".join(
+            [Path(c).name if c == sys.executable else c for c in pinned.command])
+    finally:
+        for server in servers:
+            server.stop()
+
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def report(results: dict) -> None:
+    print()
+    print(f"command: {results['command']}")
+    print(f"machine: {results['machine']}; jax {results['jax']} on {results['device']}")
+    print()
+    head = (f"{'program':<48} {'in-process ms':>15} {'Client.run ms':>15} "
+            f"{'added ms':>9} {'ratio':>7}")
+    print(head)
+    print(f"{'':<48} {'median / p99':>15} {'median / p99':>15} {'median':>9} {'median':>7}")
+    print("-" * len(head))
+    for row in results["latency"]:
+        print(f"{row['program']:<48} "
+              f"{ms(row['local_median']) + ' / ' + ms(row['local_p99']):>15} "
+              f"{ms(row['remote_median']) + ' / ' + ms(row['remote_p99']):>15} "
+              f"{ms(row['added_median']):>9} {row['ratio']:>6.2f}x")
+    print()
+    print(f"{'program':<48} {'first call B':>14} {'repeated B':>12} {'repeated/first':>15}")
+    for row in results["latency"]:
+        print(f"{row['program']:<48} {row['first_bytes']:>14,} {row['repeated_bytes']:>12,} "
+              f"{100 * row['repeated_bytes'] / row['first_bytes']:>14.3f}%")
+    t = results["throughput"]
+    print()
+    print(f"throughput, trivial program, server on one core, {t['clients']} client processes: "
+          f"{t['runs_per_second']:,.0f} runs/s ({t['runs']} runs in {t['seconds']:.1f} s; "
+          f"server CPU {t['server_cpu_ms_per_run']:.3f} ms per run)")
+    print()
+    trivial, weights = results["latency"][0], results["latency"][2]
+    checks = [
+        (f"trivial round trip adds < {TARGET_ADDED_MS:g} ms (median)",
+         trivial["added_median"] * 1000 < TARGET_ADDED_MS, f"{ms(trivial['added_median'])} ms"),
+        (f"repeated call with cached weights sends < {TARGET_BYTES_PERCENT:g}% of the first",
+         100 * weights["repeated_bytes"] / weights["first_bytes"] < TARGET_BYTES_PERCENT,
+         f"{100 * weights['repeated_bytes'] / weights['first_bytes']:.3f}%"),
+        (f"one core sustains >= {TARGET_RUNS_PER_SECOND:,.0f} trivial runs/s",
+         t["runs_per_second"] >= TARGET_RUNS_PER_SECOND, f"{t['runs_per_second']:,.0f} runs/s"),
+    ]
+    for what, ok, value in checks:
+        print(f"  [{'met' if ok else 'MISSED'}] {what}: {value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
