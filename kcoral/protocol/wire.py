@@ -28,6 +28,10 @@ ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20
 MAX_RANK = 64
 MAX_DIM = 1 << 62
+#: Bound on an array's extent: the product of its dimensions (zeros counted as
+#: one) times its item size. Larger shapes are refused even when empty, as
+#: numpy cannot represent them.
+MAX_EXTENT_BYTES = 1 << 62
 MAX_ARRAYS = 4096
 REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
 RESULT_CONTENT_TYPE = "application/x-kcoral-result"
@@ -197,8 +201,13 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
         dtype = dtype_from_name(entry.get("dtype"))
     except UnknownDType as e:
         raise WireError(f"{what}: {e}") from None
-    spec = ArraySpec(dtype, _shape(entry.get("shape"), what),
-                     _blob(payload, entry, what, digest_required=False))
+    shape = _shape(entry.get("shape"), what)
+    extent = dtype.itemsize
+    for dim in shape:
+        extent *= max(dim, 1)
+        if extent > MAX_EXTENT_BYTES:
+            raise WireError(f"{what}: shape {list(shape)[:8]} is too large")
+    spec = ArraySpec(dtype, shape, _blob(payload, entry, what, digest_required=False))
     if spec.blob.data is not None:
         spec.view(spec.blob.data)  # checks the length against the shape
     return spec
