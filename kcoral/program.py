@@ -42,9 +42,15 @@ class Program:
             exported = export.export(jax.jit(function), platforms=tuple(platforms))(
                 *example_args, **example_kwargs)
         except Exception as e:
+            name = getattr(function, "__name__", function)
+            callbacks = _host_callbacks(function, example_args, example_kwargs)
+            if callbacks:
+                raise ProgramExportError(
+                    f"{name!r} uses host callbacks ({', '.join(callbacks)}), which jax.export "
+                    "cannot serialize, so no server could run it; remove jax.debug.print, "
+                    "jax.pure_callback and the like from the program") from e
             raise ProgramExportError(
-                f"jax.export could not export {getattr(function, '__name__', function)!r}: "
-                f"{type(e).__name__}: {e}") from e
+                f"jax.export could not export {name!r}: {type(e).__name__}: {e}") from e
         return cls.from_exported(exported)
 
     @classmethod
@@ -100,3 +106,29 @@ class Program:
         import jax
 
         return jax.tree.unflatten(self.exported.out_tree, outputs)
+
+
+def _host_callbacks(function: Callable, args: tuple, kwargs: dict) -> list[str]:
+    """The host-callback primitives C{function} uses (for a clear message when
+    C{jax.export} fails on one), or [] when it cannot be traced either."""
+    import jax
+
+    try:
+        closed = jax.make_jaxpr(function)(*args, **kwargs)
+    except Exception:
+        return []
+    found: list[str] = []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if ("callback" in name or name == "debug_print") and name not in found:
+                found.append(name)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found

@@ -1,0 +1,90 @@
+"""
+The error table (kcoral.errors): status codes, JSON bodies, and the client-side
+exceptions rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kcoral
+from kcoral.errors import (ERRORS_BY_STATUS, BadRequest, KCoralError, MissingContent, NodeFailure,
+                           PayloadTooLarge, ProgramExportError, ProgramFailed, ProgramRejected,
+                           ServerBusy, error_body, error_from_body)
+
+SPEC_TABLE = {
+    400: BadRequest,
+    409: MissingContent,
+    413: BadRequest,  # SPEC section 5: BadRequest (400/413)
+    422: ProgramRejected,
+    500: ProgramFailed,
+    502: NodeFailure,
+    503: ServerBusy,
+}
+
+
+@pytest.mark.parametrize("status, cls", sorted(SPEC_TABLE.items()))
+def test_status_codes_map_to_the_spec_exceptions(status, cls):
+    assert issubclass(ERRORS_BY_STATUS[status], cls)
+    assert ERRORS_BY_STATUS[status].status == status
+    assert issubclass(ERRORS_BY_STATUS[status], KCoralError)
+
+
+def test_public_exceptions_are_importable_from_kcoral():
+    for name in ("KCoralError", "ServerBusy", "NodeFailure", "ProgramRejected", "ProgramFailed",
+                 "BadRequest", "ProgramExportError"):
+        assert issubclass(getattr(kcoral, name), kcoral.KCoralError)
+    assert issubclass(ProgramExportError, ValueError)
+
+
+@pytest.mark.parametrize("status", sorted(ERRORS_BY_STATUS))
+def test_error_body_round_trip(status):
+    cls = ERRORS_BY_STATUS[status]
+    error = cls("something went wrong", reason="draining" if status == 503 else None)
+    body = json.loads(json.dumps(error_body(error, "rid-1")))
+    info = body["error"]
+    assert info["type"] == cls.type
+    assert info["message"] == "something went wrong"
+    assert info["request_id"] == "rid-1"
+    back = error_from_body(status, body, "fallback")
+    assert type(back) is cls
+    assert back.message == "something went wrong"
+    assert back.request_id == "rid-1"
+    assert back.reason == error.reason
+    assert "rid-1" in str(back)
+
+
+def test_missing_digests_survive_the_round_trip():
+    error = MissingContent("gone", details={"missing": ["a" * 64, "b" * 64]})
+    body = error_body(error, "r")
+    assert body["error"]["missing"] == ["a" * 64, "b" * 64]
+    back = error_from_body(409, body, "")
+    assert isinstance(back, MissingContent)
+    assert back.missing == ["a" * 64, "b" * 64]
+
+
+def test_busy_reason_is_kept():
+    back = error_from_body(503, error_body(ServerBusy("full", reason="queue_full"), "r"), "")
+    assert isinstance(back, ServerBusy) and back.reason == "queue_full"
+
+
+@pytest.mark.parametrize("status, cls", [(404, BadRequest), (405, BadRequest), (418, BadRequest),
+                                         (501, ProgramFailed), (504, ProgramFailed)])
+def test_unknown_statuses_fall_back_by_class(status, cls):
+    assert type(error_from_body(status, {"error": {"message": "x"}}, "")) is cls
+
+
+@pytest.mark.parametrize("body", [None, [], "text", {"error": "flat"}, {"other": 1}])
+def test_bodies_without_an_error_object(body):
+    error = error_from_body(502, body, "<html>bad gateway</html>")
+    assert isinstance(error, NodeFailure)
+    assert "HTTP 502" in error.message and "bad gateway" in error.message
+    assert error.request_id is None
+
+
+def test_payload_too_large_is_a_bad_request():
+    error = PayloadTooLarge("too big")
+    assert isinstance(error, BadRequest)
+    assert error_body(error, "r")["error"]["type"] == "payload_too_large"
