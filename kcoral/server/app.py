@@ -23,6 +23,7 @@ from kcoral.router.queue import QueueFull, QueueTimeout
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.web import errors
+from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response
 
 log = Logger()
@@ -50,7 +51,7 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        return self.app.resource()
+        return RequestIdResource(self.app.resource())
 
     # -- health -----------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import uuid
 
+from twisted.web.resource import Resource
+
 HEADER = b"X-Request-ID"
 _SANE = re.compile(rb"\A[A-Za-z0-9._:-]{1,128}\Z")
 
@@ -13,3 +15,27 @@ def request_id_from(value: bytes | None) -> str:
     if value is not None and _SANE.match(value):
         return value.decode("ascii")
     return uuid.uuid4().hex
+
+
+class RequestIdResource(Resource):
+    """
+    Gives every request a request id and every response its C{X-Request-ID},
+    under any C{Site}: L{kcoral.web.site.KCoralSite} assigns them as a request
+    arrives (also for answers it sends itself, such as 413), and this wrapper
+    makes a service's resource tree keep that promise on its own, e.g. under
+    C{treq.testing.StubTreq} or a plain C{twisted.web.server.Site}.
+    """
+
+    isLeaf = True
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self._wrapped = wrapped
+
+    def render(self, request):
+        rid = getattr(request, "request_id", None)
+        if rid is None:
+            rid = request_id_from(request.requestHeaders.getRawHeaders(HEADER, [None])[0])
+            request.request_id = rid
+        request.setHeader(HEADER, rid.encode("ascii"))
+        return self._wrapped.render(request)

@@ -1,0 +1,312 @@
+"""
+The server's HTTP resource, in process, through C{treq.testing.StubTreq}:
+health and readiness, metrics, JSON errors with request ids, admission
+refusals. Runs that reach JAX are tested against a real server process in
+L{tests.test_server}.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import pytest_twisted
+from prometheus_client import CollectorRegistry
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock, deferLater
+from twisted.python.threadpool import ThreadPool
+
+from kcoral.protocol.wire import (ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, REQUEST_CONTENT_TYPE,
+                                  encode_request, sha256, wire_array)
+from kcoral.router.queue import WaitQueue
+from kcoral.server.admission import Admission
+from kcoral.server.app import DRAINING, OK, ServerApp
+from kcoral.server.compile_cache import CompileCache
+from kcoral.server.executor import Executor, ExecutorMetrics
+from kcoral.server.upload_cache import UploadCache
+
+RID = b"X-Request-ID"
+
+
+class Harness:
+    """A ServerApp on a fake clock, served by StubTreq."""
+
+    def __init__(self, *, capacity=2, waiting=4, timeout=30.0, reactor=None, threadpool=None):
+        self.clock = reactor if reactor is not None else Clock()
+        self.registry = CollectorRegistry()
+        metrics = ExecutorMetrics(self.registry)
+        self.uploads = UploadCache(1 << 20, metrics.caches)
+        # The executor never loads a device here: no request below gets that far.
+        executor = Executor(uploads=self.uploads, compiled=CompileCache(4, metrics.caches),
+                            metrics=metrics, gpus="none")
+        self.admission = Admission(capacity, WaitQueue(self.clock, waiting, timeout))
+        self.app = ServerApp(executor=executor, admission=self.admission,
+                             threadpool=threadpool or ThreadPool(), reactor=self.clock,
+                             registry=self.registry)
+        self.treq = StubTreq(self.app.resource())
+
+    def request(self, method, path, *, body=None, headers=None):
+        """The response (content read) of a request answered synchronously."""
+        done = []
+        d = self.treq.request(method, "http://kcoral.test" + path, data=body, headers=headers)
+        d.addCallback(lambda response: self.treq.content(response).addCallback(
+            lambda content: (response, content)))
+        d.addBoth(done.append)
+        self.treq.flush()
+        assert done, f"{method} {path} was not answered"
+        if not isinstance(done[0], tuple):
+            done[0].raiseException()
+        return done[0]
+
+    def json(self, method, path, **kw):
+        response, content = self.request(method, path, **kw)
+        assert response.headers.getRawHeaders(b"Content-Type") == [b"application/json"]
+        return response, json.loads(content)
+
+
+def run_body(digest=None, program=b"program bytes", inputs=()):
+    """A well-formed run frame."""
+    if digest is None:
+        digest = sha256(program) if program is not None else "a" * 64
+    parts, _ = encode_request(digest, program, [(wire_array(a), d, inline) for a, d, inline in inputs])
+    return b"".join(bytes(p) for p in parts)
+
+
+def assert_error(response, body, status, type_, *, reason=None, request_id=None):
+    assert response.code == status
+    info = body["error"]
+    assert info["type"] == type_
+    assert isinstance(info["message"], str) and info["message"]
+    header = response.headers.getRawHeaders(RID)
+    assert header and info["request_id"] == header[0].decode()
+    if request_id is not None:
+        assert info["request_id"] == request_id
+    if reason is not None:
+        assert info["reason"] == reason
+    return info
+
+
+@pytest.fixture
+def server():
+    harness = Harness()
+    harness.app.status = OK
+    return harness
+
+
+# -- health and readiness -----------------------------------------------------
+
+def test_health_while_starting():
+    harness = Harness()
+    response, body = harness.json("GET", "/health")
+    assert response.code == 503
+    assert body["status"] == "starting"
+    response, body = harness.json("GET", "/readyz")
+    assert response.code == 503 and body["ready"] is False
+
+
+def test_health_when_ready(server):
+    response, body = server.json("GET", "/health")
+    assert response.code == 200
+    assert body["status"] == "ok"
+    assert body["capacity"] == 2 and body["active"] == 0 and body["queued"] == 0
+    assert {"gpu_target", "runtime", "devices", "version"} <= set(body)
+    response, body = server.json("GET", "/readyz")
+    assert response.code == 200 and body == {"ready": True, "status": "ok"}
+
+
+def test_health_counts_active_and_queued_runs():
+    harness = Harness(capacity=1)
+    harness.app.status = OK
+    harness.admission.acquire()
+    harness.admission.acquire()
+    _, body = harness.json("GET", "/health")
+    assert body["active"] == 1 and body["queued"] == 1
+
+
+def test_health_while_draining(server):
+    server.app.status = DRAINING
+    response, body = server.json("GET", "/health")
+    assert response.code == 503 and body["status"] == "draining"
+    response, _ = server.json("GET", "/readyz")
+    assert response.code == 503
+
+
+def test_metrics_in_prometheus_text_format(server):
+    server.admission.acquire()
+    response, content = server.request("GET", "/metrics")
+    assert response.code == 200
+    assert response.headers.getRawHeaders(b"Content-Type")[0].startswith(b"text/plain")
+    text = content.decode()
+    assert "kcoral_active_runs 1.0" in text
+    assert "kcoral_queued_runs 0.0" in text
+    for family in ("kcoral_queue_wait_seconds", "kcoral_executions", "kcoral_compile_seconds",
+                   "kcoral_execution_seconds", "kcoral_cache_bytes"):
+        assert f"# TYPE {family}" in text
+
+
+# -- request ids and JSON errors ------------------------------------------------
+
+def test_every_response_carries_a_request_id(server):
+    seen = set()
+    for path in ("/health", "/readyz", "/metrics", "/nowhere"):
+        response, _ = server.request("GET", path)
+        [rid] = response.headers.getRawHeaders(RID)
+        seen.add(rid)
+    assert len(seen) == 4
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/run", "/nowhere"])
+def test_a_sane_request_id_is_echoed(server, path):
+    response, _ = server.request("GET" if path != "/v1/run" else "POST", path,
+                                 body=b"junk" if path == "/v1/run" else None,
+                                 headers={RID: [b"client-chosen.id:42"]})
+    assert response.headers.getRawHeaders(RID) == [b"client-chosen.id:42"]
+
+
+@pytest.mark.parametrize("bad", [b"has space", b"x" * 500, b"semi;colon", b"\xff"])
+def test_an_insane_request_id_is_replaced(server, bad):
+    response, body = server.json("GET", "/nowhere", headers={RID: [bad]})
+    [rid] = response.headers.getRawHeaders(RID)
+    assert rid != bad and len(rid) == 32
+    assert body["error"]["request_id"] == rid.decode()
+
+
+def test_unknown_route_is_a_json_404(server):
+    response, body = server.json("GET", "/v2/run", headers={RID: [b"r-404"]})
+    info = assert_error(response, body, 404, "not_found", request_id="r-404")
+    assert "/v2/run" in info["message"]
+
+
+def test_wrong_method_is_a_json_405(server):
+    response, body = server.json("GET", "/v1/run")
+    assert_error(response, body, 405, "method_not_allowed")
+    response, body = server.json("POST", "/health")
+    assert_error(response, body, 405, "method_not_allowed")
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"", "shorter than"),
+    (b"not a frame at all", "magic"),
+    (PREFIX.pack(MAGIC, 3) + b"{x}", "JSON"),
+    (run_body(program=b"p", inputs=[(np.ones(2, np.float32), None, True)])[:-4], "outside the body"),
+], ids=["empty", "magic", "json", "truncated"])
+def test_malformed_runs_are_400(server, body, message):
+    response, info = server.json("POST", "/v1/run", body=body, headers={RID: [b"r-400"]})
+    info = assert_error(response, info, 400, "bad_request", request_id="r-400")
+    assert message in info["message"]
+
+
+def test_unknown_dtype_is_400(server):
+    text = json.dumps({"program": {"digest": "a" * 64},
+                       "inputs": [{"dtype": "float128", "shape": [], "digest": "b" * 64}]}).encode()
+    head = PREFIX.pack(MAGIC, len(text)) + text
+    response, body = server.json("POST", "/v1/run", body=head + b"\0" * (-len(head) % ALIGN))
+    info = assert_error(response, body, 400, "bad_request")
+    assert "float128" in info["message"]
+
+
+def test_program_header_must_match_the_frame(server):
+    response, body = server.json("POST", "/v1/run", body=run_body(),
+                                 headers={PROGRAM_HEADER: ["b" * 64]})
+    info = assert_error(response, body, 400, "bad_request")
+    assert PROGRAM_HEADER in info["message"]
+
+
+# -- admission ------------------------------------------------------------------
+
+def test_runs_while_starting_are_503(server):
+    server.app.status = "starting"
+    response, body = server.json("POST", "/v1/run", body=run_body())
+    assert_error(response, body, 503, "server_busy", reason="starting")
+    assert response.headers.getRawHeaders(b"Retry-After") == [b"1"]
+
+
+def test_runs_while_draining_are_503_draining(server):
+    server.app.status = DRAINING
+    response, body = server.json("POST", "/v1/run", body=run_body(), headers={RID: [b"r-drain"]})
+    assert_error(response, body, 503, "server_busy", reason="draining", request_id="r-drain")
+    assert response.headers.getRawHeaders(b"Retry-After") == [b"1"]
+
+
+def test_full_queue_is_503_queue_full():
+    harness = Harness(capacity=1, waiting=0)
+    harness.app.status = OK
+    harness.admission.acquire()  # the only slot is taken
+    response, body = harness.json("POST", "/v1/run", body=run_body())
+    assert_error(response, body, 503, "server_busy", reason="queue_full")
+    assert response.headers.getRawHeaders(b"Retry-After") == [b"1"]
+    assert harness.admission.active == 1 and len(harness.admission.queue) == 0
+
+
+def test_expired_wait_is_503_queue_timeout():
+    harness = Harness(capacity=1, waiting=1, timeout=5.0)
+    harness.app.status = OK
+    harness.admission.acquire()
+    done = []
+    d = harness.treq.post("http://kcoral.test/v1/run", data=run_body())
+    d.addCallback(lambda r: harness.treq.json_content(r).addCallback(lambda b: (r, b)))
+    d.addBoth(done.append)
+    harness.treq.flush()
+    assert not done and len(harness.admission.queue) == 1
+    harness.clock.advance(5.0)
+    harness.treq.flush()
+    response, body = done[0]
+    assert_error(response, body, 503, "server_busy", reason="queue_timeout")
+    assert len(harness.admission.queue) == 0
+    # The waited time is observed in the queue-wait histogram only for runs
+    # that got a slot: this one did not.
+    assert harness.registry.get_sample_value("kcoral_queue_wait_seconds_count") == 0
+
+
+# -- through the executor's worker threads ---------------------------------------
+
+@pytest.fixture
+def threaded(reactor):
+    pool = ThreadPool(minthreads=1, maxthreads=1, name="test-run")
+    pool.start()
+    harness = Harness(reactor=reactor, threadpool=pool)
+    harness.app.status = OK
+    yield harness
+    pool.stop()
+
+
+async def answer(harness, method, path, **kw) -> tuple:
+    """Pump StubTreq's in-memory connection until the worker thread answers."""
+    from twisted.internet import reactor
+
+    done: list = []
+    d: Deferred = harness.treq.request(method, "http://kcoral.test" + path, **kw)
+    d.addCallback(lambda r: harness.treq.json_content(r).addCallback(lambda b: (r, b)))
+    d.addBoth(done.append)
+    deadline = reactor.seconds() + 30
+    while not done:
+        assert reactor.seconds() < deadline, "no answer from the worker thread"
+        harness.treq.flush()
+        await deferLater(reactor, 0.01, lambda: None)
+    if not isinstance(done[0], tuple):
+        done[0].raiseException()
+    return done[0]
+
+
+@pytest_twisted.ensureDeferred
+async def test_references_to_unknown_content_are_409_with_the_digests(threaded):
+    big = np.ones(1000, np.float32)
+    digest = sha256(wire_array(big))
+    body = run_body(digest="c" * 64, program=None, inputs=[(big, digest, False)])
+    response, info = await answer(threaded, "POST", "/v1/run", data=body,
+                                  headers={RID: [b"r-409"]})
+    info = assert_error(response, info, 409, "missing_content", request_id="r-409")
+    assert info["missing"] == ["c" * 64, digest]
+    assert threaded.admission.active == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_content_that_does_not_match_its_digest_is_400(threaded):
+    body = run_body(digest="d" * 64, program=b"program bytes")
+    response, info = await answer(threaded, "POST", "/v1/run", data=body)
+    info = assert_error(response, info, 400, "bad_request")
+    assert "does not match its digest" in info["message"]
+    assert "d" * 64 not in threaded.uploads
+    assert threaded.admission.active == 0
