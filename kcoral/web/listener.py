@@ -14,6 +14,10 @@ from kcoral.web.endpoint import is_loopback, url_of
 
 log = Logger()
 
+#: After draining, how long connections get to deliver their last response
+#: before they are aborted.
+CLOSE_TIMEOUT_SECONDS = 10.0
+
 
 class DrainingListener(service.Service):
     """
@@ -57,3 +61,8 @@ class DrainingListener(service.Service):
         yield self._drain()
         if self.port is not None:
             yield self.port.stopListening()
+        # The last answers may still sit in their connections' buffers: the
+        # reactor's shutdown would drop them, so close connections gracefully.
+        close = getattr(self._factory, "closeConnections", None)
+        if close is not None:
+            yield close(CLOSE_TIMEOUT_SECONDS)

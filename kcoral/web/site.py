@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 
 from twisted.internet import reactor as _globalReactor
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web import http, server
 
@@ -99,7 +100,16 @@ class KCoralChannel(http.HTTPChannel):
 
     def connectionMade(self):
         super().connectionMade()
+        self.site.channels.add(self)
         self._armHeaderDeadline()
+
+    def closeWhenIdle(self) -> None:
+        """Close this connection gracefully: now if no request is in progress,
+        else once its response has been sent (never cutting it short)."""
+        if self.requests:
+            self.persistent = False  # requestDone then loses the connection
+        elif self.transport is not None:
+            self.transport.loseConnection()  # flushes what is still buffered
 
     def _armHeaderDeadline(self):
         timeout = self.site.headerTimeout
@@ -143,6 +153,7 @@ class KCoralChannel(http.HTTPChannel):
                 call.cancel()
         self._headerDeadline = None
         super().connectionLost(reason)
+        self.site.channelLost(self)
 
 
 class KCoralSite(server.Site):
@@ -165,6 +176,41 @@ class KCoralSite(server.Site):
         self.clock = clock if clock is not None else _globalReactor
         self.displayTracebacks = False
         self.noisy = False
+        #: Open connections, so that a stopping service can close them only
+        #: once their responses are out (the reactor's shutdown would drop
+        #: whatever they still have buffered).
+        self.channels: set[KCoralChannel] = set()
+        self._closing: list[Deferred] = []
+
+    def channelLost(self, channel) -> None:
+        self.channels.discard(channel)
+        if not self.channels:
+            closing, self._closing = self._closing, []
+            for d in closing:
+                if not d.called:
+                    d.callback(None)
+
+    def closeConnections(self, timeout: float) -> Deferred:
+        """
+        Close every connection once its response in progress (if any) has
+        been written; fires when all are closed. Connections still open after
+        C{timeout} seconds (a client that does not read) are aborted.
+        """
+        if not self.channels:
+            return succeed(None)
+        d = Deferred()
+        self._closing.append(d)
+        for channel in list(self.channels):
+            channel.closeWhenIdle()
+
+        def abort():
+            for channel in list(self.channels):
+                if channel.transport is not None:
+                    channel.transport.abortConnection()
+
+        timer = self.clock.callLater(timeout, abort)
+        d.addBoth(lambda result: (timer.cancel() if timer.active() else None, result)[1])
+        return d
 
     def log(self, request):
         # No access log: each service logs its own events, with request ids.

@@ -1,0 +1,101 @@
+"""
+Fixtures shared by the test suite. The process harness itself lives in
+L{tests.harness}; these are thin fixtures over it.
+
+Servers started here run on the CPU (C{--gpus none}) so that results do not
+depend on the machine; set C{KCORAL_TEST_GPUS} (e.g. C{0}) to run the
+integration tests against a GPU instead. Set C{KCORAL_TEST_ECHO=1} to see the
+children's output live.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The test process only exports programs and checks results: keep its JAX on
+# the CPU, so that it never takes GPU memory a server under test needs.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+import pytest_twisted
+
+from tests.harness import SERVER_READY, ProcessGroup
+
+TEST_GPUS = os.environ.get("KCORAL_TEST_GPUS")
+
+
+def _echo():
+    if os.environ.get("KCORAL_TEST_ECHO"):
+        return lambda line: print(line, file=sys.__stderr__, flush=True)
+    return None
+
+
+def server_args(*args: str) -> list[str]:
+    """C{kcoral server} arguments: an ephemeral port on loopback, the test device."""
+    return ["server", "--port", "0", "--gpus", TEST_GPUS or "none", *args]
+
+
+def server_env() -> dict:
+    # With a GPU under test, let the server see it (this process hides it).
+    return {"JAX_PLATFORMS": None} if TEST_GPUS else {}
+
+
+@pytest.fixture
+def reactor():
+    from twisted.internet import reactor
+
+    return reactor
+
+
+@pytest_twisted.async_yield_fixture
+async def processes():
+    """A L{ProcessGroup} whose children are all stopped after the test."""
+    from twisted.internet import reactor
+
+    group = ProcessGroup(reactor, _echo())
+    yield group
+    await group.stop_all()
+
+
+@pytest_twisted.async_yield_fixture(scope="module")
+async def module_processes():
+    """A L{ProcessGroup} shared by a test module, stopped after its last test."""
+    from twisted.internet import reactor
+
+    group = ProcessGroup(reactor, _echo())
+    yield group
+    await group.stop_all()
+
+
+@pytest.fixture
+def start_server(processes):
+    """
+    C{start_server(*extra_args, name="server")}: a Deferred that fires with a
+    L{tests.harness.RunningService} once a fresh C{kcoral server} is ready.
+    The server is stopped after the test.
+    """
+
+    def start(*args: str, name: str = "server"):
+        return processes.start_service(server_args(*args), name=name, ready=SERVER_READY,
+                                       env=server_env())
+
+    return start
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def server(module_processes):
+    """A default C{kcoral server}, shared by the tests of one module."""
+    return await module_processes.start_service(server_args(), name="server",
+                                                ready=SERVER_READY, env=server_env())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Show the recent output of every live child when a test fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and ProcessGroup.live:
+        text = "\n\n".join(group.report() for group in ProcessGroup.live if group.children)
+        if text:
+            report.sections.append(("kcoral child processes", text))

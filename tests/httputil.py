@@ -1,0 +1,122 @@
+"""
+HTTP helpers for integration tests: requests with treq (no connection kept
+between tests, since servers come and go), and raw-socket exchanges for what
+no well-behaved client sends.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import attrs
+import treq
+from twisted.internet import reactor
+from twisted.web.client import HTTPConnectionPool
+
+from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+
+
+@attrs.frozen
+class Answer:
+    code: int
+    headers: object
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        values = self.headers.getRawHeaders(name.encode())
+        return values[0].decode() if values else None
+
+    @property
+    def json(self):
+        return json.loads(self.body)
+
+    @property
+    def request_id(self) -> str | None:
+        return self.header("X-Request-ID")
+
+    def error(self) -> dict:
+        """The JSON error object, checked against SPEC section 4."""
+        assert self.header("Content-Type") == "application/json", self
+        info = self.json["error"]
+        assert isinstance(info["type"], str) and isinstance(info["message"], str)
+        assert info["request_id"] == self.request_id, (info, self.request_id)
+        return info
+
+
+async def request(method: str, url: str, *, body: bytes | None = None,
+                  headers: dict | None = None, timeout: float = 60) -> Answer:
+    pool = HTTPConnectionPool(reactor, persistent=False)
+    response = await treq.request(method, url, data=body, headers=headers or {}, pool=pool,
+                                  timeout=timeout)
+    content = await treq.content(response)
+    return Answer(response.code, response.headers, content)
+
+
+async def post_run(base: str, body: bytes, *, program_digest: str | None = None,
+                   request_id: str | None = None) -> Answer:
+    headers = {"Content-Type": REQUEST_CONTENT_TYPE}
+    if program_digest:
+        headers[PROGRAM_HEADER] = program_digest
+    if request_id:
+        headers["X-Request-ID"] = request_id
+    return await request("POST", base + "/v1/run", body=body, headers=headers)
+
+
+def raw_exchange(port: int, head: bytes, chunks=(), *, timeout: float = 30.0) -> bytes:
+    """
+    Send C{head} (request line and headers) and then C{chunks} over a plain
+    socket, stop sending as soon as the server answers or closes, and return
+    everything the server sent until it closed the connection. Blocking: run
+    it in a thread.
+    """
+    deadline = time.monotonic() + timeout
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head)
+        for chunk in chunks:
+            sock.setblocking(False)
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                data = None
+            finally:
+                sock.settimeout(timeout)
+            if data is not None:
+                received += data
+                break  # answered (or closed) before we finished sending
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            received += data
+    return received
+
+
+def parse_raw(response: bytes) -> tuple[int, dict, bytes]:
+    """Status, lower-cased headers and body of a raw HTTP/1.1 response."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        decoded, rest = b"", body
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            if size == 0:
+                break
+            decoded, rest = decoded + rest[:size], rest[size + 2:]
+        body = decoded
+    return status, headers, body

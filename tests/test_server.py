@@ -1,0 +1,424 @@
+"""
+Integration tests against one real C{kcoral server} process (on an ephemeral
+port, real JAX), shared by this module: programs and their results, what a
+repeated call sends, and every bad input of SPEC section 4's table that a
+running server can see. Restarts, draining and the small-limit server are in
+L{tests.test_server_lifecycle}.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import pytest_twisted
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.threads import deferToThread
+
+from kcoral import (AsyncClient, BadRequest, Client, KCoralError, ProgramFailed, ProgramRejected,
+                    __version__)
+from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, encode_request, sha256, wire_array
+from tests import programs
+from tests.conftest import TEST_GPUS
+from tests.httputil import parse_raw, post_run, raw_exchange, request
+
+pytestmark = pytest.mark.integration
+
+jax = pytest.importorskip("jax")
+
+
+def assert_tree_close(got, expected):
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        e = np.asarray(e)
+        assert np.asarray(g).shape == e.shape
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def frame(header: dict, payload: bytes = b"") -> bytes:
+    text = json.dumps(header).encode()
+    head = PREFIX.pack(MAGIC, len(text)) + text
+    return head + b"\0" * (-len(head) % ALIGN) + payload
+
+
+def run_frame(program, arrays, *, send_program=True) -> bytes:
+    inputs = [(wire_array(a), None, True) for a in arrays]
+    parts, _ = encode_request(program.digest, program.serialized if send_program else None, inputs)
+    return b"".join(bytes(p) for p in parts)
+
+
+async def metrics(server) -> dict:
+    """Every sample of the server's /metrics, by (name, sorted labels)."""
+    answer = await request("GET", server.url + "/metrics")
+    assert answer.code == 200
+    samples = {}
+    for family in text_string_to_metric_families(answer.body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def assert_healthy(server):
+    answer = await request("GET", server.url + "/health")
+    assert answer.code == 200, answer
+    assert answer.json["status"] == "ok"
+
+
+def attempt(url, program, *args, request_id=None, **kwargs):
+    """Run with a blocking client; return the outputs or the KCoralError."""
+    with Client(url, busy_timeout=0) as client:
+        try:
+            return client.run(program, *args, request_id=request_id, **kwargs)
+        except KCoralError as e:
+            return e
+
+
+@pytest.fixture(scope="module")
+def affine():
+    return programs.affine_program()
+
+
+# -- health ---------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_health_of_a_real_server(server):
+    answer = await request("GET", server.url + "/health", headers={"X-Request-ID": "probe-1"})
+    assert answer.code == 200
+    assert answer.request_id == "probe-1"
+    health = answer.json
+    assert health["status"] == "ok"
+    if TEST_GPUS:
+        assert health["gpu_target"].startswith("cuda:sm_")
+    else:
+        assert health["gpu_target"] == "cpu" == server.ready.group("target")
+    assert health["capacity"] == 2 and health["active"] == 0
+    assert health["runtime"] == {"kcoral": __version__, "jax": jax.__version__,
+                                 "jaxlib": __import__("jaxlib").__version__}
+    assert health["devices"] and health["devices"][0]["platform"] in ("cpu", "gpu", "cuda")
+    ready = await request("GET", server.url + "/readyz")
+    assert ready.code == 200 and ready.json["ready"] is True
+    # The blocking client reads the same document.
+    assert (await deferToThread(lambda: Client(server.url).health()))["status"] == "ok"
+
+
+# -- programs ---------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_three_programs(server, affine):
+    integer, integer_args, integer_expected = programs.integer_program()
+    keyword, kw_args, kw_kwargs, kw_expected = programs.keyword_program()
+    program, args, expected = affine
+
+    def work():
+        with Client(server.url) as client:
+            return (client.run(program, *args), client.run(integer, *integer_args),
+                    client.run(keyword, *kw_args, **kw_kwargs))
+
+    first, second, third = await deferToThread(work)
+    assert isinstance(first, dict) and isinstance(first["stats"], tuple)
+    assert_tree_close(first, expected(*args))
+    assert isinstance(second, tuple) and len(second) == 3
+    assert [a.dtype for a in second] == [np.int16, np.int32, np.bool_]
+    assert_tree_close(second, integer_expected(*integer_args))
+    assert isinstance(third, list) and third[1]["empty"].shape == (0, 4)
+    assert_tree_close(third, kw_expected(*kw_args, **kw_kwargs))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64", "int64", "uint8", "complex64",
+                                   "float8_e4m3fn", "float8_e5m2"])
+@pytest_twisted.ensureDeferred
+async def test_dtypes_through_a_real_server(server, dtype):
+    import jax.numpy as jnp
+
+    from kcoral import Program
+
+    x = (np.arange(6) % 4).astype(jnp.dtype(dtype)).reshape(2, 3)
+    with jax.enable_x64(True):  # 64-bit types are exported as such only with x64
+        program = Program.from_function(lambda v: (v, v.T, v[0] + v[1]), x)
+    same, transposed, total = await deferToThread(attempt, server.url, program, x)
+    assert same.dtype == x.dtype and transposed.shape == (3, 2)
+    np.testing.assert_array_equal(same, x)
+    np.testing.assert_array_equal(transposed, x.T)
+    np.testing.assert_array_equal(total, (x[0] + x[1]))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_repeated_call_sends_only_references(server, affine):
+    program, (w, x, b), expected = affine
+    before = await metrics(server)
+
+    def work():
+        with Client(server.url) as client:
+            first = client.run(program, w, x, b, request_id="repeat-1")
+            sent_first = client.bytes_sent
+            second = client.run(program, w, x, b * 2, request_id="repeat-2")
+            return first, second, sent_first, client.bytes_sent - sent_first
+
+    first, second, sent_first, sent_second = await deferToThread(work)
+    assert_tree_close(first, expected(w, x, b))
+    assert_tree_close(second, expected(w, x, b * 2))
+    assert sent_first > w.nbytes + len(program.serialized)
+    # The program and the 128 KiB weights go by reference: a frame header.
+    assert sent_second < 1024 and sent_second < sent_first / 100
+    after = await metrics(server)
+    assert sample(after, "kcoral_cache_hits_total", cache="upload", tier="memory") >= \
+        sample(before, "kcoral_cache_hits_total", cache="upload", tier="memory") + 2
+    # Another client of the same server first sends everything: it does not
+    # know what the server holds.
+    sent_by_other = await deferToThread(lambda: _bytes_of_one_run(server.url, program, w, x, b))
+    assert sent_by_other == sent_first
+
+
+def _bytes_of_one_run(url, program, *args):
+    with Client(url) as client:
+        client.run(program, *args)
+        return client.bytes_sent
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_repeated_program_never_recompiles(server):
+    from kcoral import Program
+
+    program = Program.from_function(lambda v: jax.numpy.tanh(v) * 3, np.ones(5, np.float32))
+    before = await metrics(server)
+
+    def work():
+        with Client(server.url) as client:
+            return [client.run(program, np.full(5, i, np.float32)) for i in range(3)]
+
+    results = await deferToThread(work)
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result, np.tanh(np.full(5, i, np.float32)) * 3, rtol=1e-6)
+    after = await metrics(server)
+    misses = sample(after, "kcoral_cache_misses_total", cache="compile") - \
+        sample(before, "kcoral_cache_misses_total", cache="compile")
+    hits = sample(after, "kcoral_cache_hits_total", cache="compile", tier="memory") - \
+        sample(before, "kcoral_cache_hits_total", cache="compile", tier="memory")
+    assert (misses, hits) == (1, 2)
+    assert sample(after, "kcoral_executions_total", outcome="ok") >= 3
+
+
+@pytest_twisted.ensureDeferred
+async def test_symbolic_shapes_compile_once_per_concrete_shape(server):
+    from jax import export
+
+    from kcoral import Program
+
+    (n,) = export.symbolic_shape("n")
+    program = Program.from_function(lambda v: v.sum(axis=1),
+                                    jax.ShapeDtypeStruct((n, 3), np.float32))
+    before = await metrics(server)
+
+    def work():
+        with Client(server.url) as client:
+            return [client.run(program, np.ones((rows, 3), np.float32)) for rows in (2, 7, 2)]
+
+    results = await deferToThread(work)
+    assert [r.shape for r in results] == [(2,), (7,), (2,)]
+    np.testing.assert_array_equal(results[1], np.full(7, 3.0, np.float32))
+    after = await metrics(server)
+    assert sample(after, "kcoral_cache_misses_total", cache="compile") - \
+        sample(before, "kcoral_cache_misses_total", cache="compile") == 2
+
+
+@pytest_twisted.ensureDeferred
+async def test_async_client(server, affine):
+    program, (w, x, b), expected = affine
+    client = AsyncClient(server.url)
+    try:
+        first = await client.run(program, w, x, b, request_id="async-1")
+        sent_first = client.bytes_sent
+        second = await client.run(program, w, x, b)
+        sent_second = client.bytes_sent - sent_first
+    finally:
+        await client.close()
+    assert_tree_close(first, expected(w, x, b))
+    assert_tree_close(second, expected(w, x, b))
+    assert sent_second < sent_first / 100
+
+
+@pytest_twisted.ensureDeferred
+async def test_async_client_errors(server):
+    client = AsyncClient(server.url, busy_timeout=0)
+    try:
+        with pytest.raises(ProgramFailed) as failed:
+            await client.run(programs.huge_allocation_program(), np.float32(1), request_id="async-500")
+    finally:
+        await client.close()
+    assert failed.value.request_id == "async-500"
+    await assert_healthy(server)
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_id_is_echoed_on_a_successful_run(server, affine):
+    program, args, _ = affine
+    answer = await post_run(server.url, run_frame(program, args), program_digest=program.digest,
+                            request_id="my-run-7")
+    assert answer.code == 200
+    assert answer.request_id == "my-run-7"
+    assert answer.header("Content-Type") == "application/x-kcoral-result"
+    generated = await post_run(server.url, run_frame(program, args))
+    assert generated.code == 200 and generated.request_id
+
+
+# -- bad input (SPEC section 4) ------------------------------------------------------
+
+def _unknown_dtype_frame(affine):
+    return frame({"program": {"digest": "a" * 64},
+                  "inputs": [{"dtype": "float128", "shape": [2], "data": [0, 32]}]}, b"\0" * 32)
+
+
+def _digest_mismatch_frame(affine):
+    program = affine[0]
+    parts, _ = encode_request(sha256(b"something else"), program.serialized, [])
+    return b"".join(bytes(p) for p in parts)
+
+
+def _wrong_input_digest_frame(affine):
+    program, (w, x, b), _ = affine
+    inputs = [(wire_array(w), sha256(b"not w"), True), (wire_array(x), None, True),
+              (wire_array(b), None, True)]
+    parts, _ = encode_request(program.digest, program.serialized, inputs)
+    return b"".join(bytes(p) for p in parts)
+
+
+def _reference_frame(affine):
+    parts, _ = encode_request(sha256(b"a program nobody uploaded"), None, [])
+    return b"".join(bytes(p) for p in parts)
+
+
+def _wrong_shape_frame(affine):
+    program, (w, x, b), _ = affine
+    return run_frame(program, [w[:, :64], x[:64], b])
+
+
+def _wrong_dtype_frame(affine):
+    program, (w, x, b), _ = affine
+    return run_frame(program, [w.astype(np.float64), x, b])
+
+
+def _wrong_count_frame(affine):
+    program, (w, x, b), _ = affine
+    return run_frame(program, [w, x])
+
+
+def _not_a_program_frame(affine):
+    data = b"definitely not a jax.export flatbuffer"
+    parts, _ = encode_request(sha256(data), data, [])
+    return b"".join(bytes(p) for p in parts)
+
+
+RAW_CASES = {
+    "framing": (lambda affine: b"POST me a frame", 400, "bad_request", "magic"),
+    "unknown dtype": (_unknown_dtype_frame, 400, "bad_request", "float128"),
+    "program digest mismatch": (_digest_mismatch_frame, 400, "bad_request", "does not match its digest"),
+    "input digest mismatch": (_wrong_input_digest_frame, 400, "bad_request", "does not match its digest"),
+    "unknown reference": (_reference_frame, 409, "missing_content", "does not hold"),
+    "wrong shapes": (_wrong_shape_frame, 422, "program_rejected", "shape"),
+    "wrong dtype": (_wrong_dtype_frame, 422, "program_rejected", "dtype"),
+    "wrong input count": (_wrong_count_frame, 422, "program_rejected", "inputs"),
+    "not a program": (_not_a_program_frame, 422, "program_rejected", "deserialized"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_CASES))
+@pytest_twisted.ensureDeferred
+async def test_bad_requests(server, affine, case):
+    make, status, type_, message = RAW_CASES[case]
+    rid = "bad-" + case.replace(" ", "-")
+    mark = server.process.mark()
+    answer = await post_run(server.url, make(affine), request_id=rid)
+    assert answer.code == status, answer.body
+    info = answer.error()
+    assert info["type"] == type_
+    assert info["request_id"] == rid
+    assert message in info["message"]
+    if status == 409:
+        assert info["missing"] == [sha256(b"a program nobody uploaded")]
+    # Every log line about the request names it.
+    await server.process.wait_for_line(rf"{rid} answered {status} {type_}", 30, since=mark)
+    await assert_healthy(server)
+
+
+CLIENT_CASES = {
+    "platform mismatch": (lambda: programs.other_platform_program(TEST_GPUS), (np.float32(1),),
+                          ProgramRejected, "exported for"),
+    "compile failure": (programs.uncompilable_program, (np.float32(1),), ProgramRejected,
+                        "failed to compile"),
+    "runtime failure": (programs.huge_allocation_program, (np.float32(1),), ProgramFailed,
+                        "failed while running"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLIENT_CASES))
+@pytest_twisted.ensureDeferred
+async def test_rejected_and_failed_programs(server, case):
+    make, args, error_type, message = CLIENT_CASES[case]
+    rid = "client-" + case.replace(" ", "-")
+    mark = server.process.mark()
+    error = await deferToThread(attempt, server.url, make(), *args, request_id=rid)
+    assert type(error) is error_type, error
+    assert message in error.message
+    assert error.request_id == rid
+    await server.process.wait_for_line(rf"{rid} answered {error_type.status}", 30, since=mark)
+    await assert_healthy(server)
+    # The server still runs programs afterwards.
+    from kcoral import Program
+
+    ok = Program.from_function(lambda v: v + 1, np.float32(1))
+    assert await deferToThread(attempt, server.url, ok, np.float32(41)) == 42
+
+
+def test_client_checks_inputs_before_sending(server, affine):
+    program, (w, x, b), _ = affine
+    with Client(server.url) as client:
+        with pytest.raises(ValueError, match="shape"):
+            client.run(program, w.T, x, b)
+        with pytest.raises(ValueError, match="dtype"):
+            client.run(program, w, x.astype(np.int32), b)
+        assert client.bytes_sent == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_413_from_content_length_before_the_body(server):
+    head = (b"POST /v1/run HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-kcoral-run\r\n"
+            b"X-Request-ID: too-big-1\r\n"
+            b"Content-Length: 100000000000\r\n\r\n")
+    mark = server.process.mark()
+    # Only the head is sent: the answer cannot depend on reading the body.
+    raw = await deferToThread(raw_exchange, server.port, head, timeout=30)
+    status, headers, body = parse_raw(raw)
+    assert status == 413
+    assert headers["x-request-id"] == "too-big-1"
+    info = json.loads(body)["error"]
+    assert info["type"] == "payload_too_large" and info["request_id"] == "too-big-1"
+    assert "100000000000" in info["message"]
+    await server.process.wait_for_line(r"too-big-1 refused", 30, since=mark)
+    await assert_healthy(server)
+
+
+@pytest_twisted.ensureDeferred
+async def test_unknown_routes_and_methods(server):
+    answer = await request("GET", server.url + "/v1/nothing", headers={"X-Request-ID": "nf-1"})
+    assert answer.code == 404 and answer.error()["request_id"] == "nf-1"
+    answer = await request("GET", server.url + "/v1/run")
+    assert answer.code == 405 and answer.error()["type"] == "method_not_allowed"
+
+
+@pytest_twisted.ensureDeferred
+async def test_http_metrics(server):
+    await request("GET", server.url + "/health")
+    await post_run(server.url, b"junk")
+    samples = await metrics(server)
+    assert sample(samples, "kcoral_http_requests_total", route="/health", code="200") >= 1
+    assert sample(samples, "kcoral_http_requests_total", route="/v1/run", code="400") >= 1
+    assert sample(samples, "kcoral_http_request_duration_seconds_count", route="/v1/run") >= 1
+    for name in ("kcoral_cache_bytes", "kcoral_cache_entries"):
+        assert any(key[0] == name for key in samples)
+    assert sample(samples, "kcoral_active_runs") == 0

@@ -1,0 +1,296 @@
+"""
+Integration tests that start their own C{kcoral server} processes: restarts
+(the client resends what the new process lacks), the disk cache across a
+restart, a server with capacity 1, no queue and a small body limit (413,
+503 queue_full, health while a program runs), draining on SIGTERM, and the
+command's exit statuses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_twisted
+from twisted.internet.threads import deferToThread
+
+from kcoral import AsyncClient, BadRequest, Client, ServerBusy
+from tests import programs
+from tests.conftest import server_args, server_env
+from tests.harness import SERVER_READY, kcoral_argv
+from tests.httputil import parse_raw, raw_exchange, request
+from tests.test_server import assert_tree_close, metrics, sample
+
+pytestmark = pytest.mark.integration
+
+jax = pytest.importorskip("jax")
+
+#: How long the slow program runs: long enough to act while it runs.
+SLOW_SECONDS = 3.0
+#: The small server's body limit.
+SMALL_LIMIT = 200_000
+
+
+@pytest.fixture(scope="module")
+def affine():
+    return programs.affine_program()
+
+
+@pytest.fixture(scope="module")
+def spin():
+    program, _, x = programs.spin_program()
+    return program, np.int32(programs.spin_iterations(SLOW_SECONDS)), x
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def small_server(module_processes):
+    args = server_args("--capacity", "1", "--max-queued-requests", "0",
+                       "--max-request-bytes", str(SMALL_LIMIT))
+    return await module_processes.start_service(args, name="small-server", ready=SERVER_READY,
+                                                env=server_env())
+
+
+async def health(server) -> tuple[dict, float]:
+    from twisted.internet import reactor
+
+    started = reactor.seconds()
+    answer = await request("GET", server.url + "/health", timeout=10)
+    return answer.json, reactor.seconds() - started
+
+
+async def until_active(server, count: int = 1, timeout: float = 60.0):
+    """Poll /health (a real process: there is no event to wait on) until
+    C{count} runs hold a slot."""
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    deadline = reactor.seconds() + timeout
+    while True:
+        body, _ = await health(server)
+        if body["active"] >= count:
+            return body
+        assert reactor.seconds() < deadline, f"no run became active: {body}"
+        await deferLater(reactor, 0.02, lambda: None)
+
+
+def check_spun(result, x):
+    # sin(v)/2 + v/2 shrinks every positive value toward 0.
+    assert result.shape == x.shape and result.dtype == np.float32
+    assert np.all((result > 0) & (result < x)) and np.all(result == result[0])
+
+
+# -- restarts ----------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_client_resends_after_a_server_restart(start_server, affine):
+    program, (w, x, b), expected = affine
+    first = await start_server(name="server-1")
+    client = Client(first.url)
+    try:
+        await deferToThread(client.run, program, w, x, b)
+        sent_first = client.bytes_sent
+
+        # Ctrl+C (SIGINT) stops an idle server with exit status 0, like SIGTERM.
+        first.process.signal("INT")
+        assert await first.process.exited(30) == 0
+        assert first.process.matching("kcoral server stopped")
+
+        second = await start_server("--port", str(first.port), name="server-2")
+        assert second.url == first.url
+        result = await deferToThread(client.run, program, w, x, b, request_id="after-restart")
+    finally:
+        client.close()
+    assert_tree_close(result, expected(w, x, b))
+    # The new process lacked the program and the weights: one 409, then
+    # everything again inline.
+    await second.process.wait_for_line(r"after-restart answered 409 missing_content", 30)
+    assert client.bytes_sent - sent_first > sent_first
+    samples = await metrics(second)
+    assert sample(samples, "kcoral_http_requests_total", route="/v1/run", code="409") == 1
+    assert sample(samples, "kcoral_http_requests_total", route="/v1/run", code="200") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_async_client_resends_after_a_server_restart(start_server, affine):
+    program, (w, x, b), expected = affine
+    first = await start_server(name="server-1")
+    client = AsyncClient(first.url)
+    try:
+        await client.run(program, w, x, b)
+        assert await first.stop() == 0
+        second = await start_server("--port", str(first.port), name="server-2")
+        result = await client.run(program, w, x, b, request_id="async-after-restart")
+    finally:
+        await client.close()
+    assert_tree_close(result, expected(w, x, b))
+    await second.process.wait_for_line(r"async-after-restart answered 409", 30)
+
+
+@pytest_twisted.ensureDeferred
+async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
+    program, (w, x, b), expected = affine
+    cache = str(tmp_path / "uploads")
+    first = await start_server("--cache-dir", cache, name="server-1")
+    client = Client(first.url)
+    try:
+        await deferToThread(client.run, program, w, x, b)
+        sent_first = client.bytes_sent
+        assert await first.stop() == 0
+        second = await start_server("--port", str(first.port), "--cache-dir", cache, name="server-2")
+        result = await deferToThread(client.run, program, w, x, b)
+    finally:
+        client.close()
+    assert_tree_close(result, expected(w, x, b))
+    # References only: the new process found the content on disk.
+    assert client.bytes_sent - sent_first < 1024
+    samples = await metrics(second)
+    assert sample(samples, "kcoral_http_requests_total", route="/v1/run", code="409") == 0
+    assert sample(samples, "kcoral_cache_hits_total", cache="upload", tier="disk") == 2
+
+
+# -- a small server: capacity 1, no queue, 200 kB bodies -------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
+    head = (b"POST /v1/run HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-kcoral-run\r\n"
+            b"Transfer-Encoding: chunked\r\n"
+            b"X-Request-ID: chunky-1\r\n\r\n")
+    chunk = b"%x\r\n" % 65536 + b"\0" * 65536 + b"\r\n"
+    # Up to 100 times the limit: the answer must come long before the end.
+    raw = await deferToThread(raw_exchange, small_server.port, head,
+                              [chunk] * (100 * SMALL_LIMIT // 65536), timeout=30)
+    status, headers, body = parse_raw(raw)
+    assert status == 413
+    assert headers["x-request-id"] == "chunky-1"
+    import json
+
+    info = json.loads(body)["error"]
+    assert info["type"] == "payload_too_large" and info["request_id"] == "chunky-1"
+    await small_server.process.wait_for_line(r"chunky-1 refused: request body exceeds", 30)
+    body, _ = await health(small_server)
+    assert body["status"] == "ok"
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
+    from kcoral import Program
+
+    big = np.ones(4 * SMALL_LIMIT // 4, np.float32)
+    program = Program.from_function(lambda v: v.sum(), big)
+
+    def work():
+        with Client(small_server.url, busy_timeout=0) as client:
+            try:
+                return client.run(program, big, request_id="client-413")
+            except BadRequest as e:
+                return e
+
+    error = await deferToThread(work)
+    assert isinstance(error, BadRequest), error
+    assert error.status == 413 and error.request_id == "client-413"
+    body, _ = await health(small_server)
+    assert body["status"] == "ok"
+
+
+@pytest_twisted.ensureDeferred
+async def test_queue_full_and_fast_health_while_a_program_runs(small_server, spin):
+    from kcoral import Program
+
+    program, n, x = spin
+    quick = Program.from_function(lambda v: v * 2, np.float32(1))
+    slow_client = AsyncClient(small_server.url, busy_timeout=0)
+    busy_client = AsyncClient(small_server.url, busy_timeout=0)
+    try:
+        slow = slow_client.run(program, n, x, request_id="slow-1")
+        busy = await until_active(small_server)
+        assert busy["capacity"] == 1 and busy["queued"] == 0
+
+        # The reactor answers health checks while JAX runs on a worker thread.
+        latencies = []
+        for _ in range(10):
+            body, seconds = await health(small_server)
+            assert body["active"] == 1
+            latencies.append(seconds)
+        assert sorted(latencies)[5] < 0.1 and max(latencies) < 1.0, latencies
+
+        # No free slot and no room to wait: refused at once.
+        with pytest.raises(ServerBusy) as refused:
+            await busy_client.run(quick, np.float32(1), request_id="refused-1")
+        assert refused.value.reason == "queue_full"
+        assert refused.value.request_id == "refused-1"
+        assert not slow.called, "the slow program ended before the checks: raise SLOW_SECONDS"
+
+        check_spun(await slow, x)
+        # The slot is free again.
+        assert await busy_client.run(quick, np.float32(21)) == 42
+    finally:
+        await slow_client.close()
+        await busy_client.close()
+
+
+# -- draining --------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_drains_and_exits_zero(start_server, spin):
+    from kcoral import Program
+
+    program, n, x = spin
+    quick = Program.from_function(lambda v: v * 2, np.float32(1))
+    server = await start_server()
+    slow_client = AsyncClient(server.url, busy_timeout=0)
+    late_client = AsyncClient(server.url, busy_timeout=0)
+    try:
+        slow = slow_client.run(program, n, x, request_id="in-flight")
+        await until_active(server)
+
+        mark = server.process.mark()
+        server.process.signal("TERM")
+        await server.process.wait_for_line(r"draining: 1 running", 30, since=mark)
+
+        ready = await request("GET", server.url + "/readyz")
+        assert ready.code == 503 and ready.json["status"] == "draining"
+        answer = await request("GET", server.url + "/health")
+        assert answer.code == 503 and answer.json["status"] == "draining"
+        assert answer.json["active"] == 1
+        with pytest.raises(ServerBusy) as refused:
+            await late_client.run(quick, np.float32(1), request_id="too-late")
+        assert refused.value.reason == "draining"
+        assert refused.value.request_id == "too-late"
+        assert server.process.running
+        assert not slow.called, "the slow program ended before the checks: raise SLOW_SECONDS"
+
+        # The request in flight is still answered, and then the process exits 0.
+        check_spun(await slow, x)
+        assert await server.process.exited(60) == 0
+    finally:
+        await slow_client.close()
+        await late_client.close()
+    assert server.process.matching(r"too-late answered 503 server_busy")
+    assert server.process.matching(r"kcoral server stopped")
+    assert not server.process.matching(r"Traceback")
+
+
+# -- the command -------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_port_in_use_is_a_one_line_error(processes, small_server):
+    child = processes.spawn(kcoral_argv("server", "--port", str(small_server.port), "--gpus", "none"),
+                            name="second")
+    assert await child.exited(60) == 1
+    errors = [line for line in child.output.lines if line.startswith("kcoral: error")]
+    assert len(errors) == 1 and str(small_server.port) in errors[0]
+    assert not child.matching("Traceback")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-flag"], "no-such-flag"),
+    (["--port", "-5"], "port"),
+    (["--capacity", "0"], "must be positive, got 0"),
+    (["--router", "http://127.0.0.1:9"], "--node-id"),
+])
+@pytest_twisted.ensureDeferred
+async def test_bad_options_exit_2(processes, args, message):
+    child = processes.spawn(kcoral_argv("server", *args), name="bad-options")
+    assert await child.exited(60) == 2
+    assert child.matching(message)
+    assert not child.matching("Traceback")
