@@ -24,7 +24,7 @@ from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.web import errors
 from kcoral.web.requestid import RequestIdResource
-from kcoral.web.responses import error_response, json_response
+from kcoral.web.responses import error_response, json_response, with_length
 
 log = Logger()
 
@@ -107,7 +107,7 @@ class ServerApp:
             log.info("{request_id} dropped: the client went away before it ran", request_id=rid)
             return b""
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
-        return result
+        return with_length(request, result)
 
     @inlineCallbacks
     def _admitted(self, request, run):

@@ -13,7 +13,17 @@ RETRY_AFTER_SECONDS = 1
 def json_response(request, status: int, body: dict) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"Content-Type", b"application/json")
-    return json.dumps(body).encode() + b"\n"
+    return with_length(request, json.dumps(body).encode() + b"\n")
+
+
+def with_length(request, body: bytes) -> bytes:
+    """
+    C{body}, with its C{Content-Length} set. Klein writes a handler's answer
+    after render() returns, so without this Twisted frames every answer with
+    chunked transfer encoding, which costs both ends time to write and parse.
+    """
+    request.setHeader(b"Content-Length", b"%d" % len(body))
+    return body
 
 
 def error_response(request, error: KCoralError) -> bytes:
