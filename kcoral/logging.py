@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from twisted.logger import FileLogObserver, LogLevel, eventAsText, globalLogBeginner, \
-    LogLevelFilterPredicate, FilteringLogObserver
+from twisted.logger import (FileLogObserver, FilteringLogObserver, LogLevel,
+                            LogLevelFilterPredicate, PredicateResult, eventAsText, formatEvent,
+                            globalLogBeginner)
+
+
+#: Set by the supervisor for its children, whose lines it prefixes and stamps.
+CHILD_ENV = "KCORAL_SUPERVISED"
 
 
 def _format(event: dict) -> str:
@@ -13,11 +19,22 @@ def _format(event: dict) -> str:
     namespace = event.get("log_namespace", "-")
     level = event.get("log_level", LogLevel.info).name
     stamp, _, message = text.partition(" ")
+    if os.environ.get(CHILD_ENV):
+        return f"{level:<5} [{namespace}] {message}\n"
     return f"{stamp} {level:<5} [{namespace}] {message}\n"
+
+
+def _not_noise(event: dict) -> PredicateResult:
+    # Twisted announces every client connection factory and listening port at
+    # info level; they would drown the one line per event we promise.
+    text = formatEvent(event)
+    if text.startswith(("Starting factory", "Stopping factory")) or " starting on " in text:
+        return PredicateResult.no
+    return PredicateResult.maybe
 
 
 def start_console_logging(stream=None, level: LogLevel = LogLevel.info) -> None:
     observer = FileLogObserver(stream or sys.stdout, _format)
-    predicate = LogLevelFilterPredicate(defaultLogLevel=level)
-    globalLogBeginner.beginLoggingTo([FilteringLogObserver(observer, [predicate])],
+    predicates = [LogLevelFilterPredicate(defaultLogLevel=level), _not_noise]
+    globalLogBeginner.beginLoggingTo([FilteringLogObserver(observer, predicates)],
                                      redirectStandardIO=False)

@@ -1,34 +1,26 @@
 """
-L{Client}: the blocking client, on the standard library's C{http.client}.
+L{Client}: the blocking client, on a plain keep-alive HTTP/1.1 connection
+(L{kcoral.client.connection}).
 
 A blocking client cannot use treq without running a reactor in a hidden
-thread of the caller's process (and a reactor cannot be restarted); keep-alive
-HTTP/1.1 with C{http.client} needs no such machinery. L{AsyncClient} is the
-treq client for code that already runs a reactor.
+thread of the caller's process (and a reactor cannot be restarted); a
+keep-alive socket needs no such machinery. L{AsyncClient} is the treq client
+for code that already runs a reactor.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import select
 import socket
+import ssl
 import threading
 import time
 from urllib.parse import urlsplit
 
+from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
-
-
-def _dropped(sock: socket.socket) -> bool:
-    """Whether the peer has closed C{sock} (readable before any request)."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -52,11 +44,14 @@ class Client:
         self.url = url.rstrip("/")
         self.busy_timeout = busy_timeout
         self.timeout = timeout
-        self._scheme = parts.scheme
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._ssl_context = ssl_context
-        self._conn: http.client.HTTPConnection | None = None
+        self._host_header = parts.netloc.rpartition("@")[2]
+        self._prefix = parts.path.rstrip("/")
+        if parts.scheme == "https" and ssl_context is None:
+            ssl_context = ssl.create_default_context()
+        self._ssl_context = ssl_context if parts.scheme == "https" else None
+        self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
         #: Bytes of request bodies sent, for callers that watch traffic.
@@ -73,51 +68,47 @@ class Client:
             self._conn.close()
             self._conn = None
 
-    def _connection(self, timeout: float | None) -> http.client.HTTPConnection:
+    def _connection(self, timeout: float | None) -> Connection:
         conn = self._conn
-        if conn is not None and conn.sock is not None and _dropped(conn.sock):
+        if conn is not None and conn.dropped():
             # The server closed this idle keep-alive connection (its idle
             # timeout, a restart): a request sent on it would be lost.
             self.close()
             conn = None
         if conn is None:
-            if self._scheme == "https":
-                conn = http.client.HTTPSConnection(self._host, self._port, context=self._ssl_context)
-            else:
-                conn = http.client.HTTPConnection(self._host, self._port)
-            self._conn = conn
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
+            conn = self._conn = Connection(self._host, self._port, ssl_context=self._ssl_context,
+                                           timeout=timeout)
+        conn.settimeout(timeout)
         return conn
 
     def _request(self, method: str, path: str, send: Send | None, deadline: float | None) -> Response:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-        conn = self._connection(remaining)
         try:
-            conn.putrequest(method, path, skip_accept_encoding=True)
-            for name, value in (send.headers.items() if send else ()):
-                conn.putheader(name, value)
-            conn.putheader("Content-Length", str(send.length if send else 0))
-            conn.endheaders()
-            for part in (send.parts if send else ()):
-                conn.send(part)
-            answer = conn.getresponse()
-            body = answer.read()
-        except (ConnectionRefusedError, socket.gaierror) as e:
-            self.close()
+            conn = self._connection(remaining)
+        except socket.timeout:
+            raise TimeoutError(f"could not connect to {self.url} within the client's timeout") from None
+        except ssl.SSLError as e:
+            raise NodeFailure(f"TLS with {self.url} failed: {e}") from None
+        except OSError as e:
+            # Nothing was sent: retried like a busy answer, within busy_timeout.
             return Response(None, problem=str(e))
+        try:
+            if send is None:
+                answer = conn.request(method, self._prefix + path, self._host_header, {})
+            else:
+                answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
+                                      send.parts, send.length)
         except socket.timeout:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
-        except (http.client.HTTPException, OSError) as e:
+        except (ProtocolError, OSError) as e:
             self.close()
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
         if send is not None:
             self.bytes_sent += send.length
         if answer.will_close:
             self.close()
-        return Response(answer.status, body, _retry_after(answer.getheader("Retry-After")))
+        return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")))
 
     def run(self, program: Program, *args, request_id: str | None = None, **kwargs):
         """Run C{program} on C{args}; returns outputs in the structure it returns."""

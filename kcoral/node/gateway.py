@@ -1,0 +1,56 @@
+"""
+The embedded gateway of a standalone node with two or more workers: the
+Router's own pool, scheduler and proxy (L{build_router}) with the node's
+workers as static members, on the node's public port.
+"""
+
+from __future__ import annotations
+
+from twisted.application import service
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from kcoral.router.report import NodeReport
+from kcoral.router.service import RouterConfig, build_router
+from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.listener import DrainingListener
+
+log = Logger()
+
+NODE = "local"
+
+
+class Gateway(service.Service):
+    def __init__(self, options, reactor):
+        self._reactor = reactor
+        config = RouterConfig(
+            host=options["host"], port=options["port"],
+            # The supervisor probes the workers itself: the pool follows
+            # its verdicts at once instead of re-counting observations.
+            unhealthy_threshold=1, recovery_threshold=1,
+            queue_wait_timeout_seconds=options["queue-wait-timeout-seconds"],
+            max_queued_requests=max(options["max-queued-requests"], 1024),
+            max_request_bytes=options["max-request-bytes"])
+        self.app, site = build_router(config, reactor, name="gateway")
+        self.registry = self.app.registry
+        self.listener = DrainingListener("kcoral gateway", listen_endpoint(reactor, config.host, config.port),
+                                         site, self._drain, config.host, bool(options["node-token"]))
+
+    def update(self, report: NodeReport) -> None:
+        self.app.pool.report(NODE, report, static=True)
+        self.app.pool.observe()
+
+    def privilegedStartService(self):
+        self.listener.privilegedStartService()
+        super().privilegedStartService()
+
+    def startService(self):
+        super().startService()
+        self.listener.startService()
+
+    def _drain(self) -> Deferred:
+        return self.app.scheduler.drain()
+
+    def stopService(self):
+        super().stopService()
+        return self.listener.stopService()

@@ -1,0 +1,89 @@
+"""
+The reporter: registers the node with its Router and sends a heartbeat (the
+same idempotent C{PUT}) every health interval, so a Router that restarts
+learns the node again by itself, and a Router that is away is retried.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Callable
+
+import treq
+from twisted.internet.defer import inlineCallbacks
+from twisted.logger import Logger
+from twisted.web.client import HTTPConnectionPool
+
+from kcoral.web.endpoint import is_loopback
+
+log = Logger()
+
+
+class Reporter:
+    def __init__(self, reactor, router: str, node_id: str, token: str | None,
+                 report: Callable[[], dict], timeout: float):
+        self._reactor = reactor
+        self._url = f"{router.rstrip('/')}/v1/nodes/{node_id}"
+        self.node_id = node_id
+        self.session = uuid.uuid4().hex
+        self._headers = {b"Content-Type": [b"application/json"]}
+        if token:
+            self._headers[b"Authorization"] = [b"Bearer " + token.encode()]
+            from urllib.parse import urlsplit
+            parts = urlsplit(router)
+            if parts.scheme == "http" and not is_loopback(parts.hostname or ""):
+                log.warn("the node token is sent over plain HTTP to {router}; use an https:// Router "
+                         "URL on untrusted networks", router=router)
+        self._report = report
+        self._timeout = timeout
+        self._pool = HTTPConnectionPool(reactor, persistent=True)
+        self.connected: bool | None = None
+        self.state: str | None = None
+        self._last_problem = None
+
+    def body(self, draining: bool = False) -> bytes:
+        report = dict(self._report(), session=self.session, draining=draining)
+        return json.dumps(report).encode()
+
+    @inlineCallbacks
+    def send(self, draining: bool = False):
+        """One heartbeat; never fails (problems are logged once each)."""
+        try:
+            response = yield treq.put(self._url, data=self.body(draining), headers=self._headers,
+                                      pool=self._pool, reactor=self._reactor, timeout=self._timeout)
+            content = yield treq.content(response)
+        except Exception as e:
+            self._problem(f"the Router is unreachable ({e.__class__.__name__}); retrying")
+            return False
+        if response.code != 200:
+            try:
+                message = json.loads(content)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = content[:200].decode("utf-8", "replace")
+            self._problem(f"the Router refused node {self.node_id} with {response.code}: {message}")
+            return False
+        state = json.loads(content).get("state")
+        if self.connected is not True:
+            log.info("registered with the Router as {node_id} (state {state})",
+                     node_id=self.node_id, state=state)
+        elif state != self.state:
+            log.info("the Router reports node {node_id} {state}", node_id=self.node_id, state=state)
+        self.connected, self.state, self._last_problem = True, state, None
+        return True
+
+    def _problem(self, message: str) -> None:
+        if message != self._last_problem:
+            log.warn("{message}", message=message)
+        self.connected, self._last_problem = False, message
+
+    @inlineCallbacks
+    def leave(self):
+        try:
+            response = yield treq.delete(self._url, params={"session": self.session},
+                                         headers=self._headers, pool=self._pool,
+                                         reactor=self._reactor, timeout=self._timeout)
+            yield treq.content(response)
+        except Exception as e:
+            log.info("could not deregister from the Router: {e}", e=e.__class__.__name__)
+        yield self._pool.closeCachedConnections()

@@ -1,0 +1,71 @@
+"""
+The restart policy of a supervised worker (seed 000's supervisor table):
+capped exponential backoff with jitter between restarts, reset after the
+worker has been healthy for C{stable_reset_seconds}; a restart after
+C{failure_threshold} failed probes in a row, except during the
+C{startup_grace_seconds} after a start.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+from twisted.application.internet import backoffPolicy
+
+
+@attrs.frozen
+class RestartSettings:
+    failure_threshold: int = 3
+    startup_grace_seconds: float = 30.0
+    stable_reset_seconds: float = 60.0
+    termination_grace_seconds: float = 5.0
+    restart_min_delay_seconds: float = 1.0
+    restart_max_delay_seconds: float = 30.0
+    restart_jitter: float = 0.2
+    health_interval_seconds: float = 2.0
+    health_timeout_seconds: float = 1.0
+
+
+@attrs.define
+class RestartPolicy:
+    settings: RestartSettings
+    random: random.Random = attrs.Factory(random.Random)
+    #: Restarts since the worker was last stable.
+    restarts: int = 0
+    started_at: float | None = None
+    healthy_since: float | None = None
+    failures: int = 0
+    _backoff: object = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self):
+        s = self.settings
+        # Twisted's policy gives the capped exponential; our jitter is a
+        # fraction of the delay (seed 000), not Twisted's additive seconds.
+        self._backoff = backoffPolicy(s.restart_min_delay_seconds, s.restart_max_delay_seconds,
+                                      factor=2.0, jitter=lambda: 0.0)
+
+    def next_delay(self) -> float:
+        """The delay before the next start; each call counts one restart."""
+        base = self._backoff(self.restarts)
+        self.restarts += 1
+        jitter = self.settings.restart_jitter
+        return max(0.0, base * (1.0 + self.random.uniform(-jitter, jitter)))
+
+    def started(self, now: float) -> None:
+        self.started_at, self.healthy_since, self.failures = now, None, 0
+
+    def probe(self, ok: bool, now: float) -> bool:
+        """Record one health probe; True when the worker must be restarted."""
+        if ok:
+            self.failures = 0
+            if self.healthy_since is None:
+                self.healthy_since = now
+            if self.restarts and now - self.healthy_since >= self.settings.stable_reset_seconds:
+                self.restarts = 0
+            return False
+        self.healthy_since = None
+        self.failures += 1
+        in_grace = self.started_at is not None and \
+            now - self.started_at < self.settings.startup_grace_seconds
+        return not in_grace and self.failures >= self.settings.failure_threshold

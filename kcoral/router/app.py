@@ -1,0 +1,236 @@
+"""
+The Router's HTTP API: the client routes it shares with servers (C{/health},
+C{/readyz}, C{/metrics}, C{POST /v1/run}) and the node routes (C{/v1/nodes}).
+The embedded gateway of a multi-worker node serves the same resource.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+
+from klein import Klein
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from twisted.internet.defer import CancelledError, inlineCallbacks
+from twisted.logger import Logger
+
+from kcoral._version import __version__
+from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge, ServerBusy, error_body
+from kcoral.metrics import SECONDS_BUCKETS, render
+from kcoral.router.pool import STATES, NodeConflict, Pool
+from kcoral.router.proxy import NotSent, Proxy
+from kcoral.router.report import InvalidReport, parse_report
+from kcoral.router.scheduler import Scheduler
+from kcoral.web import errors
+from kcoral.web.responses import error_response, json_response
+
+log = Logger()
+
+#: Tries of a request that members did not take (refused connections, 503s)
+#: before the Router gives up on it.
+MAX_NOT_SENT = 8
+MAX_CONTROL_BYTES = 64 * 1024
+_NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
+
+
+class _PoolCollector:
+    """Nodes by state and per-node active requests, read at scrape time."""
+
+    def __init__(self, pool: Pool):
+        self._pool = pool
+
+    def collect(self):
+        states = GaugeMetricFamily("kcoral_nodes", "Nodes by state", labels=["state"])
+        for state, count in self._pool.counts().items():
+            states.add_metric([state], count)
+        active = GaugeMetricFamily("kcoral_node_active_requests",
+                                   "Requests in flight on each node", labels=["node"])
+        capacity = GaugeMetricFamily("kcoral_node_capacity", "Reported capacity of each node",
+                                     labels=["node"])
+        for node in self._pool.nodes.values():
+            active.add_metric([node.node_id], node.active)
+            capacity.add_metric([node.node_id], node.capacity)
+        return [states, active, capacity]
+
+
+class RouterApp:
+    app = Klein()
+    errors.install(app)
+
+    def __init__(self, *, pool: Pool, scheduler: Scheduler, proxy: Proxy, reactor,
+                 registry: CollectorRegistry, node_token: str | None = None,
+                 name: str = "router", status_check_interval: float = 1.0):
+        self.pool = pool
+        self.scheduler = scheduler
+        self.proxy = proxy
+        self._reactor = reactor
+        self.registry = registry
+        self._token = node_token
+        self.name = name
+        self._interval = status_check_interval
+        self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
+                                     buckets=SECONDS_BUCKETS, registry=registry)
+        Gauge("kcoral_queued_requests", "Requests waiting for capacity",
+              registry=registry).set_function(lambda: len(scheduler.queue))
+        registry.register(_PoolCollector(pool))
+
+    def resource(self):
+        return self.app.resource()
+
+    # -- client routes --------------------------------------------------------
+
+    def status(self) -> str:
+        if self.scheduler.draining:
+            return "draining"
+        return "ok" if self.pool.ready_nodes() else "unavailable"
+
+    def health(self) -> dict:
+        target = self.pool.target
+        return {
+            "status": self.status(),
+            "gpu_target": target[0] if target else None,
+            "runtime": dict(target[1]) if target else None,
+            "capacity": self.pool.capacity(),
+            "active": self.pool.active(),
+            "queued": len(self.scheduler.queue),
+            "nodes": self.pool.counts(),
+            "version": __version__,
+        }
+
+    @app.route("/health", methods=["GET"])
+    def get_health(self, request):
+        health = self.health()
+        return json_response(request, 200 if health["status"] == "ok" else 503, health)
+
+    @app.route("/readyz", methods=["GET"])
+    def get_readyz(self, request):
+        ready = self.status() == "ok"
+        return json_response(request, 200 if ready else 503, {"ready": ready, "status": self.status()})
+
+    @app.route("/metrics", methods=["GET"])
+    def get_metrics(self, request):
+        return render(request, self.registry)
+
+    @app.route("/v1/run", methods=["POST"])
+    @inlineCallbacks
+    def post_run(self, request):
+        rid = request.request_id
+        body = request.content.getvalue()
+        arrived = self._reactor.seconds()
+        refusals = 0
+        try:
+            while True:
+                acquiring = self.scheduler.acquire()
+                request.notifyFinish().addErrback(lambda _, d=acquiring: d.cancel())
+                lease = yield acquiring
+                self._queue_wait.observe(self._reactor.seconds() - arrived)
+                member = lease.member
+                log.debug("{request_id} -> {node}/{worker}", request_id=rid,
+                          node=member.node.node_id, worker=member.name)
+                try:
+                    answer = yield self.proxy.forward(member.url, request, body)
+                except NotSent as e:
+                    member.suspect = True
+                    refusals += 1
+                    log.info("{request_id} not taken by {node}/{worker}: {why}", request_id=rid,
+                             node=member.node.node_id, worker=member.name, why=e)
+                    if refusals >= MAX_NOT_SENT:
+                        raise ServerBusy("no node took the request", reason="no_ready_node") from None
+                    continue
+                except NodeFailure as e:
+                    log.warn("{request_id} failed on {node}/{worker}: {why}", request_id=rid,
+                             node=member.node.node_id, worker=member.name, why=e.message)
+                    raise
+                finally:
+                    lease.release()
+                break
+        except KCoralError as e:
+            if not isinstance(e, NodeFailure):
+                log.info("{request_id} answered {status} {reason}", request_id=rid,
+                         status=e.status, reason=e.reason or e.type)
+            return error_response(request, e)
+        except CancelledError:
+            log.info("{request_id} cancelled: the client went away", request_id=rid)
+            return b""
+        request.setResponseCode(answer.code)
+        for name, value in answer.headers.items():
+            request.setHeader(name, value)
+        return answer.body
+
+    # -- node routes ----------------------------------------------------------
+
+    @app.route("/v1/nodes", methods=["GET"])
+    def get_nodes(self, request):
+        now = self._reactor.seconds()
+        nodes = []
+        for node in self.pool.nodes.values():
+            nodes.append({
+                "node_id": node.node_id, "state": node.state, "reason": node.reason,
+                "gpu_target": node.gpu_target, "runtime": node.runtime,
+                "capacity": node.capacity, "active": node.active,
+                "draining": bool(node.report and node.report.draining),
+                "last_report_age_seconds": None if node.reported_at is None
+                else round(now - node.reported_at, 3),
+                "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
+                             "capacity": m.capacity, "active": m.active}
+                            for m in node.members.values()],
+            })
+        return json_response(request, 200, {"nodes": nodes})
+
+    def _authorized(self, request, node_id: str) -> bytes | None:
+        """None when the control request may proceed, else the 401 answer."""
+        if not self._token:
+            return None
+        header = request.getHeader(b"Authorization") or b""
+        scheme, _, presented = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(presented.strip(), self._token.encode()):
+            return None
+        why = "no token" if not header else "a wrong token"
+        log.warn("refused a control request for node {node_id} with {why}", node_id=node_id, why=why)
+        error = BadRequest(f"node control requests need a valid bearer token ({why} given)")
+        error.type = "unauthorized"
+        request.setHeader(b"WWW-Authenticate", b"Bearer")
+        return json_response(request, 401, error_body(error, request.request_id))
+
+    def _control_body(self, request) -> dict:
+        data = request.content.getvalue()
+        if len(data) > MAX_CONTROL_BYTES:
+            raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            raise BadRequest("a node report must be JSON") from None
+
+    @app.route("/v1/nodes/<node_id>", methods=["PUT"])
+    def put_node(self, request, node_id):
+        if not _NODE_ID.match(node_id):
+            return error_response(request, BadRequest("node ids are 1-64 of [A-Za-z0-9._-]"))
+        refused = self._authorized(request, node_id)
+        if refused is not None:
+            return refused
+        try:
+            report = parse_report(self._control_body(request))
+            node = self.pool.report(node_id, report)
+        except KCoralError as e:
+            return error_response(request, e)
+        except InvalidReport as e:
+            log.warn("refused a report from node {node_id}: {why}", node_id=node_id, why=e)
+            return error_response(request, BadRequest(f"invalid node report: {e}"))
+        except NodeConflict as e:
+            log.warn("refused node {node_id}: {why}", node_id=node_id, why=e)
+            error = BadRequest(str(e))
+            error.type = "node_conflict"
+            return json_response(request, 409, error_body(error, request.request_id))
+        return json_response(request, 200, {"node_id": node_id, "state": node.state,
+                                            "status_check_interval_seconds": self._interval})
+
+    @app.route("/v1/nodes/<node_id>", methods=["DELETE"])
+    def delete_node(self, request, node_id):
+        refused = self._authorized(request, node_id)
+        if refused is not None:
+            return refused
+        session = (request.args.get(b"session") or [b""])[0].decode("utf-8", "replace")
+        left = self.pool.leave(node_id, session)
+        return json_response(request, 200 if left else 404, {"node_id": node_id, "left": left})

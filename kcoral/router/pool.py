@@ -1,0 +1,240 @@
+"""
+The pool: the nodes a Router (or an embedded gateway) knows, their workers,
+and the state machine that decides which of them take work (SPEC section 4,
+"Node states"). Driven by reports (L{Pool.report}) and by a periodic
+L{Pool.observe}; time comes from an injected clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import attrs
+from twisted.logger import Logger
+
+from kcoral.router.report import NodeReport
+
+log = Logger()
+
+JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
+    "joining", "ready", "unhealthy", "draining", "incompatible", "gone")
+STATES = (JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE)
+
+
+class NodeConflict(Exception):
+    """Another live supervisor already holds this node id."""
+
+
+@attrs.define(eq=False)
+class Member:
+    """One worker endpoint: the unit that receives programs."""
+
+    node: "Node"
+    name: str
+    url: str
+    capacity: int = 0
+    healthy: bool = False
+    #: Requests this Router has in flight on the member.
+    active: int = 0
+    #: Set when a connection failed; cleared by the node's next report.
+    suspect: bool = False
+    picked: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.node.state == READY and self.healthy and not self.suspect
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.active if self.usable else 0
+
+
+@attrs.define(eq=False)
+class Node:
+    node_id: str
+    session: str
+    state: str = JOINING
+    report: NodeReport | None = None
+    reported_at: float | None = None
+    members: dict = attrs.Factory(dict)
+    good: int = 0
+    bad: int = 0
+    reason: str = ""
+    #: Static members (a gateway's own workers) are never stale.
+    static: bool = False
+    last_seen: float = 0.0
+
+    @property
+    def active(self) -> int:
+        return sum(m.active for m in self.members.values())
+
+    @property
+    def capacity(self) -> int:
+        return sum(m.capacity for m in self.members.values() if m.healthy)
+
+    @property
+    def gpu_target(self) -> str | None:
+        return self.report.gpu_target if self.report else None
+
+    @property
+    def runtime(self) -> dict:
+        return self.report.runtime if self.report else {}
+
+
+class Pool:
+    def __init__(self, clock, *, max_status_age_seconds: float = 5.0, unhealthy_threshold: int = 3,
+                 recovery_threshold: int = 2, node_retention_seconds: float = 600.0,
+                 on_change: Callable[[], None] = lambda: None):
+        self._clock = clock
+        self.max_status_age = max_status_age_seconds
+        self.unhealthy_threshold = unhealthy_threshold
+        self.recovery_threshold = recovery_threshold
+        self.retention = node_retention_seconds
+        self.on_change = on_change
+        self.nodes: dict[str, Node] = {}
+        #: (gpu_target, runtime) of the pool, from its first ready node.
+        self.target: tuple | None = None
+        self._picks = itertools.count(1)
+
+    # -- reports ------------------------------------------------------------
+
+    def _fresh(self, node: Node) -> bool:
+        if node.static:
+            return True
+        return node.reported_at is not None and \
+            self._clock.seconds() - node.reported_at <= self.max_status_age
+
+    def report(self, node_id: str, report: NodeReport, *, static: bool = False) -> Node:
+        now = self._clock.seconds()
+        node = self.nodes.get(node_id)
+        if node is not None and node.session != report.session:
+            if node.state != GONE and self._fresh(node):
+                raise NodeConflict(f"node id {node_id} is in use by a live supervisor")
+            if node.active == 0:
+                node = None
+            else:
+                # The old session still has requests in flight: keep their
+                # members' accounting, start the node over.
+                node.session, node.state, node.good, node.bad = report.session, JOINING, 0, 0
+        if node is None:
+            node = self.nodes[node_id] = Node(node_id, report.session, static=static)
+            log.info("node {node_id} joined with {workers} worker(s), target {target}",
+                     node_id=node_id, workers=len(report.workers), target=report.gpu_target)
+        node.report, node.reported_at, node.last_seen = report, now, now
+        for gone in set(node.members) - {w.name for w in report.workers}:
+            if node.members[gone].active == 0:
+                del node.members[gone]
+            else:
+                node.members[gone].healthy = False
+        for worker in report.workers:
+            member = node.members.get(worker.name)
+            if member is None or member.url != worker.url:
+                active = member.active if member is not None else 0
+                member = node.members[worker.name] = Member(node, worker.name, worker.url, active=active)
+            member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
+        if report.draining and node.state != DRAINING:
+            self._move(node, DRAINING, "it reported that it is draining")
+        self.on_change()
+        return node
+
+    def leave(self, node_id: str, session: str) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None or node.session != session:
+            return False
+        node.last_seen = self._clock.seconds()
+        for member in node.members.values():
+            member.healthy = False
+        self._move(node, GONE, "its supervisor deregistered")
+        return True
+
+    # -- observation --------------------------------------------------------
+
+    def _move(self, node: Node, state: str, reason: str) -> None:
+        if node.state != state:
+            log.info("node {node_id}: {old} -> {new} ({reason})", node_id=node.node_id,
+                     old=node.state, new=state, reason=reason)
+            node.state, node.reason = state, reason
+
+    def _compatible(self, node: Node) -> str | None:
+        """Why C{node} cannot join the pool, or None when it can."""
+        key = (node.gpu_target, tuple(sorted(node.runtime.items())))
+        if self.target is None:
+            self.target = key
+            return None
+        if key[0] != self.target[0]:
+            return f"its gpu_target {key[0]} differs from the pool's {self.target[0]}"
+        if key[1] != self.target[1]:
+            return f"its runtime {dict(key[1])} differs from the pool's {dict(self.target[1])}"
+        return None
+
+    def observe(self) -> None:
+        """One status check of every node (every status-check interval)."""
+        now = self._clock.seconds()
+        for node in list(self.nodes.values()):
+            if node.state == GONE:
+                if node.active == 0 and now - node.last_seen >= self.retention:
+                    del self.nodes[node.node_id]
+                    log.info("node {node_id} forgotten", node_id=node.node_id)
+                continue
+            fresh = self._fresh(node)
+            if not fresh and node.active == 0 and node.reported_at is not None \
+                    and now - node.reported_at >= self.retention:
+                del self.nodes[node.node_id]
+                log.info("node {node_id} forgotten after {seconds:.0f}s without a report",
+                         node_id=node.node_id, seconds=now - node.reported_at)
+                continue
+            if node.state == DRAINING:
+                if fresh and not node.report.draining:
+                    self._move(node, JOINING, "it stopped draining")
+                continue
+            if fresh and node.report.healthy:
+                node.good, node.bad = node.good + 1, 0
+            else:
+                node.good, node.bad = 0, node.bad + 1
+                why = "its last report is stale" if not fresh else "it reports no healthy worker"
+            if node.state == READY and node.bad >= self.unhealthy_threshold:
+                self._move(node, UNHEALTHY, why)
+            elif node.state in (JOINING, UNHEALTHY, INCOMPATIBLE) and node.good >= self.recovery_threshold:
+                problem = self._compatible(node)
+                if problem is None:
+                    self._move(node, READY, f"{node.good} good observations")
+                else:
+                    self._move(node, INCOMPATIBLE, problem)
+        if self.target is not None and not any(
+                n.state == READY or n.active for n in self.nodes.values()):
+            self.target = None
+        self.on_change()
+
+    # -- scheduling ---------------------------------------------------------
+
+    def pick(self) -> Member | None:
+        """The least loaded usable member with free capacity, or None."""
+        best, best_key = None, None
+        for node in self.nodes.values():
+            if node.state != READY:
+                continue
+            for member in node.members.values():
+                if member.free <= 0:
+                    continue
+                key = (member.active / member.capacity, member.picked)
+                if best_key is None or key < best_key:
+                    best, best_key = member, key
+        if best is not None:
+            best.picked = next(self._picks)
+        return best
+
+    def ready_nodes(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.state == READY]
+
+    def capacity(self) -> int:
+        return sum(m.capacity for n in self.ready_nodes() for m in n.members.values() if m.healthy)
+
+    def active(self) -> int:
+        return sum(n.active for n in self.nodes.values())
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATES, 0)
+        for node in self.nodes.values():
+            counts[node.state] += 1
+        return counts

@@ -1,0 +1,107 @@
+"""
+The node report: what a supervisor tells the Router at registration and
+every heartbeat, validated field by field (a report is untrusted input).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import attrs
+
+MAX_WORKERS = 64
+MAX_WORKER_CAPACITY = 1024
+MAX_TEXT = 200
+
+
+class InvalidReport(ValueError):
+    pass
+
+
+@attrs.frozen
+class WorkerReport:
+    name: str
+    url: str
+    healthy: bool
+    capacity: int
+    active: int
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class NodeReport:
+    session: str
+    workers: tuple[WorkerReport, ...]
+    gpu_target: str | None
+    runtime: dict
+    draining: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return any(w.healthy for w in self.workers)
+
+    def to_json(self) -> dict:
+        return {"session": self.session, "workers": [w.to_json() for w in self.workers],
+                "gpu_target": self.gpu_target, "runtime": self.runtime, "draining": self.draining}
+
+
+def _text(value: object, what: str, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
+        raise InvalidReport(f"{what} must be a string of 1 to {MAX_TEXT} characters")
+    return value
+
+
+def _count(value: object, what: str, limit: int) -> int:
+    if type(value) is not int or not 0 <= value <= limit:
+        raise InvalidReport(f"{what} must be an integer in [0, {limit}]")
+    return value
+
+
+def _url(value: object, what: str) -> str:
+    text = _text(value, what)
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise InvalidReport(f"{what} is not a URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise InvalidReport(f"{what} must be http(s)://host:port")
+    return text.rstrip("/")
+
+
+def parse_report(body: object) -> NodeReport:
+    if not isinstance(body, dict):
+        raise InvalidReport("a node report must be a JSON object")
+    workers = body.get("workers")
+    if not isinstance(workers, list) or not 0 < len(workers) <= MAX_WORKERS:
+        raise InvalidReport(f"'workers' must list 1 to {MAX_WORKERS} workers")
+    parsed = []
+    for i, w in enumerate(workers):
+        if not isinstance(w, dict):
+            raise InvalidReport(f"worker {i} must be an object")
+        parsed.append(WorkerReport(
+            name=_text(w.get("name"), f"worker {i} name"),
+            url=_url(w.get("url"), f"worker {i} url"),
+            healthy=w.get("healthy") is True,
+            capacity=_count(w.get("capacity"), f"worker {i} capacity", MAX_WORKER_CAPACITY),
+            active=_count(w.get("active", 0), f"worker {i} active", MAX_WORKER_CAPACITY),
+        ))
+    if len({w.name for w in parsed}) != len(parsed):
+        raise InvalidReport("worker names must be unique")
+    runtime = body.get("runtime") or {}
+    if not isinstance(runtime, dict) or len(runtime) > 16 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= MAX_TEXT
+            for k, v in runtime.items()):
+        raise InvalidReport("'runtime' must map names to version strings")
+    return NodeReport(
+        session=_text(body.get("session"), "session"),
+        workers=tuple(parsed),
+        gpu_target=_text(body.get("gpu_target"), "gpu_target", optional=True),
+        runtime=dict(runtime),
+        draining=body.get("draining") is True,
+    )

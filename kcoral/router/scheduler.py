@@ -1,0 +1,88 @@
+"""
+The scheduler: hands each request a member with free capacity, or queues it.
+A member never has more requests in flight than its reported capacity: the
+only way to get one is a L{Lease}, and leases are counted against capacity.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.defer import Deferred, succeed
+
+from kcoral.errors import ServerBusy
+from kcoral.router.pool import Member, Pool
+from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
+
+
+class Lease:
+    """One request's hold on one member's capacity; release it exactly once."""
+
+    __slots__ = ("member", "_scheduler")
+
+    def __init__(self, member: Member, scheduler: "Scheduler"):
+        self.member = member
+        self._scheduler = scheduler
+        member.active += 1
+
+    def release(self) -> None:
+        if self._scheduler is not None:
+            scheduler, self._scheduler = self._scheduler, None
+            self.member.active -= 1
+            scheduler.dispatch()
+
+
+class Scheduler:
+    def __init__(self, pool: Pool, queue: WaitQueue):
+        self.pool = pool
+        self.queue = queue
+        self.draining = False
+        self._idle: list[Deferred] = []
+        pool.on_change = self.dispatch
+
+    def acquire(self) -> Deferred:
+        """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason."""
+        if self.draining:
+            return _busy("the router is draining", "draining")
+        if not len(self.queue):
+            member = self.pool.pick()
+            if member is not None:
+                return succeed(Lease(member, self))
+        return self.queue.wait().addErrback(self._refused)
+
+    def _refused(self, failure):
+        self._check_idle()
+        if failure.check(QueueFull):
+            raise ServerBusy("too many requests are already waiting for capacity", reason="queue_full")
+        if failure.check(QueueTimeout):
+            if not self.pool.ready_nodes():
+                raise ServerBusy("no node was ready while the request waited", reason="no_ready_node")
+            raise ServerBusy("no capacity freed up within the queue wait timeout", reason="queue_timeout")
+        return failure
+
+    def dispatch(self) -> None:
+        """Give free capacity to waiting requests, oldest first."""
+        while len(self.queue):
+            member = self.pool.pick()
+            if member is None:
+                break
+            self.queue.grant_next(Lease(member, self))
+        self._check_idle()
+
+    def drain(self) -> Deferred:
+        """Refuse new requests; fires once no request waits or runs."""
+        self.draining = True
+        d = Deferred()
+        self._idle.append(d)
+        self._check_idle()
+        return d
+
+    def _check_idle(self) -> None:
+        if self._idle and not len(self.queue) and self.pool.active() == 0:
+            idle, self._idle = self._idle, []
+            for d in idle:
+                d.callback(None)
+
+
+def _busy(message: str, reason: str) -> Deferred:
+    d = Deferred()
+    d.errback(ServerBusy(message, reason=reason))
+    return d

@@ -1,0 +1,84 @@
+"""
+The Router as a Twisted service: pool, queue, scheduler and proxy behind one
+listening port, with a periodic status check of every node.
+"""
+
+from __future__ import annotations
+
+import attrs
+from prometheus_client import CollectorRegistry
+from twisted.application import service
+from twisted.application.internet import TimerService
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.logger import Logger
+
+from kcoral.metrics import HttpMetrics
+from kcoral.router.app import RouterApp
+from kcoral.router.pool import Pool
+from kcoral.router.proxy import Proxy
+from kcoral.router.queue import WaitQueue
+from kcoral.router.scheduler import Scheduler
+from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.listener import DrainingListener
+from kcoral.web.site import KCoralSite
+
+log = Logger()
+
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes"})
+
+
+@attrs.frozen
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    status_check_interval_seconds: float = 1.0
+    max_status_age_seconds: float = 5.0
+    unhealthy_threshold: int = 3
+    recovery_threshold: int = 2
+    queue_wait_timeout_seconds: float = 1800.0
+    max_queued_requests: int = 1024
+    node_retention_seconds: float = 600.0
+    max_request_bytes: int = 268435456
+    node_token: str | None = None
+
+
+def build_router(config: RouterConfig, reactor, *, name: str = "router"):
+    """The pool, scheduler and app of a Router; the gateway builds the same."""
+    pool = Pool(reactor, max_status_age_seconds=config.max_status_age_seconds,
+                unhealthy_threshold=config.unhealthy_threshold,
+                recovery_threshold=config.recovery_threshold,
+                node_retention_seconds=config.node_retention_seconds)
+    scheduler = Scheduler(pool, WaitQueue(reactor, config.max_queued_requests,
+                                          config.queue_wait_timeout_seconds))
+    registry = CollectorRegistry()
+    app = RouterApp(pool=pool, scheduler=scheduler, proxy=Proxy(reactor), reactor=reactor,
+                    registry=registry, node_token=config.node_token, name=name,
+                    status_check_interval=config.status_check_interval_seconds)
+    site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
+                      maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
+    return app, site
+
+
+class RouterService(service.MultiService):
+    exit_status = 0
+
+    def __init__(self, config: RouterConfig, reactor, *, name: str = "kcoral router"):
+        super().__init__()
+        self._reactor = reactor
+        self.app, site = build_router(config, reactor)
+        TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
+        self.listener = DrainingListener(name, listen_endpoint(reactor, config.host, config.port),
+                                         site, self._drain, config.host, bool(config.node_token))
+        self.listener.setServiceParent(self)
+
+    def _drain(self) -> Deferred:
+        scheduler, pool = self.app.scheduler, self.app.pool
+        log.info("draining: {active} running, {queued} waiting", active=pool.active(),
+                 queued=len(scheduler.queue))
+        return scheduler.drain()
+
+    @inlineCallbacks
+    def stopService(self):
+        yield super().stopService()
+        yield self.app.proxy.connections.closeCachedConnections()
+        log.info("kcoral router stopped")
