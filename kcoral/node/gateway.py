@@ -7,9 +7,11 @@ workers as static members, on the node's public port.
 from __future__ import annotations
 
 from twisted.application import service
-from twisted.internet.defer import Deferred
+from prometheus_client import generate_latest
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.node.metrics import merge, scrape_workers
 from kcoral.router.report import NodeReport
 from kcoral.router.service import RouterConfig, build_router
 from kcoral.web.endpoint import listen_endpoint
@@ -33,12 +35,20 @@ class Gateway(service.Service):
             max_request_bytes=options["max-request-bytes"])
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
+        self.app.metrics_source = self._metrics
         self.listener = DrainingListener("kcoral gateway", listen_endpoint(reactor, config.host, config.port),
                                          site, self._drain, config.host, bool(options["node-token"]))
 
     def update(self, report: NodeReport) -> None:
         self.app.pool.report(NODE, report, static=True)
         self.app.pool.observe()
+
+    @inlineCallbacks
+    def _metrics(self):
+        workers = {m.name: m.url for n in self.app.pool.nodes.values()
+                   for m in n.members.values() if m.healthy}
+        texts = yield scrape_workers(self._reactor, workers)
+        return merge(generate_latest(self.registry), texts)
 
     def privilegedStartService(self):
         self.listener.privilegedStartService()

@@ -11,7 +11,7 @@ import json
 import re
 
 from klein import Klein
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.logger import Logger
@@ -61,7 +61,8 @@ class RouterApp:
 
     def __init__(self, *, pool: Pool, scheduler: Scheduler, proxy: Proxy, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
-                 name: str = "router", status_check_interval: float = 1.0):
+                 name: str = "router", status_check_interval: float = 1.0,
+                 metrics_source=None):
         self.pool = pool
         self.scheduler = scheduler
         self.proxy = proxy
@@ -70,6 +71,9 @@ class RouterApp:
         self._token = node_token
         self.name = name
         self._interval = status_check_interval
+        #: When set, a callable returning a Deferred of the whole /metrics
+        #: text (a gateway merges its workers' series in).
+        self.metrics_source = metrics_source
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
@@ -88,7 +92,7 @@ class RouterApp:
 
     def health(self) -> dict:
         target = self.pool.target
-        return {
+        health = {
             "status": self.status(),
             "gpu_target": target[0] if target else None,
             "runtime": dict(target[1]) if target else None,
@@ -98,6 +102,11 @@ class RouterApp:
             "nodes": self.pool.counts(),
             "version": __version__,
         }
+        if self.name == "gateway":
+            health["workers"] = [
+                {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
+                 "active": m.active} for n in self.pool.nodes.values() for m in n.members.values()]
+        return health
 
     @app.route("/health", methods=["GET"])
     def get_health(self, request):
@@ -111,7 +120,10 @@ class RouterApp:
 
     @app.route("/metrics", methods=["GET"])
     def get_metrics(self, request):
-        return render(request, self.registry)
+        if self.metrics_source is None:
+            return render(request, self.registry)
+        request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode())
+        return self.metrics_source()
 
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks
