@@ -6,6 +6,7 @@ environment fallbacks and options left out of C{--help}.
 from __future__ import annotations
 
 import os
+import sys
 
 from twisted.python import usage
 
@@ -55,11 +56,24 @@ class KCoralOptions(usage.Options):
         finally:
             self.longOpt = everything
 
-    def postOptions(self):
+    def parseOptions(self, options=None):
+        argv = sys.argv[1:] if options is None else options
+        #: Options named on the command line (they beat every other source).
+        self.named = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2}
+        super().parseOptions(options)
+
+    def from_environment(self) -> set[str]:
+        """Fill unset options from their environment variables; the names filled."""
+        filled = set()
         for option, variable in self.environment.items():
-            if self[option] is None and os.environ.get(variable):
+            if option not in self.named and os.environ.get(variable):
                 self[option] = os.environ[variable]
+                filled.add(option)
+        return filled
+
+    def postOptions(self):
+        self.from_environment()
 
     def given(self, option: str) -> bool:
-        """Whether C{option} was set on the command line or in the environment."""
-        return self[option] != self.defaults.get(option)
+        """Whether C{option} was set by the user (not left at its default)."""
+        return option in getattr(self, "named", ()) or self[option] != self.defaults.get(option)

@@ -46,6 +46,7 @@ class Options(KCoralOptions):
         ["cache-disk-bytes", None, 10 << 30, "Upload cache size on disk.", non_negative(int)],
         ["compile-cache-entries", None, 64, "Compiled programs kept per worker.", positive(int)],
         ["compilation-cache-dir", None, None, "Directory for JAX's persistent compilation cache."],
+        ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
@@ -53,17 +54,26 @@ class Options(KCoralOptions):
     hidden = frozenset(o[0] for o in SUPERVISOR_OPTIONS)
 
     def postOptions(self):
-        super().postOptions()
+        from_environment = self.from_environment()
+        if self["config"]:
+            from kcoral.node import config
+            config.load(self["config"], self, self.named | from_environment)
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:
             raise usage.UsageError(f"--restart-jitter must be within 0-0.5, got {self['restart-jitter']}")
-        if not self["router"]:
+        if not self.supervised:
             given = sorted(o for o in self.hidden if self.given(o))
             if given:
-                raise usage.UsageError(f"--{given[0]} requires --router")
+                raise usage.UsageError(f"--{given[0]} requires --router (or several workers)")
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
+
+    @property
+    def supervised(self) -> bool:
+        """Whether a supervisor runs the server process(es)."""
+        gpus = self["gpus"]
+        return bool(self["router"]) or self["cpu-workers"] > 1 or "," in gpus or gpus == "all"
 
     def server_config(self, **overrides):
         from kcoral.server.service import ServerConfig
@@ -86,7 +96,7 @@ class Options(KCoralOptions):
 def makeService(options: Options, reactor=None):
     if reactor is None:
         from twisted.internet import reactor
-    if options["router"] or options["cpu-workers"] > 1 or "," in options["gpus"] or options["gpus"] == "all":
+    if options.supervised:
         from kcoral.node.supervisor import makeSupervisorService
 
         return makeSupervisorService(options, reactor)

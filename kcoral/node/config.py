@@ -1,0 +1,78 @@
+"""
+The node file: C{kcoral server --config node.yaml} takes any server or node
+option from a YAML file (modelled on seed 004's node file). Keys are the
+option names, with C{_} or C{-}; the sections C{cache:} and C{supervisor:}
+group their options for readability. Precedence: command line, then
+environment, then the file, then defaults.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from twisted.python import usage
+
+#: Section keys and the option prefix their keys take.
+SECTIONS = {"cache": "cache-", "supervisor": ""}
+_SECTION_ALIASES = {"cache-compile-entries": "compile-cache-entries",
+                    "cache-compilation-dir": "compilation-cache-dir"}
+
+
+class NodeFileError(usage.UsageError):
+    pass
+
+
+def _flatten(data: dict, path: str) -> dict[str, object]:
+    flat = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise NodeFileError(f"{path}: key {key!r} is not a name")
+        name = key.replace("_", "-")
+        if name in SECTIONS and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                option = SECTIONS[name] + str(inner).replace("_", "-")
+                flat[_SECTION_ALIASES.get(option, option)] = (f"{key}.{inner}", inner_value)
+        else:
+            flat[name] = (key, value)
+    return flat
+
+
+def _typed(value: object, default: object, where: str) -> str:
+    """The value as option text, after checking its YAML type."""
+    if isinstance(default, bool) or value is None:
+        raise NodeFileError(f"node file key {where!r} has no value")
+    if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)):
+        raise NodeFileError(f"node file key {where!r} must be an integer, got {value!r}")
+    if isinstance(default, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise NodeFileError(f"node file key {where!r} must be a number, got {value!r}")
+    if (default is None or isinstance(default, str)) and not isinstance(value, (str, int)) \
+            or isinstance(value, bool):
+        raise NodeFileError(f"node file key {where!r} must be a string, got {value!r}")
+    return str(value)
+
+
+def load(path: str, options: usage.Options, given: set[str]) -> None:
+    """Apply the node file at C{path} to every option not in C{given}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise NodeFileError(f"cannot read node file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise NodeFileError(f"node file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise NodeFileError(f"node file {path} must be a mapping of option names")
+    known = {name.rstrip("=") for name in options.longOpt} - {"config", "help", "version"}
+    for option, (where, value) in _flatten(data, path).items():
+        if option not in known:
+            raise NodeFileError(f"unknown node file key {where!r}")
+        if option in given:
+            continue
+        text = _typed(value, options.defaults.get(option), where)
+        coerce = getattr(options._dispatch[option], "coerce", str)
+        try:
+            options[option] = coerce(text)
+        except ValueError as e:
+            raise NodeFileError(f"node file key {where!r}: {e}") from None
