@@ -129,9 +129,12 @@ class Pool:
                 node.members[gone].healthy = False
         for worker in report.workers:
             member = node.members.get(worker.name)
-            if member is None or member.url != worker.url:
-                active = member.active if member is not None else 0
-                member = node.members[worker.name] = Member(node, worker.name, worker.url, active=active)
+            if member is None:
+                member = node.members[worker.name] = Member(node, worker.name, worker.url)
+            else:
+                # A restarted worker may have a new address: keep the same
+                # Member, whose leases still count (and release) its requests.
+                member.url = worker.url
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
         if report.draining and node.state != DRAINING:
             self._move(node, DRAINING, "it reported that it is draining")

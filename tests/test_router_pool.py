@@ -1,0 +1,446 @@
+"""
+The Router's pool: the node state machine (joining, ready, unhealthy,
+draining, incompatible, gone), retention, session conflicts and the choice of
+a member, on a fake clock (SPEC section 4, "Node states").
+"""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.task import Clock
+
+from kcoral.router.pool import (DRAINING, GONE, INCOMPATIBLE, JOINING, READY, UNHEALTHY,
+                                NodeConflict, Pool)
+from kcoral.router.report import parse_report
+from kcoral.router.scheduler import Lease, Scheduler
+from kcoral.router.queue import WaitQueue
+
+RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
+
+
+def report(session="s1", workers=None, *, capacity=2, healthy=True, url="http://10.0.0.1:8000",
+           gpu_target="sm_90", runtime=RUNTIME, draining=False):
+    """A node report as a supervisor sends it, parsed as the Router parses it."""
+    if workers is None:
+        workers = [{"name": "worker0", "url": url, "healthy": healthy, "capacity": capacity,
+                    "active": 0}]
+    return parse_report({"session": session, "workers": workers, "gpu_target": gpu_target,
+                         "runtime": dict(runtime), "draining": draining})
+
+
+def worker(name, port, capacity=2, healthy=True):
+    return {"name": name, "url": f"http://10.0.0.1:{port}", "healthy": healthy,
+            "capacity": capacity, "active": 0}
+
+
+class World:
+    """A pool on a fake clock, with seed 000's defaults unless told."""
+
+    def __init__(self, **settings):
+        self.clock = Clock()
+        defaults = dict(max_status_age_seconds=5.0, unhealthy_threshold=3, recovery_threshold=2,
+                        node_retention_seconds=600.0)
+        defaults.update(settings)
+        self.pool = Pool(self.clock, **defaults)
+
+    def tick(self, seconds=1.0, *, reports=()):
+        """One status-check interval: time passes, reports arrive, the pool observes."""
+        self.clock.advance(seconds)
+        for node_id, r in reports:
+            self.pool.report(node_id, r)
+        self.pool.observe()
+
+    def ready(self, node_id="gpu-a", r=None):
+        r = r or report()
+        self.pool.report(node_id, r)
+        for _ in range(self.pool.recovery_threshold):
+            self.tick(reports=[(node_id, r)])
+        node = self.pool.nodes[node_id]
+        assert node.state == READY
+        return node
+
+
+@pytest.fixture
+def world():
+    return World()
+
+
+# -- joining and ready ----------------------------------------------------------
+
+def test_a_new_node_joins(world):
+    node = world.pool.report("gpu-a", report())
+    assert node.state == JOINING
+    assert world.pool.ready_nodes() == []
+    assert world.pool.pick() is None
+    assert world.pool.capacity() == 0
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 4])
+def test_ready_after_recovery_threshold_good_observations(threshold):
+    world = World(recovery_threshold=threshold)
+    r = report()
+    world.pool.report("gpu-a", r)
+    for _ in range(threshold - 1):
+        world.tick(reports=[("gpu-a", r)])
+        assert world.pool.nodes["gpu-a"].state == JOINING
+    world.tick(reports=[("gpu-a", r)])
+    node = world.pool.nodes["gpu-a"]
+    assert node.state == READY
+    assert world.pool.capacity() == 2
+    assert world.pool.target == ("sm_90", tuple(sorted(RUNTIME.items())))
+
+
+def test_a_bad_observation_restarts_the_count(world):
+    world.pool.report("gpu-a", report())
+    world.tick(reports=[("gpu-a", report())])
+    world.tick(reports=[("gpu-a", report(healthy=False))])
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == JOINING
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == READY
+
+
+def test_a_node_without_a_healthy_worker_does_not_become_ready(world):
+    for _ in range(5):
+        world.tick(reports=[("gpu-a", report(healthy=False))])
+    assert world.pool.nodes["gpu-a"].state == JOINING
+    assert world.pool.pick() is None
+
+
+# -- ready -> unhealthy -> ready ---------------------------------------------------
+
+@pytest.mark.parametrize("threshold", [1, 3])
+def test_unhealthy_after_threshold_stale_observations(threshold):
+    world = World(unhealthy_threshold=threshold)
+    world.ready()
+    # Reports stop: observations within max_status_age are still good.
+    for _ in range(5):
+        world.tick()
+    assert world.pool.nodes["gpu-a"].state == READY
+    for _ in range(threshold - 1):
+        world.tick()
+        assert world.pool.nodes["gpu-a"].state == READY
+    world.tick()
+    node = world.pool.nodes["gpu-a"]
+    assert node.state == UNHEALTHY
+    assert "stale" in node.reason
+    assert world.pool.pick() is None
+    assert world.pool.capacity() == 0
+
+
+def test_unhealthy_after_threshold_reports_without_a_healthy_worker(world):
+    world.ready()
+    sick = report(healthy=False)
+    world.tick(reports=[("gpu-a", sick)])
+    world.tick(reports=[("gpu-a", sick)])
+    assert world.pool.nodes["gpu-a"].state == READY
+    world.tick(reports=[("gpu-a", sick)])
+    node = world.pool.nodes["gpu-a"]
+    assert node.state == UNHEALTHY
+    assert "no healthy worker" in node.reason
+
+
+def test_an_unhealthy_node_recovers_after_recovery_threshold(world):
+    world.ready()
+    for _ in range(10):
+        world.tick()
+    assert world.pool.nodes["gpu-a"].state == UNHEALTHY
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == UNHEALTHY
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == READY
+    assert world.pool.pick() is not None
+
+
+def test_stale_means_older_than_max_status_age():
+    world = World(max_status_age_seconds=2.5, unhealthy_threshold=1)
+    world.ready()
+    world.tick(2.5)
+    assert world.pool.nodes["gpu-a"].state == READY
+    world.tick(0.01)
+    assert world.pool.nodes["gpu-a"].state == UNHEALTHY
+
+
+# -- draining and leaving ------------------------------------------------------------
+
+def test_a_draining_report_takes_the_node_out_at_once(world):
+    world.ready()
+    node = world.pool.report("gpu-a", report(draining=True))
+    assert node.state == DRAINING
+    assert world.pool.pick() is None
+    assert world.pool.capacity() == 0
+    for _ in range(3):
+        world.tick(reports=[("gpu-a", report(draining=True))])
+        assert node.state == DRAINING
+        assert world.pool.pick() is None
+
+
+def test_a_node_that_stops_draining_joins_again(world):
+    world.ready()
+    world.pool.report("gpu-a", report(draining=True))
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == JOINING
+    world.tick(reports=[("gpu-a", report())])
+    world.tick(reports=[("gpu-a", report())])
+    assert world.pool.nodes["gpu-a"].state == READY
+
+
+def test_leave_makes_the_node_gone(world):
+    world.ready()
+    assert not world.pool.leave("gpu-a", "another session")
+    assert world.pool.nodes["gpu-a"].state == READY
+    assert not world.pool.leave("nobody", "s1")
+    assert world.pool.leave("gpu-a", "s1")
+    node = world.pool.nodes["gpu-a"]
+    assert node.state == GONE
+    assert world.pool.pick() is None
+    world.tick()
+    assert node.state == GONE
+
+
+# -- retention -------------------------------------------------------------------------
+
+def test_a_gone_node_is_forgotten_after_retention():
+    world = World(node_retention_seconds=60)
+    world.ready()
+    world.pool.leave("gpu-a", "s1")
+    world.tick(59)
+    assert "gpu-a" in world.pool.nodes
+    world.tick(1)
+    assert "gpu-a" not in world.pool.nodes
+
+
+def test_a_silent_node_is_forgotten_retention_after_its_last_report():
+    world = World(node_retention_seconds=60)
+    world.ready()
+    last_report = world.clock.seconds()
+    while world.clock.seconds() - last_report < 59:
+        world.tick()
+    assert world.pool.nodes["gpu-a"].state == UNHEALTHY
+    world.tick()
+    assert "gpu-a" not in world.pool.nodes
+    assert world.pool.counts() == dict.fromkeys(world.pool.counts(), 0)
+
+
+def test_a_node_with_requests_in_flight_is_kept_past_retention():
+    world = World(node_retention_seconds=60)
+    scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
+    world.ready()
+    lease = _lease(scheduler)
+    for _ in range(120):
+        world.tick()
+    assert world.pool.nodes["gpu-a"].state == UNHEALTHY
+    assert world.pool.nodes["gpu-a"].active == 1
+    lease.release()
+    world.tick()
+    assert "gpu-a" not in world.pool.nodes
+
+
+def test_a_gone_node_with_requests_in_flight_is_kept_until_they_end():
+    world = World(node_retention_seconds=60)
+    scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
+    world.ready()
+    lease = _lease(scheduler)
+    world.pool.leave("gpu-a", "s1")
+    world.tick(600)
+    assert world.pool.nodes["gpu-a"].state == GONE
+    lease.release()
+    world.tick()
+    assert "gpu-a" not in world.pool.nodes
+
+
+# -- compatibility ----------------------------------------------------------------------
+
+def test_a_node_with_another_gpu_target_is_incompatible(world):
+    world.ready("gpu-a")
+    other = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
+    world.pool.report("gpu-b", other)
+    world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
+    world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
+    node = world.pool.nodes["gpu-b"]
+    assert node.state == INCOMPATIBLE
+    assert "sm_80" in node.reason and "sm_90" in node.reason
+    assert world.pool.capacity() == 2
+    picked = {_take(world.pool).node.node_id for _ in range(2)}
+    assert picked == {"gpu-a"}
+    assert world.pool.pick() is None  # gpu-a is full and gpu-b never takes work
+    assert world.pool.counts()[INCOMPATIBLE] == 1
+
+
+def test_a_node_with_another_runtime_is_incompatible(world):
+    world.ready("gpu-a")
+    other = report(runtime=dict(RUNTIME, jax="0.4.31"), url="http://10.0.0.2:8000")
+    world.pool.report("gpu-b", other)
+    world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
+    world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
+    node = world.pool.nodes["gpu-b"]
+    assert node.state == INCOMPATIBLE
+    assert "runtime" in node.reason and "0.4.31" in node.reason
+
+
+def test_a_compatible_second_node_becomes_ready(world):
+    world.ready("gpu-a")
+    world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
+    assert world.pool.capacity() == 4
+    assert len(world.pool.ready_nodes()) == 2
+
+
+def test_the_pool_target_comes_from_the_first_ready_node(world):
+    first = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
+    world.ready("gpu-b", first)
+    assert world.pool.target[0] == "sm_80"
+    second = report()
+    world.pool.report("gpu-a", second)
+    world.tick(reports=[("gpu-a", second), ("gpu-b", first)])
+    world.tick(reports=[("gpu-a", second), ("gpu-b", first)])
+    assert world.pool.nodes["gpu-a"].state == INCOMPATIBLE
+
+
+# -- sessions -----------------------------------------------------------------------------
+
+def test_a_second_live_session_with_the_same_node_id_is_refused(world):
+    world.ready()
+    with pytest.raises(NodeConflict):
+        world.pool.report("gpu-a", report(session="s2"))
+    node = world.pool.nodes["gpu-a"]
+    assert node.session == "s1" and node.state == READY
+
+
+def test_a_stale_session_can_be_taken_over(world):
+    world.ready()
+    world.clock.advance(5.01)
+    node = world.pool.report("gpu-a", report(session="s2", url="http://10.0.0.9:8000"))
+    assert node.session == "s2"
+    assert node.state == JOINING
+    assert [m.url for m in node.members.values()] == ["http://10.0.0.9:8000"]
+
+
+def test_a_gone_session_can_be_taken_over_at_once(world):
+    world.ready()
+    world.pool.leave("gpu-a", "s1")
+    node = world.pool.report("gpu-a", report(session="s2"))
+    assert node.session == "s2" and node.state == JOINING
+
+
+def test_a_takeover_keeps_the_accounting_of_requests_in_flight(world):
+    scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
+    world.ready()
+    lease = _lease(scheduler)
+    world.clock.advance(6)
+    node = world.pool.report("gpu-a", report(session="s2"))
+    assert node.state == JOINING and node.active == 1
+    lease.release()
+    assert node.active == 0
+
+
+# -- picking --------------------------------------------------------------------------------
+
+def test_pick_is_least_loaded_and_never_beyond_capacity(world):
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=2),
+                                         worker("worker1", 8001, capacity=4)]))
+    for _ in range(6):
+        member = _take(world.pool)
+        assert member.active <= member.capacity
+    members = world.pool.nodes["gpu-a"].members
+    assert members["worker0"].active == 2 and members["worker1"].active == 4
+    assert world.pool.pick() is None
+
+
+def test_pick_prefers_the_member_with_the_lowest_load(world):
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=4),
+                                         worker("worker1", 8001, capacity=4)]))
+    members = world.pool.nodes["gpu-a"].members
+    members["worker0"].active = 3
+    members["worker1"].active = 1
+    assert world.pool.pick() is members["worker1"]
+    members["worker1"].active = 3
+    members["worker0"].active = 2
+    assert world.pool.pick() is members["worker0"]
+
+
+def test_pick_spreads_ties(world):
+    world.ready("gpu-a")
+    world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
+    first, second = world.pool.pick(), world.pool.pick()
+    assert {first.node.node_id, second.node.node_id} == {"gpu-a", "gpu-b"}
+
+
+def test_pick_skips_suspect_and_unhealthy_members(world):
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
+                                         worker("worker2", 8002, healthy=False)]))
+    members = world.pool.nodes["gpu-a"].members
+    members["worker0"].suspect = True
+    for _ in range(5):
+        assert world.pool.pick() is members["worker1"]
+    # The next report clears the suspicion.
+    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
+                                               worker("worker2", 8002, healthy=False)]))
+    assert not members["worker0"].suspect
+    assert world.pool.pick() is members["worker0"]
+
+
+def test_pick_skips_nodes_that_are_not_ready(world):
+    world.ready("gpu-a")
+    world.pool.report("gpu-b", report(url="http://10.0.0.2:8000"))  # joining
+    world.pool.report("gpu-a", report(draining=True))
+    assert world.pool.pick() is None
+
+
+def test_a_member_with_zero_capacity_gets_no_work(world):
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=0),
+                                         worker("worker1", 8001, capacity=1)]))
+    assert _take(world.pool).name == "worker1"
+    assert world.pool.pick() is None
+
+
+# -- members come and go ----------------------------------------------------------------------
+
+def test_a_worker_that_disappears_from_the_report_is_dropped(world):
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001)]))
+    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000)]))
+    assert list(world.pool.nodes["gpu-a"].members) == ["worker0"]
+
+
+def test_a_departed_worker_with_requests_in_flight_keeps_its_accounting(world):
+    scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
+    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=1),
+                                         worker("worker1", 8001, capacity=1)]))
+    leases = [_lease(scheduler), _lease(scheduler)]
+    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000, capacity=1)]))
+    node = world.pool.nodes["gpu-a"]
+    assert node.active == 2
+    assert not node.members["worker1"].healthy
+    for lease in leases:
+        lease.release()
+    assert node.active == 0
+
+
+def test_a_worker_that_moves_to_another_url_keeps_its_accounting(world):
+    """A restarted worker may listen on another port: the requests still in
+    flight on its old address must still be counted, and their release must
+    free the capacity again."""
+    scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
+    world.ready("gpu-a", report(capacity=1))
+    lease = _lease(scheduler)
+    node = world.pool.report("gpu-a", report(capacity=1, url="http://10.0.0.1:8100"))
+    assert node.members["worker0"].url == "http://10.0.0.1:8100"
+    assert node.active == 1
+    assert world.pool.pick() is None  # still full
+    lease.release()
+    assert node.active == 0
+    assert world.pool.pick() is node.members["worker0"]
+
+
+def _take(pool):
+    """Pick a member and count one request on it, as a Lease does."""
+    member = pool.pick()
+    assert member is not None, "no capacity was free"
+    member.active += 1
+    return member
+
+
+def _lease(scheduler) -> Lease:
+    leases = []
+    scheduler.acquire().addCallback(leases.append)
+    assert len(leases) == 1, "no capacity was free"
+    return leases[0]
