@@ -1,24 +1,32 @@
 """
 Integration tests that start their own C{kcoral server} processes: restarts
 (the client resends what the new process lacks), the disk cache across a
-restart, a server with capacity 1, no queue and a small body limit (413,
-503 queue_full, health while a program runs), draining on SIGTERM, and the
+restart, a server with capacity 1, a queue of 1 and a small body limit (413,
+503 queue_full, dropping a queued request whose client left, health while a
+program runs), draining on SIGTERM, and the
 command's exit statuses.
 """
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import pytest_twisted
+import treq
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
+from twisted.web.client import HTTPConnectionPool
 
-from kcoral import AsyncClient, BadRequest, Client, ServerBusy
+from kcoral import AsyncClient, BadRequest, Client, Program, ServerBusy
+from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, kcoral_argv
 from tests.httputil import parse_raw, raw_exchange, request
-from tests.test_server import assert_tree_close, metrics, sample
+from tests.test_server import assert_tree_close, metrics, run_frame, sample
 
 pytestmark = pytest.mark.integration
 
@@ -43,32 +51,27 @@ def spin():
 
 @pytest_twisted.async_fixture(scope="module")
 async def small_server(module_processes):
-    args = server_args("--capacity", "1", "--max-queued-requests", "0",
+    args = server_args("--capacity", "1", "--max-queued-requests", "1",
                        "--max-request-bytes", str(SMALL_LIMIT))
     return await module_processes.start_service(args, name="small-server", ready=SERVER_READY,
                                                 env=server_env())
 
 
 async def health(server) -> tuple[dict, float]:
-    from twisted.internet import reactor
-
     started = reactor.seconds()
     answer = await request("GET", server.url + "/health", timeout=10)
     return answer.json, reactor.seconds() - started
 
 
-async def until_active(server, count: int = 1, timeout: float = 60.0):
-    """Poll /health (a real process: there is no event to wait on) until
-    C{count} runs hold a slot."""
-    from twisted.internet import reactor
-    from twisted.internet.task import deferLater
-
+async def until_health(server, what: str, count: int, timeout: float = 60.0) -> dict:
+    """Poll /health (a real process: there is no event to wait on) until its
+    C{what} ("active" or "queued") reaches C{count}."""
     deadline = reactor.seconds() + timeout
     while True:
         body, _ = await health(server)
-        if body["active"] >= count:
+        if body[what] >= count:
             return body
-        assert reactor.seconds() < deadline, f"no run became active: {body}"
+        assert reactor.seconds() < deadline, f"{what} never reached {count}: {body}"
         await deferLater(reactor, 0.02, lambda: None)
 
 
@@ -147,7 +150,7 @@ async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
     assert sample(samples, "kcoral_cache_hits_total", cache="upload", tier="disk") == 2
 
 
-# -- a small server: capacity 1, no queue, 200 kB bodies -------------------------------
+# -- a small server: capacity 1, one place in the queue, 200 kB bodies -------------------------------
 
 @pytest_twisted.ensureDeferred
 async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
@@ -162,8 +165,6 @@ async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
     status, headers, body = parse_raw(raw)
     assert status == 413
     assert headers["x-request-id"] == "chunky-1"
-    import json
-
     info = json.loads(body)["error"]
     assert info["type"] == "payload_too_large" and info["request_id"] == "chunky-1"
     await small_server.process.wait_for_line(r"chunky-1 refused: request body exceeds", 30)
@@ -173,8 +174,6 @@ async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
 
 @pytest_twisted.ensureDeferred
 async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
-    from kcoral import Program
-
     big = np.ones(4 * SMALL_LIMIT // 4, np.float32)
     program = Program.from_function(lambda v: v.sum(), big)
 
@@ -193,16 +192,15 @@ async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
 
 
 @pytest_twisted.ensureDeferred
-async def test_queue_full_and_fast_health_while_a_program_runs(small_server, spin):
-    from kcoral import Program
-
+async def test_queue_full_retries_and_fast_health_while_a_program_runs(small_server, spin):
     program, n, x = spin
     quick = Program.from_function(lambda v: v * 2, np.float32(1))
     slow_client = AsyncClient(small_server.url, busy_timeout=0)
     busy_client = AsyncClient(small_server.url, busy_timeout=0)
+    patient_client = AsyncClient(small_server.url, busy_timeout=60)
     try:
         slow = slow_client.run(program, n, x, request_id="slow-1")
-        busy = await until_active(small_server)
+        busy = await until_health(small_server, "active", 1)
         assert busy["capacity"] == 1 and busy["queued"] == 0
 
         # The reactor answers health checks while JAX runs on a worker thread.
@@ -213,27 +211,48 @@ async def test_queue_full_and_fast_health_while_a_program_runs(small_server, spi
             latencies.append(seconds)
         assert sorted(latencies)[5] < 0.1 and max(latencies) < 1.0, latencies
 
-        # No free slot and no room to wait: refused at once.
+        # A second run takes the one place in the queue...
+        waiting = treq.post(small_server.url + "/v1/run", data=run_frame(quick, [np.float32(1)]),
+                            headers={"Content-Type": REQUEST_CONTENT_TYPE, "X-Request-ID": "queued-1"},
+                            pool=HTTPConnectionPool(reactor, persistent=False))
+        gone = []
+        waiting.addErrback(gone.append)  # cancelled below
+        await until_health(small_server, "queued", 1)
+
+        # ...so a third is refused at once.
         with pytest.raises(ServerBusy) as refused:
             await busy_client.run(quick, np.float32(1), request_id="refused-1")
         assert refused.value.reason == "queue_full"
         assert refused.value.request_id == "refused-1"
+        # A patient client keeps retrying (honouring Retry-After) instead.
+        patient = patient_client.run(quick, np.float32(5), request_id="patient-1")
+        await small_server.process.wait_for_line(r"patient-1 answered 503 server_busy", 30)
+
+        # The queued run's client goes away: the server drops it unrun.
+        mark = small_server.process.mark()
+        waiting.cancel()
+        await small_server.process.wait_for_line(
+            r"queued-1 dropped: the client went away before it ran", 30, since=mark)
+        assert len(gone) == 1
+        body, _ = await health(small_server)
+        assert body["queued"] == 0 and body["active"] == 1
         assert not slow.called, "the slow program ended before the checks: raise SLOW_SECONDS"
 
         check_spun(await slow, x)
+        # The patient client got in once there was room, within its deadline.
+        assert await patient == 10
         # The slot is free again.
         assert await busy_client.run(quick, np.float32(21)) == 42
+        assert not small_server.process.matching(r"queued-1 (compiled|answered)")
     finally:
-        await slow_client.close()
-        await busy_client.close()
+        for client in (slow_client, busy_client, patient_client):
+            await client.close()
 
 
 # -- draining --------------------------------------------------------------------------
 
 @pytest_twisted.ensureDeferred
 async def test_sigterm_drains_and_exits_zero(start_server, spin):
-    from kcoral import Program
-
     program, n, x = spin
     quick = Program.from_function(lambda v: v * 2, np.float32(1))
     server = await start_server()
@@ -241,7 +260,7 @@ async def test_sigterm_drains_and_exits_zero(start_server, spin):
     late_client = AsyncClient(server.url, busy_timeout=0)
     try:
         slow = slow_client.run(program, n, x, request_id="in-flight")
-        await until_active(server)
+        await until_health(server, "active", 1)
 
         mark = server.process.mark()
         server.process.signal("TERM")

@@ -1,0 +1,190 @@
+"""
+The client's side of a run (kcoral.client.exchange), driven step by step with
+the answers a server gives: what goes inline and what by reference, the one
+resend after 409, retries of 503 within the busy timeout (honouring
+Retry-After), and errors that are never retried.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+
+from kcoral import BadRequest, NodeFailure, Program, ProgramFailed, ProgramRejected, ServerBusy  # noqa: E402
+from kcoral.client.exchange import Response, RunCall, Send, Sleep, exchange  # noqa: E402
+from kcoral.errors import MissingContent, error_body  # noqa: E402
+from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, decode_request,  # noqa: E402
+                                  encode_result, sha256, wire_array)
+
+
+@pytest.fixture(scope="module")
+def program():
+    weights = np.zeros(CACHE_THRESHOLD_BYTES // 4, np.float32)  # large: content-addressed
+    return Program.from_function(lambda w, x: (w.sum() + x, x), weights, np.float32(1))
+
+
+@pytest.fixture
+def inputs():
+    return np.arange(CACHE_THRESHOLD_BYTES // 4, dtype=np.float32), np.float32(2)
+
+
+class FakeTime:
+    """The exchange's clock; Sleep steps advance it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def ok(outputs) -> Response:
+    parts, _ = encode_result(outputs)
+    return Response(200, b"".join(bytes(p) for p in parts))
+
+
+def error(status: int, exception, retry_after=None) -> Response:
+    return Response(status, json.dumps(error_body(exception, "rid")).encode(), retry_after)
+
+
+class Driver:
+    """Runs an exchange, answering each Send from a script."""
+
+    def __init__(self, program, args, held=None, busy_timeout=10.0, request_id=None):
+        self.clock = FakeTime()
+        self.held = set() if held is None else held
+        self.call = RunCall.prepare(program, args, {})
+        self.steps = exchange(self.call, self.held, busy_timeout=busy_timeout,
+                              request_id=request_id, clock=self.clock)
+        self.sent: list = []
+        self.slept: list[float] = []
+
+    def run(self, *answers):
+        answers = list(answers)
+        answer = None
+        while True:
+            try:
+                step = self.steps.send(answer)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, Send):
+                self.sent.append(decode_request(b"".join(bytes(p) for p in step.parts)))
+                self.headers = step.headers
+                answer = answers.pop(0)
+            else:
+                assert isinstance(step, Sleep)
+                self.slept.append(step.seconds)
+                self.clock.now += step.seconds
+                answer = None
+
+
+def test_first_call_sends_everything_then_references(program, inputs):
+    w, x = inputs
+    outputs = [np.float32(3), np.float32(2)]
+    first = Driver(program, inputs, request_id="r-1")
+    result = first.run(ok(outputs))
+    assert isinstance(result, tuple) and result[1] == 2
+    [sent] = first.sent
+    assert sent.program.data is not None and sent.program.digest == program.digest
+    assert sent.inputs[0].blob.digest == sha256(wire_array(w)) and sent.inputs[0].blob.data is not None
+    assert sent.inputs[1].blob.digest is None  # small: always inline, never hashed
+    assert first.held == {program.digest, sha256(wire_array(w))}
+    assert first.headers[PROGRAM_HEADER] == program.digest
+    assert first.headers["X-Request-ID"] == "r-1"
+
+    second = Driver(program, inputs, held=first.held)
+    second.run(ok(outputs))
+    [sent] = second.sent
+    assert sent.references() == [program.digest, sha256(wire_array(w))]
+    assert sent.inputs[1].blob.data is not None
+
+
+def test_a_409_is_answered_by_resending_inline_once(program, inputs):
+    w, _ = inputs
+    held = {program.digest, sha256(wire_array(w))}
+    driver = Driver(program, inputs, held=held)
+    missing = MissingContent("gone", details={"missing": [sha256(wire_array(w))]})
+    driver.run(error(409, missing), ok([np.float32(3), np.float32(2)]))
+    first, second = driver.sent
+    assert len(first.references()) == 2
+    # Only what the server said it lacks is sent again.
+    assert second.references() == [program.digest]
+    assert second.inputs[0].blob.data is not None
+
+
+def test_a_second_409_is_an_error(program, inputs):
+    driver = Driver(program, inputs, held={program.digest})
+    missing = MissingContent("gone", details={"missing": [program.digest]})
+    with pytest.raises(MissingContent):
+        driver.run(error(409, missing), error(409, missing))
+    assert len(driver.sent) == 2
+
+
+def test_busy_answers_are_retried_honouring_retry_after(program, inputs):
+    driver = Driver(program, inputs, busy_timeout=10)
+    busy = ServerBusy("full", reason="queue_full")
+    driver.run(error(503, busy, retry_after=2.0), error(503, busy, retry_after=1.0),
+               ok([np.float32(3), np.float32(2)]))
+    assert len(driver.sent) == 3
+    assert driver.slept[0] >= 2.0 and driver.slept[1] >= 1.0
+
+
+def test_backoff_grows_without_retry_after(program, inputs):
+    driver = Driver(program, inputs, busy_timeout=1000)
+    busy = ServerBusy("full", reason="queue_full")
+    driver.run(*[error(503, busy)] * 8, ok([np.float32(3), np.float32(2)]))
+    assert len(driver.slept) == 8
+    assert all(s > 0 for s in driver.slept)
+    assert driver.slept[-1] > driver.slept[0]
+    assert max(driver.slept) <= 6.0  # capped (plus jitter)
+
+
+def test_busy_until_the_deadline_raises_server_busy(program, inputs):
+    driver = Driver(program, inputs, busy_timeout=5)
+    busy = ServerBusy("draining", reason="draining")
+    with pytest.raises(ServerBusy) as info:
+        driver.run(*[error(503, busy, retry_after=1.0)] * 20)
+    assert info.value.reason == "draining"
+    assert sum(driver.slept) <= 5
+    assert 2 <= len(driver.sent) <= 6
+
+
+def test_zero_busy_timeout_never_retries(program, inputs):
+    driver = Driver(program, inputs, busy_timeout=0)
+    with pytest.raises(ServerBusy):
+        driver.run(error(503, ServerBusy("full", reason="queue_full"), retry_after=1.0))
+    assert len(driver.sent) == 1 and driver.slept == []
+
+
+def test_unreachable_server_is_retried_like_a_busy_one(program, inputs):
+    driver = Driver(program, inputs, busy_timeout=3)
+    with pytest.raises(ServerBusy) as info:
+        driver.run(*[Response(None, problem="connection refused")] * 50)
+    assert info.value.reason == "unreachable"
+    assert len(driver.sent) > 1
+
+
+@pytest.mark.parametrize("status, exception, expected", [
+    (400, BadRequest("bad frame"), BadRequest),
+    (413, BadRequest("too big"), BadRequest),
+    (422, ProgramRejected("wrong shapes"), ProgramRejected),
+    (500, ProgramFailed("boom"), ProgramFailed),
+    (502, NodeFailure("node lost"), NodeFailure),
+])
+def test_other_errors_are_never_retried(program, inputs, status, exception, expected):
+    driver = Driver(program, inputs, busy_timeout=100)
+    with pytest.raises(expected) as info:
+        driver.run(error(status, exception))
+    assert len(driver.sent) == 1
+    assert info.value.request_id == "rid"
+    assert driver.held == set()  # nothing is assumed held after a failure
+
+
+def test_non_json_error_bodies(program, inputs):
+    driver = Driver(program, inputs)
+    with pytest.raises(NodeFailure, match="HTTP 502"):
+        driver.run(Response(502, b"<html>Bad Gateway</html>"))
