@@ -24,6 +24,7 @@ from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.web import errors
+from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response
 
 log = Logger()
@@ -81,7 +82,7 @@ class RouterApp:
         registry.register(_PoolCollector(pool))
 
     def resource(self):
-        return self.app.resource()
+        return RequestIdResource(self.app.resource())
 
     # -- client routes --------------------------------------------------------
 
@@ -185,6 +186,7 @@ class RouterApp:
                 "draining": bool(node.report and node.report.draining),
                 "last_report_age_seconds": None if node.reported_at is None
                 else round(now - node.reported_at, 3),
+                "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
                              "capacity": m.capacity, "active": m.active}
                             for m in node.members.values()],
@@ -244,5 +246,8 @@ class RouterApp:
         if refused is not None:
             return refused
         session = (request.args.get(b"session") or [b""])[0].decode("utf-8", "replace")
-        left = self.pool.leave(node_id, session)
-        return json_response(request, 200 if left else 404, {"node_id": node_id, "left": left})
+        if not self.pool.leave(node_id, session):
+            error = BadRequest(f"node {node_id} has no live session {session[:100]!r}")
+            error.type = "not_found"
+            return json_response(request, 404, error_body(error, request.request_id))
+        return json_response(request, 200, {"node_id": node_id, "left": True})
