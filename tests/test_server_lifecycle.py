@@ -113,19 +113,31 @@ async def test_client_resends_after_a_server_restart(start_server, affine):
 
 
 @pytest_twisted.ensureDeferred
-async def test_async_client_resends_after_a_server_restart(start_server, affine):
+async def test_async_client_rides_out_a_server_crash(start_server, affine):
     program, (w, x, b), expected = affine
     first = await start_server(name="server-1")
-    client = AsyncClient(first.url)
+    client = AsyncClient(first.url, busy_timeout=120)
+    impatient = AsyncClient(first.url, busy_timeout=0)
     try:
         await client.run(program, w, x, b)
-        assert await first.stop() == 0
+        # A crash this time: SIGKILL, no draining.
+        first.process.signal("KILL")
+        assert await first.process.exited(30) is None
+        assert first.process.output.exit_signal == 9
+
+        with pytest.raises(ServerBusy) as down:
+            await impatient.run(program, w, x, b)
+        assert down.value.reason == "unreachable"
+        # A client with time to wait retries until a server is back, and then
+        # resends what the new process lacks.
+        pending = client.run(program, w, x, b, request_id="after-crash")
         second = await start_server("--port", str(first.port), name="server-2")
-        result = await client.run(program, w, x, b, request_id="async-after-restart")
+        result = await pending
     finally:
         await client.close()
+        await impatient.close()
     assert_tree_close(result, expected(w, x, b))
-    await second.process.wait_for_line(r"async-after-restart answered 409", 30)
+    await second.process.wait_for_line(r"after-crash answered 409", 30)
 
 
 @pytest_twisted.ensureDeferred
