@@ -46,6 +46,10 @@ def plan_workers(gpus: str, cpu_workers: int, detected: list[str]) -> tuple[list
     """The workers to run and a one-line account of the choice."""
     if gpus != "none" and detected:
         chosen = detected if gpus == "all" else [g.strip() for g in gpus.split(",") if g.strip()]
+        if not chosen:
+            raise ValueError(f"--gpus {gpus!r} names no GPU")
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"--gpus names a GPU twice: {gpus}")
         unknown = [g for g in chosen if g not in detected]
         if unknown:
             raise ValueError(f"--gpus names GPU {unknown[0]}, but this host has {', '.join(detected)}")

@@ -1,0 +1,105 @@
+"""
+Which workers a node runs (SPEC section 7): one per GPU named by C{--gpus},
+CPU workers with C{--gpus none} or on a host without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kcoral.node import devices
+from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
+
+FOUR = ["0", "1", "2", "3"]
+
+
+def test_default_gpu_zero():
+    specs, account = plan_workers("0", 1, FOUR)
+    assert specs == [WorkerSpec("worker0", 0, "0")]
+    assert "GPU 0" in account
+
+
+def test_all_gpus():
+    specs, account = plan_workers("all", 1, FOUR)
+    assert [(s.name, s.index, s.gpu) for s in specs] == [
+        ("worker0", 0, "0"), ("worker1", 1, "1"), ("worker2", 2, "2"), ("worker3", 3, "3")]
+    assert account.startswith("4 GPU worker(s)")
+
+
+def test_a_list_of_gpus():
+    specs, _ = plan_workers("2, 0", 1, FOUR)
+    # worker i listens on port + i, in the order given
+    assert [(s.name, s.index, s.gpu) for s in specs] == [("worker0", 0, "2"), ("worker1", 1, "0")]
+
+
+def test_gpus_none_runs_cpu_workers():
+    specs, account = plan_workers("none", 3, FOUR)
+    assert [(s.name, s.index, s.gpu) for s in specs] == [
+        ("worker0", 0, None), ("worker1", 1, None), ("worker2", 2, None)]
+    assert "--gpus none" in account and "3 CPU worker(s)" in account
+
+
+@pytest.mark.parametrize("gpus", ["4", "0,7", "all,9", "-1"])
+def test_an_unknown_gpu_index_is_refused(gpus):
+    with pytest.raises(ValueError) as e:
+        plan_workers(gpus, 1, FOUR)
+    assert "0, 1, 2, 3" in str(e.value)
+
+
+@pytest.mark.parametrize("gpus", ["0", "all", "0,1"])
+def test_no_gpu_falls_back_to_cpu_workers(gpus):
+    specs, account = plan_workers(gpus, 2, [])
+    assert [s.gpu for s in specs] == [None, None]
+    assert "no GPU found" in account and "2 CPU worker(s)" in account
+    assert "\n" not in account  # one log line
+
+
+@pytest.mark.parametrize("gpus", [",", " , ", ""])
+def test_an_empty_gpu_list_is_refused(gpus):
+    with pytest.raises(ValueError):
+        plan_workers(gpus, 1, FOUR)
+
+
+def test_the_same_gpu_twice_is_refused():
+    with pytest.raises(ValueError) as e:
+        plan_workers("1,1", 1, FOUR)
+    assert "1" in str(e.value)
+
+
+def test_worker_environment_isolates_devices():
+    gpu, cpu = WorkerSpec("worker1", 1, "3"), WorkerSpec("worker0", 0, None)
+    assert gpu.env == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert gpu.gpus_argument == "0"  # the only device the child sees
+    assert cpu.env == {"CUDA_VISIBLE_DEVICES": ""}
+    assert cpu.gpus_argument == "none"
+
+
+# -- detection -------------------------------------------------------------------
+
+def _fake_smi(directory, script: str):
+    path = directory / "nvidia-smi"
+    path.write_text("#!/bin/sh\n" + script + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_detect_gpus_reads_nvidia_smi(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, 'printf "0\\n1\\n\\n 2 \\n"')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect_gpus() == ["0", "1", "2"]
+
+
+def test_detect_gpus_when_nvidia_smi_fails(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, 'echo "NVIDIA-SMI has failed" ; exit 9')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert detect_gpus() == []
+
+
+def test_detect_gpus_without_nvidia_smi(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert devices.shutil.which("nvidia-smi") is None
+    assert detect_gpus() == []
+    assert os.environ["PATH"] == str(tmp_path)
