@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config.parseOptions(sys.argv[1:] if argv is None else argv)
     except usage.UsageError as e:
-        command = config.subCommand or ""
-        print(f"kcoral {command}: error: {e}".replace("  ", " "), file=sys.stderr)
-        print(f"Try 'kcoral {command} --help'.".replace("  ", " "), file=sys.stderr)
+        command = f"kcoral {config.subCommand}" if config.subCommand else "kcoral"
+        print(f"{command}: error: {e}", file=sys.stderr)
+        print(f"Try '{command} --help'.", file=sys.stderr)
         return 2
     if config.subCommand == "router":
         return run_service(router_tap, config.subOptions)

@@ -14,7 +14,7 @@ from twisted.python import usage
 def non_negative(kind):
     def coerce(text: str):
         value = kind(text)
-        if value < 0:
+        if not value >= 0:  # also refuses nan
             raise ValueError(f"must not be negative, got {text}")
         return value
     coerce.coerceDoc = f"A non-negative {kind.__name__}."
@@ -24,7 +24,7 @@ def non_negative(kind):
 def positive(kind):
     def coerce(text: str):
         value = kind(text)
-        if value <= 0:
+        if not value > 0:  # also refuses nan
             raise ValueError(f"must be positive, got {text}")
         return value
     coerce.coerceDoc = f"A positive {kind.__name__}."
@@ -38,6 +38,17 @@ def port(text: str) -> int:
     return value
 
 
+class _NamedParameter(usage.CoerceParameter):
+    """Names the option when its value is refused (Twisted's message does not)."""
+
+    def dispatch(self, parameterName, value):
+        try:
+            super().dispatch(parameterName, value)
+        except usage.UsageError as e:
+            why = str(e).removeprefix("Parameter type enforcement failed: ")
+            raise usage.UsageError(f"--{parameterName}: {why}") from None
+
+
 class KCoralOptions(usage.Options):
     """
     C{usage.Options} with two additions: options named in C{environment} fall
@@ -47,6 +58,12 @@ class KCoralOptions(usage.Options):
 
     environment: dict[str, str] = {}
     hidden: frozenset[str] = frozenset()
+
+    def __init__(self):
+        super().__init__()
+        for name, handler in self._dispatch.items():
+            if type(handler) is usage.CoerceParameter:
+                self._dispatch[name] = _NamedParameter(self, handler.coerce)
 
     def getUsage(self, width=None):
         everything = self.longOpt

@@ -1,0 +1,261 @@
+"""
+The command-line options of the Router and of a server or node (SPEC section
+3, seed 000's tables): defaults, environment fallbacks, precedence, hidden
+supervisor options, and the C{kcoral} command's answer to bad options.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from twisted.python import usage
+
+from kcoral import cli
+from kcoral.node import tap as node_tap
+from kcoral.router import tap as router_tap
+from kcoral.router.service import RouterConfig
+
+ENVIRONMENT = ("KCORAL_NODE_TOKEN", "KCORAL_ROUTER_ENDPOINT", "KCORAL_NODE_ID")
+SUPERVISOR_DEFAULTS = {
+    "health-interval-seconds": 2, "health-timeout-seconds": 1, "failure-threshold": 3,
+    "startup-grace-seconds": 30, "stable-reset-seconds": 60, "termination-grace-seconds": 5,
+    "restart-min-delay-seconds": 1, "restart-max-delay-seconds": 30, "restart-jitter": 0.2,
+}
+ROUTER = ["--router", "http://127.0.0.1:9000", "--node-id", "gpu-a"]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+
+
+def router_options(*argv):
+    options = router_tap.Options()
+    options.parseOptions(list(argv))
+    return options
+
+
+def node_options(*argv):
+    options = node_tap.Options()
+    options.parseOptions(list(argv))
+    return options
+
+
+def run_cli(capsys, *argv):
+    """C{kcoral ARGV} in process: its exit status, stdout and stderr."""
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# -- defaults ---------------------------------------------------------------------------------
+
+def test_router_defaults_are_seed_000s_table():
+    o = router_options()
+    assert o["host"] == "127.0.0.1"
+    assert o["port"] == 9000
+    assert o["status-check-interval-seconds"] == 1
+    assert o["max-status-age-seconds"] == 5
+    assert o["unhealthy-threshold"] == 3
+    assert o["recovery-threshold"] == 2
+    assert o["queue-wait-timeout-seconds"] == 1800
+    assert o["max-queued-requests"] == 1024
+    assert o["node-retention-seconds"] == 600
+    assert o["max-request-bytes"] == 268435456 == 256 * 1024 * 1024
+    assert o["node-token"] is None
+
+
+def test_router_config_carries_every_option():
+    config = router_options(
+        "--host", "0.0.0.0", "--port", "9100", "--status-check-interval-seconds", "0.5",
+        "--max-status-age-seconds", "7", "--unhealthy-threshold", "4", "--recovery-threshold", "5",
+        "--queue-wait-timeout-seconds", "60", "--max-queued-requests", "10",
+        "--node-retention-seconds", "30", "--max-request-bytes", "1000", "--node-token", "t",
+    ).router_config()
+    assert (config.host, config.port, config.status_check_interval_seconds,
+            config.max_status_age_seconds, config.unhealthy_threshold, config.recovery_threshold,
+            config.queue_wait_timeout_seconds, config.max_queued_requests,
+            config.node_retention_seconds, config.max_request_bytes, config.node_token) == (
+        "0.0.0.0", 9100, 0.5, 7.0, 4, 5, 60.0, 10, 30.0, 1000, "t")
+
+
+def test_router_config_defaults_match_the_options():
+    assert attrs.asdict(router_options().router_config()) == attrs.asdict(RouterConfig())
+
+
+def test_node_defaults():
+    o = node_options()
+    assert o["host"] == "127.0.0.1"
+    assert o["port"] == 8000
+    assert o["gpus"] == "0"
+    assert o["cpu-workers"] == 1
+    assert o["router"] is None and o["node-id"] is None and o["node-token"] is None
+    assert o["advertise-host"] is None
+    assert o["max-request-bytes"] == 268435456
+    for name, default in SUPERVISOR_DEFAULTS.items():
+        assert o[name] == default, name
+
+
+# -- environment -----------------------------------------------------------------------------
+
+def test_router_token_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KCORAL_NODE_TOKEN", "from-env")
+    assert router_options()["node-token"] == "from-env"
+    assert router_options("--node-token", "from-cli")["node-token"] == "from-cli"
+
+
+def test_node_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://router.example:9000")
+    monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
+    monkeypatch.setenv("KCORAL_NODE_TOKEN", "token-env")
+    o = node_options()
+    assert o["router"] == "http://router.example:9000"
+    assert o["node-id"] == "gpu-env"
+    assert o["node-token"] == "token-env"
+
+
+def test_the_command_line_beats_the_environment(monkeypatch):
+    monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://router.example:9000")
+    monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
+    monkeypatch.setenv("KCORAL_NODE_TOKEN", "token-env")
+    o = node_options("--router", "http://other:9001", "--node-id", "gpu-cli",
+                     "--node-token", "token-cli")
+    assert (o["router"], o["node-id"], o["node-token"]) == ("http://other:9001", "gpu-cli", "token-cli")
+    o = node_options("--node-id=gpu-cli")
+    assert (o["router"], o["node-id"]) == ("http://router.example:9000", "gpu-cli")
+
+
+def test_an_empty_environment_variable_is_unset(monkeypatch):
+    monkeypatch.setenv("KCORAL_NODE_TOKEN", "")
+    assert router_options()["node-token"] is None
+
+
+def test_the_node_id_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
+    o = node_options("--router", "http://127.0.0.1:9000")
+    assert o["node-id"] == "gpu-env"
+
+
+def test_the_router_may_come_from_the_environment_and_then_needs_a_node_id(monkeypatch):
+    monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://127.0.0.1:9000")
+    with pytest.raises(usage.UsageError):
+        node_options()
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+def test_router_without_node_id_is_a_usage_error():
+    with pytest.raises(usage.UsageError) as e:
+        node_options("--router", "http://127.0.0.1:9000")
+    assert "--node-id" in str(e.value)
+
+
+@pytest.mark.parametrize("jitter", ["-0.01", "0.51", "1", "nan"])
+def test_restart_jitter_outside_its_range_is_a_usage_error(jitter):
+    with pytest.raises(usage.UsageError) as e:
+        node_options(*ROUTER, "--restart-jitter", jitter)
+    assert "restart-jitter" in str(e.value)
+
+
+@pytest.mark.parametrize("jitter", ["0", "0.25", "0.5"])
+def test_restart_jitter_within_its_range(jitter):
+    assert node_options(*ROUTER, "--restart-jitter", jitter)["restart-jitter"] == float(jitter)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--port", "-1"], ["--port", "65536"], ["--port", "abc"],
+    ["--queue-wait-timeout-seconds", "-5"], ["--queue-wait-timeout-seconds", "nan"],
+    ["--status-check-interval-seconds", "0"], ["--status-check-interval-seconds", "nan"],
+    ["--max-status-age-seconds", "-1"], ["--unhealthy-threshold", "0"],
+    ["--recovery-threshold", "1.5"], ["--max-queued-requests", "-1"],
+    ["--node-retention-seconds", "-1"], ["--max-request-bytes", "0"],
+])
+def test_bad_router_values_are_usage_errors(argv):
+    with pytest.raises(usage.UsageError) as e:
+        router_options(*argv)
+    assert argv[0] in str(e.value)  # the message names the option
+
+
+def test_hidden_supervisor_options_are_accepted():
+    o = node_options(*ROUTER, "--health-interval-seconds", "0.5", "--health-timeout-seconds", "0.25",
+                     "--failure-threshold", "5", "--startup-grace-seconds", "0",
+                     "--stable-reset-seconds", "10", "--termination-grace-seconds", "2",
+                     "--restart-min-delay-seconds", "0.1", "--restart-max-delay-seconds", "3",
+                     "--restart-jitter", "0.1")
+    assert (o["health-interval-seconds"], o["health-timeout-seconds"], o["failure-threshold"],
+            o["startup-grace-seconds"], o["stable-reset-seconds"], o["termination-grace-seconds"],
+            o["restart-min-delay-seconds"], o["restart-max-delay-seconds"], o["restart-jitter"]) == (
+        0.5, 0.25, 5, 0.0, 10.0, 2.0, 0.1, 3.0, 0.1)
+
+
+def test_hidden_supervisor_options_are_left_out_of_help():
+    text = node_tap.Options().getUsage()
+    for name in SUPERVISOR_DEFAULTS:
+        assert name not in text
+    for name in ("--router", "--node-id", "--node-token", "--gpus", "--cpu-workers",
+                 "--advertise-host", "--max-request-bytes", "--port", "--host"):
+        assert name in text
+    # and they are still there after --help was rendered
+    assert node_options(*ROUTER, "--failure-threshold", "7")["failure-threshold"] == 7
+
+
+def test_router_help_lists_every_option():
+    text = router_tap.Options().getUsage()
+    for name in ("--host", "--port", "--status-check-interval-seconds", "--max-status-age-seconds",
+                 "--unhealthy-threshold", "--recovery-threshold", "--queue-wait-timeout-seconds",
+                 "--max-queued-requests", "--node-retention-seconds", "--max-request-bytes",
+                 "--node-token", "KCORAL_NODE_TOKEN"):
+        assert name in text
+
+
+def test_the_plugins_use_the_same_options():
+    from twisted.plugins import kcoral_plugins
+
+    assert kcoral_plugins.kcoralRouter.options is router_tap.Options
+    assert kcoral_plugins.kcoralNode.options is node_tap.Options
+    assert kcoral_plugins.kcoralRouter.tapname == "kcoral-router"
+    assert kcoral_plugins.kcoralNode.tapname == "kcoral-node"
+
+
+# -- the kcoral command ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,named", [
+    (["router", "--bogus"], "--bogus"),
+    (["router", "--port", "-1"], "--port"),
+    (["router", "--queue-wait-timeout-seconds", "-5"], "--queue-wait-timeout-seconds"),
+    (["server", "--router", "http://127.0.0.1:9000"], "--node-id"),
+    (["server", *ROUTER, "--restart-jitter", "0.6"], "--restart-jitter"),
+    (["server", "--cpu-workers", "0"], "--cpu-workers"),
+    (["server", "--health-interval-seconds", "3"], "--router"),
+    (["nonsense"], "nonsense"),
+    ([], "command"),
+])
+def test_bad_options_exit_2_with_a_one_line_error(capsys, argv, named):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1, err
+    line = errors[0]
+    assert line.startswith("kcoral") and named in line
+    assert "kcoral :" not in line
+
+
+def test_help_lists_options_and_exits_0(capsys):
+    status, out, _ = run_cli(capsys, "router", "--help")
+    assert status == 0 and "--max-queued-requests" in out
+    status, out, _ = run_cli(capsys, "server", "--help")
+    assert status == 0 and "--node-id" in out and "--restart-jitter" not in out
+    status, out, _ = run_cli(capsys, "--help")
+    assert status == 0 and "router" in out and "server" in out
+
+
+def test_version(capsys):
+    from kcoral._version import __version__
+
+    status, out, _ = run_cli(capsys, "--version")
+    assert status == 0 and __version__ in out
