@@ -134,6 +134,21 @@ def test_capacity_freed_by_a_report_goes_to_waiters():
     assert world.in_flight() == {("gpu-a", "worker0"): 3}
 
 
+def test_capacity_that_shrinks_below_the_load_is_not_refilled():
+    world = World()
+    world.node("gpu-a", 4)
+    leases = [world.acquire().lease for _ in range(3)]
+    world.pool.report("gpu-a", report(1))  # e.g. the worker restarted with less room
+    waiter = world.acquire()
+    assert not waiter.fired
+    leases.pop().release()
+    leases.pop().release()
+    assert not waiter.fired  # one still runs: the member is at its new capacity
+    leases.pop().release()
+    assert waiter.fired
+    world.check_capacity()
+
+
 def test_a_node_that_becomes_ready_serves_the_queue():
     world = World(recovery_threshold=2)
     waiting = [world.acquire() for _ in range(3)]
