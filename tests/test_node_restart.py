@@ -223,7 +223,7 @@ class Supervised:
         self.changes = 0
         self.worker = Worker(spec or WorkerSpec("worker0", 0, None),
                              ["-m", "kcoral", "server", "--port", "8000"],
-                             policy(**settings), self.clock, on_change=self._changed,
+                             policy(**settings), self.clock, None, on_change=self._changed,
                              metrics=self.restarts)
 
     def _changed(self):

@@ -14,7 +14,7 @@ from twisted.logger import Logger
 from kcoral.node.metrics import merge, scrape_workers
 from kcoral.router.report import NodeReport
 from kcoral.router.service import RouterConfig, build_router
-from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 
 log = Logger()
@@ -32,12 +32,14 @@ class Gateway(service.Service):
             unhealthy_threshold=1, recovery_threshold=1,
             queue_wait_timeout_seconds=options["queue-wait-timeout-seconds"],
             max_queued_requests=max(options["max-queued-requests"], 1024),
-            max_request_bytes=options["max-request-bytes"])
+            max_request_bytes=options["max-request-bytes"],
+            tls_cert=options["tls-cert"], tls_key=options["tls-key"], tls_ca=options["tls-ca"])
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
-        self.listener = DrainingListener("kcoral gateway", listen_endpoint(reactor, config.host, config.port),
-                                         site, self._drain, config.host, bool(options["node-token"]))
+        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
+                                         bool(options["node-token"]))
 
     def update(self, report: NodeReport) -> None:
         self.app.pool.report(NODE, report, static=True)
@@ -47,7 +49,7 @@ class Gateway(service.Service):
     def _metrics(self):
         workers = {m.name: m.url for n in self.app.pool.nodes.values()
                    for m in n.members.values() if m.healthy}
-        texts = yield scrape_workers(self._reactor, workers)
+        texts = yield scrape_workers(self.app.proxy.outgoing.client, workers)
         return merge(generate_latest(self.registry), texts)
 
     def privilegedStartService(self):

@@ -46,13 +46,13 @@ def merge(own: bytes, workers: dict[str, str]) -> bytes:
 
 
 @inlineCallbacks
-def scrape_workers(reactor, workers: dict[str, str], timeout: float = 2.0):
+def scrape_workers(http, workers: dict[str, str], timeout: float = 2.0):
     """C{{name: metrics text}} of every worker that answered in time."""
     names = list(workers)
 
     @inlineCallbacks
     def one(url):
-        response = yield treq.get(url + "/metrics", reactor=reactor, timeout=timeout)
+        response = yield http.get(url + "/metrics", timeout=timeout)
         body = yield treq.content(response)
         return body.decode("utf-8", "replace")
 

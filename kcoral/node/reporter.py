@@ -10,10 +10,8 @@ import json
 import uuid
 from typing import Callable
 
-import treq
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
-from twisted.web.client import HTTPConnectionPool
 
 from kcoral.web.endpoint import is_loopback
 
@@ -21,9 +19,9 @@ log = Logger()
 
 
 class Reporter:
-    def __init__(self, reactor, router: str, node_id: str, token: str | None,
+    def __init__(self, http, router: str, node_id: str, token: str | None,
                  report: Callable[[], dict], timeout: float):
-        self._reactor = reactor
+        self._http = http
         self._url = f"{router.rstrip('/')}/v1/nodes/{node_id}"
         self.node_id = node_id
         self.session = uuid.uuid4().hex
@@ -37,7 +35,6 @@ class Reporter:
                          "URL on untrusted networks", router=router)
         self._report = report
         self._timeout = timeout
-        self._pool = HTTPConnectionPool(reactor, persistent=True)
         self.connected: bool | None = None
         self.state: str | None = None
         self._last_problem = None
@@ -50,9 +47,9 @@ class Reporter:
     def send(self, draining: bool = False):
         """One heartbeat; never fails (problems are logged once each)."""
         try:
-            response = yield treq.put(self._url, data=self.body(draining), headers=self._headers,
-                                      pool=self._pool, reactor=self._reactor, timeout=self._timeout)
-            content = yield treq.content(response)
+            response = yield self._http.put(self._url, data=self.body(draining),
+                                            headers=self._headers, timeout=self._timeout)
+            content = yield response.content()
         except Exception as e:
             self._problem(f"the Router is unreachable ({e.__class__.__name__}); retrying")
             return False
@@ -80,10 +77,8 @@ class Reporter:
     @inlineCallbacks
     def leave(self):
         try:
-            response = yield treq.delete(self._url, params={"session": self.session},
-                                         headers=self._headers, pool=self._pool,
-                                         reactor=self._reactor, timeout=self._timeout)
-            yield treq.content(response)
+            response = yield self._http.delete(self._url, params={"session": self.session},
+                                               headers=self._headers, timeout=self._timeout)
+            yield response.content()
         except Exception as e:
             log.info("could not deregister from the Router: {e}", e=e.__class__.__name__)
-        yield self._pool.closeCachedConnections()

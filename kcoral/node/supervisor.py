@@ -22,6 +22,7 @@ from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
 from kcoral.router.report import NodeReport, WorkerReport
 from kcoral.web.endpoint import url_of
+from kcoral.web.outgoing import Outgoing
 
 log = Logger()
 
@@ -40,7 +41,7 @@ def worker_argv(options, spec: WorkerSpec, port: int) -> list[str]:
             "--gpus", spec.gpus_argument]
     for name in ("capacity", "max-queued-requests", "queue-wait-timeout-seconds",
                  "max-request-bytes", "cache-memory-bytes", "cache-disk-bytes",
-                 "compile-cache-entries", "compilation-cache-dir"):
+                 "compile-cache-entries", "compilation-cache-dir", "tls-cert", "tls-key"):
         if options[name] is not None:
             argv += [f"--{name}", str(options[name])]
     if options["cache-dir"]:
@@ -70,12 +71,14 @@ class SupervisorService(service.MultiService):
             offset = 1  # the gateway holds --port; workers follow it
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
+        self.outgoing = Outgoing(reactor, ca_path=options["tls-ca"])
         self.workers = [
             Worker(spec, worker_argv(options, spec, base + offset + spec.index if base else 0),
-                   RestartPolicy(settings), reactor, on_change=self._changed, metrics=restarts)
+                   RestartPolicy(settings), reactor, self.outgoing.client,
+                   on_change=self._changed, metrics=restarts)
             for spec in specs]
         if options["router"]:
-            self.reporter = Reporter(reactor, options["router"], options["node-id"],
+            self.reporter = Reporter(self.outgoing.client, options["router"], options["node-id"],
                                      options["node-token"], self.report,
                                      timeout=settings.health_interval_seconds)
             TimerService(settings.health_interval_seconds, self._heartbeat).setServiceParent(self)
@@ -87,7 +90,8 @@ class SupervisorService(service.MultiService):
     def _advertised(self, worker: Worker) -> str:
         if not worker.url:
             return ""
-        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]))
+        scheme = "https" if self._options["tls-cert"] else "http"
+        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]), scheme)
 
     def report(self) -> dict:
         workers = [dict(w.report(), url=self._advertised(w) or "http://unknown:1") for w in self.workers]
@@ -136,6 +140,7 @@ class SupervisorService(service.MultiService):
         yield super().stopService()
         if self.reporter is not None:
             yield self.reporter.leave()
+        yield self.outgoing.close()
         log.info("kcoral node stopped")
 
 

@@ -46,6 +46,9 @@ class Options(KCoralOptions):
         ["cache-disk-bytes", None, 10 << 30, "Upload cache size on disk.", non_negative(int)],
         ["compile-cache-entries", None, 64, "Compiled programs kept per worker.", positive(int)],
         ["compilation-cache-dir", None, None, "Directory for JAX's persistent compilation cache."],
+        ["tls-cert", None, None, "PEM certificate (chain): listen with TLS."],
+        ["tls-key", None, None, "PEM private key of --tls-cert (default: inside --tls-cert)."],
+        ["tls-ca", None, None, "PEM CA to verify https peers with (default: the system's roots)."],
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
@@ -88,6 +91,7 @@ class Options(KCoralOptions):
             compile_cache_entries=self["compile-cache-entries"],
             compilation_cache_dir=self["compilation-cache-dir"],
             secured=bool(self["node-token"]),
+            tls_cert=self["tls-cert"], tls_key=self["tls-key"],
         )
         values.update(overrides)
         return ServerConfig(**values)

@@ -11,12 +11,10 @@ import os
 import re
 import sys
 
-import treq
 from twisted.internet import error, protocol
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web.client import HTTPConnectionPool
 
 from kcoral.logging import CHILD_ENV
 from kcoral.node.devices import WorkerSpec
@@ -54,7 +52,7 @@ class LineProtocol(protocol.ProcessProtocol):
 class Worker:
     STOPPED, STARTING, RUNNING, STOPPING = "stopped", "starting", "running", "stopping"
 
-    def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor,
+    def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
                  *, on_change=lambda: None, metrics=None):
         self.spec = spec
         self.name = spec.name
@@ -74,8 +72,7 @@ class Worker:
         self._wanted = False
         self._probes = LoopingCall(self._probe)
         self._probes.clock = reactor
-        self._http = HTTPConnectionPool(reactor, persistent=True)
-        self._http.retryAutomatically = False
+        self._http = http
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -192,9 +189,9 @@ class Worker:
         settings = self.policy.settings
         ok, why = False, ""
         try:
-            response = yield treq.get(self.url + "/health", pool=self._http, reactor=self._reactor,
-                                      timeout=settings.health_timeout_seconds)
-            body = yield treq.content(response)
+            response = yield self._http.get(self.url + "/health",
+                                            timeout=settings.health_timeout_seconds)
+            body = yield response.content()
             health = json.loads(body)
             self.health = health if isinstance(health, dict) else {}
             ok = response.code == 200 or (self.state == self.STOPPING and response.code == 503)

@@ -167,6 +167,11 @@ class RouterApp:
         except CancelledError:
             log.info("{request_id} cancelled: the client went away", request_id=rid)
             return b""
+        if answer.code >= 400:
+            # Successes stay at debug (cost per run); an error answer names the
+            # node, so the request can be followed into that node's log.
+            log.info("{request_id} answered {status} from {node}/{worker}", request_id=rid,
+                     status=answer.code, node=member.node.node_id, worker=member.name)
         request.setResponseCode(answer.code)
         for name, value in answer.headers.items():
             request.setHeader(name, value)

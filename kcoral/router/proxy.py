@@ -11,17 +11,31 @@ means it may have run, and is a 502 that is never retried.
 
 from __future__ import annotations
 
-import treq
 from twisted.internet import error as netError
 from twisted.internet.defer import CancelledError, inlineCallbacks
-from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.logger import Logger
+from twisted.web.client import ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+from kcoral.web.outgoing import Outgoing
+
+log = Logger()
 
 _FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 _RETURNED = (b"Content-Type", b"Retry-After")
+
+
+def _tls_failure(error: ResponseNeverReceived) -> str | None:
+    """The TLS problem behind a failed exchange, if that is what it was: the
+    handshake comes before any byte of the request."""
+    from OpenSSL import SSL
+
+    for reason in error.reasons:
+        if reason.check(SSL.Error):
+            return str(reason.value)
+    return None
 
 
 class NotSent(Exception):
@@ -36,18 +50,9 @@ class Answer:
 
 
 class Proxy:
-    def __init__(self, reactor, *, tls_policy=None):
+    def __init__(self, reactor, *, ca_path: str | None = None):
         self._reactor = reactor
-        self.connections = HTTPConnectionPool(reactor, persistent=True)
-        self.connections.maxPersistentPerHost = 64
-        self.connections.cachedConnectionTimeout = 60
-        # POSTs are not idempotent: never let the pool resend one by itself.
-        self.connections.retryAutomatically = False
-        self._agent_kwargs = {"pool": self.connections, "reactor": reactor}
-        if tls_policy is not None:
-            from twisted.web.client import Agent
-            self._agent = Agent(reactor, contextFactory=tls_policy, pool=self.connections)
-            self._agent_kwargs = {"agent": self._agent}
+        self.outgoing = Outgoing(reactor, ca_path=ca_path)
 
     @inlineCallbacks
     def forward(self, url: str, request, body: bytes):
@@ -58,17 +63,24 @@ class Proxy:
                 headers.setRawHeaders(name, value[:1])
         if not headers.hasHeader(b"Content-Type"):
             headers.setRawHeaders(b"Content-Type", [REQUEST_CONTENT_TYPE.encode()])
-        outgoing = treq.post(url + "/v1/run", data=body, headers=headers, **self._agent_kwargs)
+        outgoing = self.outgoing.client.post(url + "/v1/run", data=body, headers=headers)
         # A client that goes away cancels the outgoing request.
         request.notifyFinish().addErrback(lambda _: outgoing.cancel())
         try:
             response = yield outgoing
-            content = yield treq.content(response)
+            content = yield response.content()
         except CancelledError:
             raise
         except netError.ConnectError as e:
             raise NotSent(f"could not connect to {url}: {e.__class__.__name__}") from None
-        except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
+        except ResponseNeverReceived as e:
+            tls = _tls_failure(e)
+            if tls is not None:
+                log.error("TLS with {url} failed, the request was not sent: {why}", url=url, why=tls)
+                raise NotSent(f"TLS with {url} failed: {tls}") from None
+            raise NodeFailure(f"lost the connection to the node at {url} after the request "
+                              f"was sent; it may have run") from e
+        except (ResponseFailed, netError.ConnectionLost) as e:
             raise NodeFailure(f"lost the connection to the node at {url} after the request "
                               f"was sent; it may have run") from e
         if response.code == 503:

@@ -18,7 +18,7 @@ from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
-from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 from kcoral.web.site import KCoralSite
 
@@ -40,6 +40,10 @@ class RouterConfig:
     node_retention_seconds: float = 600.0
     max_request_bytes: int = 268435456
     node_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: CA file to verify https nodes with (default: the platform's roots).
+    tls_ca: str | None = None
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -51,7 +55,7 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     scheduler = Scheduler(pool, WaitQueue(reactor, config.max_queued_requests,
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()
-    app = RouterApp(pool=pool, scheduler=scheduler, proxy=Proxy(reactor), reactor=reactor,
+    app = RouterApp(pool=pool, scheduler=scheduler, proxy=Proxy(reactor, ca_path=config.tls_ca), reactor=reactor,
                     registry=registry, node_token=config.node_token, name=name,
                     status_check_interval=config.status_check_interval_seconds)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
@@ -67,8 +71,9 @@ class RouterService(service.MultiService):
         self._reactor = reactor
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
-        self.listener = DrainingListener(name, listen_endpoint(reactor, config.host, config.port),
-                                         site, self._drain, config.host, bool(config.node_token))
+        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        self.listener = DrainingListener(name, address, reactor, site, self._drain,
+                                         bool(config.node_token))
         self.listener.setServiceParent(self)
 
     def _drain(self) -> Deferred:
@@ -80,5 +85,5 @@ class RouterService(service.MultiService):
     @inlineCallbacks
     def stopService(self):
         yield super().stopService()
-        yield self.app.proxy.connections.closeCachedConnections()
+        yield self.app.proxy.outgoing.close()
         log.info("kcoral router stopped")

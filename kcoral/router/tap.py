@@ -25,6 +25,9 @@ class Options(KCoralOptions):
         ["node-retention-seconds", None, 600.0, "Retention of disconnected, unused node records.", non_negative(float)],
         ["max-request-bytes", None, 268435456, "Maximum accepted request body size, in bytes.", positive(int)],
         ["node-token", None, None, "Token nodes must present [env: KCORAL_NODE_TOKEN]."],
+        ["tls-cert", None, None, "PEM certificate (chain): listen with TLS."],
+        ["tls-key", None, None, "PEM private key of --tls-cert (default: inside --tls-cert)."],
+        ["tls-ca", None, None, "PEM CA to verify https peers with (default: the system's roots)."],
     ]
     environment = {"node-token": "KCORAL_NODE_TOKEN"}
 
@@ -42,6 +45,7 @@ class Options(KCoralOptions):
             node_retention_seconds=self["node-retention-seconds"],
             max_request_bytes=self["max-request-bytes"],
             node_token=self["node-token"],
+            tls_cert=self["tls-cert"], tls_key=self["tls-key"], tls_ca=self["tls-ca"],
         )
 
 

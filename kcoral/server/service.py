@@ -19,7 +19,7 @@ from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
-from kcoral.web.endpoint import listen_endpoint
+from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 from kcoral.web.site import KCoralSite
 
@@ -43,6 +43,8 @@ class ServerConfig:
     compile_cache_entries: int = 64
     compilation_cache_dir: str | None = None
     secured: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 class ServerService(service.MultiService):
@@ -69,8 +71,9 @@ class ServerService(service.MultiService):
                              threadpool=self._threadpool, reactor=reactor, registry=registry)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
-        self.listener = DrainingListener("kcoral server", listen_endpoint(reactor, config.host, config.port),
-                                         site, self._drain, config.host, config.secured)
+        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
+                                         config.secured)
         self.listener.setServiceParent(self)
 
     def startService(self):

@@ -1,12 +1,15 @@
-"""JSON answers for the routes nobody serves, on every KCoral service."""
+"""JSON answers for the routes nobody serves, and for unexpected errors, on
+every KCoral service (Klein would answer both in HTML)."""
 
 from __future__ import annotations
 
+from twisted.logger import Logger
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from kcoral.errors import BadRequest
+from kcoral.errors import BadRequest, ProgramFailed, error_body
 from kcoral.web.responses import json_response
-from kcoral.errors import error_body
+
+log = Logger()
 
 
 def install(app) -> None:
@@ -23,3 +26,10 @@ def install(app) -> None:
         error = BadRequest(f"{request.method.decode('ascii', 'replace')} is not allowed here")
         error.type = "method_not_allowed"
         return json_response(request, 405, error_body(error, request.request_id))
+
+    @app.handle_errors(Exception)
+    def internal(self, request, failure):
+        log.failure("{request_id} internal error", failure, request_id=request.request_id)
+        error = ProgramFailed(f"internal error: {failure.type.__name__}")
+        error.type = "internal_error"
+        return json_response(request, 500, error_body(error, request.request_id))

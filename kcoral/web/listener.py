@@ -10,7 +10,7 @@ from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
-from kcoral.web.endpoint import is_loopback, url_of
+from kcoral.web.endpoint import ListenAddress, is_loopback
 
 log = Logger()
 
@@ -26,13 +26,13 @@ class DrainingListener(service.Service):
     health checks and in-flight answers keep flowing while the service drains.
     """
 
-    def __init__(self, name: str, endpoint, factory, drain: Callable[[], Deferred],
-                 host: str, secured: bool = False):
+    def __init__(self, name: str, address: ListenAddress, reactor, factory,
+                 drain: Callable[[], Deferred], secured: bool = False):
         self.name = name
-        self._endpoint = endpoint
+        self._address = address
+        self._endpoint = address.endpoint(reactor)
         self._factory = factory
         self._drain = drain
-        self._host = host
         self._secured = secured
         self.port = None
         self.url = None
@@ -49,11 +49,11 @@ class DrainingListener(service.Service):
 
     def _listening(self, port):
         self.port = port
-        self.url = url_of(self._host, port.getHost().port)
+        self.url = self._address.url(port.getHost().port)
         log.info("{name} listening on {url}", name=self.name, url=self.url)
-        if not is_loopback(self._host) and not self._secured:
+        if not is_loopback(self._address.host) and not self._secured:
             log.warn("{name} listens on {host}, beyond this machine, without a node token: "
-                     "anyone who reaches it can run programs", name=self.name, host=self._host)
+                     "anyone who reaches it can run programs", name=self.name, host=self._address.host)
 
     @inlineCallbacks
     def stopService(self):
