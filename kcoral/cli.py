@@ -9,6 +9,7 @@ drains on SIGTERM or Ctrl+C and exits with status 0.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -16,6 +17,7 @@ from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from kcoral import operator
+from kcoral.logging import CHILD_ENV
 from kcoral._version import __version__
 from kcoral.node import tap as node_tap
 from kcoral.router import tap as router_tap
@@ -75,7 +77,13 @@ def _stop_once_on_signals(reactor) -> None:
             reactor.callFromThread(reactor.stop)
 
     signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    if os.environ.get(CHILD_ENV):
+        # A supervised worker: Ctrl+C in a terminal reaches the whole process
+        # group, but the supervisor must order the drain (gateway first, then
+        # SIGTERM to each worker), or workers leave early and are restarted.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
