@@ -150,7 +150,8 @@ class Worker:
         return exited
 
     def _force_kill(self) -> None:
-        self._kill = None
+        # self._kill stays set (fired) until the process ends, so the failed
+        # probes that follow do not start a second restart of the same worker.
         log.warn("{worker} did not stop within {grace}s: SIGKILL", worker=self.name,
                  grace=self.policy.settings.termination_grace_seconds)
         self._signal("KILL")
