@@ -351,3 +351,31 @@ def test_stop_during_the_restart_delay_cancels_the_start():
     s.advance_to(100)
     assert len(s.clock.processes) == 1
     assert s.clock.getDelayedCalls() == []
+
+
+def test_a_draining_worker_that_stops_answering_gets_the_grace_before_sigkill():
+    # A draining worker closes its port before it exits, and its exit (JAX's
+    # teardown) can take seconds: failed probes start the grace, not a kill.
+    s = Supervised(startup_grace_seconds=0)
+    s.worker.start()
+    s.process.protocol.childDataReceived(1, b"kcoral server listening on http://127.0.0.1:9\n")
+    stopped = []
+    s.worker.stop().addCallback(stopped.append)
+    s.advance_to(10.9)  # probes at 2, 4 and 6 failed; termination grace 5 s
+    assert s.process.signals == ["TERM"]
+    s.process.end(status=0)
+    assert stopped == [0] and s.restart_count() == 0
+    assert s.clock.getDelayedCalls() == []
+
+
+def test_a_draining_worker_that_never_exits_is_killed_after_the_grace():
+    s = Supervised(startup_grace_seconds=0)
+    s.worker.start()
+    s.process.protocol.childDataReceived(1, b"kcoral server listening on http://127.0.0.1:9\n")
+    s.worker.stop()
+    s.advance_to(10.9)
+    assert s.process.signals == ["TERM"]
+    s.advance_to(11)
+    assert s.process.signals == ["TERM", "KILL"]
+    s.process.end(signal=9)
+    assert s.worker.state == Worker.STOPPED and s.restart_count() == 0

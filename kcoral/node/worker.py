@@ -209,7 +209,11 @@ class Worker:
             log.info("{worker} is ready at {url}", worker=self.name, url=self.url)
         if self.policy.probe(ok, self._reactor.seconds()) and self._process is not None:
             if self.state == self.STOPPING:
-                self._force_kill()
+                # A draining worker closes its port before it exits (and
+                # JAX's teardown takes a while): give it the grace first.
+                if self._kill is None:
+                    self._kill = self._reactor.callLater(
+                        self.policy.settings.termination_grace_seconds, self._force_kill)
             elif self._kill is None:
                 self.restart(f"{self.policy.failures} failed health probes in a row; {why}")
         if was != self.healthy:
