@@ -162,6 +162,29 @@ async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
     assert sample(samples, "kcoral_cache_hits_total", cache="upload", tier="disk") == 2
 
 
+
+@pytest_twisted.ensureDeferred
+async def test_persistent_compilation_cache_is_written_and_reused(start_server, affine, tmp_path):
+    program, (w, x, b), expected = affine
+    xla = tmp_path / "xla"
+    first = await start_server("--compilation-cache-dir", str(xla), name="server-1")
+    client = Client(first.url)
+    try:
+        await deferToThread(client.run, program, w, x, b)
+        assert await first.stop() == 0
+        written = sorted(p.name for p in xla.iterdir())
+        assert written, "the server wrote nothing to --compilation-cache-dir"
+        second = await start_server("--port", str(first.port), "--compilation-cache-dir", str(xla),
+                                    name="server-2")
+        result = await deferToThread(client.run, program, w, x, b)
+    finally:
+        client.close()
+    # A new process over the same directory still computes the right answer
+    # (JAX checks its cache entries' keys; a stale one is recompiled).
+    assert_tree_close(result, expected(w, x, b))
+    await second.stop()
+
+
 # -- a small server: capacity 1, one place in the queue, 200 kB bodies -------------------------------
 
 @pytest_twisted.ensureDeferred

@@ -86,6 +86,9 @@ class Executor:
 
         if self._compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", self._compilation_cache_dir)
+            # JAX keeps only compiles over a second by default; a server that
+            # asks for the cache wants every program back after a restart.
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         device = jax.devices()[0]
         if device.platform == "cpu" and self._gpus != "none":
             log.info("no GPU found: serving on the CPU")
