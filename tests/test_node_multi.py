@@ -1,0 +1,619 @@
+"""
+Integration tests of a multi-worker node (SPEC section 7, issue 4) with real
+processes and real JAX: C{kcoral server --cpu-workers 2} runs a supervisor,
+two server children and, standalone, an embedded gateway on the public port.
+
+What is checked: two slow programs run in parallel through the gateway, one
+on each worker; a worker killed with SIGKILL under load is restarted while
+the other keeps serving, and the node's capacity comes back; under a Router
+the node reports both workers, which the Router schedules directly; the
+gateway's C{/metrics} holds every worker's series with a C{worker} label and
+parses; SIGTERM, or Ctrl+C to the whole process group, under load loses no
+request and exits 0; children's lines arrive whole with their C{[workerN]}
+prefix; the node file (C{--config}): its settings, the command line winning,
+and its one-line errors.
+
+Nothing here sleeps and hopes: tests wait for the supervisor's log lines or
+poll an endpoint against a deadline. Every worker pid the supervisor logged
+is checked to be gone once its node has stopped. The one wall-clock check
+(two runs at once take under 1.6 times one run) is skipped, with its
+numbers, only when other processes measurably kept the machine's cores busy
+during every try; which worker ran what is checked regardless.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import attrs
+import numpy as np
+import pytest
+import pytest_twisted
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet import reactor
+from twisted.internet.defer import DeferredList, ensureDeferred
+from twisted.internet.task import deferLater
+
+from kcoral import AsyncClient, KCoralError, NodeFailure, Program
+from tests import programs
+from tests.harness import ChildProcess, ProcessGroup, kcoral_argv
+from tests.httputil import request
+
+pytestmark = pytest.mark.integration
+
+jax = pytest.importorskip("jax")
+
+GATEWAY = re.compile(r"kcoral gateway listening on (?P<url>https?://\S+)")
+STARTED = re.compile(r"(?P<worker>worker\d+) started \(pid (?P<pid>\d+)\)")
+READY = re.compile(r"(?P<worker>worker\d+) is ready at (?P<url>https?://\S+)")
+ROUTER = re.compile(r"kcoral router listening on (?P<url>https?://\S+)")
+
+#: Probes (and heartbeats) every half second: the node notices changes fast.
+FAST = ("--health-interval-seconds", "0.5")
+#: How long each of the two parallel programs runs alone.
+PARALLEL_SECONDS = 1.5
+#: How long the programs in flight during a kill run.
+SLOW_SECONDS = 3.0
+#: How long each of the six programs in flight at SIGTERM runs alone.
+STOP_SECONDS = 0.75
+START_TIMEOUT = 120.0
+
+
+# -- a node under test ----------------------------------------------------------------
+
+@attrs.define
+class Node:
+    """A running supervisor and what its output says about its workers."""
+
+    process: ChildProcess
+    url: str | None  # the gateway; None under a Router
+    workers: int
+
+    def pids(self) -> dict[str, int]:
+        """The latest pid of each worker."""
+        pids = {}
+        for line in self.process.output.lines:
+            found = STARTED.search(line)
+            if found:
+                pids[found.group("worker")] = int(found.group("pid"))
+        return pids
+
+    def all_pids(self) -> set[int]:
+        return {int(STARTED.search(line).group("pid")) for line in self.process.matching(STARTED)}
+
+    async def health(self) -> dict:
+        answer = await request("GET", self.url + "/health", timeout=10)
+        return answer.json
+
+    async def until_health(self, check, what: str, timeout: float = 60.0) -> dict:
+        """Poll the gateway's /health until C{check(body)} holds."""
+        deadline = reactor.seconds() + timeout
+        while True:
+            body = await self.health()
+            if check(body):
+                return body
+            assert reactor.seconds() < deadline, f"the gateway never reported {what}: {body}"
+            await deferLater(reactor, 0.05, lambda: None)
+
+    async def until_full(self, capacity_each: int = 2) -> dict:
+        full = capacity_each * self.workers
+        return await self.until_health(
+            lambda b: b["status"] == "ok" and b["capacity"] == full
+            and len(b["workers"]) == self.workers and all(w["healthy"] for w in b["workers"]),
+            f"capacity {full} with {self.workers} healthy workers")
+
+    async def worker_urls(self) -> dict[str, str]:
+        return {w["name"]: w["url"] for w in (await self.health())["workers"]}
+
+
+def node_args(*args: str) -> list[str]:
+    return ["server", "--port", "0", "--gpus", "none", "--cpu-workers", "2", *FAST, *args]
+
+
+def own_session(argv: list[str]) -> list[str]:
+    """C{argv} in a new session and process group, with the same pid: like a
+    terminal's foreground job, whose whole group gets Ctrl+C's SIGINT."""
+    return [sys.executable, "-c", "import os, sys; os.setsid(); os.execv(sys.argv[1], sys.argv[1:])",
+            *argv]
+
+
+async def start_node(group: ProcessGroup, args: list[str], *, name: str = "node",
+                     workers: int = 2, gateway: bool = True, session: bool = False) -> Node:
+    """Start C{kcoral ARGS} (in its own session if C{session}); wait for the
+    gateway (standalone) and every worker to be ready, and for the gateway to
+    count them all."""
+    argv = kcoral_argv(*args)
+    child = group.spawn(own_session(argv) if session else argv, name=name)
+    node = Node(child, None, workers)
+    try:
+        if gateway:
+            node.url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
+        for i in range(workers):
+            await child.wait_for_line(rf"worker{i} is ready at ", START_TIMEOUT)
+        if gateway:
+            await node.until_full()
+    except Exception:
+        await child.stop()
+        raise
+    return node
+
+
+async def assert_reaped(nodes: list[Node], timeout: float = 15.0) -> None:
+    """Every worker process a stopped node ever started is gone; any left
+    over is killed (by its pid) and fails the test."""
+    pids = set().union(*(node.all_pids() for node in nodes)) if nodes else set()
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if _alive(pid)}
+        if alive:
+            await deferLater(reactor, 0.1, lambda: None)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"worker processes outlived their supervisor: {sorted(alive)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest_twisted.async_yield_fixture
+async def nodes(processes):
+    """C{start(args, **kw)}: a L{Node}; stopped, its workers checked gone, after the test."""
+    started: list[Node] = []
+
+    async def start(args, **kwargs):
+        node = await start_node(processes, args, **kwargs)
+        started.append(node)
+        return node
+
+    yield start
+    await processes.stop_all()
+    await assert_reaped(started)
+
+
+# -- programs -------------------------------------------------------------------------
+
+@attrs.frozen
+class Spin:
+    """L{programs.spin_program} and iteration counts calibrated here."""
+
+    program: Program
+    x: np.ndarray
+    per_second: int
+
+    def seconds(self, seconds: float) -> np.int32:
+        return np.int32(self.per_second * seconds)
+
+
+@pytest.fixture(scope="module")
+def spin():
+    program, _, x = programs.spin_program()
+    return Spin(program, x, programs.spin_iterations(1.0))
+
+
+@pytest.fixture(scope="module")
+def quick():
+    return Program.from_function(lambda v: v * 2, np.float32(1))
+
+
+def check_spun(result, x):
+    assert result.shape == x.shape and result.dtype == np.float32
+    assert np.all((result > 0) & (result < x))
+
+
+def run(url: str, program, *args, request_id: str | None = None, busy_timeout: float = 0):
+    """A Deferred: one run, started now, with its own client (so it sends
+    everything inline)."""
+    return ensureDeferred(_run(url, program, *args, request_id=request_id, busy_timeout=busy_timeout))
+
+
+async def _run(url, program, *args, request_id, busy_timeout):
+    client = AsyncClient(url, busy_timeout=busy_timeout)
+    try:
+        return await client.run(program, *args, request_id=request_id)
+    finally:
+        await client.close()
+
+
+def outcome(d):
+    """A Deferred of the result of C{d}, or of the KCoralError it failed with."""
+
+    def error(failure):
+        failure.trap(KCoralError)
+        return failure.value
+
+    return d.addErrback(error)
+
+
+async def scrape(url: str) -> tuple[str, dict]:
+    """The /metrics text and its samples by (name, sorted labels)."""
+    answer = await request("GET", url + "/metrics", timeout=10)
+    assert answer.code == 200, answer
+    text = answer.body.decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return text, samples
+
+
+async def executions(worker_url: str) -> float:
+    _, samples = await scrape(worker_url)
+    return samples.get(("kcoral_executions_total", (("outcome", "ok"),)), 0.0)
+
+
+# -- a shared standalone node, started from a node file ---------------------------------------
+
+@pytest.fixture(scope="module")
+def node_file(tmp_path_factory):
+    """A node file that asks for two CPU workers of capacity 1; the command
+    line below overrides the capacity (and the port)."""
+    path = tmp_path_factory.mktemp("node") / "node.yaml"
+    path.write_text(yaml.safe_dump({
+        "host": "127.0.0.1", "port": 1, "gpus": "none", "cpu_workers": 2, "capacity": 1,
+        "supervisor": {"health_interval_seconds": 0.5, "restart_min_delay_seconds": 0.5},
+    }))
+    return str(path)
+
+
+@pytest_twisted.async_yield_fixture(scope="module")
+async def node(module_processes, node_file):
+    shared = await start_node(module_processes, ["server", "--config", node_file, "--port", "0",
+                                                 "--capacity", "2"], name="node")
+    yield shared
+    await module_processes.stop_all()
+    await assert_reaped([shared])
+
+
+# -- standalone -------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_node_file_and_command_line(node):
+    # The file gave two CPU workers; the command line's capacity and port won.
+    body = await node.health()
+    assert body["status"] == "ok" and body["gpu_target"] == "cpu"
+    assert [w["name"] for w in body["workers"]] == ["worker0", "worker1"]
+    assert [w["capacity"] for w in body["workers"]] == [2, 2]
+    assert body["capacity"] == 4
+    assert node.url.startswith("http://127.0.0.1:") and not node.url.endswith(":1")
+    ports = {node.url} | {w["url"] for w in body["workers"]}
+    assert len(ports) == 3
+    ready = await request("GET", node.url + "/readyz")
+    assert ready.code == 200 and ready.json["ready"] is True
+
+
+#: Tries of the timing comparison: another process on a 2-core machine can
+#: take a core for a moment; one try in three must show the parallelism.
+TIMING_TRIES = 3
+#: Cores' worth of CPU that processes outside the test may use during a try
+#: before its timing says nothing about the node.
+OUTSIDE_LOAD_LIMIT = 0.25
+
+
+def _ticks_to_seconds(ticks: int) -> float:
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """Busy CPU time of the whole machine (all cores) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return _ticks_to_seconds(sum(fields[:8]) - idle)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return _ticks_to_seconds(int(fields[11]) + int(fields[12]))
+
+
+class OutsideLoad:
+    """Cores' worth of CPU used by processes other than the test and its
+    node while measuring (0 where /proc is missing)."""
+
+    def __init__(self, node: Node):
+        self._pids = [os.getpid(), node.process.pid, *node.pids().values()]
+        self._available = os.path.exists("/proc/stat")
+
+    def _sample(self):
+        return (time.perf_counter(), machine_busy_seconds(),
+                sum(process_cpu_seconds(pid) for pid in self._pids))
+
+    def __enter__(self):
+        if self._available:
+            self._start = self._sample()
+        self.cores = 0.0
+        return self
+
+    def __exit__(self, *exc):
+        if self._available:
+            (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
+            self.cores = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_slow_programs_run_in_parallel(node, spin):
+    program, x, n = spin.program, spin.x, spin.seconds(PARALLEL_SECONDS)
+    urls = await node.worker_urls()
+    # Warm up: two runs at once land on both workers (least loaded first),
+    # so both have compiled the program before anything is timed.
+    warm = await DeferredList([run(node.url, program, np.int32(1000), x, request_id=f"warm-{i}")
+                               for i in range(2)], fireOnOneErrback=True, consumeErrors=True)
+    for _, result in warm:
+        check_spun(result, x)
+
+    tries = []
+    for attempt in range(TIMING_TRIES):
+        before = {name: await executions(url) for name, url in urls.items()}
+        with OutsideLoad(node) as outside:
+            started = time.perf_counter()
+            check_spun(await run(node.url, program, n, x, request_id=f"alone-{attempt}"), x)
+            alone = time.perf_counter() - started
+
+            started = time.perf_counter()
+            pair = [run(node.url, program, n, x, request_id=f"pair-{attempt}-{i}") for i in range(2)]
+            # Both run at once, one on each worker (the gateway's own leases).
+            during = await node.until_health(
+                lambda b: [w["active"] for w in b["workers"]] == [1, 1], "one run on each worker", 30)
+            assert during["active"] == 2
+            results = await DeferredList(pair, fireOnOneErrback=True, consumeErrors=True)
+            together = time.perf_counter() - started
+        for _, result in results:
+            check_spun(result, x)
+
+        # Each worker really ran one of the pair ("alone" ran on either).
+        after = {name: await executions(url) for name, url in urls.items()}
+        gained = {name: after[name] - before[name] for name in urls}
+        assert sorted(gained.values()) == [1, 2], gained
+        tries.append({"alone": round(alone, 3), "together": round(together, 3),
+                      "outside_cores": round(outside.cores, 2)})
+        # Two workers are two processes on two cores: close to one run's
+        # time, not two (a generous bound).
+        if together < 1.6 * alone:
+            return
+    if all(t["outside_cores"] > OUTSIDE_LOAD_LIMIT for t in tries):
+        # Both runs did go to different workers at once (checked above);
+        # only the machine was too busy to show it in the wall time.
+        pytest.skip(f"timing not judged: other processes kept the machine busy: {tries}")
+    pytest.fail(f"two runs at once never took under 1.6x one run's time: {tries}")
+
+
+@pytest_twisted.ensureDeferred
+async def test_gateway_metrics_merge_every_worker(node, quick):
+    assert await run(node.url, quick, np.float32(2), request_id="metrics-1") == 4
+    text, samples = await scrape(node.url)
+    # Valid exposition text with each family described once.
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert types and len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert len(families) == len(types)
+
+    by_worker = {}
+    for (name, labels), value in samples.items():
+        worker = dict(labels).get("worker")
+        by_worker.setdefault(worker, set()).add(name)
+    assert {"worker0", "worker1"} <= set(by_worker), set(by_worker)
+    for worker in ("worker0", "worker1"):
+        assert "kcoral_executions_total" in by_worker[worker]
+        assert "kcoral_http_requests_total" in by_worker[worker]
+    # The gateway's own series (no worker label) are there too.
+    assert "kcoral_queued_requests" in by_worker[None]
+    assert "kcoral_nodes" in by_worker[None]
+    assert samples[("kcoral_nodes", (("state", "ready"),))] == 1
+    # A worker's series in the merged text match its own /metrics.
+    urls = await node.worker_urls()
+    for worker, url in urls.items():
+        merged = samples[("kcoral_executions_total", (("outcome", "ok"), ("worker", worker)))]
+        assert merged == await executions(url)
+
+
+@pytest_twisted.ensureDeferred
+async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
+    # Two runs of a new program at once: each worker compiles it and logs
+    # a line at about the same time as the other.
+    program = Program.from_function(lambda v: v + 3, np.float32(1))
+    mark = node.process.mark()
+    results = await DeferredList([run(node.url, program, np.float32(i), request_id=f"lines-{i}")
+                                  for i in range(2)], fireOnOneErrback=True, consumeErrors=True)
+    assert [r for _, r in results] == [3, 4]
+    for worker in ("worker0", "worker1"):
+        await node.process.wait_for_line(rf"\[{worker}\] .* lines-\d compiled program ", 30,
+                                         since=mark)
+
+    lines = node.process.output.lines
+    # The supervisor writes every line itself: each one starts with its
+    # timestamp, so no child fragment was written on its own.
+    stamp = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")
+    assert all(stamp.match(line) for line in lines), [line for line in lines if not stamp.match(line)]
+    child = re.compile(r"\[kcoral\.node\.worker\] \[(worker\d+)\] (.*)\Z")
+    seen = {}
+    for line in lines:
+        found = child.search(line)
+        if found:
+            seen.setdefault(found.group(1), []).append(found.group(2))
+            # One child line per supervisor line, never two run together.
+            assert line.count("[kcoral.node.worker] [worker") == 1, line
+    assert set(seen) == {"worker0", "worker1"}
+    level = re.compile(r"\A(debug|info|warn|error|critical) +\[[\w.]+\] ")
+    for worker, texts in seen.items():
+        assert all(level.match(t) for t in texts), [t for t in texts if not level.match(t)]
+        assert any(re.fullmatch(r"info +\[kcoral\.web\.listener\] kcoral server listening on "
+                                r"http://127\.0\.0\.1:\d+", t) for t in texts), texts
+        assert any(re.fullmatch(r"info +\[kcoral\.server\.service\] kcoral server ready on cpu "
+                                r"\(capacity 2\)", t) for t in texts), texts
+        # The compile line is whole: its request id and the digest's 12 digits.
+        assert any(re.fullmatch(rf"info +\[kcoral\.server\.executor\] lines-\d compiled program "
+                                rf"{program.digest[:12]}", t) for t in texts), texts
+
+
+# -- a worker killed under load -------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_sigkill_one_worker_under_load(nodes, spin, quick):
+    program, x, slow = spin.program, spin.x, spin.seconds(SLOW_SECONDS)
+    node = await nodes(node_args("--restart-min-delay-seconds", "0.5"), name="kill-node")
+    first = node.pids()
+    victim = first["worker0"]
+
+    pair = [outcome(run(node.url, program, slow, x, request_id=f"slow-{i}")) for i in range(2)]
+    await node.until_health(lambda b: [w["active"] for w in b["workers"]] == [1, 1],
+                            "one slow run on each worker", 60)
+    mark = node.process.mark()
+    os.kill(victim, signal.SIGKILL)
+    await node.process.wait_for_line(r"worker0 exited with signal 9; restarting", 30, since=mark)
+    down = await node.health()
+    assert down["status"] == "ok" and down["capacity"] == 2, down
+
+    # While worker0 is down and restarting, worker1 serves every request.
+    served = 0
+    restarted = node.process.wait_for_line(r"worker0 is ready at ", START_TIMEOUT, since=mark)
+    while not restarted.called:
+        assert await run(node.url, quick, np.float32(served), request_id=f"during-{served}",
+                         busy_timeout=30) == 2 * served
+        served += 1
+    await restarted
+    assert served >= 3, "worker0 came back before any request ran without it"
+
+    # The run on worker1 finished; the one on the killed worker failed as a
+    # 502 (it may have run: never retried), not as a hang.
+    results = [await d for d in pair]
+    failed = [r for r in results if isinstance(r, KCoralError)]
+    assert len(failed) == 1 and isinstance(failed[0], NodeFailure) and failed[0].status == 502, results
+    check_spun(next(r for r in results if not isinstance(r, KCoralError)), x)
+
+    # A new process, and the node's full capacity is back.
+    second = node.pids()
+    assert second["worker0"] != victim and second["worker1"] == first["worker1"]
+    assert not _alive(victim)
+    await node.until_full()
+    _, samples = await scrape(node.url)
+    assert samples[("kcoral_worker_restarts_total", (("worker", "worker0"),))] == 1
+    assert samples.get(("kcoral_worker_restarts_total", (("worker", "worker1"),)), 0) == 0
+    # The new worker0 takes work again.
+    urls = await node.worker_urls()
+    again = await DeferredList([run(node.url, program, np.int32(1000), x, request_id=f"again-{i}")
+                                for i in range(2)], fireOnOneErrback=True, consumeErrors=True)
+    assert all(ok for ok, _ in again)
+    assert await executions(urls["worker0"]) >= 1
+
+
+# -- SIGTERM or Ctrl+C under load -------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl+C"])
+@pytest_twisted.ensureDeferred
+async def test_stop_under_load_loses_nothing(nodes, spin, how):
+    program, x, n = spin.program, spin.x, spin.seconds(STOP_SECONDS)
+    # Ctrl+C in a terminal sends SIGINT to the whole foreground process
+    # group: the workers get it too, yet only the supervisor may act on it.
+    node = await nodes(node_args(), name="stop-node", session=how == "Ctrl+C")
+    # Six runs for four slots: four run on the workers, two wait in the gateway.
+    runs = [outcome(run(node.url, program, n, x, request_id=f"stop-{i}")) for i in range(6)]
+    await node.until_health(lambda b: b["active"] == 4 and b["queued"] == 2,
+                            "four runs active and two queued", 60)
+    mark = node.process.mark()
+    if how == "SIGTERM":
+        node.process.signal("TERM")
+    else:
+        os.killpg(node.process.pid, signal.SIGINT)
+    await node.process.wait_for_line(r"node stopping: draining 2 worker\(s\)", 30, since=mark)
+
+    results = [await d for d in runs]
+    assert not [r for r in results if isinstance(r, KCoralError)], results
+    for result in results:
+        check_spun(result, x)
+    assert await node.process.exited(60) == 0
+    lines = node.process.output.lines[mark:]
+    assert any("kcoral node stopped" in line for line in lines)
+    for worker in ("worker0", "worker1"):
+        assert any(f"{worker} stopped (status 0)" in line for line in lines), worker
+    # The workers drained after the gateway, when the supervisor said so:
+    # none left early and was restarted.
+    assert not node.process.matching(r"Traceback|restarting in|exited with")
+    assert len(node.all_pids()) == 2
+
+
+# -- under a Router -------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_node_under_a_router_reports_both_workers(nodes, processes, spin):
+    program, x = spin.program, spin.x
+    router = processes.spawn(kcoral_argv("router", "--port", "0",
+                                         "--status-check-interval-seconds", "0.5"), name="router")
+    router_url = (await router.wait_for_line(ROUTER, START_TIMEOUT)).group("url")
+    node = await nodes(node_args("--router", router_url, "--node-id", "n1"), name="routed-node",
+                       gateway=False)
+    # No gateway: the supervisor does not listen itself.
+    assert not node.process.matching(GATEWAY)
+    ready_at = {m.group("worker"): m.group("url")
+                for m in map(READY.search, node.process.matching(READY))}
+
+    deadline = reactor.seconds() + 60
+    while True:
+        listed = (await request("GET", router_url + "/v1/nodes")).json["nodes"]
+        mine = [n for n in listed if n["node_id"] == "n1"]
+        if mine and mine[0]["state"] == "ready" and mine[0]["capacity"] == 4:
+            break
+        assert reactor.seconds() < deadline, listed
+        await deferLater(reactor, 0.1, lambda: None)
+    entry = mine[0]
+    assert entry["gpu_target"] == "cpu" and entry["draining"] is False
+    workers = {w["name"]: w for w in entry["workers"]}
+    assert set(workers) == {"worker0", "worker1"}
+    assert all(w["healthy"] and w["capacity"] == 2 for w in workers.values())
+    # The Router holds each worker's own address: no extra hop.
+    assert {name: w["url"] for name, w in workers.items()} == ready_at
+    health = (await request("GET", router_url + "/health")).json
+    assert health["status"] == "ok" and health["capacity"] == 4
+
+    # Two runs at once through the Router: one on each worker.
+    results = await DeferredList([run(router_url, program, np.int32(1000), x, request_id=f"routed-{i}")
+                                  for i in range(2)], fireOnOneErrback=True, consumeErrors=True)
+    for _, result in results:
+        check_spun(result, x)
+    for name, url in ready_at.items():
+        assert await executions(url) == 1, name
+    for name in ready_at:
+        assert node.process.matching(rf"\[{name}\] .* routed-\d compiled program ")
+
+    # Stopping the node deregisters it from the Router.
+    mark = router.mark()
+    assert await node.process.stop() == 0
+    await router.wait_for_line(r"node n1: \w+ -> gone", 30, since=mark)
+
+
+# -- the node file --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, key, message", [
+    ({"gpus": "none", "cpu_workers": 2, "no_such_key": 1}, "no_such_key", "unknown node file key"),
+    ({"gpus": "none", "cpu_workers": "two"}, "cpu_workers", "must be an integer"),
+    ({"gpus": "none", "supervisor": {"health_interval_seconds": "fast"}},
+     "supervisor.health_interval_seconds", "must be a number"),
+    ({"gpus": "none", "cache": {"nope": 1}}, "cache.nope", "unknown node file key"),
+])
+@pytest_twisted.ensureDeferred
+async def test_bad_node_file_is_a_one_line_error(processes, tmp_path, content, key, message):
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(content))
+    child = processes.spawn(kcoral_argv("server", "--config", str(path)), name="bad-node-file")
+    assert await child.exited(60) == 2
+    errors = child.matching(r"error")
+    assert len(errors) == 1, child.output.lines
+    assert f"'{key}'" in errors[0] and message in errors[0], errors[0]
+    assert not child.matching("Traceback")
+    assert not child.matching(STARTED)
