@@ -2,7 +2,8 @@
 Integration tests of routed deployments with real processes on loopback and
 real JAX: a C{kcoral router} with two CPU nodes (C{kcoral server --router}),
 shared by this module, serving programs; C{kcoral status}; request ids across
-the Router's and the workers' logs; 413 from the Router; an empty Router
+the Router's and the workers' logs; 413 from the Router; a second supervisor
+with a node id in use (409); an empty Router
 (503 C{no_ready_node}); C{twistd -n kcoral-router}; node tokens.
 
 The failure rows of seed 000's table (queue full and expired, SIGKILL and
@@ -317,6 +318,21 @@ async def test_413_through_the_router(deployment):
         assert not node.process.matching(r"(router|client)-413")
     health = await router_health(router)
     assert health["status"] == "ok" and health["active"] == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_second_supervisor_with_a_node_id_in_use_is_refused(deployment, processes):
+    router = deployment.router
+    mark = router.process.mark()
+    twin = await start_node(processes, router.url, "node-a", name="twin-a", registered=False)
+    await twin.process.wait_for_line(r"the Router refused node node-a with 409", 30)
+    await router.process.wait_for_line(r"refused node node-a: node id node-a is in use", 10, since=mark)
+    # Stopping it (it deregisters with its own session) leaves the live node alone.
+    assert await twin.process.stop() == 0
+    nodes = await pool_nodes(router)
+    assert nodes["node-a"]["state"] == "ready"
+    assert nodes["node-a"]["workers"][0]["url"] == deployment.nodes["node-a"].worker_url
+    assert not router.process.matching(r"node node-a: ready ->", since=mark)
 
 
 # -- a Router without nodes ---------------------------------------------------------------------
