@@ -479,6 +479,9 @@ async def test_sigkill_one_worker_under_load(nodes, spin, quick):
     await node.process.wait_for_line(r"worker0 exited with signal 9; restarting", 30, since=mark)
     down = await node.health()
     assert down["status"] == "ok" and down["capacity"] == 2, down
+    assert [w["healthy"] for w in down["workers"]] == [False, True]
+    # Ready while at least one worker is.
+    assert (await request("GET", node.url + "/readyz")).code == 200
 
     # While worker0 is down and restarting, worker1 serves every request.
     served = 0
