@@ -38,4 +38,23 @@ class RequestIdResource(Resource):
             rid = request_id_from(request.requestHeaders.getRawHeaders(HEADER, [None])[0])
             request.request_id = rid
         request.setHeader(HEADER, rid.encode("ascii"))
+        if not _decodable(request):
+            # Klein answers a path or Host that is not UTF-8 with an HTML 400
+            # (and logs a traceback for each one): answer in JSON, as always.
+            from kcoral.errors import BadRequest, error_body
+            from kcoral.web.responses import json_response
+
+            error = BadRequest("the request's path or Host header is not UTF-8")
+            return json_response(request, 400, error_body(error, rid))
         return self._wrapped.render(request)
+
+
+def _decodable(request) -> bool:
+    """Whether Klein can decode the request's URL parts (its C{extractURLparts})."""
+    try:
+        request.getRequestHostname().decode("utf-8")
+        for segment in list(request.prepath or ()) + list(request.postpath or ()):
+            segment.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

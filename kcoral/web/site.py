@@ -22,7 +22,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web import http, server
 
-from kcoral.errors import PayloadTooLarge
+from kcoral.errors import BadRequest, PayloadTooLarge
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 
@@ -119,7 +119,22 @@ class KCoralChannel(http.HTTPChannel):
     def _headerTimedOut(self):
         self._headerDeadline = None
         self.site.logger.info("closing a connection that sent no complete request head in time")
-        self.transport.abortConnection()
+        # A graceful close, not an abort: the deadline is re-armed as soon as
+        # a response is handed to the transport, and a client still reading a
+        # large result must get all of it. Nothing is read after this; a peer
+        # that never reads is aborted by Twisted's own idle timeout.
+        self.transport.loseConnection()
+
+    def _respondToBadRequestAndDisconnect(self):
+        # Twisted answers HTTP it cannot parse (request line, header count or
+        # size, chunk framing) with a bare 400; KCoral's errors are JSON with
+        # a request id, always.
+        request = self.requests[-1] if self.requests else None
+        rid = request.request_id if isinstance(request, KCoralRequest) else request_id_from(None)
+        self.site.metrics.observe(b"other", 400, 0.0)
+        self.transport.write(raw_error_response(400, b"Bad Request",
+                                                BadRequest("malformed HTTP request"), rid))
+        self.loseConnection()
 
     def headersComplete(self):
         if self._headerDeadline is not None:
@@ -166,9 +181,11 @@ class KCoralSite(server.Site):
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
             # measured at ~15% of the server's CPU per trivial run.
-            super().__init__(resource, timeout=idleTimeout, parsePOSTFormSubmission=False)
+            # The idle timeout runs on C{clock} too (tests drive it with a Clock).
+            super().__init__(resource, timeout=idleTimeout, parsePOSTFormSubmission=False,
+                             reactor=clock)
         except TypeError:  # a Twisted without that option (and its cost)
-            super().__init__(resource, timeout=idleTimeout)
+            super().__init__(resource, timeout=idleTimeout, reactor=clock)
         self.metrics = metrics
         self.maxRequestBytes = maxRequestBytes
         self.headerTimeout = headerTimeout
