@@ -247,6 +247,10 @@ class RouterApp:
 
     @app.route("/v1/nodes/<node_id>", methods=["DELETE"])
     def delete_node(self, request, node_id):
+        # Checked before the token, as for PUT: the refusal log line names the
+        # node, and a URL-escaped newline must not forge a line in the log.
+        if not _NODE_ID.match(node_id):
+            return error_response(request, BadRequest("node ids are 1-64 of [A-Za-z0-9._-]"))
         refused = self._authorized(request, node_id)
         if refused is not None:
             return refused

@@ -5,6 +5,8 @@ every heartbeat, validated field by field (a report is untrusted input).
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from urllib.parse import urlsplit
 
 import attrs
@@ -61,17 +63,39 @@ def _count(value: object, what: str, limit: int) -> int:
     return value
 
 
+#: A host name the Router may connect to: DNS labels, an IPv4 address, or an
+#: IPv6 literal (checked with ipaddress below).
+_HOST = re.compile(r"\A[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?\Z")
+
+
 def _url(value: object, what: str) -> str:
+    """
+    A worker's origin, C{http(s)://host:port} and nothing else: no userinfo,
+    path, query or fragment, a port in 1-65535. The URL is rebuilt from its
+    checked parts, because C{urlsplit} silently drops tabs and newlines and
+    accepts spaces and escapes in host names, which the Router would
+    otherwise carry into its logs and outgoing requests.
+    """
     text = _text(value, what)
     try:
         parts = urlsplit(text)
         port = parts.port
+        host = parts.hostname
     except ValueError:
         raise InvalidReport(f"{what} is not a URL") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
-            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+    if parts.scheme not in ("http", "https") or not host or not port \
+            or parts.path not in ("", "/") or parts.query or parts.fragment \
+            or parts.username is not None or not text.isprintable() or " " in text:
         raise InvalidReport(f"{what} must be http(s)://host:port")
-    return text.rstrip("/")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise InvalidReport(f"{what} has an invalid host") from None
+        host = f"[{host}]"
+    elif not _HOST.match(host):
+        raise InvalidReport(f"{what} has an invalid host")
+    return f"{parts.scheme}://{host}:{port}"
 
 
 def parse_report(body: object) -> NodeReport:
