@@ -355,6 +355,22 @@ def test_draining_refuses_new_work():
     lease.release()
 
 
+def test_a_router_drain_serves_what_still_arrives():
+    # The Router closes its port before it drains: a request that arrives on
+    # a connection already open was sent before it stopped accepting.
+    world = World()
+    world.node("gpu-a", 1)
+    lease = world.acquire().lease
+    drained = Outcome(world.scheduler.drain(refuse=False))
+    late = world.acquire()
+    assert not late.fired  # queued behind the running one, not refused
+    lease.release()
+    assert not drained.fired
+    late.lease.release()
+    assert drained.fired
+    assert world.scheduler.draining
+
+
 @pytest.mark.parametrize("count", [1, 3])
 def test_every_drain_caller_is_told(count):
     world = World()

@@ -35,12 +35,13 @@ class Scheduler:
         self.pool = pool
         self.queue = queue
         self.draining = False
+        self._refusing = False
         self._idle: list[Deferred] = []
         pool.on_change = self.dispatch
 
     def acquire(self) -> Deferred:
         """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason."""
-        if self.draining:
+        if self._refusing:
             return _busy("the router is draining", "draining")
         if not len(self.queue):
             member = self.pool.pick()
@@ -67,9 +68,17 @@ class Scheduler:
             self.queue.grant_next(Lease(member, self))
         self._check_idle()
 
-    def drain(self) -> Deferred:
-        """Refuse new requests; fires once no request waits or runs."""
+    def drain(self, refuse: bool = True) -> Deferred:
+        """
+        Fires once no request waits or runs. With C{refuse} (a gateway, whose
+        port stays open while it drains) new requests get 503 C{draining}.
+        Without it (the Router, which closes its port first) a request that
+        still arrives on a connection already open is served: the client sent
+        it before the Router stopped accepting, and a 503 for it would be a
+        5xx from a graceful stop (issue 5).
+        """
         self.draining = True
+        self._refusing = self._refusing or refuse
         d = Deferred()
         self._idle.append(d)
         self._check_idle()

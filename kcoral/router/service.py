@@ -73,14 +73,16 @@ class RouterService(service.MultiService):
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
         address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
         self.listener = DrainingListener(name, address, reactor, site, self._drain,
-                                         bool(config.node_token))
+                                         bool(config.node_token), close_port_first=True)
         self.listener.setServiceParent(self)
 
     def _drain(self) -> Deferred:
         scheduler, pool = self.app.scheduler, self.app.pool
         log.info("draining: {active} running, {queued} waiting", active=pool.active(),
                  queued=len(scheduler.queue))
-        return scheduler.drain()
+        # The port is closed already: what still arrives on open connections
+        # was sent before the Router stopped accepting, and is served.
+        return scheduler.drain(refuse=False)
 
     @inlineCallbacks
     def stopService(self):

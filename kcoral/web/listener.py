@@ -23,17 +23,22 @@ class DrainingListener(service.Service):
     """
     Listens on C{endpoint} with C{factory}. Stopping first waits for
     C{drain()} (running requests to finish) and only then closes the port, so
-    health checks and in-flight answers keep flowing while the service drains.
+    health checks and in-flight answers keep flowing while the service drains
+    (a server, whose supervisor probes it while it drains). With
+    C{close_port_first} (the Router) the port closes first and open
+    connections stop being kept alive; then it drains.
     """
 
     def __init__(self, name: str, address: ListenAddress, reactor, factory,
-                 drain: Callable[[], Deferred], secured: bool = False):
+                 drain: Callable[[], Deferred], secured: bool = False,
+                 close_port_first: bool = False):
         self.name = name
         self._address = address
         self._endpoint = address.endpoint(reactor)
         self._factory = factory
         self._drain = drain
         self._secured = secured
+        self._close_port_first = close_port_first
         self.port = None
         self.url = None
 
@@ -58,6 +63,16 @@ class DrainingListener(service.Service):
     @inlineCallbacks
     def stopService(self):
         super().stopService()
+        if self._close_port_first and self.port is not None:
+            # The Router stops accepting before it drains: a new connection is
+            # refused (a client retries it, or a load balancer moves on)
+            # instead of being answered 503, while requests on connections
+            # already open are served, each answer closing its connection.
+            port, self.port = self.port, None
+            yield port.stopListening()
+            stop_keep_alive = getattr(self._factory, "stopKeepAlive", None)
+            if stop_keep_alive is not None:
+                stop_keep_alive()
         yield self._drain()
         if self.port is not None:
             yield self.port.stopListening()

@@ -85,7 +85,18 @@ class KCoralRequest(server.Request):
 
     def process(self):
         self.setHeader(HEADER, self.request_id.encode())
+        if self.channel.site.closing:
+            self.closeAfterResponse()
         super().process()
+
+    def closeAfterResponse(self) -> None:
+        """Answer with C{Connection: close} and close the connection after
+        this response: the service is stopping, and a client must not send
+        another request on a connection that is about to close."""
+        if not self.startedWriting:
+            self.setHeader(b"Connection", b"close")
+        if self.channel is not None:
+            self.channel.persistent = False
 
     def finish(self):
         site = self.channel.site if self.channel is not None else None
@@ -198,6 +209,18 @@ class KCoralSite(server.Site):
         #: whatever they still have buffered).
         self.channels: set[KCoralChannel] = set()
         self._closing: list[Deferred] = []
+
+    #: Set by L{stopKeepAlive}: every answer from then on closes its connection.
+    closing = False
+
+    def stopKeepAlive(self) -> None:
+        """No more requests on open connections: each one closes after the
+        response in progress (or the next one, for an idle connection)."""
+        self.closing = True
+        for channel in list(self.channels):
+            for request in channel.requests:
+                if isinstance(request, KCoralRequest):
+                    request.closeAfterResponse()
 
     def channelLost(self, channel) -> None:
         self.channels.discard(channel)
