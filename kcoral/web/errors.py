@@ -29,7 +29,12 @@ def install(app) -> None:
 
     @app.handle_errors(Exception)
     def internal(self, request, failure):
-        log.failure("{request_id} internal error", failure, request_id=request.request_id)
-        error = ProgramFailed(f"internal error: {failure.type.__name__}")
-        error.type = "internal_error"
-        return json_response(request, 500, error_body(error, request.request_id))
+        return internal_error(request, failure)
+
+
+def internal_error(request, failure) -> bytes:
+    """Log an unexpected failure and answer a JSON 500 that names only its type."""
+    log.failure("{request_id} internal error", failure, request_id=request.request_id)
+    error = ProgramFailed(f"internal error: {failure.type.__name__}")
+    error.type = "internal_error"
+    return json_response(request, 500, error_body(error, request.request_id))
