@@ -17,6 +17,8 @@ class CompileCache:
 
     def __init__(self, entries: int, metrics: CacheMetrics):
         self._metrics = metrics
+        # Bound once: every run looks up its executable here.
+        self._memory_hits = metrics.hits.labels(self.name, "memory")
         self._lru = _EvictingLRU(entries, lambda v: 1, self._evicted)
         self._lock = threading.Lock()
         # Compiling holds this lock per key, so two requests for the same new
@@ -37,7 +39,7 @@ class CompileCache:
             if found is None:
                 gate = self._compiling.setdefault(key, threading.Lock())
         if found is not None:
-            m.hits.labels(self.name, "memory").inc()
+            self._memory_hits.inc()
             return found, False
         with gate:
             with self._lock:

@@ -53,6 +53,9 @@ class UploadCache:
                  directory: str | None = None, disk_bytes: int = 0):
         self._lock = threading.Lock()
         self._metrics = metrics
+        # Bound once: every run looks up its program here (labels() costs a
+        # lock and a key per call).
+        self._memory_hits = metrics.hits.labels(self.name, "memory")
         self._memory = _EvictingLRU(memory_bytes, len, lambda k, v: self._evicted("memory"))
         self._dir = Path(directory) if directory else None
         self._disk = None
@@ -111,7 +114,7 @@ class UploadCache:
             data = self._memory.get(digest)
             on_disk = self._disk is not None and digest in self._disk
         if data is not None:
-            m.hits.labels(self.name, "memory").inc()
+            self._memory_hits.inc()
             return data
         if on_disk:
             try:
