@@ -118,7 +118,9 @@ class ServerApp:
         rid = request.request_id
         arrived = self._reactor.seconds()
         waiting = self.admission.acquire()
-        request.notifyFinish().addErrback(lambda _: waiting.cancel())
+        if not waiting.called:
+            # A waiter leaves the queue when its client goes away.
+            request.notifyFinish().addErrback(lambda _: waiting.cancel())
         try:
             yield waiting
         except QueueFull:
