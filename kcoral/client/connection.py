@@ -71,6 +71,7 @@ class Connection:
             sock.close()
             raise
         self.sock = sock
+        self._timeout = sock.gettimeout()
         self._tls = ssl_context is not None
         self._rfile = sock.makefile("rb", buffering=MAX_LINE)
 
@@ -88,7 +89,10 @@ class Connection:
         return bool(readable)
 
     def settimeout(self, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
+        # Each settimeout() is an ioctl; most clients never change it.
+        if timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
 
     def request(self, method: str, target: str, host_header: str, headers: dict,
                 parts: list = (), length: int = 0) -> Answer:
