@@ -14,6 +14,7 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
 from kcoral.web.endpoint import is_loopback
+from kcoral.web.outgoing import describe_failure
 
 log = Logger()
 
@@ -51,7 +52,7 @@ class Reporter:
                                             headers=self._headers, timeout=self._timeout)
             content = yield response.content()
         except Exception as e:
-            self._problem(f"the Router is unreachable ({e.__class__.__name__}); retrying")
+            self._problem(f"the Router is unreachable ({describe_failure(e)}); retrying")
             return False
         if response.code != 200:
             try:

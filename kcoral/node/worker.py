@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from kcoral.logging import CHILD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
+from kcoral.web.outgoing import describe_failure, tls_problem
 
 log = Logger()
 
@@ -51,6 +52,8 @@ class LineProtocol(protocol.ProcessProtocol):
 
 class Worker:
     STOPPED, STARTING, RUNNING, STOPPING = "stopped", "starting", "running", "stopping"
+    #: The TLS problem of the last failed probe, logged once when it appears.
+    _tls_refused = None
 
     def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
                  *, on_change=lambda: None, metrics=None):
@@ -197,8 +200,15 @@ class Worker:
             self.health = health if isinstance(health, dict) else {}
             ok = response.code == 200 or (self.state == self.STOPPING and response.code == 503)
             why = f"/health answered {response.code} ({self.health.get('status')})"
+            self._tls_refused = None
         except Exception as e:
-            why = f"health probe failed: {e.__class__.__name__}"
+            why = f"health probe failed: {describe_failure(e)}"
+            tls = tls_problem(e)
+            if tls is not None and tls != self._tls_refused:
+                # A configuration error, not a slow start: say so at once,
+                # not only when the failures finally restart the worker.
+                log.error("{worker} at {url}: {why}", worker=self.name, url=self.url, why=tls)
+            self._tls_refused = tls
         self._judge(ok, why)
 
     def _judge(self, ok: bool, why: str) -> None:

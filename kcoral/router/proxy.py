@@ -14,28 +14,17 @@ from __future__ import annotations
 from twisted.internet import error as netError
 from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.logger import Logger
-from twisted.web.client import ResponseFailed, ResponseNeverReceived
+from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
-from kcoral.web.outgoing import Outgoing
+from kcoral.web.outgoing import Outgoing, tls_problem
 
 log = Logger()
 
 _FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 _RETURNED = (b"Content-Type", b"Retry-After")
-
-
-def _tls_failure(error: ResponseNeverReceived) -> str | None:
-    """The TLS problem behind a failed exchange, if that is what it was: the
-    handshake comes before any byte of the request."""
-    from OpenSSL import SSL
-
-    for reason in error.reasons:
-        if reason.check(SSL.Error):
-            return str(reason.value)
-    return None
 
 
 class NotSent(Exception):
@@ -73,8 +62,13 @@ class Proxy:
             raise
         except netError.ConnectError as e:
             raise NotSent(f"could not connect to {url}: {e.__class__.__name__}") from None
-        except ResponseNeverReceived as e:
-            tls = _tls_failure(e)
+        except (ResponseNeverReceived, RequestTransmissionFailed) as e:
+            # A refused certificate (untrusted CA, or service-identity's host
+            # check, which fails with VerificationError rather than SSL.Error)
+            # ends the handshake before any byte of the request: not sent.
+            # With a body to write, Twisted reports it as a failed
+            # transmission, which was an uncaught error (a 500) before.
+            tls = tls_problem(e)
             if tls is not None:
                 log.error("TLS with {url} failed, the request was not sent: {why}", url=url, why=tls)
                 raise NotSent(f"TLS with {url} failed: {tls}") from None
