@@ -1,0 +1,354 @@
+"""
+TLS (issue 5, item 4), with a CA generated in the test (L{tests.tlsutil}):
+
+ - a Router and a node on TLS (C{--tls-cert}, C{--tls-key}, C{--tls-ca}): the
+   supervisor registers with the C{https://} Router, the Router sends work to
+   C{https://} workers, a client with an SSL context runs a program;
+ - a wrong certificate is refused with a clear log line: a Router's
+   certificate from another CA, or for another host (the supervisor's log; the
+   node never joins); a worker's certificate for another host (the
+   supervisor's log; the node never becomes ready); a worker the Router cannot
+   verify (the Router's log; the request is never sent, the client sees 503,
+   never a 502);
+ - the node token is never sent over plain HTTP to a non-loopback address
+   without a warning (unit level), and L{tls_problem} names what TLS refused.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import ssl
+
+import numpy as np
+import pytest
+import pytest_twisted
+from OpenSSL import SSL
+from service_identity import VerificationError
+from service_identity.hazmat import DNS_ID, DNSMismatch
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseNeverReceived
+from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from kcoral import Client, Program
+from kcoral.node.reporter import Reporter
+from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
+from kcoral.router.proxy import NotSent, Proxy
+from kcoral.web.endpoint import ListenAddress
+from kcoral.web.outgoing import tls_problem
+from tests.conftest import server_args, server_env
+from tests.harness import START_TIMEOUT, kcoral_argv
+from tests.test_routed import FAST_NODE, start_router
+from tests.test_server import run_frame
+from tests.tlsutil import TestCA
+
+TOKEN = "tls-token-c0ffee1234"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Two CAs (the deployment's, and another one) and their certificates."""
+    base = tmp_path_factory.mktemp("pki")
+    good = TestCA(base / "good", "KCoral deployment CA")
+    other = TestCA(base / "other", "Some other CA")
+    return {
+        "ca": good,
+        "other_ca": other,
+        # Both names a client may use for this machine.
+        "router": good.issue("router"),
+        "node": good.issue("node"),
+        # Signed by the right CA, for the wrong host.
+        "elsewhere": good.issue("elsewhere", dns=("gpu-z.example",), ips=("10.9.9.9",)),
+        # Valid for the address only, not the name "localhost".
+        "address_only": good.issue("address-only", dns=(), ips=("127.0.0.1",)),
+        # The right names, the wrong CA.
+        "impostor": other.issue("impostor"),
+    }
+
+
+# -- blocking HTTPS helpers (in threads) ---------------------------------------------------------
+
+def _connection(url: str, context, timeout: float):
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    if url.startswith("https:"):
+        return http.client.HTTPSConnection(host, int(port), context=context, timeout=timeout)
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def http_get(url: str, path: str, context) -> tuple[int, dict]:
+    conn = _connection(url, context, 10)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def http_post(url: str, body: bytes, rid: str, context: ssl.SSLContext) -> tuple[int, dict]:
+    conn = _connection(url, context, 60)
+    try:
+        conn.request("POST", "/v1/run", body=body,
+                     headers={"Content-Type": REQUEST_CONTENT_TYPE, "X-Request-ID": rid})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+async def nodes_of(router_url: str, context) -> dict:
+    status, body = await deferToThread(http_get, router_url, "/v1/nodes", context)
+    assert status == 200
+    return {n["node_id"]: n for n in body["nodes"]}
+
+
+async def wait_until(check, what: str, timeout: float = 60.0):
+    deadline = reactor.seconds() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        assert reactor.seconds() < deadline, f"{what}: not within {timeout} s"
+        await deferLater(reactor, 0.1, lambda: None)
+
+
+def spawn_node(processes, router_url: str, node_id: str, *extra: str):
+    args = server_args("--router", router_url, "--node-id", node_id, *FAST_NODE, *extra)
+    return processes.spawn(kcoral_argv(*args), name=node_id,
+                           env={**server_env(), "KCORAL_NODE_TOKEN": TOKEN})
+
+
+def quick_program():
+    return Program.from_function(lambda v: v * 3 + 1, np.ones(3, np.float32))
+
+
+# -- a deployment on TLS ------------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_router_and_node_on_tls(processes, pki):
+    ca = pki["ca"]
+    router = await start_router(processes, *pki["router"].options(), "--tls-ca", ca.path,
+                                "--node-token", TOKEN, name="tls-router")
+    assert router.url.startswith("https://127.0.0.1:")
+    node = spawn_node(processes, router.url, "tls-node", *pki["node"].options(), "--tls-ca", ca.path)
+    await node.wait_for_line(r"worker0 is ready at https://127\.0\.0\.1:\d+", START_TIMEOUT)
+    # The supervisor reached the https Router (certificate and host checked).
+    await node.wait_for_line(r"registered with the Router as tls-node", 30)
+
+    context = ca.client_context()
+
+    async def ready():
+        nodes = await nodes_of(router.url, context)
+        return nodes if nodes.get("tls-node", {}).get("state") == "ready" else None
+
+    nodes = await wait_until(ready, "tls-node ready")
+    [worker] = nodes["tls-node"]["workers"]
+    assert worker["url"].startswith("https://127.0.0.1:") and worker["healthy"]
+
+    # A client with an SSL context runs a program: the Router reaches the
+    # https worker, verifying it against --tls-ca.
+    program = quick_program()
+    x = np.arange(3, dtype=np.float32)
+
+    def run():
+        with Client(router.url, ssl_context=context) as client:
+            return client.run(program, x, request_id="over-tls-1")
+
+    result = await deferToThread(run)
+    np.testing.assert_allclose(result, x * 3 + 1)
+    await node.wait_for_line(r"\[worker0\] .*over-tls-1 compiled program", 10)
+
+    # A client that does not trust the deployment's CA is refused.
+    with pytest.raises(ssl.SSLCertVerificationError):
+        await deferToThread(http_get, router.url, "/health", ssl.create_default_context())
+    # Plain HTTP to the TLS port gets no answer.
+    host, port = router.url.split("//")[1].rsplit(":", 1)
+
+    def plain():
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", "/health")
+            return conn.getresponse().status
+        except (ConnectionError, http.client.HTTPException, OSError) as e:
+            return e
+        finally:
+            conn.close()
+
+    assert not isinstance(await deferToThread(plain), int)
+
+    logs = "\n".join(router.process.output.lines + node.output.lines)
+    assert "plain HTTP" not in logs and TOKEN not in logs
+    assert not re.search(r"TLS .*failed|not valid for", logs), logs
+
+
+# -- wrong certificates ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("certificate,refusal", [
+    ("impostor", r"certificate verify failed"),
+    ("elsewhere", r"the peer's TLS certificate is not valid for 127\.0\.0\.1"),
+])
+@pytest_twisted.ensureDeferred
+async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processes, pki, certificate,
+                                                                        refusal):
+    issued = pki[certificate]
+    router = await start_router(processes, *issued.options(), "--node-token", TOKEN,
+                                name="wrong-router")
+    node = spawn_node(processes, router.url, "careful-node", "--tls-ca", pki["ca"].path)
+    line = await node.wait_for_line(rf"the Router is unreachable \(.*{refusal}", START_TIMEOUT)
+    assert "TLS" in line.string
+    await node.wait_for_line(r"worker0 is ready at", START_TIMEOUT)
+    await deferLater(reactor, 1.0, lambda: None)  # a few heartbeats
+    assert not node.matching(r"registered with the Router")
+    # Nothing reached the Router: the node never joined.
+    context = pki["other_ca" if certificate == "impostor" else "ca"].client_context()
+    context.check_hostname = False  # this test's client reads the list whatever the name
+    assert await nodes_of(router.url, context) == {}
+    assert TOKEN not in "\n".join(node.output.lines + router.process.output.lines)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_worker_certificate_for_another_host_never_becomes_ready(processes, pki):
+    ca = pki["ca"]
+    router = await start_router(processes, "--node-token", TOKEN, "--tls-ca", ca.path,
+                                name="plain-router")
+    node = spawn_node(processes, router.url, "misnamed-node", *pki["elsewhere"].options(),
+                      "--tls-ca", ca.path)
+    await node.wait_for_line(r"worker0 at https://127\.0\.0\.1:\d+: the peer's TLS certificate "
+                             r"is not valid for 127\.0\.0\.1", START_TIMEOUT)
+    await node.wait_for_line(r"registered with the Router as misnamed-node", 30)
+    await deferLater(reactor, 2.0, lambda: None)
+    nodes = await nodes_of(router.url, None)
+    assert nodes["misnamed-node"]["state"] != "ready"
+    assert not nodes["misnamed-node"]["workers"][0]["healthy"]
+    assert not node.matching(r"worker0 is ready at")
+    # The problem is logged once, not at every probe.
+    assert len(node.matching(r"not valid for 127\.0\.0\.1")) == 1
+
+
+@pytest.mark.parametrize("case", ["another CA", "another host"])
+@pytest_twisted.ensureDeferred
+async def test_the_router_refuses_a_worker_it_cannot_verify(processes, pki, case):
+    ca = pki["ca"]
+    router = await start_router(processes, "--node-token", TOKEN, "--tls-ca", ca.path,
+                                name="checking-router")
+    if case == "another CA":
+        # The supervisor trusts the other CA (so its own probes pass); the
+        # Router does not.
+        extra = (*pki["impostor"].options(), "--tls-ca", pki["other_ca"].path)
+        refusal = r"certificate verify failed"
+    else:
+        # The certificate names 127.0.0.1 (the supervisor's probes use that)
+        # but not "localhost", the host the node advertises to the Router.
+        extra = (*pki["address_only"].options(), "--tls-ca", ca.path, "--advertise-host", "localhost")
+        refusal = r"not valid for localhost"
+    node = spawn_node(processes, router.url, "unverifiable", *extra)
+    await node.wait_for_line(r"worker0 is ready at https://", START_TIMEOUT)
+
+    async def ready():
+        nodes = await nodes_of(router.url, None)
+        return nodes.get("unverifiable", {}).get("state") == "ready"
+
+    await wait_until(ready, "the node's report accepted")
+    body = run_frame(quick_program(), [np.ones(3, np.float32)])
+    mark = router.process.mark()
+    status, answer = await deferToThread(http_post, router.url, body, "unverified-1", None)
+    # Never sent, so never a 502: the Router tried, found no node it could
+    # trust, and answered 503.
+    assert status == 503, answer
+    info = json.loads(answer)["error"]
+    assert info["reason"] == "no_ready_node" and info["request_id"] == "unverified-1"
+    await router.process.wait_for_line(
+        rf"TLS with https://\S+ failed, the request was not sent: .*{refusal}", 10, since=mark)
+    assert not router.process.matching(r"unverified-1 failed on", since=mark)
+    assert not node.matching(r"unverified-1")
+
+
+# -- unit level -------------------------------------------------------------------------------------
+
+def _warnings(router_url: str, token: str | None) -> list[str]:
+    events = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        Reporter(None, router_url, "gpu-a", token, report=dict, timeout=1.0)
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    return [formatEvent(e) for e in events if "plain HTTP" in formatEvent(e)]
+
+
+@pytest.mark.parametrize("url,token,warned", [
+    ("http://10.0.0.5:9000", TOKEN, True),
+    ("http://router.internal:9000", TOKEN, True),
+    ("http://[2001:db8::1]:9000", TOKEN, True),
+    ("https://10.0.0.5:9000", TOKEN, False),
+    ("http://127.0.0.1:9000", TOKEN, False),
+    ("http://localhost:9000", TOKEN, False),
+    ("http://[::1]:9000", TOKEN, False),
+    ("http://10.0.0.5:9000", None, False),
+])
+def test_a_token_over_plain_http_to_another_host_is_warned_about(url, token, warned):
+    lines = _warnings(url, token)
+    assert bool(lines) == warned, lines
+    assert not any(TOKEN in line for line in lines)
+
+
+def test_tls_problem_names_what_tls_refused():
+    untrusted = ResponseNeverReceived([Failure(SSL.Error([("SSL routines", "", "certificate verify failed")]))])
+    assert "certificate verify failed" in tls_problem(untrusted)
+    assert "--tls-ca" in tls_problem(untrusted)
+    misnamed = ResponseNeverReceived([Failure(VerificationError(
+        errors=[DNSMismatch(mismatched_id=DNS_ID("gpu-a.example"))]))])
+    assert "not valid for gpu-a.example" in tls_problem(misnamed)
+    assert tls_problem(ResponseNeverReceived([Failure(ConnectionError())])) is None
+    assert tls_problem(ValueError("x")) is None
+
+
+class _Hello(Resource):
+    isLeaf = True
+
+    def render_POST(self, request):
+        return b"ran"
+
+
+class _FakeRequest:
+    """What L{Proxy.forward} reads of the client's request."""
+
+    request_id = "fake-1"
+    requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
+
+    def notifyFinish(self):
+        return Deferred()
+
+
+@pytest.mark.parametrize("certificate", ["impostor", "elsewhere"])
+@pytest_twisted.ensureDeferred
+async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certificate):
+    # Regression: a host name mismatch fails with service-identity's
+    # VerificationError, not SSL.Error, and was taken for a connection lost
+    # after sending (502, "it may have run").
+    issued = pki[certificate]
+    port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(
+        Site(_Hello()))
+    proxy = Proxy(reactor, ca_path=pki["ca"].path)
+    try:
+        with pytest.raises(NotSent, match="TLS with"):
+            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", _FakeRequest(), b"x")
+        # The same server, with the right certificate, takes the request.
+        right = pki["node"]
+        good = await ListenAddress("127.0.0.1", 0, right.cert, right.key).endpoint(reactor).listen(
+            Site(_Hello()))
+        try:
+            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", _FakeRequest(), b"x")
+            assert answer.code == 200 and answer.body == b"ran"
+        finally:
+            await good.stopListening()
+    finally:
+        await proxy.outgoing.close()
+        await port.stopListening()
