@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
 
@@ -14,6 +16,21 @@ def url_of(host: str, port: int, scheme: str = "http") -> str:
 
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
+def pem_certificates(path: str) -> list:
+    """Every certificate in a PEM file, in order (Twisted's C{loadPEM} reads
+    only the first one)."""
+    from twisted.internet.ssl import Certificate
+
+    with open(path, "rb") as f:
+        blocks = _PEM_CERTIFICATE.findall(f.read())
+    if not blocks:
+        raise ValueError(f"{path} holds no PEM certificate")
+    return [Certificate.loadPEM(block) for block in blocks]
 
 
 @attrs.frozen
@@ -33,11 +50,30 @@ class ListenAddress:
 
     def endpoint(self, reactor):
         if self.tls_cert:
-            from twisted.internet.ssl import PrivateCertificate
-
-            with open(self.tls_cert, "rb") as cert, open(self.tls_key or self.tls_cert, "rb") as key:
-                options = PrivateCertificate.loadPEM(cert.read() + b"\n" + key.read()).options()
-            return SSL4ServerEndpoint(reactor, self.port, options, interface=self.host)
+            return SSL4ServerEndpoint(reactor, self.port, self.tls_options(), interface=self.host)
         if ":" in self.host:
             return TCP6ServerEndpoint(reactor, self.port, interface=self.host)
         return TCP4ServerEndpoint(reactor, self.port, interface=self.host)
+
+    def tls_options(self):
+        """
+        The server side of TLS: the first certificate of C{tls_cert} is this
+        service's, the ones after it (intermediate CAs) are sent with it as its
+        chain, and the key must match (checked now, so that a wrong key is a
+        one-line error at start and not a failed handshake later).
+        """
+        from OpenSSL import SSL, crypto
+        from twisted.internet.error import VerifyError
+        from twisted.internet.ssl import CertificateOptions, KeyPair
+
+        try:
+            chain = pem_certificates(self.tls_cert)
+            with open(self.tls_key or self.tls_cert, "rb") as f:
+                key = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
+            options = CertificateOptions(privateKey=key.original, certificate=chain[0].original,
+                                         extraCertChain=[c.original for c in chain[1:]])
+            options.getContext()
+        except (SSL.Error, crypto.Error, VerifyError) as e:
+            raise ValueError(f"--tls-cert {self.tls_cert} with --tls-key "
+                             f"{self.tls_key or self.tls_cert}: {e}") from None
+        return options

@@ -7,8 +7,10 @@ service-identity) against the platform's roots or a given CA file.
 from __future__ import annotations
 
 from treq.client import HTTPClient
-from twisted.internet.ssl import Certificate
+from twisted.internet.ssl import trustRootFromCertificates
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+
+from kcoral.web.endpoint import pem_certificates
 
 
 def tls_problem(error: BaseException) -> str | None:
@@ -49,8 +51,8 @@ def describe_failure(error: BaseException) -> str:
 def tls_policy(ca_path: str | None) -> BrowserLikePolicyForHTTPS:
     if ca_path is None:
         return BrowserLikePolicyForHTTPS()
-    with open(ca_path, "rb") as f:
-        return BrowserLikePolicyForHTTPS(trustRoot=Certificate.loadPEM(f.read()))
+    # Every CA in the file is trusted (Certificate.loadPEM took only the first).
+    return BrowserLikePolicyForHTTPS(trustRoot=trustRootFromCertificates(pem_certificates(ca_path)))
 
 
 class Outgoing:
