@@ -42,7 +42,6 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.internet.threads import deferToThread

@@ -352,3 +352,78 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
     finally:
         await proxy.outgoing.close()
         await port.stopListening()
+
+
+# -- certificate files ------------------------------------------------------------------------------
+
+async def _fetch(issued, ca_path: str) -> int | str:
+    """Serve with C{issued}; GET it through an L{Outgoing} trusting C{ca_path}."""
+    from kcoral.web.outgoing import Outgoing
+
+    port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(
+        Site(_Hello()))
+    outgoing = Outgoing(reactor, ca_path=ca_path)
+    try:
+        response = await outgoing.client.post(f"https://127.0.0.1:{port.getHost().port}/", data=b"")
+        await response.content()
+        return response.code
+    except Exception as e:
+        return tls_problem(e) or repr(e)
+    finally:
+        await outgoing.close()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_certificate_chain_is_sent_whole(tmp_path):
+    # --tls-cert may hold the service's certificate followed by intermediate
+    # CAs; clients trust only the root. (Regression: only the first
+    # certificate of the file was sent, so such chains could not be verified.)
+    root = TestCA(tmp_path / "root", "Root CA")
+    intermediate = TestCA(tmp_path / "intermediate", "Intermediate CA", parent=root)
+    issued = intermediate.issue("chained")
+    assert open(issued.cert).read().count("BEGIN CERTIFICATE") == 2
+    assert await _fetch(issued, root.path) == 200
+    # Python's own TLS client agrees.
+    site = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(
+        Site(_Health()))
+    try:
+        status, _ = await deferToThread(http_get, f"https://127.0.0.1:{site.getHost().port}",
+                                        "/", root.client_context())
+        assert status == 200
+    finally:
+        await site.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_ca_file_may_hold_several_cas(tmp_path, pki):
+    # (Regression: only the first CA of a --tls-ca file was trusted.)
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes(open(pki["other_ca"].path, "rb").read() + open(pki["ca"].path, "rb").read())
+    assert await _fetch(pki["node"], str(bundle)) == 200
+    assert await _fetch(pki["impostor"], str(bundle)) == 200
+    assert "certificate verify failed" in await _fetch(pki["impostor"], pki["ca"].path)
+
+
+def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki, processes):
+    address = ListenAddress("127.0.0.1", 0, pki["node"].cert, pki["impostor"].key)
+    with pytest.raises(ValueError, match="--tls-cert .* with --tls-key"):
+        address.endpoint(reactor)
+    with pytest.raises(ValueError, match="no PEM certificate"):
+        ListenAddress("127.0.0.1", 0, pki["node"].key, pki["node"].key).endpoint(reactor)
+
+
+@pytest_twisted.ensureDeferred
+async def test_kcoral_router_with_a_wrong_key_exits_1_with_one_line(pki, processes):
+    child = processes.spawn(kcoral_argv("router", "--port", "0", "--tls-cert", pki["router"].cert,
+                                        "--tls-key", pki["impostor"].key), name="bad-key")
+    assert await child.exited(60) == 1
+    lines = [line for line in child.output.lines if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kcoral: error: --tls-cert "), lines
+
+
+class _Health(Resource):
+    isLeaf = True
+
+    def render_GET(self, request):
+        return b"{}"

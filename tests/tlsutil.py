@@ -40,30 +40,42 @@ class Issued:
 
 
 class TestCA:
-    """A CA whose certificate lives at L{path}; L{issue} signs server certificates."""
+    """
+    A CA whose certificate lives at L{path}; L{issue} signs server
+    certificates. With a C{parent}, an intermediate CA signed by it: the
+    certificates it issues are written followed by the intermediates.
+    """
 
     __test__ = False  # not a test class, whatever its name
 
-    def __init__(self, directory: Path, name: str = "KCoral test CA"):
+    def __init__(self, directory: Path, name: str = "KCoral test CA", parent: "TestCA | None" = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.name = name
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         public = self._key.public_key()
-        self.cert = (
+        issuer = parent.cert.subject if parent is not None else _name(name)
+        signer = parent._key if parent is not None else self._key
+        builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(name)).issuer_name(_name(name))
+            .subject_name(_name(name)).issuer_name(issuer)
             .public_key(public).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
             .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                          content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=False,
                                          encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-            .sign(self._key, hashes.SHA256()))
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False))
+        if parent is not None:
+            builder = builder.add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(parent._key.public_key()),
+                critical=False)
+        self.cert = builder.sign(signer, hashes.SHA256())
+        #: The intermediates a server sends after its own certificate.
+        self.intermediates = ([self.cert] + parent.intermediates) if parent is not None else []
         self.path = str(self.directory / "ca.pem")
         Path(self.path).write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
@@ -91,7 +103,8 @@ class TestCA:
             .sign(self._key, hashes.SHA256()))
         cert_path = self.directory / f"{label}.pem"
         key_path = self.directory / f"{label}.key"
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        cert_path.write_bytes(b"".join(c.public_bytes(serialization.Encoding.PEM)
+                                       for c in [cert] + self.intermediates))
         key_path.write_bytes(_pem_key(key))
         key_path.chmod(0o600)
         return Issued(str(cert_path), str(key_path))
