@@ -1,0 +1,1078 @@
+"""
+Chaos run: a Router, three CPU nodes and a load generator, while a fault
+injector on a seeded schedule kills workers (SIGKILL), freezes them (SIGSTOP,
+later SIGCONT), stops whole nodes with SIGTERM and starts them again, and
+restarts the Router (SIGTERM, then a new Router on the same port).
+
+    .venv/bin/python bench/chaos.py                        # 2,000 requests, 30 faults
+    .venv/bin/python bench/chaos.py --quick                # what `make test` runs
+    .venv/bin/python bench/chaos.py --requests 3000 --faults 40 --seed 7
+
+What it checks (issue 5, item 1):
+
+ - every request ends with exactly one answer: 200 with the correct outputs,
+   502, or 503 (the client's C{ServerBusy}, after its own retries within
+   C{busy_timeout}); a client timeout (queue timeout + run time + the longest
+   fault) counts as *hung*, a connection closed without an answer as
+   *dropped*; both are *lost*, and so is any other exception;
+ - no 200 carries wrong data: every request has its own random inputs and
+   outputs checked exactly (integers) or to float tolerance;
+ - a 502 is *explained* only when the Router's log names the node that failed
+   the request and a worker of that node died (killed by a signal) while the
+   request was in flight;
+ - afterwards the pool is back to full capacity by itself, and the Router's
+   memory (RSS) and open file descriptors are back near their level after
+   warm-up.
+
+It prints one table and exits 0 when lost, wrong and unexplained 502s are 0
+and the pool and the Router recovered; 1 otherwise. C{tests/test_chaos.py}
+runs C{run(Settings.quick())} from this module; C{doc/reliability.rst} keeps
+the figures of the last full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# The load generator only exports programs and checks results.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+KILL, FREEZE, NODE_STOP, ROUTER_RESTART = "kill", "freeze", "node_stop", "router_restart"
+KINDS = (KILL, FREEZE, NODE_STOP, ROUTER_RESTART)
+#: How often each kind is drawn once every kind has had its turn.
+WEIGHTS = {KILL: 0.35, FREEZE: 0.25, NODE_STOP: 0.2, ROUTER_RESTART: 0.2}
+
+LISTENING = re.compile(r"kcoral (?:router|server) listening on (https?://\S+)")
+WORKER_STARTED = re.compile(r"worker0 started \(pid (\d+)\)")
+WORKER_READY = re.compile(r"worker0 is ready at (\S+)")
+WORKER_EXITED = re.compile(r"worker0 exited with (signal|status) (\d+)")
+REGISTERED = re.compile(r"registered with the Router as ")
+ROUTER_FAILED = re.compile(r"(\S+) failed on ([^/\s]+)/(\S+):")
+
+
+@dataclasses.dataclass
+class Settings:
+    requests: int = 2000
+    faults: int = 30
+    seed: int = 1
+    nodes: int = 3
+    #: Runs at once on each worker (the server's default).
+    capacity: int = 2
+    clients: int = 8
+    #: The client's busy_timeout: how long it retries 503s and refused
+    #: connections (a Router restart) before it gives up with ServerBusy.
+    busy_timeout: float = 5.0
+    #: The Router's --queue-wait-timeout-seconds.
+    queue_timeout: float = 10.0
+    #: Running times of the long programs (the short ones take milliseconds).
+    long_seconds: tuple = (0.2, 0.5, 1.0)
+    #: Steady load between one fault's recovery and the next fault.
+    fault_gap: tuple = (1.0, 3.0)
+    #: SIGSTOP to SIGCONT, alternately long (the supervisor, after 3 failed
+    #: probes of up to 1 s and 1 s of termination grace, kills the worker)
+    #: and short (the worker resumes before the supervisor acts).
+    freeze_long: tuple = (6.0, 8.0)
+    freeze_short: tuple = (0.5, 2.0)
+    #: Chance that the next fault strikes before this one has recovered.
+    overlap: float = 0.3
+    #: A stopped node is started again after this long.
+    node_down_seconds: tuple = (0.5, 2.0)
+    #: A fault not recovered from in this long fails the run.
+    recovery_timeout: float = 90.0
+    #: Router RSS growth (MiB) and fd growth accepted after the run.
+    rss_slack_mib: float = 30.0
+    fd_slack: int = 10
+    log_dir: str | None = None
+    echo: bool = False
+
+    @classmethod
+    def quick(cls, **changes) -> "Settings":
+        """The `make test` run: every fault kind, about a minute and a half."""
+        base = dict(requests=150, faults=6, long_seconds=(0.2, 0.5), fault_gap=(0.5, 1.5),
+                    node_down_seconds=(0.3, 1.0))
+        base.update(changes)
+        return cls(**base)
+
+    @property
+    def full_capacity(self) -> int:
+        return self.nodes * self.capacity
+
+    @property
+    def client_timeout(self) -> float:
+        """The longest a request may take before it counts as hung: the
+        client's retries, the queue wait, the longest run (slowed down by a
+        busy 2-core machine), a frozen worker and a draining Router."""
+        return self.busy_timeout + self.queue_timeout + 4 * max(self.long_seconds) \
+            + self.freeze_long[1] + 15.0
+
+    def router_args(self, port: int) -> list[str]:
+        return ["router", "--port", str(port),
+                "--status-check-interval-seconds", "0.2", "--max-status-age-seconds", "2",
+                "--unhealthy-threshold", "2", "--recovery-threshold", "1",
+                "--queue-wait-timeout-seconds", str(self.queue_timeout),
+                "--node-retention-seconds", "30"]
+
+    def node_args(self, router_url: str, node_id: str) -> list[str]:
+        return ["server", "--router", router_url, "--node-id", node_id, "--port", "0",
+                "--gpus", "none", "--capacity", str(self.capacity),
+                "--health-interval-seconds", "0.5", "--health-timeout-seconds", "1",
+                "--failure-threshold", "3", "--startup-grace-seconds", "8",
+                "--termination-grace-seconds", "1", "--stable-reset-seconds", "10",
+                "--restart-min-delay-seconds", "0.2", "--restart-max-delay-seconds", "2",
+                "--restart-jitter", "0.1"]
+
+
+# -- child processes -------------------------------------------------------------------
+
+class ChildFailed(Exception):
+    pass
+
+
+class Child:
+    """A C{kcoral} child process whose output lines are kept with their
+    arrival time (C{time.monotonic()}), and optionally written to a file."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path | None, echo: bool):
+        self.name = name
+        self.lines: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._echo = echo
+        self._log = open(log_dir / f"{name}.log", "a", buffering=1) if log_dir else None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("JAX_PLATFORMS", None)  # servers run with --gpus none
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kcoral", *args], cwd=ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl+C of the run reaches the driver only,
+            # which then stops every child in order.
+            start_new_session=True)
+        self.started = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            now = time.monotonic()
+            with self._cond:
+                self.lines.append((now, text))
+                self._cond.notify_all()
+            if self._log is not None:
+                self._log.write(f"{now:.3f} {text}\n")
+            if self._echo:
+                print(f"[{self.name}] {text}", file=sys.stderr, flush=True)
+        self.proc.wait()
+        with self._cond:
+            self._cond.notify_all()
+        if self._log is not None:
+            self._log.close()
+
+    def mark(self) -> int:
+        with self._cond:
+            return len(self.lines)
+
+    def find(self, pattern: re.Pattern, since: int = 0) -> list[tuple[float, re.Match]]:
+        return [(t, m) for _, t, m in self.find_indexed(pattern, since)]
+
+    def find_indexed(self, pattern: re.Pattern, since: int = 0) -> list[tuple[int, float, re.Match]]:
+        """(line index, arrival time, match) of each matching line."""
+        with self._cond:
+            lines = self.lines[since:]
+        found = ((since + i, t, pattern.search(text)) for i, (t, text) in enumerate(lines))
+        return [item for item in found if item[2]]
+
+    def wait_for(self, pattern: re.Pattern, timeout: float, since: int = 0) -> tuple[float, re.Match]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for t, text in self.lines[since:]:
+                    match = pattern.search(text)
+                    if match:
+                        return t, match
+                since = len(self.lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise ChildFailed(f"{self.name} exited ({self.proc.returncode}) before "
+                                      f"logging {pattern.pattern!r}\n{self.tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChildFailed(f"{self.name} did not log {pattern.pattern!r} within "
+                                      f"{timeout} s\n{self.tail()}")
+                self._cond.wait(min(left, 0.5))
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def tail(self, count: int = 30) -> str:
+        with self._cond:
+            lines = self.lines[-count:]
+        return "\n".join(f"  [{self.name}] {text}" for _, text in lines)
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range, so that no outgoing
+    connection takes it while the Router restarts."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def process_resources(pid: int) -> tuple[float, int] | None:
+    """(RSS in MiB, open file descriptors) of C{pid}."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return rss / 1024.0, len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, StopIteration):
+        return None
+
+
+# -- the deployment ---------------------------------------------------------------------
+
+class Deployment:
+    """The Router and the nodes, started and restarted by the injector."""
+
+    def __init__(self, settings: Settings, log_dir: Path | None):
+        self.settings = settings
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.router: Child | None = None
+        #: Every Router and supervisor ever started, in order.
+        self.routers: list[Child] = []
+        self.node_children: dict[str, list[Child]] = {}
+        self.node_ids = [f"node-{chr(ord('a') + i)}" for i in range(settings.nodes)]
+        self._starts = 0
+
+    def _child(self, name: str, args: list[str]) -> Child:
+        self._starts += 1
+        return Child(f"{self._starts:02d}-{name}", args, self.log_dir, self.settings.echo)
+
+    def start_router(self) -> Child:
+        child = self._child("router", self.settings.router_args(self.port))
+        self.routers.append(child)
+        child.wait_for(LISTENING, 60)
+        self.router = child
+        return child
+
+    def start_node(self, node_id: str, wait: bool = True) -> Child:
+        child = self._child(node_id, self.settings.node_args(self.url, node_id))
+        self.node_children.setdefault(node_id, []).append(child)
+        if wait:
+            self.wait_node(child)
+        return child
+
+    def wait_node(self, child: Child) -> None:
+        child.wait_for(WORKER_READY, 120)
+        child.wait_for(REGISTERED, 60)
+
+    def node(self, node_id: str) -> Child:
+        return self.node_children[node_id][-1]
+
+    def worker_pid(self, node_id: str) -> int | None:
+        started = self.node(node_id).find(WORKER_STARTED)
+        return int(started[-1][1].group(1)) if started else None
+
+    def get(self, path: str, timeout: float = 2.0) -> dict | None:
+        """The Router's JSON answer to C{GET path}, or None when it does not answer."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("GET", path)
+            return json.loads(conn.getresponse().read())
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
+    def health(self, timeout: float = 2.0) -> dict | None:
+        return self.get("/health", timeout)
+
+    def pool_nodes(self) -> dict:
+        """The Router's C{/v1/nodes}, by node id."""
+        answer = self.get("/v1/nodes") or {}
+        return {node["node_id"]: node for node in answer.get("nodes", [])}
+
+    def is_full(self) -> bool:
+        health = self.health()
+        return bool(health) and health.get("capacity") == self.settings.full_capacity \
+            and health.get("nodes", {}).get("ready") == self.settings.nodes
+
+    def wait_full(self, timeout: float) -> float | None:
+        """The time the pool was first seen at full capacity, or None."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.is_full():
+                return time.monotonic()
+            time.sleep(0.1)
+        return None
+
+    def children(self) -> list[Child]:
+        return self.routers + [c for cs in self.node_children.values() for c in cs]
+
+    def stop_all(self, grace: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM every live supervisor, then the Router; SIGKILL what is
+        left after C{grace}. Returns exit statuses by child name."""
+        codes = {}
+        live = [c for c in self.children() if c.proc.poll() is None]
+        nodes = [c for c in live if c not in self.routers]
+        routers = [c for c in live if c in self.routers]
+        for group in (nodes, routers):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            for child in group:
+                codes[child.name] = child.wait(grace)
+        for child in self.children():
+            if child.proc.poll() is None:
+                child.signal(signal.SIGKILL)
+                child.wait(10)
+        # A worker whose supervisor was killed would outlive it.
+        for cs in self.node_children.values():
+            for child in cs:
+                for _, match in child.find(WORKER_STARTED):
+                    pid = int(match.group(1))
+                    if pid_alive(pid):
+                        signal_pid(pid, signal.SIGCONT)
+                        signal_pid(pid, signal.SIGKILL)
+        return codes
+
+
+# -- programs and their expected outputs -------------------------------------------------
+
+BLOB_ELEMENTS = 32 * 1024  # int32: 128 KiB, sent by digest once a worker holds it
+
+
+class Workload:
+    """Three programs with outputs checked against numpy (or a local JAX
+    reference for the floating-point loop): short (microseconds), big (a
+    128 KiB input that goes through the upload cache, so restarts and other
+    nodes exercise the 409 resend) and long (a while loop of calibrated
+    length)."""
+
+    def __init__(self, long_seconds: tuple, mix: tuple = (0.65, 0.15, 0.2)):
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        from kcoral import Program
+
+        def short(a, b):
+            return {"y": a @ b, "s": jnp.sum(a, dtype=jnp.int32)}
+
+        def big(blob, v):
+            return jnp.sum(blob, dtype=jnp.int32) + v, v * 2
+
+        def long(n, x, v0):
+            def body(carry):
+                i, v = carry
+                return i + 1, jnp.sin(v) * 0.5 + v * 0.5
+
+            i, v = lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), v0))
+            return {"x": x * 3 + 1, "v": v, "i": i}
+
+        #: Shares of short, big and long requests.
+        self.mix = mix
+        self.a_shape, self.v_shape, self.x_shape = (16, 16), (4,), (8,)
+        i32 = np.int32
+        self.short = Program.from_function(short, np.zeros(self.a_shape, i32), np.zeros(16, i32))
+        self.blob = np.random.default_rng(12345).integers(0, 100, BLOB_ELEMENTS, dtype=np.int32)
+        self.blob_sum = np.int32(self.blob.sum())
+        self.big = Program.from_function(big, self.blob, np.zeros(self.v_shape, i32))
+        self.v0 = np.full(16, 0.75, np.float32)
+        self.long = Program.from_function(long, np.int32(1), np.zeros(self.x_shape, i32), self.v0)
+        # Calibrate the loop here, and compute its floating-point result once
+        # per length with the same XLA the servers use.
+        local = jax.jit(long)
+        local(np.int32(10), np.zeros(self.x_shape, i32), self.v0)["v"].block_until_ready()
+        probe = 1_000_000
+        started = time.perf_counter()
+        local(np.int32(probe), np.zeros(self.x_shape, i32), self.v0)["v"].block_until_ready()
+        per_iteration = max((time.perf_counter() - started) / probe, 1e-9)
+        self.long_n = [int(s / per_iteration) for s in long_seconds]
+        self.long_v = {n: np.asarray(local(np.int32(n), np.zeros(self.x_shape, i32), self.v0)["v"])
+                       for n in self.long_n}
+
+    def request(self, rng: np.random.Generator):
+        """(kind, program, args, check) for one request; check(outputs)
+        returns None when they are right, else what is wrong."""
+        draw = rng.random() * sum(self.mix)
+        if draw < self.mix[0]:
+            a = rng.integers(-50, 50, self.a_shape, dtype=np.int32)
+            b = rng.integers(-50, 50, 16, dtype=np.int32)
+            want = {"y": a @ b, "s": np.int32(a.sum())}
+            return "short", self.short, (a, b), lambda out: _diff(out, want)
+        if draw < self.mix[0] + self.mix[1]:
+            v = rng.integers(-1000, 1000, self.v_shape, dtype=np.int32)
+            want = (self.blob_sum + v, v * 2)
+            return "big", self.big, (self.blob, v), lambda out: _diff(out, want)
+        n = self.long_n[int(rng.integers(len(self.long_n)))]
+        x = rng.integers(-1000, 1000, self.x_shape, dtype=np.int32)
+        want = {"x": x * 3 + 1, "v": self.long_v[n], "i": np.int32(n)}
+        return "long", self.long, (np.int32(n), x, self.v0), lambda out: _diff(out, want)
+
+
+def _diff(got, want, path="outputs") -> str | None:
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"{path}: {type(got).__name__} with keys {sorted(got) if isinstance(got, dict) else '-'}"
+        for key in want:
+            problem = _diff(got[key], want[key], f"{path}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"{path}: {type(got).__name__} instead of {len(want)} items"
+        for i, (g, w) in enumerate(zip(got, want)):
+            problem = _diff(g, w, f"{path}[{i}]")
+            if problem:
+                return problem
+        return None
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{path}: {got.dtype}{got.shape} instead of {want.dtype}{want.shape}"
+    same = np.array_equal(got, want) if want.dtype.kind in "iub" else \
+        np.allclose(got, want, rtol=1e-5, atol=1e-6)
+    return None if same else f"{path}: wrong values"
+
+
+# -- the load generator -----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Record:
+    index: int
+    request_id: str
+    kind: str
+    start: float
+    end: float = 0.0
+    #: ok, wrong, 502, 503, dropped, hung or error.
+    outcome: str = ""
+    #: 503 reason, error type, what was wrong.
+    detail: str = ""
+
+
+class Pacer:
+    """Spreads the requests over the injector's run: each request is due
+    after an interval of (time the injector still needs) / (requests left);
+    once the injector is done, the rest go as fast as the clients can."""
+
+    def __init__(self, total: int, injector: "Injector | None" = None):
+        self.total = total
+        self.injector = injector
+        self._next = 0
+        self._due = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self._lock:
+            if self._next >= self.total:
+                return None
+            index = self._next
+            self._next += 1
+            now = time.monotonic()
+            if self.injector is None or self.injector.finished:
+                due = now
+            else:
+                left = max(self.injector.expected_end() - now, 0.5)
+                self._due = max(self._due, now - 1.0) + left / (self.total - index)
+                due = self._due
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return index
+
+
+class Load:
+    def __init__(self, deployment: Deployment, workload: Workload, settings: Settings,
+                 pacer: Pacer):
+        self.deployment = deployment
+        self.workload = workload
+        self.settings = settings
+        self.pacer = pacer
+        self.records: list[Record] = []
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(i,), name=f"client-{i}",
+                                         daemon=True) for i in range(settings.clients)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return not any(t.is_alive() for t in self.threads)
+
+    def _client(self, index: int) -> None:
+        from kcoral import Client
+
+        client = Client(self.deployment.url, busy_timeout=self.settings.busy_timeout,
+                        timeout=self.settings.client_timeout)
+        try:
+            while (i := self.pacer.take()) is not None:
+                record = self._one(client, i)
+                with self._lock:
+                    self.records.append(record)
+        finally:
+            client.close()
+
+    def _one(self, client, index: int) -> Record:
+        from kcoral import KCoralError, NodeFailure, ServerBusy
+
+        rng = np.random.default_rng([self.settings.seed, index])
+        kind, program, args, check = self.workload.request(rng)
+        record = Record(index, f"chaos-{self.settings.seed}-{index}", kind, time.monotonic())
+        try:
+            outputs = client.run(program, *args, request_id=record.request_id)
+        except NodeFailure as e:
+            # A 502 answer carries the service's request id; the client's own
+            # NodeFailure (the connection closed with no answer) does not.
+            record.outcome = "502" if e.request_id else "dropped"
+            record.detail = e.message
+        except ServerBusy as e:
+            record.outcome, record.detail = "503", e.reason or "busy"
+        except TimeoutError as e:
+            record.outcome, record.detail = "hung", str(e)
+        except KCoralError as e:
+            record.outcome, record.detail = "error", f"{e.status} {e.type}: {e.message}"
+        except Exception as e:  # noqa: BLE001 - every other ending is a lost request
+            record.outcome, record.detail = "error", f"{e.__class__.__name__}: {e}"
+        else:
+            problem = check(outputs)
+            record.outcome, record.detail = ("wrong", problem) if problem else ("ok", "")
+        record.end = time.monotonic()
+        return record
+
+
+# -- the fault injector ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Fault:
+    index: int
+    kind: str
+    target: str
+    start: float = 0.0
+    #: When the target was back (full capacity again).
+    back: float | None = None
+    #: Worker pid for kill/freeze; exit status for node_stop/router_restart.
+    pid: int | None = None
+    exit_code: int | None = None
+    #: For freeze: whether the supervisor killed the frozen worker.
+    killed: bool = False
+    #: Drain time of a SIGTERMed node or Router; freeze length.
+    seconds: float = 0.0
+    problem: str = ""
+    #: Whether another fault was in progress at some point of this one.
+    overlapped: bool = False
+    rng: random.Random = dataclasses.field(default=None, repr=False)
+
+    @property
+    def recovery(self) -> float | None:
+        return None if self.back is None else self.back - self.start
+
+
+def fault_plan(count: int, rng: random.Random) -> list[str]:
+    """Every kind once (in a seeded order) when there are at least four
+    faults, the rest drawn by L{WEIGHTS}; no Router restart in the last third,
+    so the Router measured at the end has lived through other faults."""
+    kinds = list(KINDS) if count >= len(KINDS) else []
+    rng.shuffle(kinds)
+    kinds += rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()), k=count - len(kinds))
+    kinds = kinds[:count]
+    last_third = count - count // 3
+    for i in range(last_third, count):
+        if kinds[i] == ROUTER_RESTART:
+            swaps = [j for j in range(last_third) if kinds[j] != ROUTER_RESTART]
+            if swaps:
+                j = rng.choice(swaps)
+                kinds[i], kinds[j] = kinds[j], kinds[i]
+    return kinds
+
+
+class Injector:
+    def __init__(self, deployment: Deployment, settings: Settings):
+        self.deployment = deployment
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.plan = fault_plan(settings.faults, self.rng)
+        self.faults: list[Fault] = []
+        self.finished = False
+        self.failed: str | None = None
+        self.started = time.monotonic()
+        #: Seconds a fault takes, lead-in and gap included, until measured.
+        self._guess = 8.0
+        self.router_starts: list[tuple[float, Child]] = []
+        self.thread = threading.Thread(target=self._run, name="injector", daemon=True)
+
+    def expected_end(self) -> float:
+        now = time.monotonic()
+        done = len([f for f in self.faults if f.back is not None])
+        per_fault = (now - self.started) / done if done else self._guess
+        return now + (len(self.plan) - done) * per_fault + 3.0
+
+    def _run(self) -> None:
+        settings, rng = self.settings, self.rng
+        running: dict[str, threading.Thread] = {}
+        try:
+            time.sleep(rng.uniform(*settings.fault_gap) + 1.0)
+            freezes = 0
+            for index, kind in enumerate(self.plan):
+                target = self._target(kind, running)
+                fault = Fault(index, kind, target)
+                fault.rng = random.Random(rng.random())
+                if kind == FREEZE:
+                    # Alternately a freeze the supervisor must end (longer
+                    # than its probes' patience) and one that ends before it
+                    # notices.
+                    freezes += 1
+                    fault.seconds = rng.uniform(*(settings.freeze_long if freezes % 2
+                                                  else settings.freeze_short))
+                overlap = index + 1 < len(self.plan) and rng.random() < settings.overlap
+                fault.overlapped = overlap or any(t.is_alive() for t in running.values())
+                self.faults.append(fault)
+                thread = threading.Thread(target=self._inject, args=(fault,),
+                                          name=f"fault-{index}", daemon=True)
+                running[target] = thread
+                thread.start()
+                if overlap:
+                    # The next fault strikes while this one is in progress.
+                    time.sleep(rng.uniform(0.2, 1.5))
+                    continue
+                for thread in running.values():
+                    thread.join()
+                if self.failed:
+                    return
+                time.sleep(rng.uniform(*settings.fault_gap))
+            for thread in running.values():
+                thread.join()
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            self.failed = f"the injector failed: {e.__class__.__name__}: {e}"
+        finally:
+            self.finished = True
+
+    def _target(self, kind: str, running: dict) -> str:
+        """A target no fault in progress holds (waiting for one if need be)."""
+        while True:
+            busy = {target for target, thread in running.items() if thread.is_alive()}
+            if kind == ROUTER_RESTART:
+                free = [] if "router" in busy else ["router"]
+            else:
+                free = [n for n in self.deployment.node_ids if n not in busy]
+            if free:
+                return self.rng.choice(free)
+            for thread in list(running.values()):
+                thread.join()
+
+    def _inject(self, fault: Fault) -> None:
+        try:
+            getattr(self, f"_{fault.kind}")(fault)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            fault.problem = f"{e.__class__.__name__}: {e}"
+        if fault.back is None and not self.failed:
+            self.failed = f"fault {fault.index} ({fault.kind} {fault.target}) did not recover: " \
+                          f"{fault.problem}"
+
+    def _wait_back(self, fault: Fault, child: Child, since: int) -> None:
+        """Back: the node logged a new ready worker (when its worker was
+        replaced) and the pool has its full capacity again."""
+        d = self.deployment
+        timeout = self.settings.recovery_timeout
+        exits = child.find_indexed(WORKER_EXITED, since)
+        if exits:
+            try:
+                child.wait_for(WORKER_READY, timeout, exits[-1][0] + 1)
+            except ChildFailed as e:
+                fault.problem = str(e)
+                return
+        fault.back = d.wait_full(timeout)
+        if fault.back is None:
+            fault.problem = f"capacity not back within {timeout} s: {d.health()}"
+
+    def _kill(self, fault: Fault) -> None:
+        d = self.deployment
+        child = d.node(fault.target)
+        since = child.mark()
+        fault.pid = d.worker_pid(fault.target)
+        fault.start = time.monotonic()
+        signal_pid(fault.pid, signal.SIGKILL)
+        try:
+            child.wait_for(WORKER_EXITED, 30, since)
+        except ChildFailed as e:
+            fault.problem = str(e)
+            return
+        self._wait_back(fault, child, since)
+
+    def _freeze(self, fault: Fault) -> None:
+        d = self.deployment
+        child = d.node(fault.target)
+        since = child.mark()
+        fault.pid = d.worker_pid(fault.target)
+        fault.start = time.monotonic()
+        signal_pid(fault.pid, signal.SIGSTOP)
+        time.sleep(fault.seconds)
+        signal_pid(fault.pid, signal.SIGCONT)
+        # The supervisor may be about to kill it (SIGTERM pending, SIGKILL
+        # after the grace): give that a moment to show.
+        time.sleep(1.5)
+        fault.killed = bool(child.find(WORKER_EXITED, since))
+        self._wait_back(fault, child, since)
+
+    def _node_stop(self, fault: Fault) -> None:
+        d = self.deployment
+        child = d.node(fault.target)
+        fault.start = time.monotonic()
+        child.signal(signal.SIGTERM)
+        fault.exit_code = child.wait(60)
+        fault.seconds = time.monotonic() - fault.start
+        if fault.exit_code is None:
+            fault.problem = "the node did not exit within 60 s of SIGTERM"
+            return
+        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
+        try:
+            d.start_node(fault.target)
+        except ChildFailed as e:
+            fault.problem = str(e)
+            return
+        fault.back = d.wait_full(self.settings.recovery_timeout)
+        if fault.back is None:
+            fault.problem = f"capacity not back: {d.health()}"
+
+    def _router_restart(self, fault: Fault) -> None:
+        d = self.deployment
+        fault.start = time.monotonic()
+        d.router.signal(signal.SIGTERM)
+        fault.exit_code = d.router.wait(60)
+        fault.seconds = time.monotonic() - fault.start
+        if fault.exit_code is None:
+            fault.problem = "the Router did not exit within 60 s of SIGTERM"
+            return
+        try:
+            child = d.start_router()
+        except ChildFailed as e:
+            fault.problem = str(e)
+            return
+        self.router_starts.append((time.monotonic(), child))
+        fault.back = d.wait_full(self.settings.recovery_timeout)
+        if fault.back is None:
+            fault.problem = f"capacity not back: {d.health()}"
+
+
+class ResourceMonitor:
+    """Samples the current Router's RSS and open fds twice a second."""
+
+    def __init__(self, deployment: Deployment):
+        self.deployment = deployment
+        self.samples: list[tuple[float, int, float, int]] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="resources", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            router = self.deployment.router
+            if router is not None and router.proc.poll() is None:
+                sample = process_resources(router.pid)
+                if sample:
+                    self.samples.append((time.monotonic(), router.pid, *sample))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join()
+
+    def baseline(self, pid: int, after: float) -> tuple[float, int] | None:
+        """The first sample of Router C{pid} taken after C{after}."""
+        for t, p, rss, fds in self.samples:
+            if p == pid and t >= after:
+                return rss, fds
+        return None
+
+
+# -- the run ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+    settings: Settings
+    records: list[Record]
+    faults: list[Fault]
+    deaths: list[tuple[float, str, str]]
+    failed_on: dict[str, str]
+    elapsed: float = 0.0
+    t0: float = 0.0
+    final_recovery: float | None = None
+    resources: dict = dataclasses.field(default_factory=dict)
+    exit_codes: dict = dataclasses.field(default_factory=dict)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def by_outcome(self, outcome: str) -> list[Record]:
+        return [r for r in self.records if r.outcome == outcome]
+
+    def unexplained_502(self) -> list[Record]:
+        """502s with no death of a worker of the node that failed them while
+        they were in flight (1 s of slack for log lines to arrive)."""
+        bad = []
+        for r in self.by_outcome("502"):
+            node = self.failed_on.get(r.request_id)
+            if not any((node is None or n == node) and r.start - 1.0 <= t <= r.end + 1.0
+                       for t, n, _ in self.deaths):
+                bad.append(r)
+        return bad
+
+    @property
+    def lost(self) -> list[Record]:
+        """Requests without one valid answer; every index once."""
+        seen = {r.index for r in self.records}
+        missing = [Record(i, "", "", 0.0, outcome="missing")
+                   for i in range(self.settings.requests) if i not in seen]
+        return missing + [r for r in self.records if r.outcome in ("hung", "dropped", "error")]
+
+    @property
+    def wrong(self) -> list[Record]:
+        return self.by_outcome("wrong")
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.wrong or self.unexplained_502() or self.problems)
+
+
+def run(settings: Settings) -> Result:
+    log_dir = Path(settings.log_dir) if settings.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    workload = Workload(settings.long_seconds)
+    d = Deployment(settings, log_dir)
+    problems: list[str] = []
+    monitor = ResourceMonitor(d)
+    injector = None
+    load = None
+    final_recovery = None
+    resources: dict = {}
+    exit_codes: dict = {}
+    try:
+        first = d.start_router()
+        starting = [d.start_node(node_id, wait=False) for node_id in d.node_ids]
+        for child in starting:
+            d.wait_node(child)
+        if d.wait_full(60) is None:
+            raise RuntimeError(f"the pool did not reach full capacity: {d.health()}")
+        monitor.thread.start()
+        injector = Injector(d, settings)
+        injector.router_starts.append((time.monotonic(), first))
+        load = Load(d, workload, settings, Pacer(settings.requests, injector))
+        injector.thread.start()
+        load.start()
+        injector.thread.join()
+        if injector.failed:
+            problems.append(injector.failed)
+        if not load.join(settings.client_timeout * (settings.requests / settings.clients + 2)):
+            problems.append("the load generator did not finish")
+        load_end = max((r.end for r in load.records), default=time.monotonic())
+        full = d.wait_full(settings.recovery_timeout)
+        if full is None:
+            problems.append(f"the pool did not recover full capacity: {d.health()}")
+        else:
+            final_recovery = max(full - load_end, 0.0)
+        # Let closed client connections and idle pooled ones settle.
+        time.sleep(2.0)
+        router = d.router
+        start_time, _ = next((t, c) for t, c in reversed(injector.router_starts) if c is router)
+        base = monitor.baseline(router.pid, start_time + 5.0)
+        end = process_resources(router.pid)
+        if base and end:
+            resources = {"rss_base": base[0], "rss_end": end[0], "fds_base": base[1],
+                         "fds_end": end[1],
+                         "rss_peak": max(s[2] for s in monitor.samples if s[1] == router.pid),
+                         "fds_peak": max(s[3] for s in monitor.samples if s[1] == router.pid)}
+            if end[0] - base[0] > settings.rss_slack_mib:
+                problems.append(f"Router RSS grew from {base[0]:.1f} to {end[0]:.1f} MiB")
+            if end[1] - base[1] > settings.fd_slack:
+                problems.append(f"Router fds grew from {base[1]} to {end[1]}")
+        else:
+            problems.append("no Router resource baseline (the last Router ran under 5 s)")
+    finally:
+        monitor._stop.set()
+        if load is not None:
+            load.join(5)
+        exit_codes = d.stop_all()
+    deaths = []
+    for node_id, children in d.node_children.items():
+        for child in children:
+            for t, match in child.find(WORKER_EXITED):
+                if match.group(1) == "signal" or match.group(2) != "0":
+                    deaths.append((t, node_id, match.group(0)))
+    failed_on = {}
+    for router in d.routers:
+        for _, match in router.find(ROUTER_FAILED):
+            failed_on[match.group(1)] = match.group(2)
+    result = Result(settings, sorted(load.records if load else [], key=lambda r: r.index),
+                    injector.faults if injector else [], sorted(deaths), failed_on,
+                    elapsed=time.monotonic() - began, t0=began, final_recovery=final_recovery,
+                    resources=resources, exit_codes=exit_codes, problems=problems)
+    for fault in result.faults:
+        if fault.kind in (NODE_STOP, ROUTER_RESTART) and fault.exit_code not in (0, None):
+            problems.append(f"fault {fault.index}: {fault.kind} {fault.target} exited "
+                            f"{fault.exit_code} after SIGTERM")
+    for name, code in exit_codes.items():
+        if code != 0:
+            problems.append(f"{name} exited {code} at the end of the run")
+    return result
+
+
+# -- the table ----------------------------------------------------------------------------
+
+def _seconds(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"median {statistics.median(values):.1f} s, max {max(values):.1f} s"
+
+
+def table(result: Result) -> str:
+    s = result.settings
+    rows: list[tuple[str, str]] = []
+    records = result.records
+    rows.append(("requests", f"{len(records)} of {s.requests} "
+                 f"({sum(r.kind == 'short' for r in records)} short, "
+                 f"{sum(r.kind == 'big' for r in records)} big, "
+                 f"{sum(r.kind == 'long' for r in records)} long), {s.clients} clients"))
+    rows.append(("200 correct", str(len(result.by_outcome("ok")))))
+    rows.append(("502", f"{len(result.by_outcome('502'))} "
+                 f"(unexplained: {len(result.unexplained_502())})"))
+    busy = result.by_outcome("503")
+    reasons: dict[str, int] = {}
+    for r in busy:
+        reasons[r.detail] = reasons.get(r.detail, 0) + 1
+    rows.append(("503", f"{len(busy)}" + (" (" + ", ".join(
+        f"{k} {v}" for k, v in sorted(reasons.items())) + ")" if reasons else "")))
+    lost = result.lost
+    rows.append(("lost", f"{len(lost)}" + (" (" + ", ".join(
+        f"{o} {sum(r.outcome == o for r in lost)}" for o in sorted({r.outcome for r in lost}))
+        + ")" if lost else "")))
+    rows.append(("wrong", str(len(result.wrong))))
+    faults = result.faults
+    for kind in KINDS:
+        of_kind = [f for f in faults if f.kind == kind]
+        extra = ""
+        if kind == FREEZE and of_kind:
+            extra = f", {sum(f.killed for f in of_kind)} ended by the supervisor"
+        if kind in (NODE_STOP, ROUTER_RESTART) and of_kind:
+            extra = f", drain {_seconds([f.seconds for f in of_kind])}"
+        rows.append((f"faults: {kind}", f"{len(of_kind)}{extra}"))
+        rows.append((f"  recovery after {kind}", _seconds([f.recovery for f in of_kind
+                                                           if f.recovery is not None])))
+    rows.append(("faults injected", f"{len(faults)} of {s.faults}, "
+                 f"{sum(f.overlapped for f in faults)} overlapping another"))
+    rows.append(("worker deaths", str(len(result.deaths))))
+    rows.append(("pool at full capacity after the run",
+                 "no" if result.final_recovery is None
+                 else f"yes, {result.final_recovery:.1f} s after the last answer"))
+    res = result.resources
+    if res:
+        rows.append(("Router RSS", f"{res['rss_base']:.1f} MiB after warm-up, peak "
+                     f"{res['rss_peak']:.1f}, end {res['rss_end']:.1f}"))
+        rows.append(("Router open fds", f"{res['fds_base']} after warm-up, peak "
+                     f"{res['fds_peak']}, end {res['fds_end']}"))
+    done = [r for r in records if r.outcome == "ok"]
+    if done:
+        latency = sorted(r.end - r.start for r in done)
+        rows.append(("200 latency", f"median {statistics.median(latency):.2f} s, "
+                     f"max {latency[-1]:.2f} s"))
+    rows.append(("elapsed", f"{result.elapsed:.0f} s (seed {s.seed})"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    for problem in result.problems:
+        lines.append(f"PROBLEM: {problem}")
+    for r in (lost + result.wrong + result.unexplained_502())[:20]:
+        lines.append(f"  {r.outcome} #{r.index} {r.kind} {r.request_id} "
+                     f"[{r.start - result.t0:.1f} s, {r.end - result.t0:.1f} s] {r.detail}")
+    lines.append("verdict: " + ("OK" if result.ok else "FAILED"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, help="requests to send (default 2000, quick 150)")
+    parser.add_argument("--faults", type=int, help="faults to inject (default 30, quick 6)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and inputs")
+    parser.add_argument("--clients", type=int, help="client threads (default 8)")
+    parser.add_argument("--quick", action="store_true", help="the short run of `make test`")
+    parser.add_argument("--log-dir", help="keep every child's log here")
+    parser.add_argument("--echo", action="store_true", help="print the children's output")
+    args = parser.parse_args(argv)
+    changes = {k: v for k, v in (("requests", args.requests), ("faults", args.faults),
+                                 ("clients", args.clients)) if v is not None}
+    changes.update(seed=args.seed, echo=args.echo)
+    if args.log_dir:
+        changes["log_dir"] = args.log_dir
+    settings = Settings.quick(**changes) if args.quick else Settings(**changes)
+    with tempfile.TemporaryDirectory(prefix="kcoral-chaos-") as tmp:
+        if not settings.log_dir:
+            settings.log_dir = tmp
+        result = run(settings)
+        print(table(result))
+        if not result.ok and settings.log_dir == tmp:
+            keep = Path(tempfile.mkdtemp(prefix="kcoral-chaos-logs-"))
+            for path in Path(tmp).iterdir():
+                (keep / path.name).write_bytes(path.read_bytes())
+            print(f"logs kept in {keep}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

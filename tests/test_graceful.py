@@ -1,0 +1,194 @@
+"""
+Graceful paths lose nothing (issue 5, item 2), with real processes on
+loopback and the chaos run's load generator (C{bench/chaos.py}): a node
+stopped with SIGTERM under load, and a Router stopped with SIGTERM under load,
+produce no 5xx and no connection closed without an answer.
+
+ - The node reports that it is draining, its worker finishes the runs it
+   holds, and the rest of the load goes to the other node: every request
+   gets its correct 200.
+ - The Router closes its port at once (a new connection is refused: the
+   client raises C{ServerBusy} with reason C{unreachable} itself, no answer
+   was sent), serves what it holds and what still arrives on open
+   connections, each answer closing its connection, and exits 0. Every
+   request sent before the SIGTERM gets its correct 200.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import chaos  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+pytest.importorskip("jax")
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """Mostly long runs (0.5 and 1 s), so that a SIGTERM finds work in flight."""
+    return chaos.Workload((0.5, 1.0), mix=(0.4, 0.1, 0.5))
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    """A Router and two CPU nodes at full capacity; stopped after the test.
+    The Router's queue wait is long: on a busy 2-core machine, half the
+    capacity with eight clients of long runs must not time out (a 503
+    queue_timeout would be a 5xx, if not one due to the stop)."""
+    settings = chaos.Settings(nodes=2, clients=8, busy_timeout=30.0, queue_timeout=120.0,
+                              log_dir=str(tmp_path))
+    d = chaos.Deployment(settings, tmp_path)
+    try:
+        d.start_router()
+        for child in [d.start_node(node_id, wait=False) for node_id in d.node_ids]:
+            d.wait_node(child)
+        assert d.wait_full(60), f"the pool did not reach full capacity: {d.health()}"
+        yield d
+    finally:
+        d.stop_all()
+
+
+def until(check, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+
+
+def logs(d: chaos.Deployment) -> str:
+    return "\n".join(child.tail(40) for child in d.children())
+
+
+def outcomes(records) -> collections.Counter:
+    return collections.Counter(r.outcome if r.outcome != "503" else f"503 {r.detail}"
+                               for r in records)
+
+
+def test_node_sigterm_under_load_loses_nothing(deployment, workload):
+    d = deployment
+    load = chaos.Load(d, workload, d.settings, chaos.Pacer(60))
+    load.start()
+    target = d.node_ids[0]
+    until(lambda: d.pool_nodes().get(target, {}).get("active", 0) >= 1, f"{target} running a program")
+    node = d.node(target)
+    node.signal(signal.SIGTERM)
+    assert node.wait(60) == 0, logs(d)
+    assert load.join(180), "the load did not finish"
+
+    records = load.records
+    assert outcomes(records) == {"ok": 60}, \
+        [dataclasses.astuple(r) for r in records if r.outcome != "ok"][:10]
+    # It drained with work in flight, and the Router failed nothing.
+    assert node.find(re.compile(r"\[worker0\] .*draining: [1-9]\d* running")), logs(d)
+    assert node.find(re.compile(r"kcoral node stopped"))
+    assert not d.router.find(chaos.ROUTER_FAILED)
+    assert not d.router.find(re.compile(r"answered 5\d\d"))
+    # It deregistered (and may be forgotten already: 30 s of retention).
+    assert d.pool_nodes().get(target, {"state": "gone"})["state"] == "gone"
+
+
+def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload):
+    d = deployment
+    # No retries: once the Router is gone, a request is refused at once.
+    settings = dataclasses.replace(d.settings, busy_timeout=0.0)
+    load = chaos.Load(d, workload, settings, chaos.Pacer(80))
+    load.start()
+    until(lambda: (d.health() or {}).get("active", 0) >= 3, "three runs in flight")
+    router = d.router
+    terminated = time.monotonic()
+    router.signal(signal.SIGTERM)
+    assert router.wait(60) == 0, logs(d)
+    assert load.join(180), "the load did not finish"
+
+    records = load.records
+    counts = outcomes(records)
+    # No 5xx answer, nothing dropped: a 200, or (after the SIGTERM) a
+    # refused connection, which the client reports as unreachable.
+    assert set(counts) <= {"ok", "503 unreachable"}, \
+        [dataclasses.astuple(r) for r in records if r.outcome != "ok"][:10]
+    sent_before = [r for r in records if r.start < terminated]
+    assert len(sent_before) >= 3
+    assert all(r.outcome == "ok" for r in sent_before), \
+        [dataclasses.astuple(r) for r in sent_before if r.outcome != "ok"]
+    # The ones the Router held when it got the SIGTERM were answered 200
+    # before it exited, and later ones were refused, not answered 503.
+    drained = router.find(re.compile(r"draining: (\d+) running, (\d+) waiting"))
+    assert drained and int(drained[0][1].group(1)) >= 1, logs(d)
+    assert counts["503 unreachable"] >= 1
+    assert not router.find(chaos.ROUTER_FAILED)
+    assert not router.find(re.compile(r"answered 5\d\d"))
+    assert router.find(re.compile(r"kcoral router stopped"))
+
+
+# -- the Router's keep-alive stop, on a fake transport ---------------------------------------
+
+def _keep_alive_site():
+    from prometheus_client import CollectorRegistry
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.task import Clock
+    from twisted.internet.testing import StringTransport
+    from twisted.logger import Logger
+    from twisted.web.resource import Resource
+
+    from kcoral.metrics import HttpMetrics
+    from kcoral.web.site import KCoralSite
+
+    class Hello(Resource):
+        isLeaf = True
+
+        def render_GET(self, request):
+            return b"hello"
+
+        def render_POST(self, request):
+            return b"got %d" % len(request.content.getvalue())
+
+    site = KCoralSite(Hello(), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+                      maxRequestBytes=1000, log=Logger(), clock=Clock())
+
+    def connect():
+        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        transport = StringTransport()
+        channel.makeConnection(transport)
+        return channel, transport
+
+    return site, connect
+
+
+def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
+    site, connect = _keep_alive_site()
+    idle, idle_transport = connect()
+    idle.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert idle_transport.value().endswith(b"hello") and not idle_transport.disconnecting
+    idle_transport.clear()
+    arriving, arriving_transport = connect()
+    arriving.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+
+    site.stopKeepAlive()
+    # A request already arriving is answered, and says the connection closes.
+    arriving.dataReceived(b"def")
+    answer = arriving_transport.value()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"got 6")
+    assert b"\r\nConnection: close\r\n" in answer and arriving_transport.disconnecting
+    # So is one that comes later on an idle keep-alive connection.
+    assert not idle_transport.disconnecting
+    idle.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = idle_transport.value()
+    assert answer.endswith(b"hello") and b"\r\nConnection: close\r\n" in answer
+    assert idle_transport.disconnecting
