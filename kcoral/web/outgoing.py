@@ -7,10 +7,22 @@ service-identity) against the platform's roots or a given CA file.
 from __future__ import annotations
 
 from treq.client import HTTPClient
+from twisted.internet.defer import succeed
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.ssl import trustRootFromCertificates
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+from twisted.web.error import SchemeNotSupported
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
+from zope.interface import implementer
 
 from kcoral.web.endpoint import pem_certificates
+
+#: Endpoints kept by L{Endpoints}; more distinct peers than this start it over.
+MAX_ENDPOINTS = 1024
+
+#: Request bodies up to this size are written in one piece with the request
+#: head (L{BytesProducer}); larger ones stream through treq's default producer.
+INLINE_BODY_BYTES = 1 << 20
 
 
 def tls_problem(error: BaseException) -> str | None:
@@ -48,11 +60,83 @@ def describe_failure(error: BaseException) -> str:
     return tls_problem(error) or error.__class__.__name__
 
 
+@implementer(IBodyProducer)
+class BytesProducer:
+    """
+    A request body already in memory, written to the connection together with
+    the request head. treq's default for bytes, C{FileBodyProducer}, writes
+    them in 64 KiB slices from a cooperator task: even a body of a few hundred
+    bytes then waits a reactor turn after the head and goes out in a second
+    C{send()}, on every forwarded run.
+    """
+
+    def __init__(self, data: bytes):
+        self._data = data
+        self.length = len(data)
+
+    def startProducing(self, consumer):
+        data, self._data = self._data, b""
+        consumer.write(data)
+        return succeed(None)
+
+    def pauseProducing(self):
+        pass
+
+    def resumeProducing(self):
+        pass
+
+    def stopProducing(self):
+        pass
+
+
+def body_producer(data) -> IBodyProducer:
+    """treq's C{data_to_body_producer}: small bytes in one piece, anything
+    else (large bodies, files) as treq would."""
+    if isinstance(data, bytes) and len(data) <= INLINE_BODY_BYTES:
+        return BytesProducer(data)
+    return IBodyProducer(data)
+
+
 def tls_policy(ca_path: str | None) -> BrowserLikePolicyForHTTPS:
     if ca_path is None:
         return BrowserLikePolicyForHTTPS()
     # Every CA in the file is trusted (Certificate.loadPEM took only the first).
     return BrowserLikePolicyForHTTPS(trustRoot=trustRootFromCertificates(pem_certificates(ca_path)))
+
+
+@implementer(IAgentEndpointFactory)
+class Endpoints:
+    """
+    The Agent's endpoints, one per (scheme, host, port), made once as Twisted
+    makes them: TCP, wrapped in TLS for https with the policy's connection
+    creator for that host and port. Twisted's own factory makes a new
+    endpoint (and, for https, new TLS options) for every request, even when
+    the pool already has a connection to reuse: IDNA-encoding the host that
+    way was about a fifth of treq's time per forwarded run in a profile.
+    """
+
+    def __init__(self, reactor, policy):
+        self._reactor = reactor
+        self._policy = policy
+        self._endpoints: dict = {}
+
+    def endpointForURI(self, uri):
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            if uri.scheme not in (b"http", b"https"):
+                raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
+            try:
+                host = uri.host.decode("ascii")
+            except UnicodeDecodeError:
+                raise ValueError(f"the host of {uri.toBytes()!r} is not ASCII") from None
+            endpoint = HostnameEndpoint(self._reactor, host, uri.port)
+            if uri.scheme == b"https":
+                endpoint = wrapClientTLS(self._policy.creatorForNetloc(uri.host, uri.port), endpoint)
+            if len(self._endpoints) >= MAX_ENDPOINTS:
+                self._endpoints.clear()
+            self._endpoints[key] = endpoint
+        return endpoint
 
 
 class Outgoing:
@@ -65,7 +149,9 @@ class Outgoing:
         self.pool.cachedConnectionTimeout = idle_seconds
         # Requests here are not all idempotent: never let the pool resend one.
         self.pool.retryAutomatically = False
-        self.client = HTTPClient(Agent(reactor, contextFactory=tls_policy(ca_path), pool=self.pool))
+        agent = Agent.usingEndpointFactory(reactor, Endpoints(reactor, tls_policy(ca_path)),
+                                           pool=self.pool)
+        self.client = HTTPClient(agent, data_to_body_producer=body_producer)
 
     def close(self):
         return self.pool.closeCachedConnections()
