@@ -11,6 +11,7 @@ means it may have run, and is a 502 that is never retried.
 
 from __future__ import annotations
 
+from hyperlink import EncodedURL
 from twisted.internet import error as netError
 from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.logger import Logger
@@ -25,6 +26,37 @@ log = Logger()
 
 _FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 _RETURNED = (b"Content-Type", b"Retry-After")
+
+
+class _RunURL(EncodedURL):
+    """
+    A member's C{/v1/run} URL, parsed once. treq turns the URL of every
+    request into text with C{to_uri().to_text()}, which IDNA-checks the host
+    label by label: the largest part of treq's own work per forwarded run,
+    and an error for an IPv6 literal (C{'::1'} is no IDNA label). A member
+    URL is already an ASCII URI (the pool rebuilds it from checked parts), so
+    this one is its own URI and keeps its text.
+    """
+
+    _text: str
+
+    @classmethod
+    def parse(cls, url: str) -> "_RunURL":
+        parsed = cls.from_text(url)
+        parsed._text = url if url.isascii() else EncodedURL.from_text(url).to_uri().to_text()
+        return parsed
+
+    def to_uri(self) -> EncodedURL:
+        return self if hasattr(self, "_text") else super().to_uri()
+
+    def to_text(self, with_password: bool = False) -> str:
+        # A copy made by replace() has no text of its own.
+        text = getattr(self, "_text", None)
+        return text if text is not None else super().to_text(with_password)
+
+
+#: Members' parsed URLs; cleared when workers' addresses have changed often.
+_MAX_URLS = 1024
 
 
 class NotSent(Exception):
@@ -42,6 +74,15 @@ class Proxy:
     def __init__(self, reactor, *, ca_path: str | None = None):
         self._reactor = reactor
         self.outgoing = Outgoing(reactor, ca_path=ca_path)
+        self._urls: dict[str, _RunURL] = {}
+
+    def _run_url(self, url: str) -> _RunURL:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= _MAX_URLS:
+                self._urls.clear()
+            parsed = self._urls[url] = _RunURL.parse(url + "/v1/run")
+        return parsed
 
     @inlineCallbacks
     def forward(self, url: str, request, body: bytes):
@@ -52,7 +93,10 @@ class Proxy:
                 headers.setRawHeaders(name, value[:1])
         if not headers.hasHeader(b"Content-Type"):
             headers.setRawHeaders(b"Content-Type", [REQUEST_CONTENT_TYPE.encode()])
-        outgoing = self.outgoing.client.post(url + "/v1/run", data=body, headers=headers)
+        # A node's answer goes back as it is: never follow a redirect with a
+        # program (and the body is read once, right here: no buffering).
+        outgoing = self.outgoing.client.post(self._run_url(url), data=body, headers=headers,
+                                             allow_redirects=False, unbuffered=True)
         # A client that goes away cancels the outgoing request.
         request.notifyFinish().addErrback(lambda _: outgoing.cancel())
         try:
