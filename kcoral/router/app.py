@@ -18,6 +18,7 @@ from twisted.logger import Logger
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge, ServerBusy, error_body
+from kcoral.logging import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.router.pool import STATES, NodeConflict, Pool
 from kcoral.router.proxy import NotSent, Proxy
@@ -25,7 +26,7 @@ from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.web import errors
 from kcoral.web.requestid import RequestIdResource
-from kcoral.web.responses import error_response, json_response
+from kcoral.web.responses import error_response, json_response, with_length
 
 log = Logger()
 
@@ -140,8 +141,9 @@ class RouterApp:
                 lease = yield acquiring
                 self._queue_wait.observe(self._reactor.seconds() - arrived)
                 member = lease.member
-                log.debug("{request_id} -> {node}/{worker}", request_id=rid,
-                          node=member.node.node_id, worker=member.name)
+                if debug_enabled():
+                    log.debug("{request_id} -> {node}/{worker}", request_id=rid,
+                              node=member.node.node_id, worker=member.name)
                 try:
                     answer = yield self.proxy.forward(member.url, request, body)
                 except NotSent as e:
@@ -175,7 +177,7 @@ class RouterApp:
         request.setResponseCode(answer.code)
         for name, value in answer.headers.items():
             request.setHeader(name, value)
-        return answer.body
+        return with_length(request, answer.body)
 
     # -- node routes ----------------------------------------------------------
 
