@@ -1,0 +1,133 @@
+"""
+Outgoing HTTP (L{kcoral.web.outgoing}) and the Router's proxy URLs: the
+per-request work they do once (endpoints, parsed URLs) and the body producer
+that writes a small body with the request head.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import pytest_twisted
+from hyperlink import EncodedURL
+from twisted.internet import reactor
+from twisted.internet.endpoints import HostnameEndpoint
+from twisted.internet.testing import StringTransport
+from twisted.web import resource, server
+from twisted.web.client import URI, BrowserLikePolicyForHTTPS, FileBodyProducer
+from twisted.web.error import SchemeNotSupported
+
+from kcoral.logging import debug_enabled, start_console_logging
+from kcoral.router.proxy import Proxy, _RunURL
+from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
+
+
+def test_a_small_body_is_written_at_once():
+    producer = body_producer(b"x" * 300)
+    assert isinstance(producer, BytesProducer) and producer.length == 300
+    consumer = StringTransport()
+    done = producer.startProducing(consumer)
+    # Synchronously, in one write: no cooperator turn after the head.
+    assert done.called
+    assert consumer.value() == b"x" * 300
+
+
+def test_large_bodies_and_files_stream_as_treq_would():
+    assert isinstance(body_producer(b"x" * (INLINE_BODY_BYTES + 1)), FileBodyProducer)
+    assert isinstance(body_producer(io.BytesIO(b"abc")), FileBodyProducer)
+
+
+def test_endpoints_are_made_once_per_scheme_host_and_port():
+    endpoints = Endpoints(reactor, BrowserLikePolicyForHTTPS())
+    first = endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/v1/run"))
+    assert isinstance(first, HostnameEndpoint)
+    assert endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/health")) is first
+    assert endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8001/v1/run")) is not first
+    tls = endpoints.endpointForURI(URI.fromBytes(b"https://127.0.0.1:8000/v1/run"))
+    assert tls is not first and not isinstance(tls, HostnameEndpoint)  # wrapped in TLS
+
+
+def test_other_schemes_are_refused():
+    with pytest.raises(SchemeNotSupported):
+        Endpoints(reactor, BrowserLikePolicyForHTTPS()).endpointForURI(
+            URI.fromBytes(b"ftp://127.0.0.1:21/x"))
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://node-1.example:9443"])
+def test_a_run_url_is_its_own_uri(url):
+    parsed = _RunURL.parse(url + "/v1/run")
+    plain = EncodedURL.from_text(url + "/v1/run")
+    assert parsed.to_uri() is parsed
+    assert parsed.to_uri().to_text() == plain.to_uri().to_text() == url + "/v1/run"
+    assert (parsed.host, parsed.port) == (plain.host, plain.port)
+    # A copy (which treq makes only to add query parameters) is a plain URL.
+    copy = parsed.replace(query=(("a", "b"),))
+    assert copy.to_uri().to_text() == plain.replace(query=(("a", "b"),)).to_uri().to_text()
+
+
+def test_a_run_url_may_name_an_ipv6_worker():
+    # hyperlink's to_uri() IDNA-encodes the host, which fails for '::1':
+    # treq could not reach a worker that reported an IPv6 address.
+    parsed = _RunURL.parse("http://[::1]:8000/v1/run")
+    assert parsed.to_uri().to_text() == "http://[::1]:8000/v1/run"
+    assert parsed.host == "::1" and parsed.port == 8000
+
+
+def test_the_proxy_parses_each_member_url_once():
+    proxy = Proxy(reactor)
+    assert proxy._run_url("http://127.0.0.1:8000") is proxy._run_url("http://127.0.0.1:8000")
+
+
+def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):
+    import kcoral.logging
+    from twisted.logger import LogLevel
+
+    monkeypatch.setattr(kcoral.logging, "_debug", True)
+    monkeypatch.setattr(kcoral.logging.globalLogBeginner, "beginLoggingTo", lambda *a, **k: None)
+    assert debug_enabled()  # twistd, tests: nobody said debug events are dropped
+    start_console_logging(io.StringIO())
+    assert not debug_enabled()
+    start_console_logging(io.StringIO(), level=LogLevel.debug)
+    assert debug_enabled()
+
+
+class _Echo(resource.Resource):
+    isLeaf = True
+
+    def render_POST(self, request):
+        request.setHeader(b"Content-Type", b"application/octet-stream")
+        return b"got " + request.content.read()
+
+
+@pytest_twisted.ensureDeferred
+async def test_outgoing_posts_through_a_reused_connection():
+    port = reactor.listenTCP(0, server.Site(_Echo()), interface="127.0.0.1")
+    outgoing = Outgoing(reactor)
+    url = f"http://127.0.0.1:{port.getHost().port}/echo"
+    try:
+        for body in (b"small", b"y" * (INLINE_BODY_BYTES + 10)):
+            response = await outgoing.client.post(url, data=body)
+            assert response.code == 200
+            assert await response.content() == b"got " + body
+        # One persistent connection served both.
+        assert sum(len(c) for c in outgoing.pool._connections.values()) == 1
+    finally:
+        await outgoing.close()
+        await port.stopListening()
+
+
+@pytest_twisted.ensureDeferred
+async def test_treq_reaches_an_ipv6_worker_through_a_run_url():
+    try:
+        port = reactor.listenTCP(0, server.Site(_Echo()), interface="::1")
+    except Exception:
+        pytest.skip("no IPv6 loopback here")
+    outgoing = Outgoing(reactor)
+    try:
+        url = _RunURL.parse(f"http://[::1]:{port.getHost().port}/v1/run")
+        response = await outgoing.client.post(url, data=b"run", allow_redirects=False)
+        assert await response.content() == b"got run"
+    finally:
+        await outgoing.close()
+        await port.stopListening()
