@@ -1,0 +1,467 @@
+"""
+Benchmark of the Router: the same load sent straight to one server worker
+and through a Router, side by side.
+
+    .venv/bin/python bench/router.py            # about four minutes
+    .venv/bin/python bench/router.py --router-core 1
+
+Starts real processes on ephemeral loopback ports: a ``kcoral router`` and
+one CPU node (``kcoral server --router URL --node-id bench --gpus none``: a
+supervisor and one server worker, capacity 2). The load goes either straight
+to that worker ("direct") or to the Router, which forwards each run to the
+same worker ("router"), so the two paths differ only by the Router's hop.
+
+The load: closed-loop keep-alive HTTP/1.1 connections (1, 4, 16 and 64 at
+once), each sending the next run as soon as the previous answer arrived,
+for a fixed window per cell. Programs: a trivial one (``x + 1`` on a scalar)
+and a ~5 ms one (calibrated in-process on this machine), both exported and
+warmed with the real ``Client`` first (upload and compile); the timed
+requests are the exact bytes ``Client.run`` sends for a repeated call
+(program and large inputs by digest), sent by a lean asyncio load generator
+so that the client spends as little of the machine's CPU as it can. Every
+answer must be a 200 with the expected outputs. Direct and router windows
+alternate, in rounds, so that drift hits both alike.
+
+For each program and concurrency: medians and p99s of the run latency,
+runs per second, the Router's throughput over the direct one and the median
+latency it adds, and the CPU time each process spent per run, with the CPU
+that processes outside the benchmark took meanwhile (on a shared machine, a
+measure of how far to trust the rest). By default nothing is pinned: on a
+small machine the Router then competes with the worker for the same cores.
+``--router-core N`` gives the Router a core of its own, as it would have on
+its own host. ``--profile-router FILE`` samples the Router with py-spy (not a
+dependency of KCoral) while it holds the GIL, i.e. where its Python spends
+CPU, for the whole run.
+
+Targets (issue 3): the Router adds under 1 ms to the trivial program's
+median latency (one client), and keeps at least 97% of the direct
+throughput for the 5 ms program. The exit status is 0 whatever the numbers;
+``doc/benchmarks.rst`` ("Router") records the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
+
+TARGET_ADDED_MS = 1.0
+TARGET_THROUGHPUT_RATIO = 0.97
+CONCURRENCY = (1, 4, 16, 64)
+
+
+# -- the services ----------------------------------------------------------------
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_seconds() -> float:
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class Service:
+    """A ``kcoral`` child process on an ephemeral port, in its own session;
+    its console output goes to a temporary file. C{ready} maps names to
+    regular expressions that must all match the output; their first groups
+    are kept in C{found}."""
+
+    def __init__(self, args: list[str], ready: dict[str, str], *, cores: set[int] | None = None,
+                 timeout: float = 180.0):
+        self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-router-", suffix=".log",
+                                                delete=False)
+        self.command = [sys.executable, "-m", "kcoral", *args]
+        if cores is not None:
+            self.command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + self.command
+        self.process = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"),
+            start_new_session=True)
+        self.found = self._wait(ready, timeout)
+
+    def output(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def _wait(self, ready: dict[str, str], timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.output()
+            found = {name: re.search(pattern, text) for name, pattern in ready.items()}
+            if all(found.values()):
+                return {name: m.group(1) for name, m in found.items()}
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{' '.join(self.command)} did not start:\n{self.output()[-3000:]}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if os.path.exists(self._log.name):
+            os.unlink(self._log.name)
+
+
+def start_router(cores: set[int] | None = None) -> Service:
+    return Service(["router", "--port", "0"], {"url": r"kcoral router listening on (http://\S+)"},
+                   cores=cores)
+
+
+def start_node(router_url: str) -> Service:
+    node = Service(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
+                    "--gpus", "none", "--health-interval-seconds", "0.5"],
+                   {"worker": r"worker0 is ready at (http://\S+)",
+                    "pid": r"worker0 started \(pid (\d+)\)",
+                    "ready": r"(the Router reports node bench ready)"})
+    node.worker_pid = int(node.found["pid"])
+    return node
+
+
+def wait_ready(router_url: str, timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(router_url + "/health", timeout=5) as answer:
+                if json.loads(answer.read())["status"] == "ok":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the Router never reported a ready node")
+
+
+# -- the load --------------------------------------------------------------------
+
+def request_bytes(url: str, program, inputs) -> bytes:
+    """The bytes of C{Client.run(program, *inputs)} once the server holds the
+    program and the large inputs: what a repeated call sends."""
+    from kcoral.client.exchange import RunCall
+
+    call = RunCall.prepare(program, tuple(inputs), {})
+    send = call.send(call.content_digests(), None)
+    parts = urlsplit(url)
+    head = [f"POST /v1/run HTTP/1.1", f"Host: {parts.netloc}",
+            f"Content-Length: {send.length}"]
+    head += [f"{name}: {value}" for name, value in send.headers.items()]
+    body = b"".join(bytes(memoryview(p).cast("B")) for p in send.parts)
+    assert len(body) == send.length
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class BadAnswer(Exception):
+    pass
+
+
+async def _read_answer(reader) -> tuple[int, bytes]:
+    status = await reader.readline()
+    if not status:
+        raise BadAnswer("the connection closed")
+    code = int(status.split(None, 2)[1])
+    length, chunked = None, False
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            break
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    if chunked:
+        chunks = []
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                return code, b"".join(chunks)
+            chunks.append(chunk[:-2])
+    if length is None:
+        raise BadAnswer("an answer without Content-Length or chunked framing")
+    return code, await reader.readexactly(length)
+
+
+async def _connection(host: str, port: int, payload: bytes, expected: bytes, start: float,
+                      until: float, latencies: list) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    clock = time.perf_counter
+    try:
+        while True:
+            started = clock()
+            writer.write(payload)
+            code, body = await _read_answer(reader)
+            finished = clock()
+            if code != 200 or body != expected:
+                raise BadAnswer(f"answer {code}: {body[:300]!r}")
+            if finished > until:
+                return
+            if finished >= start:
+                latencies.append(finished - started)
+    finally:
+        writer.close()
+
+
+def load(url: str, payload: bytes, expected: bytes, clients: int, seconds: float,
+         warmup: float) -> list[float]:
+    """Latencies of the runs that C{clients} closed-loop connections
+    completed within a window of C{seconds}, which starts after C{warmup}
+    seconds of the same load."""
+    parts = urlsplit(url)
+
+    async def main():
+        start = time.perf_counter() + warmup
+        latencies: list[float] = []
+        await asyncio.gather(*(
+            _connection(parts.hostname, parts.port, payload, expected, start, start + seconds,
+                        latencies) for _ in range(clients)))
+        return latencies
+
+    return asyncio.run(main())
+
+
+class CPU:
+    """CPU seconds of some processes, and of everything else on the machine,
+    over a measurement."""
+
+    def __init__(self, pids: dict[str, int]):
+        self._pids = pids
+
+    def _sample(self):
+        return {name: _cpu_seconds(pid) for name, pid in self._pids.items()}, _machine_busy_seconds()
+
+    def __enter__(self):
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc):
+        (before, busy0), (after, busy1) = self._start, self._sample()
+        self.seconds = {name: after[name] - before[name] for name in before}
+        self.others = max(0.0, (busy1 - busy0) - sum(self.seconds.values()))
+
+
+def measure(path: str, url: str, payload: bytes, expected: bytes, clients: int, seconds: float,
+            warmup: float, pids: dict[str, int]) -> dict:
+    with CPU(pids) as cpu:
+        latencies = load(url, payload, expected, clients, seconds, warmup)
+    # The CPU window includes the warmup and the runs still in flight at the
+    # end: per run, it is spread over all the runs done in it.
+    total = len(latencies) * (seconds + warmup) / seconds
+    return {"path": path, "latencies": latencies, "runs": len(latencies), "seconds": seconds,
+            "cpu_ms_per_run": {name: 1000 * s / total for name, s in cpu.seconds.items()},
+            "others_ms_per_run": 1000 * cpu.others / total}
+
+
+def summarize(rows: list[dict]) -> dict:
+    latencies = [v for r in rows for v in r["latencies"]]
+    seconds = sum(r["seconds"] for r in rows)
+    names = rows[0]["cpu_ms_per_run"].keys()
+    return {"runs": len(latencies), "runs_per_second": len(latencies) / seconds,
+            "median": percentile(latencies, 50), "p99": percentile(latencies, 99),
+            "cpu_ms_per_run": {n: sum(r["cpu_ms_per_run"][n] * r["runs"] for r in rows) / len(latencies)
+                               for n in names},
+            "others_ms_per_run": sum(r["others_ms_per_run"] * r["runs"] for r in rows) / len(latencies)}
+
+
+# -- reporting -------------------------------------------------------------------
+
+def report(results: dict) -> None:
+    print()
+    print(f"command: {results['command']}")
+    print(f"machine: {results['machine']}; jax {results['jax']}")
+    print(f"{results['seconds']:g} s per window, {results['rounds']} rounds per cell, "
+          f"direct and router alternating; node: one CPU worker, capacity 2")
+    print(f"pinning: {results['pinning']}")
+    print()
+    head = (f"{'program':<24} {'conc':>4} {'direct ms':>17} {'router ms':>17} {'added':>7} "
+            f"{'direct':>7} {'router':>7} {'ratio':>6} {'router CPU':>10}")
+    print(head)
+    print(f"{'':<24} {'':>4} {'median / p99':>17} {'median / p99':>17} {'ms':>7} "
+          f"{'runs/s':>7} {'runs/s':>7} {'':>6} {'ms/run':>10}")
+    print("-" * len(head))
+    for row in results["rows"]:
+        d, r = row["direct"], row["router"]
+        print(f"{row['program']:<24} {row['clients']:>4} "
+              f"{ms(d['median']) + ' / ' + ms(d['p99']):>17} "
+              f"{ms(r['median']) + ' / ' + ms(r['p99']):>17} "
+              f"{ms(row['added_median']):>7} {d['runs_per_second']:>7.0f} "
+              f"{r['runs_per_second']:>7.0f} {100 * row['ratio']:>5.1f}% "
+              f"{r['cpu_ms_per_run']['router']:>10.3f}")
+    print()
+    print("CPU ms per run (direct -> router): worker, client (this process), router, "
+          "other processes on the machine (not this benchmark's)")
+    for row in results["rows"]:
+        d, r = row["direct"]["cpu_ms_per_run"], row["router"]["cpu_ms_per_run"]
+        print(f"  {row['program']:<24} {row['clients']:>3}: worker {d['worker']:.3f} -> "
+              f"{r['worker']:.3f}, client {d['client']:.3f} -> {r['client']:.3f}, router "
+              f"{r['router']:.3f}, others {row['direct']['others_ms_per_run']:.3f} -> "
+              f"{row['router']['others_ms_per_run']:.3f}")
+    print()
+    checks = []
+    trivial = [r for r in results["rows"] if r["kind"] == "trivial" and r["clients"] == 1]
+    if trivial:
+        added = trivial[0]["added_median"]
+        checks.append((f"trivial program, 1 client: the Router adds < {TARGET_ADDED_MS:g} ms "
+                       f"(median)", added * 1000 < TARGET_ADDED_MS, f"{ms(added)} ms"))
+    heavy = [r for r in results["rows"] if r["kind"] == "5ms"]
+    if heavy:
+        worst = min(heavy, key=lambda r: r["ratio"])
+        checks.append((f"5 ms program: Router throughput >= {100 * TARGET_THROUGHPUT_RATIO:g}% "
+                       f"of direct (worst concurrency: {worst['clients']})",
+                       worst["ratio"] >= TARGET_THROUGHPUT_RATIO,
+                       ", ".join(f"{r['clients']}: {100 * r['ratio']:.1f}%" for r in heavy)))
+    for what, ok, value in checks:
+        print(f"  [{'met' if ok else 'MISSED'}] {what}: {value}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed window")
+    parser.add_argument("--warmup", type=float, default=0.5,
+                        help="untimed load before each window")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="direct/router windows per cell (alternating which goes first)")
+    parser.add_argument("--clients", default=",".join(map(str, CONCURRENCY)),
+                        help="comma list of concurrencies")
+    parser.add_argument("--programs", default="trivial,5ms", help="trivial, 5ms or both")
+    parser.add_argument("--profile-router", metavar="FILE",
+                        help="sample the Router with py-spy (not a dependency: pip install "
+                             "py-spy) during the whole load and write its collapsed stacks here")
+    parser.add_argument("--router-core", type=int, metavar="N",
+                        help="pin the Router to core N and everything else (this process, the "
+                             "node, its worker) to the other cores: the Router's hop without "
+                             "its competition for the worker's CPU (default: nothing pinned)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    router_cores = None
+    if args.router_core is not None:
+        cores = os.sched_getaffinity(0)
+        if args.router_core not in cores or len(cores) < 2:
+            parser.error(f"--router-core {args.router_core}: this process may use cores "
+                         f"{sorted(cores)}, and the others need one left")
+        router_cores = {args.router_core}
+        # Before JAX starts, so that its thread pools (and the node's, which
+        # inherits this affinity) are sized for the cores left.
+        os.sched_setaffinity(0, cores - router_cores)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    import numpy as np
+
+    from kcoral import Client, Program
+    from kcoral.protocol.wire import decode_result
+
+    wanted = args.programs.split(",")
+    concurrency = [int(c) for c in args.clients.split(",")]
+    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+               "jax": jax.__version__, "seconds": args.seconds, "rounds": args.rounds,
+               "pinning": ("nothing pinned: client, Router, supervisor and worker share all cores"
+                           if router_cores is None else
+                           f"Router on core {args.router_core}; client, supervisor and worker "
+                           f"on cores {','.join(map(str, sorted(os.sched_getaffinity(0))))}"),
+               "rows": []}
+    chosen = []
+    for (name, function, inputs, _), kind in zip(programs(np.random.default_rng(0))[:2],
+                                                 ("trivial", "5ms")):
+        if kind in wanted:
+            chosen.append((kind, name.split(" (")[0], Program.from_function(function, *inputs),
+                           inputs))
+
+    services, profiler = [], None
+    try:
+        print("starting a Router and one CPU node ...", flush=True)
+        router = start_router(router_cores)
+        services.append(router)
+        node = start_node(router.found["url"])
+        services.append(node)
+        router_url, worker_url = router.found["url"], node.found["worker"]
+        wait_ready(router_url)
+        pids = {"worker": node.worker_pid, "router": router.process.pid, "client": os.getpid(),
+                "supervisor": node.process.pid}
+        if args.profile_router:
+            profiler = subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
+                 str(router.process.pid), "--rate", "200", "--format", "raw",
+                 "--gil", "--output", args.profile_router], stdout=subprocess.DEVNULL)
+        paths = {"direct": worker_url, "router": router_url}
+
+        for kind, label, program, inputs in chosen:
+            # Upload and compile with the real Client, and check its outputs
+            # against the answer the load generator will expect.
+            with Client(worker_url) as client:
+                outputs = [np.asarray(a) for a in jax.tree.leaves(client.run(program, *inputs))]
+            with Client(router_url) as client:
+                client.run(program, *inputs)
+            payloads = {p: request_bytes(u, program, inputs) for p, u in paths.items()}
+            expected = _expected_answer(worker_url, payloads["direct"])
+            for got, want in zip(decode_result(expected), outputs):
+                np.testing.assert_array_equal(got, want)
+            for clients in concurrency:
+                print(f"  {label}, {clients} client(s) ...", flush=True)
+                windows = {"direct": [], "router": []}
+                for i in range(args.rounds):
+                    order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
+                    for path in order:
+                        windows[path].append(measure(path, paths[path], payloads[path], expected,
+                                                     clients, args.seconds, args.warmup, pids))
+                row = {"kind": kind, "program": label, "clients": clients,
+                       "direct": summarize(windows["direct"]), "router": summarize(windows["router"])}
+                row["added_median"] = row["router"]["median"] - row["direct"]["median"]
+                row["added_p99"] = row["router"]["p99"] - row["direct"]["p99"]
+                row["ratio"] = row["router"]["runs_per_second"] / row["direct"]["runs_per_second"]
+                results["rows"].append(row)
+    finally:
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            profiler.wait(60)
+        for service in reversed(services):
+            service.stop()
+
+    report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _expected_answer(url: str, payload: bytes) -> bytes:
+    parts = urlsplit(url)
+
+    async def once():
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(payload)
+        code, body = await _read_answer(reader)
+        writer.close()
+        if code != 200:
+            raise BadAnswer(f"answer {code}: {body[:300]!r}")
+        return body
+
+    return asyncio.run(once())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
