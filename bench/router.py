@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -91,11 +92,14 @@ class Service:
         self.command = [sys.executable, "-m", "kcoral", *args]
         if cores is not None:
             self.command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + self.command
-        self.process = subprocess.Popen(
+        self.process = self._popen()
+        self.found = self._wait(ready, timeout)
+
+    def _popen(self):
+        return subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env=dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"),
             start_new_session=True)
-        self.found = self._wait(ready, timeout)
 
     def output(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
@@ -138,6 +142,51 @@ def start_node(router_url: str) -> Service:
                     "ready": r"(the Router reports node bench ready)"})
     node.worker_pid = int(node.found["pid"])
     return node
+
+
+class BaselineRouter(Service):
+    """
+    A second Router, run from another version's C{kcoral} package (a
+    directory holding it, e.g. C{git archive REV kcoral | tar -x -C DIR}),
+    in front of the same worker: this process registers the worker with it
+    and reports for it, as a supervisor would, every half second.
+    """
+
+    def __init__(self, tree: str, worker_url: str):
+        self.tree = str(Path(tree).resolve())
+        self._worker_url = worker_url
+        self._stop = threading.Event()
+        super().__init__(["router", "--port", "0"],
+                         {"url": r"kcoral router listening on (http://\S+)"})
+        self._reporter = threading.Thread(target=self._report, daemon=True)
+        self._reporter.start()
+
+    def _popen(self):
+        return subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.tree,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=self.tree),
+            start_new_session=True)
+
+    def _report(self):
+        import urllib.request
+
+        report = json.dumps({
+            "session": "bench-baseline", "gpu_target": "cpu", "runtime": {}, "draining": False,
+            "workers": [{"name": "worker0", "url": self._worker_url, "healthy": True,
+                         "capacity": 2, "active": 0}]}).encode()
+        while not self._stop.is_set():
+            put = urllib.request.Request(self.found["url"] + "/v1/nodes/bench-baseline",
+                                         data=report, method="PUT",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(put, timeout=5).read()
+            except OSError:
+                pass
+            self._stop.wait(0.5)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        super().stop(timeout)
 
 
 def wait_ready(router_url: str, timeout: float = 60.0) -> None:
@@ -293,8 +342,9 @@ def report(results: dict) -> None:
     print()
     print(f"command: {results['command']}")
     print(f"machine: {results['machine']}; jax {results['jax']}")
+    paths = "direct, router and baseline" if "baseline" in results else "direct and router"
     print(f"{results['seconds']:g} s per window, {results['rounds']} rounds per cell, "
-          f"direct and router alternating; node: one CPU worker, capacity 2")
+          f"{paths} alternating; node: one CPU worker, capacity 2")
     print(f"pinning: {results['pinning']}")
     print()
     head = (f"{'program':<24} {'conc':>4} {'direct ms':>17} {'router ms':>17} {'added':>7} "
@@ -321,6 +371,22 @@ def report(results: dict) -> None:
               f"{r['router']:.3f}, others {row['direct']['others_ms_per_run']:.3f} -> "
               f"{row['router']['others_ms_per_run']:.3f}")
     print()
+    if "baseline" in results:
+        print(f"baseline Router (kcoral from {results['baseline']}) against this one, same worker, "
+              f"same rounds:")
+        head = (f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
+                f"{'Router CPU ms/run':>19}")
+        print(head)
+        print(f"{'':<24} {'':>4} {'baseline -> this':>17} {'baseline -> this':>15} "
+              f"{'baseline -> this':>19}")
+        print("-" * len(head))
+        for row in results["rows"]:
+            b, r = row["baseline"], row["router"]
+            print(f"{row['program']:<24} {row['clients']:>4} "
+                  f"{ms(b['median']) + ' -> ' + ms(r['median']):>17} "
+                  f"{b['runs_per_second']:>6.0f} -> {r['runs_per_second']:<5.0f} "
+                  f"{b['cpu_ms_per_run']['baseline']:>8.3f} -> {r['cpu_ms_per_run']['router']:<6.3f}")
+        print()
     checks = []
     trivial = [r for r in results["rows"] if r["kind"] == "trivial" and r["clients"] == 1]
     if trivial:
@@ -355,6 +421,10 @@ def main() -> int:
                         help="pin the Router to core N and everything else (this process, the "
                              "node, its worker) to the other cores: the Router's hop without "
                              "its competition for the worker's CPU (default: nothing pinned)")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also measure a Router run from another version's kcoral package "
+                             "in DIR (e.g. git archive REV kcoral | tar -x -C DIR), in front "
+                             "of the same worker, in the same rounds")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -409,6 +479,13 @@ def main() -> int:
                  str(router.process.pid), "--rate", "200", "--format", "raw",
                  "--gil", "--output", args.profile_router], stdout=subprocess.DEVNULL)
         paths = {"direct": worker_url, "router": router_url}
+        if args.baseline:
+            baseline = BaselineRouter(args.baseline, worker_url)
+            services.append(baseline)
+            wait_ready(baseline.found["url"])
+            paths["baseline"] = baseline.found["url"]
+            pids["baseline"] = baseline.process.pid
+            results["baseline"] = args.baseline
 
         for kind, label, program, inputs in chosen:
             # Upload and compile with the real Client, and check its outputs
@@ -423,14 +500,14 @@ def main() -> int:
                 np.testing.assert_array_equal(got, want)
             for clients in concurrency:
                 print(f"  {label}, {clients} client(s) ...", flush=True)
-                windows = {"direct": [], "router": []}
+                windows = {path: [] for path in paths}
                 for i in range(args.rounds):
-                    order = ("direct", "router") if i % 2 == 0 else ("router", "direct")
+                    order = list(paths) if i % 2 == 0 else list(reversed(paths))
                     for path in order:
                         windows[path].append(measure(path, paths[path], payloads[path], expected,
                                                      clients, args.seconds, args.warmup, pids))
                 row = {"kind": kind, "program": label, "clients": clients,
-                       "direct": summarize(windows["direct"]), "router": summarize(windows["router"])}
+                       **{path: summarize(w) for path, w in windows.items()}}
                 row["added_median"] = row["router"]["median"] - row["direct"]["median"]
                 row["added_p99"] = row["router"]["p99"] - row["direct"]["p99"]
                 row["ratio"] = row["router"]["runs_per_second"] / row["direct"]["runs_per_second"]
