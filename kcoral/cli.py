@@ -20,6 +20,7 @@ from kcoral import operator
 from kcoral.logging import CHILD_ENV
 from kcoral._version import __version__
 from kcoral.node import tap as node_tap
+from kcoral.node.worker import SUPERVISOR_PID_ENV
 from kcoral.router import tap as router_tap
 
 
@@ -82,8 +83,31 @@ def _stop_once_on_signals(reactor) -> None:
         # group, but the supervisor must order the drain (gateway first, then
         # SIGTERM to each worker), or workers leave early and are restarted.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _drain_when_the_supervisor_dies(handler)
     else:
         signal.signal(signal.SIGINT, handler)
+
+
+def _drain_when_the_supervisor_dies(handler) -> None:
+    """
+    A supervised worker whose supervisor dies without stopping it (SIGKILL,
+    the OOM killer, a crash) drains and exits, as on SIGTERM: an orphan would
+    keep its port and its device's memory, so the restarted supervisor's new
+    worker could not start (issue 5). On Linux the
+    kernel sends the SIGTERM (PR_SET_PDEATHSIG) when the parent dies.
+    """
+    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != supervisor:  # it died before we asked
+        handler(signal.SIGTERM, None)
 
 
 def main(argv: list[str] | None = None) -> int:

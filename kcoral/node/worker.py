@@ -24,6 +24,8 @@ from kcoral.web.outgoing import describe_failure, tls_problem
 log = Logger()
 
 _LISTENING = re.compile(rb"kcoral server listening on (\S+)")
+#: The supervisor's pid, for its workers: a worker must not outlive it.
+SUPERVISOR_PID_ENV = "KCORAL_SUPERVISOR_PID"
 #: A child line longer than this is cut, so a runaway child cannot grow the
 #: supervisor's memory.
 MAX_LINE = 64 * 1024
@@ -89,6 +91,8 @@ class Worker:
             return
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         env[CHILD_ENV] = "1"
+        # So the worker can tell when its supervisor is gone (kcoral.cli).
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         self.url, self.healthy, self.health = None, False, {}
         self._exited = Deferred()
         self._process = self._reactor.spawnProcess(
