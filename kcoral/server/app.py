@@ -45,6 +45,8 @@ class ServerApp:
         self._reactor = reactor
         self.registry = registry
         self.status = STARTING
+        #: When the last run arrived (reactor seconds), for the drain's quiet period.
+        self.last_run_at: float | None = None
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time runs waited for a slot",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_active_runs", "Runs holding a slot", registry=registry).set_function(
@@ -91,6 +93,7 @@ class ServerApp:
     @inlineCallbacks
     def post_run(self, request):
         rid = request.request_id
+        self.last_run_at = self._reactor.seconds()
         try:
             if self.status != OK:
                 raise ServerBusy(f"the server is {self.status}", reason="draining"

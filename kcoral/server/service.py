@@ -8,6 +8,7 @@ import attrs
 from prometheus_client import CollectorRegistry
 from twisted.application import service
 from twisted.internet.defer import inlineCallbacks
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
@@ -26,6 +27,8 @@ from kcoral.web.site import KCoralSite
 log = Logger()
 
 ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run"})
+#: Once drained, a server closes its port only after this long without a new run.
+DRAIN_QUIET_SECONDS = 0.5
 
 
 @attrs.frozen
@@ -96,11 +99,25 @@ class ServerService(service.MultiService):
             log.info("kcoral server ready on {target} (capacity {capacity})",
                      target=info.gpu_target, capacity=self.config.capacity)
 
+    @inlineCallbacks
     def _drain(self):
         self.app.status = DRAINING
         log.info("draining: {active} running, {queued} waiting", active=self.app.admission.active,
                  queued=len(self.app.admission.queue))
-        return self.app.admission.idle()
+        yield self.app.admission.idle()
+        # A Router that has not heard of the drain yet (the supervisor died,
+        # or its draining report is on its way) may have runs on the wire to
+        # this worker, above all right after the last answers freed its
+        # slots: closing the connections under them would make them 502s
+        # (tests/test_graceful.py). Keep answering 503 draining, which a
+        # Router retries elsewhere, until runs stop arriving for a moment.
+        idle = self._reactor.seconds()
+        while True:
+            quiet = max(idle, self.app.last_run_at or idle) + DRAIN_QUIET_SECONDS \
+                - self._reactor.seconds()
+            if quiet <= 0:
+                break
+            yield deferLater(self._reactor, quiet, lambda: None)
 
     @inlineCallbacks
     def stopService(self):
