@@ -1,8 +1,11 @@
 """
 Chaos run: a Router, three CPU nodes and a load generator, while a fault
 injector on a seeded schedule kills workers (SIGKILL), freezes them (SIGSTOP,
-later SIGCONT), stops whole nodes with SIGTERM and starts them again, and
-restarts the Router (SIGTERM, then a new Router on the same port).
+later SIGCONT), stops whole nodes with SIGTERM and starts them again, kills
+supervisors (SIGKILL: their worker must drain and go by itself) and starts
+them again, and restarts the Router (SIGTERM, then a new Router on the same
+port). About a third of the faults strike while the previous one is still
+in progress.
 
     .venv/bin/python bench/chaos.py                        # 2,000 requests, 30 faults
     .venv/bin/python bench/chaos.py --quick                # what `make test` runs
@@ -58,10 +61,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-KILL, FREEZE, NODE_STOP, ROUTER_RESTART = "kill", "freeze", "node_stop", "router_restart"
-KINDS = (KILL, FREEZE, NODE_STOP, ROUTER_RESTART)
+KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL = (
+    "kill", "freeze", "node_stop", "router_restart", "supervisor_kill")
+KINDS = (KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL)
 #: How often each kind is drawn once every kind has had its turn.
-WEIGHTS = {KILL: 0.35, FREEZE: 0.25, NODE_STOP: 0.2, ROUTER_RESTART: 0.2}
+WEIGHTS = {KILL: 0.3, FREEZE: 0.25, NODE_STOP: 0.15, ROUTER_RESTART: 0.2, SUPERVISOR_KILL: 0.1}
 
 LISTENING = re.compile(r"kcoral (?:router|server) listening on (https?://\S+)")
 WORKER_STARTED = re.compile(r"worker0 started \(pid (\d+)\)")
@@ -629,8 +633,8 @@ class Fault:
 
 
 def fault_plan(count: int, rng: random.Random) -> list[str]:
-    """Every kind once (in a seeded order) when there are at least four
-    faults, the rest drawn by L{WEIGHTS}; no Router restart in the last third,
+    """Every kind once (in a seeded order) when there are at least as many
+    faults as kinds, the rest drawn by L{WEIGHTS}; no Router restart in the last third,
     so the Router measured at the end has lived through other faults."""
     kinds = list(KINDS) if count >= len(KINDS) else []
     rng.shuffle(kinds)
@@ -783,6 +787,33 @@ class Injector:
         fault.seconds = time.monotonic() - fault.start
         if fault.exit_code is None:
             fault.problem = "the node did not exit within 60 s of SIGTERM"
+            return
+        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
+        try:
+            d.start_node(fault.target)
+        except ChildFailed as e:
+            fault.problem = str(e)
+            return
+        fault.back = d.wait_full(self.settings.recovery_timeout)
+        if fault.back is None:
+            fault.problem = f"capacity not back: {d.health()}"
+
+    def _supervisor_kill(self, fault: Fault) -> None:
+        """SIGKILL the supervisor: its worker must drain and exit by itself
+        (an orphan would keep its port and device), and a new supervisor
+        takes the node id over once the old one's reports are stale."""
+        d = self.deployment
+        child = d.node(fault.target)
+        fault.pid = d.worker_pid(fault.target)
+        fault.start = time.monotonic()
+        child.signal(signal.SIGKILL)
+        child.wait(30)
+        deadline = time.monotonic() + 60
+        while pid_alive(fault.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fault.seconds = time.monotonic() - fault.start
+        if pid_alive(fault.pid):
+            fault.problem = f"worker {fault.pid} outlived its supervisor by 60 s"
             return
         time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
         try:
@@ -1012,6 +1043,8 @@ def table(result: Result) -> str:
             extra = f", {sum(f.killed for f in of_kind)} ended by the supervisor"
         if kind in (NODE_STOP, ROUTER_RESTART) and of_kind:
             extra = f", drain {_seconds([f.seconds for f in of_kind])}"
+        if kind == SUPERVISOR_KILL and of_kind:
+            extra = f", orphaned worker drained and gone {_seconds([f.seconds for f in of_kind])}"
         rows.append((f"faults: {kind}", f"{len(of_kind)}{extra}"))
         rows.append((f"  recovery after {kind}", _seconds([f.recovery for f in of_kind
                                                            if f.recovery is not None])))

@@ -2,7 +2,7 @@
 The chaos run of C{bench/chaos.py} in its quick mode (issue 5, item 1): a
 Router, three CPU nodes, ~150 requests and six faults (each kind at least
 once: worker SIGKILL, worker SIGSTOP/SIGCONT, node SIGTERM and restart,
-Router SIGTERM and restart). Nothing is lost, no answer is wrong, every 502
+supervisor SIGKILL and restart, Router SIGTERM and restart). Nothing is lost, no answer is wrong, every 502
 is explained by a worker that died, the pool recovers its capacity by itself
 and the Router's memory and descriptors are back near their level.
 """

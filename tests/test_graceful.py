@@ -2,7 +2,8 @@
 Graceful paths lose nothing (issue 5, item 2), with real processes on
 loopback and the chaos run's load generator (C{bench/chaos.py}): a node
 stopped with SIGTERM under load, and a Router stopped with SIGTERM under load,
-produce no 5xx and no connection closed without an answer.
+produce no 5xx and no connection closed without an answer; neither does a
+supervisor killed outright (its worker drains and goes by itself).
 
  - The node reports that it is draining, its worker finishes the runs it
    holds, and the rest of the load goes to the other node: every request
@@ -137,6 +138,27 @@ def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload
     assert router.find(re.compile(r"kcoral router stopped"))
 
 
+def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workload):
+    # A supervisor killed outright (SIGKILL, the OOM killer) cannot stop its
+    # worker: the worker drains by itself (the kernel's SIGTERM on its
+    # parent's death), answering what it runs, and goes; an orphan would keep
+    # its port and device from the supervisor that is started again.
+    d = deployment
+    load = chaos.Load(d, workload, d.settings, chaos.Pacer(30))
+    load.start()
+    target = d.node_ids[0]
+    until(lambda: d.pool_nodes().get(target, {}).get("active", 0) >= 1, f"{target} running a program")
+    worker = d.worker_pid(target)
+    d.node(target).signal(signal.SIGKILL)
+    until(lambda: not chaos.pid_alive(worker), "the orphaned worker gone", timeout=30)
+    assert load.join(180), "the load did not finish"
+    assert outcomes(load.records) == {"ok": 30}, \
+        [dataclasses.astuple(r) for r in load.records if r.outcome != "ok"][:10]
+    # Started again, the node takes its id back once the old reports are stale.
+    d.start_node(target)
+    assert d.wait_full(60), d.health()
+
+
 # -- the Router's keep-alive stop, on a fake transport ---------------------------------------
 
 def _keep_alive_site():
@@ -192,3 +214,31 @@ def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
     answer = idle_transport.value()
     assert answer.endswith(b"hello") and b"\r\nConnection: close\r\n" in answer
     assert idle_transport.disconnecting
+
+
+# -- a drained server's quiet period, on a fake clock ------------------------------------------
+
+def test_a_drained_server_closes_only_once_runs_stop_arriving():
+    # A Router that has not heard of the drain sends the next run as soon as
+    # the last answer frees a slot: the port stays open (answering 503
+    # draining) until runs have stopped arriving for DRAIN_QUIET_SECONDS.
+    from twisted.internet.task import Clock
+
+    from kcoral.server.service import DRAIN_QUIET_SECONDS, ServerConfig, ServerService
+
+    clock = Clock()
+    svc = ServerService(ServerConfig(port=0, gpus="none"), clock)
+    admission = svc.app.admission
+    admission.acquire()
+    drained = []
+    svc._drain().addCallback(drained.append)
+    clock.advance(10)
+    assert not drained  # a run is still running
+    admission.release()
+    clock.advance(DRAIN_QUIET_SECONDS * 0.8)
+    assert not drained
+    svc.app.last_run_at = clock.seconds()  # a late run arrives (and gets 503)
+    clock.advance(DRAIN_QUIET_SECONDS * 0.8)
+    assert not drained
+    clock.advance(DRAIN_QUIET_SECONDS * 0.3)
+    assert drained
