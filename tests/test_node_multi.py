@@ -394,8 +394,18 @@ async def test_two_slow_programs_run_in_parallel(node, spin):
 
 @pytest_twisted.ensureDeferred
 async def test_gateway_metrics_merge_every_worker(node, quick):
-    assert await run(node.url, quick, np.float32(2), request_id="metrics-1") == 4
+    # One client's sequential runs: the first sends the program inline, the
+    # others only its digest, and the gateway keeps them on the worker that
+    # holds it (no 409, no resend).
+    client = AsyncClient(node.url, busy_timeout=0)
+    try:
+        for i in range(6):
+            assert await client.run(quick, np.float32(i), request_id=f"metrics-{i}") == 2 * i
+    finally:
+        await client.close()
     text, samples = await scrape(node.url)
+    assert not [key for key in samples if key[0] == "kcoral_http_requests_total"
+                and ("code", "409") in key[1]]
     # Valid exposition text with each family described once.
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
     assert types and len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)

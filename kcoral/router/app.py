@@ -20,6 +20,7 @@ from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge, ServerBusy, error_body
 from kcoral.logging import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
+from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.pool import STATES, NodeConflict, Pool
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.report import InvalidReport, parse_report
@@ -34,6 +35,7 @@ log = Logger()
 #: before the Router gives up on it.
 MAX_NOT_SENT = 8
 MAX_CONTROL_BYTES = 64 * 1024
+_PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 
 
@@ -132,11 +134,12 @@ class RouterApp:
     def post_run(self, request):
         rid = request.request_id
         body = request.content.getvalue()
+        program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
         arrived = self._reactor.seconds()
         refusals = 0
         try:
             while True:
-                acquiring = self.scheduler.acquire()
+                acquiring = self.scheduler.acquire(program)
                 request.notifyFinish().addErrback(lambda _, d=acquiring: d.cancel())
                 lease = yield acquiring
                 self._queue_wait.observe(self._reactor.seconds() - arrived)

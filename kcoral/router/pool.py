@@ -7,6 +7,7 @@ L{Pool.observe}; time comes from an injected clock.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from typing import Callable
 
@@ -211,8 +212,15 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
-    def pick(self) -> Member | None:
-        """The least loaded usable member with free capacity, or None."""
+    def pick(self, program: str | None = None) -> Member | None:
+        """
+        The least loaded usable member with free capacity, or None. Ties go
+        to the member that C{program} (a program digest) hashes highest on,
+        so that while there is no load to spread, one program's runs stay
+        where its upload and compile caches are (round-robin would send a
+        client's references to a member that lacks them: a 409 and a resend
+        on every other run); without a program, to the one picked longest ago.
+        """
         best, best_key = None, None
         for node in self.nodes.values():
             if node.state != READY:
@@ -220,7 +228,8 @@ class Pool:
             for member in node.members.values():
                 if member.free <= 0:
                     continue
-                key = (member.active / member.capacity, member.picked)
+                key = (member.active / member.capacity,
+                       -_affinity(program, member) if program else 0, member.picked)
                 if best_key is None or key < best_key:
                     best, best_key = member, key
         if best is not None:
@@ -241,3 +250,10 @@ class Pool:
         for node in self.nodes.values():
             counts[node.state] += 1
         return counts
+
+
+def _affinity(program: str, member: Member) -> int:
+    """Rendezvous hashing: a stable, evenly spread preference of each
+    program for each member."""
+    text = f"{program}\0{member.node.node_id}\0{member.name}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")

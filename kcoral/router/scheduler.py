@@ -39,12 +39,14 @@ class Scheduler:
         self._idle: list[Deferred] = []
         pool.on_change = self.dispatch
 
-    def acquire(self) -> Deferred:
-        """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason."""
+    def acquire(self, program: str | None = None) -> Deferred:
+        """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason.
+        C{program}, a program digest, breaks ties between free members
+        (L{Pool.pick})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
         if not len(self.queue):
-            member = self.pool.pick()
+            member = self.pool.pick(program)
             if member is not None:
                 return succeed(Lease(member, self))
         return self.queue.wait().addErrback(self._refused)
