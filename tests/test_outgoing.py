@@ -131,3 +131,21 @@ async def test_treq_reaches_an_ipv6_worker_through_a_run_url():
     finally:
         await outgoing.close()
         await port.stopListening()
+
+
+def test_outgoing_keeps_no_cookies():
+    """A Set-Cookie from one worker is never replayed to another."""
+    from http.cookiejar import Cookie
+
+    from twisted.internet.task import Clock
+
+    from kcoral.web.outgoing import Outgoing
+
+    jar = Outgoing(Clock()).client._cookiejar
+    request = type("R", (), {"get_full_url": lambda s: "http://127.0.0.1:8001/v1/run",
+                             "unverifiable": False, "get_origin_req_host": lambda s: "127.0.0.1",
+                             "type": "http", "host": "127.0.0.1:8001",
+                             "get_type": lambda s: "http", "get_host": lambda s: "127.0.0.1:8001"})()
+    cookie = Cookie(0, "session", "x", None, False, "127.0.0.1", False, False, "/", True,
+                    False, None, False, None, None, {})
+    assert not jar._policy.set_ok(cookie, request)

@@ -6,7 +6,10 @@ service-identity) against the platform's roots or a given CA file.
 
 from __future__ import annotations
 
+from http.cookiejar import DefaultCookiePolicy
+
 from treq.client import HTTPClient
+from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.ssl import trustRootFromCertificates
@@ -151,7 +154,9 @@ class Outgoing:
         self.pool.retryAutomatically = False
         agent = Agent.usingEndpointFactory(reactor, Endpoints(reactor, tls_policy(ca_path)),
                                            pool=self.pool)
-        self.client = HTTPClient(agent, data_to_body_producer=body_producer)
+        # No cookies: one worker's Set-Cookie must never be replayed to another.
+        cookies = IndexableCookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+        self.client = HTTPClient(agent, cookiejar=cookies, data_to_body_producer=body_producer)
 
     def close(self):
         return self.pool.closeCachedConnections()
