@@ -116,6 +116,19 @@ def timings(call, count: int, warmup: int) -> list[float]:
     return times
 
 
+def interleaved(local, remote, count: int, warmup: int, rounds: int = 10):
+    """
+    Timings of C{local()} and C{remote()}, taken in alternating rounds so
+    that a change in the machine's load during the run affects both alike.
+    """
+    per_round = max(1, count // rounds)
+    a, b = timings(local, 0, warmup), timings(remote, 0, warmup)
+    for _ in range(rounds):
+        a += timings(local, per_round, 0)
+        b += timings(remote, per_round, 0)
+    return a, b
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
@@ -138,10 +151,13 @@ def programs(rng):
 
     a = rng.standard_normal((128, 256), dtype=np.float32)
     w5 = rng.standard_normal((256, 256), dtype=np.float32) / 16
-    # Calibrate the loop count so the in-process call takes about 5 ms.
-    probe = jax.jit(work(16))
-    per_step = percentile(timings(lambda: np.asarray(probe(a, w5)), 20, 3), 50) / 16
-    steps = max(1, round(0.005 / per_step))
+    # Calibrate the loop count so the in-process call takes about 5 ms:
+    # estimate, then check the estimate once (a busy moment skews a probe).
+    steps = 16
+    for _ in range(2):
+        probe = jax.jit(work(steps))
+        per_step = percentile(timings(lambda: np.asarray(probe(a, w5)), 40, 5), 50) / steps
+        steps = max(1, round(0.005 / per_step))
 
     def weighted(w, x):
         return jnp.tanh(x @ w)
@@ -210,6 +226,16 @@ def throughput(server: ServerProcess, program, seconds: float, clients: int,
 
 # -- reporting -----------------------------------------------------------------
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.3f}"
 
@@ -235,8 +261,9 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or ''}".rstrip(", "),
-               "jax": jax.__version__, "device": str(jax.devices()[0]), "latency": []}
+               "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
+               "jax": jax.__version__, "device": str(jax.devices()[0]), "latency": [],
+               "load_before": os.getloadavg()[0]}
     servers = []
     try:
         print(f"device: {jax.devices()[0]}; starting a server ...", flush=True)
@@ -248,13 +275,14 @@ def main() -> int:
             big = any(np.asarray(a).nbytes > 1 << 20 for a in inputs)
             count = max(20, args.count // (50 if big else 1) // (10 if "5 ms" in name else 1))
             warmup = max(3, count // 20)
-            local = timings(lambda: jax.tree.map(np.asarray, jitted(*inputs)), count, warmup)
             with Client(server.url) as client:
                 client.run(program, *inputs)
                 first = client.bytes_sent
                 client.run(program, *again)
                 repeated = client.bytes_sent - first
-                remote = timings(lambda: client.run(program, *inputs), count, warmup)
+                local, remote = interleaved(
+                    lambda: jax.tree.map(np.asarray, jitted(*inputs)),
+                    lambda: client.run(program, *inputs), count, warmup)
             row = {"program": name, "count": count,
                    "local_median": percentile(local, 50), "local_p99": percentile(local, 99),
                    "remote_median": percentile(remote, 50), "remote_p99": percentile(remote, 99),
@@ -279,6 +307,7 @@ def main() -> int:
         for server in servers:
             server.stop()
 
+    results["load_after"] = os.getloadavg()[0]
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -288,7 +317,8 @@ def main() -> int:
 def report(results: dict) -> None:
     print()
     print(f"command: {results['command']}")
-    print(f"machine: {results['machine']}; jax {results['jax']} on {results['device']}")
+    print(f"machine: {results['machine']}; jax {results['jax']} on {results['device']}; "
+          f"load average {results['load_before']:.2f} before, {results['load_after']:.2f} after")
     print()
     head = (f"{'program':<48} {'in-process ms':>15} {'Client.run ms':>15} "
             f"{'added ms':>9} {'ratio':>7}")
