@@ -18,7 +18,9 @@ several threads whatever ``--xla_cpu_multi_thread_eigen=false`` says, and a
 single worker would then use both cores of a 2-core machine by itself.) The
 table gives each setup's worker CPU seconds per second, which shows how many
 cores it really used, and the CPU that *other* processes used meanwhile
-(from ``/proc/stat``), which says how far to trust a row on a shared machine.
+(from ``/proc/stat``), which says how far to trust a row on a shared machine;
+``--wait-for-idle SECONDS`` waits for the others to go quiet before each
+measurement, and measures again when they did not stay quiet.
 
 Measured in one run:
 
@@ -106,6 +108,32 @@ class Service:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         os.unlink(self._log.name)
+
+
+def wait_for_idle(services, timeout: float, limit: float = 0.2) -> float:
+    """On a shared machine: wait (up to C{timeout} seconds) until processes
+    other than ours use under C{limit} cores over two seconds; the last
+    reading."""
+    if timeout <= 0:
+        return float("nan")
+    deadline = time.monotonic() + timeout
+    while True:
+        with OutsideLoad(services) as outside:
+            time.sleep(2.0)
+        if outside.cores < limit or time.monotonic() >= deadline:
+            return outside.cores
+
+
+def quietly(measure, services, timeout: float, limit: float = 0.2) -> dict:
+    """C{measure()}, after waiting for idle cores, and again while other
+    processes used C{limit} cores or more during it (for up to C{timeout}
+    seconds in all): the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_for_idle(services, deadline - time.monotonic(), limit)
+        row = measure()
+        if row["outside_cores"] < limit or time.monotonic() >= deadline:
+            return row
 
 
 def _healthy_workers(url: str) -> int:
@@ -315,6 +343,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each throughput window")
     parser.add_argument("--count", type=int, default=1000, help="timed trivial runs per path")
+    parser.add_argument("--wait-for-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="on a shared machine, wait up to this long before each measurement "
+                             "for other processes to leave the cores alone (default: 0)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -325,7 +356,13 @@ def main() -> int:
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "seconds": args.seconds, "throughput": []}
-    program, inputs, description, in_process = compute_program()
+    def calibrate():
+        with OutsideLoad([]) as outside:
+            found = compute_program()
+        return {"program": found, "outside_cores": outside.cores}
+
+    # Calibrated on quiet cores too.
+    program, inputs, description, in_process = quietly(calibrate, [], args.wait_for_idle)["program"]
     results["program"] = description
     results["in_process_ms"] = 1000 * in_process
 
@@ -338,7 +375,8 @@ def main() -> int:
         services.append(single)
 
         print("measuring the gateway's latency ...", flush=True)
-        results["latency"] = gateway_latency(node, args.count, services)
+        results["latency"] = quietly(lambda: gateway_latency(node, args.count, services),
+                                     services, args.wait_for_idle)
 
         for setup, service, clients in [
                 ("1 worker (standalone server)", single, 2),
@@ -346,7 +384,8 @@ def main() -> int:
                 ("2 workers behind the gateway", node, 2),
                 ("2 workers behind the gateway", node, 4)]:
             print(f"throughput: {setup}, {clients} client(s) ...", flush=True)
-            row = throughput(service, program, inputs, clients, args.seconds, services)
+            row = quietly(lambda: throughput(service, program, inputs, clients, args.seconds,
+                                             services), services, args.wait_for_idle)
             row["setup"] = setup
             results["throughput"].append(row)
     finally:
