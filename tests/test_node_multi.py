@@ -16,9 +16,9 @@ and its one-line errors.
 Nothing here sleeps and hopes: tests wait for the supervisor's log lines or
 poll an endpoint against a deadline. Every worker pid the supervisor logged
 is checked to be gone once its node has stopped. The one wall-clock check
-(two runs at once take under 1.6 times one run) is skipped, with its
-numbers, only when other processes measurably kept the machine's cores busy
-during every try; which worker ran what is checked regardless.
+(two runs at once take under 1.6 times one run) gets three tries, and its
+failure message says how many cores other processes used meanwhile; which
+worker ran what is checked regardless.
 """
 
 from __future__ import annotations
@@ -295,9 +295,6 @@ async def test_node_file_and_command_line(node):
 #: Tries of the timing comparison: another process on a 2-core machine can
 #: take a core for a moment; one try in three must show the parallelism.
 TIMING_TRIES = 3
-#: Cores' worth of CPU that processes outside the test may use during a try
-#: before its timing says nothing about the node.
-OUTSIDE_LOAD_LIMIT = 0.25
 
 
 def _ticks_to_seconds(ticks: int) -> float:
@@ -385,10 +382,8 @@ async def test_two_slow_programs_run_in_parallel(node, spin):
         # time, not two (a generous bound).
         if together < 1.6 * alone:
             return
-    if all(t["outside_cores"] > OUTSIDE_LOAD_LIMIT for t in tries):
-        # Both runs did go to different workers at once (checked above);
-        # only the machine was too busy to show it in the wall time.
-        pytest.skip(f"timing not judged: other processes kept the machine busy: {tries}")
+    # A clean CI machine runs nothing else; "outside_cores" in the message
+    # tells a developer when other processes were the cause.
     pytest.fail(f"two runs at once never took under 1.6x one run's time: {tries}")
 
 
