@@ -53,6 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 
 TARGET_RUN_SECONDS = 0.05
 
@@ -97,7 +99,7 @@ class Service:
 
     def cpu_seconds(self) -> float:
         """CPU time of the worker processes so far."""
-        return sum(_cpu_seconds(pid) for pid in self.pids.values())
+        return sum(cpu_seconds(pid) for pid in self.pids.values())
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -147,16 +149,6 @@ def _healthy_workers(url: str) -> int:
     return sum(1 for w in body.get("workers", []) if w["healthy"])
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_seconds() -> float:
-    """Busy CPU time of the whole machine (all cores) since boot."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
 
 class OutsideLoad:
     """Cores' worth of CPU used by processes other than this benchmark and
@@ -171,10 +163,10 @@ class OutsideLoad:
         ours = 0.0
         for pid in set(self._pids):
             try:
-                ours += _cpu_seconds(pid)
+                ours += cpu_seconds(pid)
             except FileNotFoundError:
                 pass
-        return time.perf_counter(), _machine_busy_seconds(), ours
+        return time.perf_counter(), machine_busy_seconds(), ours
 
     def __enter__(self):
         self._start = self._sample()

@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 
 TARGET_ADDED_MS = 1.0
@@ -68,15 +69,6 @@ CONCURRENCY = (1, 4, 16, 64)
 
 
 # -- the services ----------------------------------------------------------------
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_busy_seconds() -> float:
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 class Service:
@@ -301,7 +293,7 @@ class CPU:
         self._pids = pids
 
     def _sample(self):
-        return {name: _cpu_seconds(pid) for name, pid in self._pids.items()}, _machine_busy_seconds()
+        return {name: cpu_seconds(pid) for name, pid in self._pids.items()}, machine_busy_seconds()
 
     def __enter__(self):
         self._start = self._sample()
