@@ -74,6 +74,10 @@ class Connection:
         self._timeout = sock.gettimeout()
         self._tls = ssl_context is not None
         self._rfile = sock.makefile("rb", buffering=MAX_LINE)
+        #: Answers read in full on this connection (more than 0: a reused one).
+        self.answers = 0
+        #: Whether any byte of the current request's answer has arrived.
+        self.answering = False
 
     def close(self) -> None:
         self._rfile.close()
@@ -102,8 +106,11 @@ class Connection:
             lines.append(f"{name}: {value}")
         lines.append(f"Content-Length: {length}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        self.answering = False
         self._send([head, *parts])
-        return self._answer(method)
+        answer = self._answer(method)
+        self.answers += 1
+        return answer
 
     # -- sending ------------------------------------------------------------
 
@@ -147,6 +154,7 @@ class Connection:
             line = self._line()
             if not line:
                 raise ProtocolError("the server closed the connection without answering")
+            self.answering = True
             version, _, rest = line.partition(b" ")
             code = rest[:3]
             if not version.startswith(b"HTTP/1.") or not code.isdigit():

@@ -81,7 +81,8 @@ class Client:
         conn.settimeout(timeout)
         return conn
 
-    def _request(self, method: str, path: str, send: Send | None, deadline: float | None) -> Response:
+    def _request(self, method: str, path: str, send: Send | None, deadline: float | None,
+                 retried: bool = False) -> Response:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             conn = self._connection(remaining)
@@ -103,6 +104,12 @@ class Client:
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
         except (ProtocolError, OSError) as e:
             self.close()
+            if conn.answers and not conn.answering and not retried:
+                # A reused keep-alive connection the server closed as we sent
+                # on it (an idle close racing our request, as when a Router
+                # stops): no byte of an answer came, so, as browsers do, send
+                # it once more on a fresh connection.
+                return self._request(method, path, send, deadline, retried=True)
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
         if send is not None:
             self.bytes_sent += send.length
