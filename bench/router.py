@@ -206,7 +206,7 @@ def request_bytes(url: str, program, inputs) -> bytes:
     call = RunCall.prepare(program, tuple(inputs), {})
     send = call.send(call.content_digests(), None)
     parts = urlsplit(url)
-    head = [f"POST /v1/run HTTP/1.1", f"Host: {parts.netloc}",
+    head = ["POST /v1/run HTTP/1.1", f"Host: {parts.netloc}",
             f"Content-Length: {send.length}"]
     head += [f"{name}: {value}" for name, value in send.headers.items()]
     body = b"".join(bytes(memoryview(p).cast("B")) for p in send.parts)

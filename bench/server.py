@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys

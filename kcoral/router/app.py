@@ -21,7 +21,7 @@ from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge,
 from kcoral.logging import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
-from kcoral.router.pool import STATES, NodeConflict, Pool
+from kcoral.router.pool import NodeConflict, Pool
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
