@@ -7,6 +7,8 @@ code means the same thing everywhere (SPEC section 4).
 
 from __future__ import annotations
 
+import json
+
 
 class KCoralError(Exception):
     """
@@ -113,6 +115,16 @@ def error_body(error: KCoralError, request_id: str) -> dict:
         body["reason"] = error.reason
     body.update(error.details)
     return {"error": body}
+
+
+def error_from_answer(status: int, content: bytes) -> KCoralError:
+    """The exception an error answer of C{status} with C{content} stands for,
+    whether or not C{content} is a KCoral JSON error."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        body = None
+    return error_from_body(status, body, content[:200].decode("utf-8", "replace"))
 
 
 def error_from_body(status: int, body: dict | None, fallback: str) -> KCoralError:

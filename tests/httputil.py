@@ -13,9 +13,21 @@ import time
 import attrs
 import treq
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
 from twisted.web.client import HTTPConnectionPool
+from twisted.web.http_headers import Headers
 
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+
+
+class ForwardedRequest:
+    """What L{kcoral.router.proxy.Proxy.forward} reads of a client's request."""
+
+    request_id = "forwarded-1"
+    requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
+
+    def notifyFinish(self):
+        return Deferred()
 
 
 @attrs.frozen

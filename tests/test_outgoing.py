@@ -7,6 +7,7 @@ that writes a small body with the request head.
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import pytest_twisted
@@ -19,8 +20,9 @@ from twisted.web.client import URI, BrowserLikePolicyForHTTPS, FileBodyProducer
 from twisted.web.error import SchemeNotSupported
 
 from kcoral.logging import debug_enabled, start_console_logging
-from kcoral.router.proxy import Proxy, _RunURL
+from kcoral.router.proxy import NotSent, Proxy, _RunURL
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
+from tests.httputil import ForwardedRequest
 
 
 def test_a_small_body_is_written_at_once():
@@ -127,6 +129,39 @@ async def test_treq_reaches_an_ipv6_worker_through_a_run_url():
         assert await response.content() == b"got run"
     finally:
         await outgoing.close()
+        await port.stopListening()
+
+
+class _Busy(resource.Resource):
+    """A worker that turns runs away with 503, with or without a KCoral error."""
+
+    isLeaf = True
+
+    def __init__(self, body: bytes):
+        super().__init__()
+        self.body = body
+
+    def render_POST(self, request):
+        request.setResponseCode(503)
+        return self.body
+
+
+@pytest.mark.parametrize("body, says", [
+    (json.dumps({"error": {"type": "server_busy", "message": "the server is draining",
+                           "reason": "draining", "request_id": "x"}}).encode(), "503 draining"),
+    (b"<html>maintenance</html>", "503 HTTP 503: <html>maintenance</html>"),
+])
+@pytest_twisted.ensureDeferred
+async def test_a_503_from_a_worker_is_not_sent_and_says_why(body, says):
+    port = reactor.listenTCP(0, server.Site(_Busy(body)), interface="127.0.0.1")
+    proxy = Proxy(reactor)
+    url = f"http://127.0.0.1:{port.getHost().port}"
+    try:
+        with pytest.raises(NotSent) as caught:
+            await proxy.forward(url, ForwardedRequest(), b"run")
+        assert str(caught.value) == f"{url} turned it away with {says}"
+    finally:
+        await proxy.outgoing.close()
         await port.stopListening()
 
 

@@ -28,13 +28,11 @@ from OpenSSL import SSL
 from service_identity import VerificationError
 from service_identity.hazmat import DNS_ID, DNSMismatch
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseNeverReceived
-from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
@@ -46,6 +44,7 @@ from kcoral.web.endpoint import ListenAddress
 from kcoral.web.outgoing import tls_problem
 from tests.conftest import server_args, server_env
 from tests.harness import START_TIMEOUT, kcoral_argv
+from tests.httputil import ForwardedRequest
 from tests.test_routed import FAST_NODE, start_router
 from tests.test_server import run_frame
 from tests.tlsutil import TestCA
@@ -317,16 +316,6 @@ class _Hello(Resource):
         return b"ran"
 
 
-class _FakeRequest:
-    """What L{Proxy.forward} reads of the client's request."""
-
-    request_id = "fake-1"
-    requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
-
-    def notifyFinish(self):
-        return Deferred()
-
-
 @pytest.mark.parametrize("certificate", ["impostor", "elsewhere"])
 @pytest_twisted.ensureDeferred
 async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certificate):
@@ -339,13 +328,13 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
     proxy = Proxy(reactor, ca_path=pki["ca"].path)
     try:
         with pytest.raises(NotSent, match="TLS with"):
-            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", _FakeRequest(), b"x")
+            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", ForwardedRequest(), b"x")
         # The same server, with the right certificate, takes the request.
         right = pki["node"]
         good = await ListenAddress("127.0.0.1", 0, right.cert, right.key).endpoint(reactor).listen(
             Site(_Hello()))
         try:
-            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", _FakeRequest(), b"x")
+            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", ForwardedRequest(), b"x")
             assert answer.code == 200 and answer.body == b"ran"
         finally:
             await good.stopListening()

@@ -7,7 +7,6 @@ steps; the blocking and the Twisted client each drive it with their own I/O.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Generator
 
@@ -15,7 +14,7 @@ import attrs
 import numpy as np
 from twisted.application.internet import backoffPolicy
 
-from kcoral.errors import KCoralError, ServerBusy, error_from_body
+from kcoral.errors import KCoralError, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, REQUEST_CONTENT_TYPE,
                                   decode_result, encode_request, sha256, wire_array)
@@ -80,11 +79,7 @@ class RunCall:
 def _error(response: Response) -> KCoralError:
     if response.status is None:
         return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable")
-    try:
-        body = json.loads(response.body)
-    except ValueError:
-        body = None
-    return error_from_body(response.status, body, response.body[:200].decode("utf-8", "replace"))
+    return error_from_answer(response.status, response.body)
 
 
 def exchange(call: RunCall, held: set[str], *, busy_timeout: float,

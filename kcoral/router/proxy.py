@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import NodeFailure
+from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.web.outgoing import Outgoing, tls_problem
 
@@ -122,7 +122,8 @@ class Proxy:
             raise NodeFailure(f"lost the connection to the node at {url} after the request "
                               f"was sent; it may have run") from e
         if response.code == 503:
-            raise NotSent(f"{url} answered 503")
+            busy = error_from_answer(response.code, content)
+            raise NotSent(f"{url} turned it away with 503 {busy.reason or busy.message}")
         returned = {name: response.headers.getRawHeaders(name)[0]
                     for name in _RETURNED if response.headers.hasHeader(name)}
         return Answer(response.code, returned, content)
