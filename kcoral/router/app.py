@@ -26,6 +26,7 @@ from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.web import errors
+from kcoral.web.directroute import DirectRoute
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
@@ -85,7 +86,7 @@ class RouterApp:
         registry.register(_PoolCollector(pool))
 
     def resource(self):
-        return RequestIdResource(self.app.resource())
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
 
     # -- client routes --------------------------------------------------------
 
@@ -129,6 +130,8 @@ class RouterApp:
         request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode())
         return self.metrics_source()
 
+    # Declared here so that Klein lists it and answers other methods with
+    # 405; POST requests reach post_run through DirectRoute, without Klein.
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks
     def post_run(self, request):

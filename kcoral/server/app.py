@@ -14,8 +14,6 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
-from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
@@ -26,6 +24,7 @@ from kcoral.router.queue import QueueFull, QueueTimeout
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.web import errors
+from kcoral.web.directroute import DirectRoute
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
@@ -56,7 +55,7 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        return RequestIdResource(_RunRoute(self, self.app.resource()))
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
 
     # -- health -----------------------------------------------------------
 
@@ -89,7 +88,7 @@ class ServerApp:
     # -- runs -------------------------------------------------------------
 
     # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through _RunRoute, without Klein.
+    # 405; POST requests reach post_run through DirectRoute, without Klein.
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks
     def post_run(self, request):
@@ -150,45 +149,3 @@ class ServerApp:
             log.debug("{request_id} ran program {digest} ({size} result bytes)", request_id=rid,
                       digest=run.program.digest[:12], size=len(result))
         return result
-
-
-class _RunRoute(Resource):
-    """
-    The server's resource: C{POST /v1/run} goes straight to
-    L{ServerApp.post_run}, everything else through Klein.
-
-    Why: Klein's per-request work (binding and matching its URL map, adapting
-    the request, two maybeDeferreds and its error-handler chain) measured
-    ~140 us of server CPU per trivial run, over a tenth of the round trip.
-    The answers are the same: post_run answers every error it expects in
-    JSON, and anything else gets the JSON 500 Klein's error handler gives.
-    Unlike Klein, this does not cancel a run whose client went away: a queued
-    run leaves the queue (L{ServerApp._admitted} sees to that), a running one
-    keeps its slot until the device is done with it, and its answer is
-    dropped.
-    """
-
-    isLeaf = True
-
-    def __init__(self, app: ServerApp, klein_resource):
-        super().__init__()
-        self._app = app
-        self._klein = klein_resource
-
-    def render(self, request):
-        if request.method != b"POST" or request.path != b"/v1/run":
-            return self._klein.render(request)
-        gone: list = []
-        request.notifyFinish().addBoth(gone.append)
-        d = self._app.post_run(request)
-        d.addErrback(lambda failure: errors.internal_error(request, failure))
-        d.addCallback(_write, request, gone)
-        d.addErrback(lambda failure: log.failure("{request_id} could not answer", failure,
-                                                 request_id=request.request_id))
-        return NOT_DONE_YET
-
-
-def _write(body: bytes, request, gone: list) -> None:
-    if not gone:
-        request.write(body)
-        request.finish()
