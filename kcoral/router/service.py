@@ -12,6 +12,7 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.heap import SettledHeap
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
@@ -75,6 +76,7 @@ class RouterService(service.MultiService):
         self.listener = DrainingListener(name, address, reactor, site, self._drain,
                                          bool(config.node_token), close_port_first=True)
         self.listener.setServiceParent(self)
+        SettledHeap().setServiceParent(self)
 
     def _drain(self) -> Deferred:
         scheduler, pool = self.app.scheduler, self.app.pool

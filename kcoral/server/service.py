@@ -13,6 +13,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from kcoral.heap import settle
 from kcoral.metrics import HttpMetrics
 from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
@@ -95,6 +96,7 @@ class ServerService(service.MultiService):
             self._reactor.stop()
             return
         if self.app.status != DRAINING:
+            settle()
             self.app.status = OK
             log.info("kcoral server ready on {target} (capacity {capacity})",
                      target=info.gpu_target, capacity=self.config.capacity)
