@@ -177,6 +177,35 @@ async def test_queue_full_and_queue_timeout(deployment, spin):
     assert health["active"] == 0 and health["queued"] == 0
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_client_that_leaves_mid_run_cancels_the_forwarded_request(deployment, spin):
+    program, rate, x = spin
+    router = deployment.router
+    marks = {n: node.process.mark() for n, node in deployment.nodes.items()}
+    router_mark = router.process.mark()
+    leaving = treq.post(router.url + "/v1/run", data=run_frame(program, [spin_seconds(rate, 2), x]),
+                        headers={"Content-Type": REQUEST_CONTENT_TYPE, "X-Request-ID": "leaves-2"},
+                        pool=HTTPConnectionPool(reactor, persistent=False))
+    gone = []
+    leaving.addErrback(gone.append)
+    await until(lambda: _health_at_least(router, "active", 1), "leaves-2 forwarded")
+    leaving.cancel()
+    await router.process.wait_for_line(r"leaves-2 cancelled: the client went away", 10,
+                                       since=router_mark)
+    # Its lease is released at once...
+    assert len(gone) == 1 and (await router_health(router))["active"] == 0
+    # ...and the Router closed its request to the node: the worker finishes
+    # the run (a device cannot be interrupted) and drops the answer.
+    dropped = r"\[worker0\] .*leaves-2 answer dropped: the client went away"
+
+    async def ran_on():
+        return [n for n, node in deployment.nodes.items()
+                if node.process.matching(dropped, since=marks[n])]
+
+    assert len(await until(ran_on, "the worker's dropped answer", 15)) == 1
+    assert not router.process.matching(r"leaves-2 (answered|failed on)", since=router_mark)
+
+
 async def _health_at_least(router, what: str, count: int):
     return (await router_health(router))[what] >= count
 

@@ -97,33 +97,50 @@ class Proxy:
         # program (and the body is read once, right here: no buffering).
         outgoing = self.outgoing.client.post(self._run_url(url), data=body, headers=headers,
                                              allow_redirects=False, unbuffered=True)
-        # A client that goes away cancels the outgoing request.
-        request.notifyFinish().addErrback(lambda _: outgoing.cancel())
+        # A client that goes away cancels the outgoing request. Twisted's
+        # client reports that as the connection it aborted (a failed
+        # response), not as a cancellation: remember who cancelled.
+        left: list = []
+
+        def client_left(_):
+            left.append(True)
+            outgoing.cancel()
+
+        request.notifyFinish().addErrback(client_left)
         try:
             response = yield outgoing
             content = yield response.content()
-        except CancelledError:
-            raise
-        except netError.ConnectError as e:
-            raise NotSent(f"could not connect to {url}: {e.__class__.__name__}") from None
-        except (ResponseNeverReceived, RequestTransmissionFailed) as e:
-            # A refused certificate (untrusted CA, or service-identity's host
-            # check, which fails with VerificationError rather than SSL.Error)
-            # ends the handshake before any byte of the request: not sent.
-            # With a body to write, Twisted reports it as a failed
-            # transmission, which was an uncaught error (a 500) before.
-            tls = tls_problem(e)
-            if tls is not None:
-                log.error("TLS with {url} failed, the request was not sent: {why}", url=url, why=tls)
-                raise NotSent(f"TLS with {url} failed: {tls}") from None
-            raise NodeFailure(f"lost the connection to the node at {url} after the request "
-                              f"was sent; it may have run") from e
-        except (ResponseFailed, netError.ConnectionLost) as e:
-            raise NodeFailure(f"lost the connection to the node at {url} after the request "
-                              f"was sent; it may have run") from e
+        except Exception as e:
+            if left or isinstance(e, CancelledError):
+                raise CancelledError() from None
+            problem = _failure(e, url)
+            if problem is e:
+                raise
+            raise problem from e
         if response.code == 503:
             busy = error_from_answer(response.code, content)
             raise NotSent(f"{url} turned it away with 503 {busy.reason or busy.message}")
         returned = {name: response.headers.getRawHeaders(name)[0]
                     for name in _RETURNED if response.headers.hasHeader(name)}
         return Answer(response.code, returned, content)
+
+
+def _failure(e: Exception, url: str) -> Exception:
+    """What a failed forward means: not sent (another member may take it),
+    a node failure (it may have run: a 502), or an error of our own."""
+    if isinstance(e, netError.ConnectError):
+        return NotSent(f"could not connect to {url}: {e.__class__.__name__}")
+    if isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed)):
+        # A refused certificate (untrusted CA, or service-identity's host
+        # check, which fails with VerificationError rather than SSL.Error)
+        # ends the handshake before any byte of the request: not sent. With
+        # a body to write, Twisted reports it as a failed transmission.
+        tls = tls_problem(e)
+        if tls is not None:
+            log.error("TLS with {url} failed, the request was not sent: {why}", url=url, why=tls)
+            return NotSent(f"TLS with {url} failed: {tls}")
+    if isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed, ResponseFailed,
+                      netError.ConnectionLost)):
+        return NodeFailure(f"lost the connection to the node at {url} after the request "
+                           f"was sent; it may have run")
+    return e
