@@ -38,6 +38,19 @@ def port(text: str) -> int:
     return value
 
 
+#: Listening on a Twisted server endpoint string (the Router, a standalone
+#: server, a node's gateway). Twisted parses it, TLS files included.
+LISTEN = ["listen", None, None,
+          "A Twisted server endpoint string to listen on instead of --host, --port, --tls-cert "
+          "and --tls-key, e.g. ssl:9443:interface=0.0.0.0:privateKey=key.pem:certKey=cert.pem."]
+
+
+def check_listen(options) -> None:
+    if options["listen"] and (options["tls-cert"] or options["tls-key"]):
+        raise usage.UsageError("--listen takes the place of --tls-cert and --tls-key: name the "
+                               "certificate in the endpoint string (certKey=..., privateKey=...)")
+
+
 class _NamedParameter(usage.CoerceParameter):
     """Names the option when its value is refused (Twisted's message does not)."""
 

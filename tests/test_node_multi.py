@@ -472,7 +472,11 @@ async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
 @pytest_twisted.ensureDeferred
 async def test_sigkill_one_worker_under_load(nodes, spin, quick):
     program, x, slow = spin.program, spin.x, spin.seconds(SLOW_SECONDS)
-    node = await nodes(node_args("--restart-min-delay-seconds", "0.5"), name="kill-node")
+    # Its gateway listens on a Twisted endpoint string (--listen), which
+    # changes nothing else: the workers still take ports of their own.
+    node = await nodes(node_args("--restart-min-delay-seconds", "0.5",
+                                 "--listen", "tcp:0:interface=127.0.0.1"), name="kill-node")
+    assert node.url.startswith("http://127.0.0.1:")
     first = node.pids()
     victim = first["worker0"]
 

@@ -188,6 +188,62 @@ async def test_router_and_node_on_tls(processes, pki):
     assert not re.search(r"TLS .*failed|not valid for", logs), logs
 
 
+# -- Twisted endpoint strings ------------------------------------------------------------------
+
+def ssl_endpoint(issued, interface: str = "127.0.0.1") -> str:
+    return f"ssl:0:interface={interface}:privateKey={issued.key}:certKey={issued.cert}"
+
+
+def test_the_url_of_an_endpoint_string_comes_from_where_it_listens():
+    from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
+
+    tls = ListenAddress(description="ssl:0:privateKey=k.pem:certKey=c.pem")
+    assert tls.url(IPv4Address("TCP", "10.0.0.2", 9443)) == "https://10.0.0.2:9443"
+    plain = ListenAddress(description="tcp6:0:interface=\\:\\:1")
+    assert plain.url(IPv6Address("TCP", "::1", 9000)) == "http://[::1]:9000"
+    assert ListenAddress(description="unix:/run/kcoral.sock").url(
+        UNIXAddress(b"/run/kcoral.sock")) == "http+unix:///run/kcoral.sock"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_router_listens_on_an_endpoint_string(processes, pki):
+    router = await start_router(processes, "--listen", ssl_endpoint(pki["router"]),
+                                name="listen-router")
+    assert router.url.startswith("https://127.0.0.1:")
+    status, health = await deferToThread(http_get, router.url, "/health", pki["ca"].client_context())
+    assert status == 503 and health["status"] == "unavailable"
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_listens_on_an_endpoint_string(start_server, pki):
+    server = await start_server("--listen", ssl_endpoint(pki["node"]), name="listen-server")
+    assert server.url.startswith("https://127.0.0.1:")
+    program, x = quick_program(), np.arange(3, dtype=np.float32)
+
+    def run():
+        with Client(server.url, ssl_context=pki["ca"].client_context()) as client:
+            return client.run(program, x)
+
+    np.testing.assert_allclose(await deferToThread(run), x * 3 + 1)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["router", "--listen", "tcp:0", "--tls-cert", "c.pem"], "--listen takes the place of --tls-cert"),
+    (["server", "--listen", "tcp:0", "--router", "http://127.0.0.1:9", "--node-id", "n"],
+     "--listen is for a server without --router"),
+    (["router", "--listen", "tcp:port=notaport"], "--listen tcp:port=notaport: ValueError"),
+    (["router", "--listen", "nonsense:0"], "--listen nonsense:0: ValueError"),
+    (["router", "--listen", "ssl:0:privateKey=/nonexistent.pem"], "--listen ssl:0:privateKey="),
+])
+@pytest_twisted.ensureDeferred
+async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
+    child = processes.spawn(kcoral_argv(*args), name="bad-listen")
+    assert await child.exited(60) in (1, 2)
+    lines = [line for line in child.output.lines if line.strip()]
+    assert any(says in line for line in lines), lines
+    assert not any("Traceback" in line for line in lines), lines
+
+
 # -- wrong certificates ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("certificate,refusal", [

@@ -33,11 +33,12 @@ class Gateway(service.Service):
             queue_wait_timeout_seconds=options["queue-wait-timeout-seconds"],
             max_queued_requests=max(options["max-queued-requests"], 1024),
             max_request_bytes=options["max-request-bytes"],
-            tls_cert=options["tls-cert"], tls_key=options["tls-key"], tls_ca=options["tls-ca"])
+            tls_cert=options["tls-cert"], tls_key=options["tls-key"], tls_ca=options["tls-ca"],
+            listen=options["listen"])
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
-        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        address = ListenAddress.of(config)
         self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
                                          bool(options["node-token"]))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from twisted.python import usage
 
-from kcoral.options import KCoralOptions, non_negative, port, positive
+from kcoral.options import LISTEN, KCoralOptions, check_listen, non_negative, port, positive
 
 SUPERVISOR_OPTIONS = [
     ["health-interval-seconds", None, 2.0, "Interval between health probes and heartbeats.", positive(float)],
@@ -49,6 +49,7 @@ class Options(KCoralOptions):
         ["tls-cert", None, None, "PEM certificate (chain): listen with TLS."],
         ["tls-key", None, None, "PEM private key of --tls-cert (default: inside --tls-cert)."],
         ["tls-ca", None, None, "PEM CA to verify https peers with (default: the system's roots)."],
+        LISTEN,
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
@@ -61,6 +62,10 @@ class Options(KCoralOptions):
         if self["config"]:
             from kcoral.node import config
             config.load(self["config"], self, self.named | from_environment)
+        check_listen(self)
+        if self["listen"] and self["router"]:
+            raise usage.UsageError("--listen is for a server without --router; under a Router, "
+                                   "workers listen on --host and --port (see --advertise-host)")
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:
@@ -91,7 +96,7 @@ class Options(KCoralOptions):
             compile_cache_entries=self["compile-cache-entries"],
             compilation_cache_dir=self["compilation-cache-dir"],
             secured=bool(self["node-token"]),
-            tls_cert=self["tls-cert"], tls_key=self["tls-key"],
+            tls_cert=self["tls-cert"], tls_key=self["tls-key"], listen=self["listen"],
         )
         values.update(overrides)
         return ServerConfig(**values)

@@ -45,6 +45,8 @@ class RouterConfig:
     tls_key: str | None = None
     #: CA file to verify https nodes with (default: the platform's roots).
     tls_ca: str | None = None
+    #: A Twisted server endpoint string, in place of host, port and TLS files.
+    listen: str | None = None
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -72,7 +74,7 @@ class RouterService(service.MultiService):
         self._reactor = reactor
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
-        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        address = ListenAddress.of(config)
         self.listener = DrainingListener(name, address, reactor, site, self._drain,
                                          bool(config.node_token), close_port_first=True)
         self.listener.setServiceParent(self)

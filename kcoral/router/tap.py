@@ -5,7 +5,7 @@ C{makeService}. Defaults are those of the Router guide (seed 000).
 
 from __future__ import annotations
 
-from kcoral.options import KCoralOptions, non_negative, port, positive
+from kcoral.options import LISTEN, KCoralOptions, check_listen, non_negative, port, positive
 
 
 class Options(KCoralOptions):
@@ -28,8 +28,13 @@ class Options(KCoralOptions):
         ["tls-cert", None, None, "PEM certificate (chain): listen with TLS."],
         ["tls-key", None, None, "PEM private key of --tls-cert (default: inside --tls-cert)."],
         ["tls-ca", None, None, "PEM CA to verify https peers with (default: the system's roots)."],
+        LISTEN,
     ]
     environment = {"node-token": "KCORAL_NODE_TOKEN"}
+
+    def postOptions(self):
+        super().postOptions()
+        check_listen(self)
 
     def router_config(self):
         from kcoral.router.service import RouterConfig
@@ -46,6 +51,7 @@ class Options(KCoralOptions):
             max_request_bytes=self["max-request-bytes"],
             node_token=self["node-token"],
             tls_cert=self["tls-cert"], tls_key=self["tls-key"], tls_ca=self["tls-ca"],
+            listen=self["listen"],
         )
 
 

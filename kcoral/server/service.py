@@ -49,6 +49,8 @@ class ServerConfig:
     secured: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: A Twisted server endpoint string, in place of host, port and TLS files.
+    listen: str | None = None
 
 
 class ServerService(service.MultiService):
@@ -75,7 +77,7 @@ class ServerService(service.MultiService):
                              threadpool=self._threadpool, reactor=reactor, registry=registry)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
-        address = ListenAddress(config.host, config.port, config.tls_cert, config.tls_key)
+        address = ListenAddress.of(config)
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          config.secured)
         self.listener.setServiceParent(self)

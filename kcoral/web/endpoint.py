@@ -1,11 +1,14 @@
-"""Where a KCoral service listens: host, port and, optionally, TLS."""
+"""Where a KCoral service listens: host, port and, optionally, TLS; or a
+Twisted server endpoint string (C{--listen})."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import attrs
-from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
+from twisted.internet.endpoints import (SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint,
+                                       serverFromString)
 
 
 def url_of(host: str, port: int, scheme: str = "http") -> str:
@@ -40,15 +43,36 @@ class ListenAddress:
     #: PEM files of the certificate (chain) and its key: listen with TLS.
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: A Twisted server endpoint string, in place of all of the above (e.g.
+    #: C{ssl:9443:interface=0.0.0.0:privateKey=key.pem:certKey=cert.pem}).
+    description: str | None = None
+
+    @classmethod
+    def of(cls, config) -> "ListenAddress":
+        """Where a service with C{config} (a Router's, a server's) listens."""
+        return cls(config.host, config.port, config.tls_cert, config.tls_key, config.listen)
 
     @property
     def scheme(self) -> str:
+        if self.description is not None:
+            return "https" if self.description.split(":", 1)[0] == "ssl" else "http"
         return "https" if self.tls_cert else "http"
 
-    def url(self, port: int) -> str:
-        return url_of(self.host, port, self.scheme)
+    def url(self, address) -> str:
+        """The URL of this service, listening on C{address} (a port's
+        C{getHost()})."""
+        host, port = getattr(address, "host", None), getattr(address, "port", None)
+        if host is None or port is None:  # a UNIX socket, say
+            name = getattr(address, "name", None)
+            return f"{self.scheme}+unix://{os.fsdecode(name) if name else address}"
+        return url_of(host, port, self.scheme)
 
     def endpoint(self, reactor):
+        if self.description is not None:
+            try:
+                return serverFromString(reactor, self.description)
+            except Exception as e:  # noqa: BLE001 - parsers raise anything: ValueError, KeyError, SSL.Error
+                raise ValueError(f"--listen {self.description}: {type(e).__name__}: {e}") from None
         if self.tls_cert:
             return SSL4ServerEndpoint(reactor, self.port, self.tls_options(), interface=self.host)
         if ":" in self.host:

@@ -54,11 +54,13 @@ class DrainingListener(service.Service):
 
     def _listening(self, port):
         self.port = port
-        self.url = self._address.url(port.getHost().port)
+        address = port.getHost()
+        self.url = self._address.url(address)
         log.info("{name} listening on {url}", name=self.name, url=self.url)
-        if not is_loopback(self._address.host) and not self._secured:
+        host = getattr(address, "host", None)
+        if host is not None and not is_loopback(host) and not self._secured:
             log.warn("{name} listens on {host}, beyond this machine, without a node token: "
-                     "anyone who reaches it can run programs", name=self.name, host=self._address.host)
+                     "anyone who reaches it can run programs", name=self.name, host=host)
 
     @inlineCallbacks
     def stopService(self):
