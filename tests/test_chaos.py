@@ -9,16 +9,9 @@ and the Router's memory and descriptors are back near their level.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import chaos  # noqa: E402
+import chaos
 
 pytestmark = pytest.mark.integration
 

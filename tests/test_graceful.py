@@ -21,17 +21,11 @@ import collections
 import dataclasses
 import re
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import chaos  # noqa: E402
+import chaos
 
 pytestmark = pytest.mark.integration
 

@@ -102,34 +102,49 @@ class _Echo(resource.Resource):
         return b"got " + request.content.read()
 
 
-@pytest_twisted.ensureDeferred
-async def test_outgoing_posts_through_a_reused_connection():
-    port = reactor.listenTCP(0, server.Site(_Echo()), interface="127.0.0.1")
-    outgoing = Outgoing(reactor)
-    url = f"http://127.0.0.1:{port.getHost().port}/echo"
-    try:
-        for body in (b"small", b"y" * (INLINE_BODY_BYTES + 10)):
-            response = await outgoing.client.post(url, data=body)
-            assert response.code == 200
-            assert await response.content() == b"got " + body
-        # One persistent connection served both.
-        assert sum(len(c) for c in outgoing.pool._connections.values()) == 1
-    finally:
-        await outgoing.close()
-        await port.stopListening()
+class Peer:
+    """Local HTTP servers, and an L{Outgoing} and a L{Proxy} that reach them."""
+
+    def __init__(self):
+        self.outgoing = Outgoing(reactor)
+        self.proxy = Proxy(reactor)
+        self._ports: list = []
+
+    def serve(self, served: resource.Resource, interface: str = "127.0.0.1") -> int:
+        """Serve C{served} on an ephemeral port of C{interface}; the port number."""
+        self._ports.append(reactor.listenTCP(0, server.Site(served), interface=interface))
+        return self._ports[-1].getHost().port
+
+    async def close(self):
+        await self.outgoing.close()
+        await self.proxy.outgoing.close()
+        for port in self._ports:
+            await port.stopListening()
+
+
+@pytest_twisted.async_yield_fixture
+async def peer():
+    peer = Peer()
+    yield peer
+    await peer.close()
 
 
 @pytest_twisted.ensureDeferred
-async def test_treq_reaches_an_ipv6_worker_through_a_run_url():
-    port = reactor.listenTCP(0, server.Site(_Echo()), interface="::1")
-    outgoing = Outgoing(reactor)
-    try:
-        url = _RunURL.parse(f"http://[::1]:{port.getHost().port}/v1/run")
-        response = await outgoing.client.post(url, data=b"run", allow_redirects=False)
-        assert await response.content() == b"got run"
-    finally:
-        await outgoing.close()
-        await port.stopListening()
+async def test_outgoing_posts_through_a_reused_connection(peer):
+    url = f"http://127.0.0.1:{peer.serve(_Echo())}/echo"
+    for body in (b"small", b"y" * (INLINE_BODY_BYTES + 10)):
+        response = await peer.outgoing.client.post(url, data=body)
+        assert response.code == 200
+        assert await response.content() == b"got " + body
+    # One persistent connection served both.
+    assert sum(len(c) for c in peer.outgoing.pool._connections.values()) == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_treq_reaches_an_ipv6_worker_through_a_run_url(peer):
+    url = _RunURL.parse(f"http://[::1]:{peer.serve(_Echo(), '::1')}/v1/run")
+    response = await peer.outgoing.client.post(url, data=b"run", allow_redirects=False)
+    assert await response.content() == b"got run"
 
 
 class _Busy(resource.Resource):
@@ -152,17 +167,11 @@ class _Busy(resource.Resource):
     (b"<html>maintenance</html>", "503 HTTP 503: <html>maintenance</html>"),
 ])
 @pytest_twisted.ensureDeferred
-async def test_a_503_from_a_worker_is_not_sent_and_says_why(body, says):
-    port = reactor.listenTCP(0, server.Site(_Busy(body)), interface="127.0.0.1")
-    proxy = Proxy(reactor)
-    url = f"http://127.0.0.1:{port.getHost().port}"
-    try:
-        with pytest.raises(NotSent) as caught:
-            await proxy.forward(url, ForwardedRequest(), b"run")
-        assert str(caught.value) == f"{url} turned it away with {says}"
-    finally:
-        await proxy.outgoing.close()
-        await port.stopListening()
+async def test_a_503_from_a_worker_is_not_sent_and_says_why(peer, body, says):
+    url = f"http://127.0.0.1:{peer.serve(_Busy(body))}"
+    with pytest.raises(NotSent) as caught:
+        await peer.proxy.forward(url, ForwardedRequest(), b"run")
+    assert str(caught.value) == f"{url} turned it away with {says}"
 
 
 class _Cookies(resource.Resource):
@@ -176,19 +185,13 @@ class _Cookies(resource.Resource):
 
 
 @pytest_twisted.ensureDeferred
-async def test_outgoing_keeps_no_cookies():
+async def test_outgoing_keeps_no_cookies(peer):
     """A Set-Cookie from one worker is never replayed, to it or to another."""
-    port = reactor.listenTCP(0, server.Site(_Cookies()), interface="127.0.0.1")
-    outgoing = Outgoing(reactor)
-    url = f"http://127.0.0.1:{port.getHost().port}/v1/run"
-    try:
-        seen = []
-        for _ in range(2):
-            response = await outgoing.client.post(url, data=b"run")
-            assert response.headers.getRawHeaders(b"Set-Cookie") == [b"session=x; Path=/"]
-            seen.append(await response.content())
-        assert seen == [b"none", b"none"]
-        assert list(outgoing.client._cookiejar) == []
-    finally:
-        await outgoing.close()
-        await port.stopListening()
+    url = f"http://127.0.0.1:{peer.serve(_Cookies())}/v1/run"
+    seen = []
+    for _ in range(2):
+        response = await peer.outgoing.client.post(url, data=b"run")
+        assert response.headers.getRawHeaders(b"Set-Cookie") == [b"session=x; Path=/"]
+        seen.append(await response.content())
+    assert seen == [b"none", b"none"]
+    assert list(peer.outgoing.client._cookiejar) == []
