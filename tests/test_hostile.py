@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import socket
 import sys
 import threading
@@ -47,16 +48,18 @@ from twisted.internet.testing import StringTransport
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.web.resource import Resource
+from twisted.web.server import Site
 
 from kcoral import Program
 from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
 from kcoral.router.report import InvalidReport, parse_report
+from kcoral.web.fdlimit import connection_limit
 from kcoral.web.site import KCoralSite
 from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY
+from tests.harness import LISTENING, SERVER_READY, kcoral_argv
 from tests.httputil import parse_raw, raw_exchange, request
-from tests.test_routed import pool_nodes, start_node, start_router, until_ready
+from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until, until_ready
 from tests.test_server import run_frame
 
 jax = pytest.importorskip("jax")
@@ -793,6 +796,99 @@ async def test_many_idle_connections_and_a_slow_client(target):
         for sock in sockets:
             sock.close()
     await assert_healthy(target)
+
+
+# -- connections beyond the cap (a real Router with few file descriptors) ----------------------
+
+#: The Router's file limit in the test: it takes 128 - 64 = 64 connections.
+#: Without the cap, the 150 the test opens would exhaust its descriptors.
+FEW_FILES = 128
+
+
+def _closed(sockets: list) -> int:
+    """How many of C{sockets} the peer has closed (without a word)."""
+    closed = 0
+    for sock in sockets:
+        sock.setblocking(False)
+        try:
+            closed += sock.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            closed += 1
+    return closed
+
+
+class _Worker(Resource):
+    """Stands for a node's worker: answers every run with the same bytes."""
+
+    isLeaf = True
+
+    def render_POST(self, request):
+        return b"ran " + request.content.read()
+
+
+def _exchange(sock, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request on an open connection; its status and body."""
+    sock.setblocking(True)
+    sock.settimeout(30)
+    sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response.status, response.read()
+
+
+@pytest_twisted.ensureDeferred
+async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processes):
+    worker = reactor.listenTCP(0, Site(_Worker()), interface="127.0.0.1")
+    limited = [sys.executable, "-c",
+               "import os, resource, sys; "
+               f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES})); "
+               "os.execv(sys.argv[1], sys.argv[1:])",
+               *kcoral_argv("router", "--port", "0", *FAST_ROUTER)]
+    router = processes.spawn(limited, name="few-files")
+    port = int((await router.wait_for_line(LISTENING, 60)).group("url").rsplit(":", 1)[1])
+    sockets = await deferToThread(
+        lambda: [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(150)])
+    try:
+        # 64 taken, the other 86 closed at once, with one line saying so.
+        await router.wait_for_line(r"64 connections are open, the most this service takes", 10)
+
+        async def closed_86():
+            return await deferToThread(_closed, sockets) >= 86
+
+        await until(closed_86, "86 connections closed", 10)
+        assert await deferToThread(_closed, sockets) == 86
+        held = [sock for sock in sockets if not _closed([sock])]
+        # On connections it holds, a node registers and a run is forwarded:
+        # the Router opens its connection to the worker with a descriptor the
+        # clients could not take.
+        report = json.dumps({
+            "session": "s1", "gpu_target": "cpu", "runtime": {"kcoral": "x"}, "draining": False,
+            "workers": [{"name": "worker0", "url": f"http://127.0.0.1:{worker.getHost().port}",
+                         "healthy": True, "capacity": 1, "active": 0}]}).encode()
+        status, _ = await deferToThread(_exchange, held[0], b"PUT /v1/nodes/capped HTTP/1.1\r\n"
+                                        b"Host: x\r\nContent-Type: application/json\r\n", report)
+        assert status == 200
+        await router.wait_for_line(r"node capped: joining -> ready", 10)
+        status, body = await deferToThread(_exchange, held[1], b"POST /v1/run HTTP/1.1\r\n"
+                                           b"Host: x\r\nX-Request-ID: capped-1\r\n"
+                                           b"Content-Type: " + REQUEST_CONTENT_TYPE.encode() + b"\r\n",
+                                           b"program")
+        assert (status, body) == (200, b"ran program")
+    finally:
+        for sock in sockets:
+            sock.close()
+        await worker.stopListening()
+    await router.wait_for_line(r"taking connections again; 86 were closed at the limit", 10)
+    assert len([line for line in router.output.lines if "the most this service takes" in line]) == 1
+
+
+def test_the_connection_limit_leaves_descriptors_for_the_rest():
+    limit = connection_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft >= min(hard, 65536) or hard == resource.RLIM_INFINITY
+    assert limit == soft - min(256, soft // 2) and 0 < limit < soft
 
 
 # -- KCoralSite's deadlines, on a fake clock ------------------------------------------------------

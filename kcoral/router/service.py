@@ -20,6 +20,7 @@ from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
 from kcoral.web.endpoint import ListenAddress
+from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
 from kcoral.web.site import KCoralSite
 
@@ -62,7 +63,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                     registry=registry, node_token=config.node_token, name=name,
                     status_check_interval=config.status_check_interval_seconds)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
-                      maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
+                      maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
+                      maxConnections=connection_limit())
     return app, site
 
 

@@ -22,6 +22,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
 from kcoral.web.endpoint import ListenAddress
+from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
 from kcoral.web.site import KCoralSite
 
@@ -76,7 +77,8 @@ class ServerService(service.MultiService):
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
-                          maxRequestBytes=config.max_request_bytes, log=log, clock=reactor)
+                          maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
+                          maxConnections=connection_limit())
         address = ListenAddress.of(config)
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          config.secured)

@@ -187,7 +187,8 @@ class KCoralSite(server.Site):
     requestFactory = KCoralRequest
 
     def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
-                 idleTimeout: float = 60.0, headerTimeout: float = 30.0, clock=None):
+                 idleTimeout: float = 60.0, headerTimeout: float = 30.0, clock=None,
+                 maxConnections: int | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -209,6 +210,19 @@ class KCoralSite(server.Site):
         #: whatever they still have buffered).
         self.channels: set[KCoralChannel] = set()
         self._closing: list[Deferred] = []
+        #: Open connections beyond which new ones are closed at once
+        #: (L{kcoral.web.fdlimit}); None: no cap.
+        self.maxConnections = maxConnections
+        self._refused = 0
+
+    def buildProtocol(self, addr):
+        if self.maxConnections is not None and len(self.channels) >= self.maxConnections:
+            if not self._refused:
+                self.logger.warn("{open} connections are open, the most this service takes: "
+                                 "closing new ones until some close", open=len(self.channels))
+            self._refused += 1
+            return None  # the port closes the connection
+        return super().buildProtocol(addr)
 
     #: Set by L{stopKeepAlive}: every answer from then on closes its connection.
     closing = False
@@ -224,6 +238,10 @@ class KCoralSite(server.Site):
 
     def channelLost(self, channel) -> None:
         self.channels.discard(channel)
+        if self._refused and len(self.channels) < self.maxConnections:
+            self.logger.info("taking connections again; {refused} were closed at the limit",
+                             refused=self._refused)
+            self._refused = 0
         if not self.channels:
             closing, self._closing = self._closing, []
             for d in closing:
