@@ -289,6 +289,17 @@ def test_an_oversized_report_is_refused(router):
     assert router.pool.nodes == {}
 
 
+def test_a_node_beyond_the_pools_bound_is_refused_with_503(router):
+    router.pool.max_nodes = 1
+    router.ready()
+    response, body = router.put("gpu-b", node_report(session="s2", host="10.0.0.9"))
+    info = assert_error(response, body, 503)
+    assert info["reason"] == "too_many_nodes" and "tracks 1 nodes" in info["message"]
+    assert list(router.pool.nodes) == ["gpu-a"]
+    response, _ = router.json("GET", "/health")
+    assert response.code == 200
+
+
 def test_a_second_live_session_is_refused_with_409(router):
     router.ready()
     response, body = router.put("gpu-a", node_report(session="s2", host="10.0.0.9"))

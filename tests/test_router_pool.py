@@ -10,7 +10,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from kcoral.router.pool import (DRAINING, GONE, INCOMPATIBLE, JOINING, READY, UNHEALTHY,
-                                NodeConflict, Pool)
+                                NodeConflict, Pool, PoolFull)
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Lease, Scheduler
 from kcoral.router.queue import WaitQueue
@@ -208,6 +208,22 @@ def test_a_gone_node_is_forgotten_after_retention():
     assert "gpu-a" in world.pool.nodes
     world.tick(1)
     assert "gpu-a" not in world.pool.nodes
+
+
+def test_the_pool_refuses_node_ids_beyond_its_bound_until_one_is_forgotten():
+    world = World(node_retention_seconds=60, max_nodes=2)
+    world.ready("gpu-a")
+    world.pool.report("gpu-b", report("s2"))
+    with pytest.raises(PoolFull, match="tracks 2 nodes"):
+        world.pool.report("gpu-c", report("s3"))
+    # Known ids still report, also with a new session (a restarted supervisor).
+    world.pool.report("gpu-a", report())
+    world.pool.leave("gpu-b", "s2")
+    world.pool.report("gpu-b", report("s4"))
+    world.pool.leave("gpu-b", "s4")
+    world.tick(60, reports=[("gpu-a", report())])
+    assert sorted(world.pool.nodes) == ["gpu-a"]
+    assert world.pool.report("gpu-c", report("s3")).state == JOINING
 
 
 def test_a_silent_node_is_forgotten_retention_after_its_last_report():

@@ -21,7 +21,7 @@ from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge,
 from kcoral.logging import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
-from kcoral.router.pool import NodeConflict, Pool
+from kcoral.router.pool import NodeConflict, Pool, PoolFull
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
@@ -250,6 +250,9 @@ class RouterApp:
             error = BadRequest(str(e))
             error.type = "node_conflict"
             return json_response(request, 409, error_body(error, request.request_id))
+        except PoolFull as e:
+            log.warn("refused node {node_id}: {why}", node_id=node_id, why=e)
+            return error_response(request, ServerBusy(str(e), reason="too_many_nodes"))
         return json_response(request, 200, {"node_id": node_id, "state": node.state,
                                             "status_check_interval_seconds": self._interval})
 

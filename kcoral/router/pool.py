@@ -27,6 +27,15 @@ class NodeConflict(Exception):
     """Another live supervisor already holds this node id."""
 
 
+class PoolFull(Exception):
+    """The pool tracks as many nodes as it may; a new node id is refused."""
+
+
+#: Node records a pool keeps at most (live, or gone and not yet forgotten):
+#: without a node token anyone who reaches the Router can register ids.
+MAX_NODES = 10_000
+
+
 @attrs.define(eq=False)
 class Member:
     """One worker endpoint: the unit that receives programs."""
@@ -86,13 +95,14 @@ class Node:
 class Pool:
     def __init__(self, clock, *, max_status_age_seconds: float = 5.0, unhealthy_threshold: int = 3,
                  recovery_threshold: int = 2, node_retention_seconds: float = 600.0,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES):
         self._clock = clock
         self.max_status_age = max_status_age_seconds
         self.unhealthy_threshold = unhealthy_threshold
         self.recovery_threshold = recovery_threshold
         self.retention = node_retention_seconds
         self.on_change = on_change
+        self.max_nodes = max_nodes
         self.nodes: dict[str, Node] = {}
         #: (gpu_target, runtime) of the pool, from its first ready node.
         self.target: tuple | None = None
@@ -119,6 +129,9 @@ class Pool:
                 # members' accounting, start the node over.
                 node.session, node.state, node.good, node.bad = report.session, JOINING, 0, 0
         if node is None:
+            if node_id not in self.nodes and len(self.nodes) >= self.max_nodes:
+                raise PoolFull(f"the Router tracks {len(self.nodes)} nodes, the most it may; "
+                               f"gone ones are forgotten after {self.retention:g} s")
             node = self.nodes[node_id] = Node(node_id, report.session, static=static)
             log.info("node {node_id} joined with {workers} worker(s), target {target}",
                      node_id=node_id, workers=len(report.workers), target=report.gpu_target)
