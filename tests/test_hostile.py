@@ -915,6 +915,14 @@ def _connect(site):
     return channel, transport
 
 
+def test_answers_do_not_name_the_server_software():
+    channel, transport = _connect(_site(Clock()))
+    channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = transport.value().split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"\r\ndate: " in head
+    assert b"\r\nserver:" not in head and b"twisted" not in head
+
+
 def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
     clock = Clock()
     channel, transport = _connect(_site(clock, headerTimeout=10.0))

@@ -89,6 +89,12 @@ class KCoralRequest(server.Request):
             self.closeAfterResponse()
         super().process()
 
+    def render(self, resrc):
+        # Twisted's process() names itself and its version in a Server
+        # header: nothing a client needs, and something an attacker would.
+        self.responseHeaders.removeHeader(b"Server")
+        super().render(resrc)
+
     def closeAfterResponse(self) -> None:
         """Answer with C{Connection: close} and close the connection after
         this response: the service is stopping, and a client must not send
