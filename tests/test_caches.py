@@ -268,3 +268,45 @@ def test_a_failed_compile_is_not_cached(metrics):
         cache.get_or_compile("k", broken)
     assert len(cache) == 0
     assert cache.get_or_compile("k", lambda: "fixed") == ("fixed", True)
+
+
+# -- the device cache (real JAX, on the CPU) -------------------------------------------------
+
+def _device_cache(metrics, max_bytes: int):
+    from kcoral.server.device_cache import DeviceCache
+
+    return DeviceCache(max_bytes, metrics.caches)
+
+
+def test_a_content_addressed_input_is_copied_to_the_device_once(metrics):
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    cache, device = _device_cache(metrics, 1 << 20), jax.devices()[0]
+    host = np.arange(1024, dtype=np.float32)
+    first = cache.get("a" * 64, host, device)
+    assert isinstance(first, jax.Array) and first.devices() == {device}
+    np.testing.assert_array_equal(np.asarray(first), host)
+    assert cache.get("a" * 64, host, device) is first
+    # The same bytes seen as another dtype or shape are another entry.
+    assert cache.get("a" * 64, host.view(np.int32), device) is not first
+    assert metrics.value("kcoral_cache_hits_total", cache="device", tier="device") == 1
+    assert metrics.value("kcoral_cache_misses_total", cache="device") == 2
+    assert metrics.value("kcoral_cache_bytes", cache="device", tier="device") == 2 * host.nbytes
+
+
+def test_the_device_cache_is_bounded_in_bytes(metrics):
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    cache, device = _device_cache(metrics, 8192), jax.devices()[0]
+    arrays = {d * 64: np.full(1024, i, np.float32) for i, d in enumerate("abc")}  # 4 KiB each
+    placed = {digest: cache.get(digest, host, device) for digest, host in arrays.items()}
+    # Two fit: the first went; asking again copies it anew.
+    assert metrics.value("kcoral_cache_evictions_total", cache="device", tier="device") == 1
+    assert cache.get("a" * 64, arrays["a" * 64], device) is not placed["a" * 64]
+    assert cache.get("c" * 64, arrays["c" * 64], device) is placed["c" * 64]
+    # Larger than the whole cache: placed for this run, never kept.
+    big = np.zeros(4096, np.float32)
+    assert cache.get("d" * 64, big, device) is not cache.get("d" * 64, big, device)
+    assert metrics.value("kcoral_cache_bytes", cache="device", tier="device") <= 8192

@@ -24,6 +24,7 @@ from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
+from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
 
@@ -40,7 +41,7 @@ class Harness:
         self.uploads = UploadCache(1 << 20, metrics.caches)
         # The executor never loads a device here: no request below gets that far.
         executor = Executor(uploads=self.uploads, compiled=CompileCache(4, metrics.caches),
-                            metrics=metrics, gpus="none")
+                            placed=DeviceCache(1 << 20, metrics.caches), metrics=metrics, gpus="none")
         self.admission = Admission(capacity, WaitQueue(self.clock, waiting, timeout))
         self.app = ServerApp(executor=executor, admission=self.admission,
                              threadpool=threadpool or ThreadPool(), reactor=self.clock,

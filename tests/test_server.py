@@ -168,6 +168,9 @@ async def test_a_repeated_call_sends_only_references(server, affine):
     after = await metrics(server)
     assert sample(after, "kcoral_cache_hits_total", cache="upload", tier="memory") >= \
         sample(before, "kcoral_cache_hits_total", cache="upload", tier="memory") + 2
+    # The weights stayed on the device: the second run did not copy them.
+    assert sample(after, "kcoral_cache_hits_total", cache="device", tier="device") >= \
+        sample(before, "kcoral_cache_hits_total", cache="device", tier="device") + 1
     # Another client of the same server first sends everything: it does not
     # know what the server holds.
     sent_by_other = await deferToThread(lambda: _bytes_of_one_run(server.url, program, w, x, b))

@@ -41,7 +41,8 @@ def worker_argv(options, spec: WorkerSpec, port: int) -> list[str]:
             "--gpus", spec.gpus_argument]
     for name in ("capacity", "max-queued-requests", "queue-wait-timeout-seconds",
                  "max-request-bytes", "cache-memory-bytes", "cache-disk-bytes",
-                 "compile-cache-entries", "compilation-cache-dir", "tls-cert", "tls-key"):
+                 "compile-cache-entries", "device-cache-bytes", "compilation-cache-dir",
+                 "tls-cert", "tls-key"):
         if options[name] is not None:
             argv += [f"--{name}", str(options[name])]
     if options["cache-dir"]:

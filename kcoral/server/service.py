@@ -19,6 +19,7 @@ from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
+from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
 from kcoral.web.endpoint import ListenAddress
@@ -46,6 +47,7 @@ class ServerConfig:
     cache_dir: str | None = None
     cache_disk_bytes: int = 10 << 30
     compile_cache_entries: int = 64
+    device_cache_bytes: int = 1 << 30
     compilation_cache_dir: str | None = None
     secured: bool = False
     tls_cert: str | None = None
@@ -70,6 +72,7 @@ class ServerService(service.MultiService):
                               config.cache_dir, config.cache_disk_bytes)
         self.executor = Executor(uploads=uploads,
                                  compiled=CompileCache(config.compile_cache_entries, metrics.caches),
+                                 placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
                                  compilation_cache_dir=config.compilation_cache_dir)
         admission = Admission(config.capacity, WaitQueue(
