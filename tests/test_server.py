@@ -147,6 +147,35 @@ async def test_dtypes_through_a_real_server(server, dtype):
     np.testing.assert_array_equal(total, (x[0] + x[1]))
 
 
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "bfloat16", "bool",
+                                   "float8_e4m3fn", "complex64"])
+@pytest_twisted.ensureDeferred
+async def test_large_inputs_of_every_kind_run_again_from_the_caches(server, dtype):
+    """Content-addressed (64 KiB and up) inputs of narrow and exotic types:
+    the second run takes them by reference, from the device cache where a
+    type allows (not the sub-byte ones, which run from host memory)."""
+    import jax.numpy as jnp
+
+    from kcoral import Program
+
+    x = (np.arange(256 * 260) % 2).astype(jnp.dtype(dtype)).reshape(256, 260)
+    assert x.nbytes >= 64 * 1024
+    program = Program.from_function(lambda v: v[::64, ::64], x)
+
+    def twice():
+        with Client(server.url) as client:
+            first = client.run(program, x)
+            sent = client.bytes_sent
+            second = client.run(program, x)
+            return first, second, client.bytes_sent - sent
+
+    first, second, sent_second = await deferToThread(twice)
+    for result in (first, second):
+        assert result.dtype == x.dtype
+        np.testing.assert_array_equal(result, x[::64, ::64])
+    assert sent_second < 1024
+
+
 @pytest_twisted.ensureDeferred
 async def test_a_repeated_call_sends_only_references(server, affine):
     program, (w, x, b), expected = affine

@@ -29,6 +29,20 @@ DTYPES = {name: dt.newbyteorder("<") if dt.byteorder == ">" else dt
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
+def _bits(dtype: np.dtype) -> int:
+    for info in (ml_dtypes.iinfo, ml_dtypes.finfo):
+        try:
+            return info(dtype).bits
+        except (ValueError, TypeError):
+            pass
+    return dtype.itemsize * 8
+
+
+#: Types narrower than a byte (int4, float4_e2m1fn ...): one per byte on the
+#: wire and in numpy, packed on a device.
+SUB_BYTE = frozenset(dt for dt in DTYPES.values() if _bits(dt) < 8)
+
+
 class UnknownDType(ValueError):
     pass
 

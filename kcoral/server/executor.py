@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, MissingContent, ProgramFailed, ProgramRejected
 from kcoral.metrics import SECONDS_BUCKETS
+from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
@@ -187,11 +188,13 @@ class Executor:
         # Small numpy inputs go straight to the compiled executable: its C++
         # call path moves them to its device far faster than jax.device_put
         # (measured: ~10 us against ~100 us for a scalar). Content-addressed
-        # ones come from the device cache, copied there once. A failed
-        # transfer (device out of memory) is a failed run.
+        # ones come from the device cache, copied there once; not types
+        # narrower than a byte, which device_put lays out unpacked while the
+        # executable wants them packed. A failed transfer (device out of
+        # memory) is a failed run.
         started = time.perf_counter()
         try:
-            arrays = [array if spec.blob.digest is None
+            arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
                       else self._placed.get(spec.blob.digest, array, self._device)
                       for spec, array in zip(run.inputs, arrays)]
             call_args, call_kwargs = jax.tree.unflatten(exported.in_tree, arrays)
