@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import ssl
 
 import numpy as np
@@ -416,6 +417,35 @@ async def _fetch(issued, ca_path: str) -> int | str:
         return tls_problem(e) or repr(e)
     finally:
         await outgoing.close()
+        await port.stopListening()
+
+
+def _closed_within(port: int, seconds: float) -> bool:
+    """Whether a connection to C{port} is closed by the server within C{seconds}."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=seconds) as sock:
+            return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_connection_beyond_the_cap_is_closed_also_under_tls(pki):
+    from prometheus_client import CollectorRegistry
+    from twisted.logger import Logger
+
+    from kcoral.metrics import HttpMetrics
+    from kcoral.web.site import KCoralSite
+
+    issued = pki["node"]
+    site = KCoralSite(_Hello(), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+                      maxRequestBytes=1000, log=Logger(), maxConnections=0)
+    port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(site)
+    try:
+        assert await deferToThread(_closed_within, port.getHost().port, 10)
+    finally:
         await port.stopListening()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 
 from twisted.internet import reactor as _globalReactor
+from twisted.internet import protocol
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web import http, server
@@ -188,6 +189,13 @@ class KCoralChannel(http.HTTPChannel):
         self.site.channelLost(self)
 
 
+class _Refused(protocol.Protocol):
+    """A connection beyond the cap: closed as soon as it is made."""
+
+    def connectionMade(self):
+        self.transport.abortConnection()
+
+
 class KCoralSite(server.Site):
     protocol = KCoralChannel
     requestFactory = KCoralRequest
@@ -227,7 +235,9 @@ class KCoralSite(server.Site):
                 self.logger.warn("{open} connections are open, the most this service takes: "
                                  "closing new ones until some close", open=len(self.channels))
             self._refused += 1
-            return None  # the port closes the connection
+            # Not None, which a plain TCP port closes but a TLS wrapper
+            # would wrap and then leave open, with no timeout on it.
+            return _Refused()
         return super().buildProtocol(addr)
 
     #: Set by L{stopKeepAlive}: every answer from then on closes its connection.
