@@ -9,9 +9,8 @@ measures, in one run:
  - latency: the in-process call (``jax.jit(f)`` on numpy inputs, outputs
    turned into numpy arrays) against ``Client.run`` of the same function
    exported as a Program, for a trivial program (``x + 1`` on a scalar), a
-   ~5 ms program and a program with 64 MiB of weights (given as a numpy
-   array, and as a jax.Array, whose digest the client remembers): medians,
-   p99s, the time the round trip adds, and ratios;
+   ~5 ms program and a program with 64 MiB of weights: medians, p99s, the
+   time the round trip adds, and ratios;
  - bytes: ``Client.bytes_sent`` for the first call of each program against a
    fresh server and for a repeated call (new activations, same weights);
  - throughput: trivial runs per second against a second server pinned to one
@@ -169,10 +168,6 @@ def programs(rng):
         ("trivial (x + 1, scalar)", trivial, (np.float32(1.0),), (np.float32(2.0),)),
         (f"~5 ms ({steps} x tanh(128x256 @ 256x256))", work(steps), (a, w5), (a * 0.5, w5)),
         ("64 MiB weights (tanh(x @ W), W 4096x4096 f32)", weighted, (weights, x), (weights, x2)),
-        # The same, with the weights held as a jax.Array (immutable): the
-        # client hashes them once, not on every call.
-        ("64 MiB weights as a jax.Array", weighted, (jnp.asarray(weights), x),
-         (jnp.asarray(weights), x2)),
     ]
 
 

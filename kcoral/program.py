@@ -79,11 +79,10 @@ class Program:
     def platforms(self) -> tuple[str, ...]:
         return tuple(self.exported.platforms)
 
-    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[tuple[object, np.ndarray]]:
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[np.ndarray]:
         """
-        The flat inputs, each as given and as a numpy array, checked against
-        the program's signature so that a mistake is reported here and not
-        by the server.
+        The flat input arrays, checked against the program's signature so that a
+        mistake is reported here and not by the server.
         """
         import jax
 
@@ -100,7 +99,7 @@ class Program:
             if len(array.shape) != len(expected) or any(
                     isinstance(d, int) and d != s for d, s in zip(expected, array.shape)):
                 raise ValueError(f"input {i} has shape {array.shape}, the program expects {expected}")
-            arrays.append((leaf, array))
+            arrays.append(array)
         return arrays
 
     def unflatten_outputs(self, outputs: list[np.ndarray]):

@@ -121,7 +121,7 @@ def test_symbolic_dimensions_accept_any_size():
     (n,) = export.symbolic_shape("n")
     program = Program.from_function(lambda v: v * 2, jax.ShapeDtypeStruct((n, 2), jnp.float32))
     for rows in (1, 5):
-        assert program.flatten_inputs((np.zeros((rows, 2), np.float32),), {})[0][1].shape == (rows, 2)
+        assert program.flatten_inputs((np.zeros((rows, 2), np.float32),), {})[0].shape == (rows, 2)
     with pytest.raises(ValueError, match="shape"):
         program.flatten_inputs((np.zeros((5, 3), np.float32),), {})
 

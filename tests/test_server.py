@@ -206,27 +206,6 @@ async def test_a_repeated_call_sends_only_references(server, affine):
     assert sent_by_other == sent_first
 
 
-@pytest_twisted.ensureDeferred
-async def test_weights_held_as_a_jax_array_are_hashed_once(server, affine):
-    program, (w, x, b), expected = affine
-    weights = jax.numpy.asarray(w)
-
-    def work():
-        with Client(server.url) as client:
-            first = client.run(program, weights, x, b)
-            sent_first = client.bytes_sent
-            second = client.run(program, weights, x, b * 2)
-            return first, second, client.bytes_sent - sent_first, dict(client._digests._memo)
-
-    first, second, sent_second, remembered = await deferToThread(work)
-    assert_tree_close(first, expected(w, x, b))
-    assert_tree_close(second, expected(w, x, b * 2))
-    assert sent_second < 1024
-    # The client remembers the one large immutable input's digest.
-    [(ref, digest)] = remembered.values()
-    assert ref() is weights and digest == sha256(w)
-
-
 def _bytes_of_one_run(url, program, *args):
     with Client(url) as client:
         client.run(program, *args)

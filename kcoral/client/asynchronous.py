@@ -15,7 +15,6 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
-from kcoral.client.digests import InputDigests
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.client.sync import _retry_after
 from kcoral.errors import NodeFailure
@@ -35,7 +34,6 @@ class AsyncClient:
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
         self._held: set[str] = set()
-        self._digests = InputDigests()
         self.bytes_sent = 0
 
     def close(self):
@@ -67,8 +65,8 @@ class AsyncClient:
 
     @inlineCallbacks
     def run(self, program, *args, request_id: str | None = None, **kwargs):
-        call = RunCall.prepare(program, args, kwargs, self._digests) if _small(args, kwargs) else \
-            (yield deferToThread(RunCall.prepare, program, args, kwargs, self._digests))
+        call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
+            (yield deferToThread(RunCall.prepare, program, args, kwargs))
         steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
                          request_id=request_id, clock=self._reactor.seconds)
         answer = None

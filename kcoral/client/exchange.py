@@ -14,11 +14,10 @@ import attrs
 import numpy as np
 from twisted.application.internet import backoffPolicy
 
-from kcoral.client.digests import InputDigests
 from kcoral.errors import KCoralError, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, REQUEST_CONTENT_TYPE,
-                                  decode_result, encode_request, wire_array)
+                                  decode_result, encode_request, sha256, wire_array)
 
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
@@ -54,16 +53,11 @@ class RunCall:
     digests: list[str | None]
 
     @classmethod
-    def prepare(cls, program: Program, args: tuple, kwargs: dict,
-                digests: InputDigests | None = None) -> "RunCall":
-        """Check and flatten the inputs, hashing the large ones (may block);
-        C{digests} remembers those of immutable inputs across calls."""
-        if digests is None:
-            digests = InputDigests()
-        inputs = [(leaf, wire_array(a)) for leaf, a in program.flatten_inputs(args, kwargs)]
-        return cls(program, [a for _, a in inputs],
-                   [digests.digest(leaf, a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None
-                    for leaf, a in inputs])
+    def prepare(cls, program: Program, args: tuple, kwargs: dict) -> "RunCall":
+        """Check and flatten the inputs, hashing the large ones (may block)."""
+        arrays = [wire_array(a) for a in program.flatten_inputs(args, kwargs)]
+        digests = [sha256(a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None for a in arrays]
+        return cls(program, arrays, digests)
 
     @property
     def nbytes(self) -> int:

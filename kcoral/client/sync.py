@@ -18,7 +18,6 @@ import time
 from urllib.parse import urlsplit
 
 from kcoral.client.connection import Connection, ProtocolError
-from kcoral.client.digests import InputDigests
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
@@ -55,7 +54,6 @@ class Client:
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
-        self._digests = InputDigests()
         #: Bytes of request bodies sent, for callers that watch traffic.
         self.bytes_sent = 0
 
@@ -123,7 +121,7 @@ class Client:
         """Run C{program} on C{args}; returns outputs in the structure it returns."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._lock:
-            steps = exchange(RunCall.prepare(program, args, kwargs, self._digests), self._held,
+            steps = exchange(RunCall.prepare(program, args, kwargs), self._held,
                              busy_timeout=self.busy_timeout, request_id=request_id)
             answer = None
             while True:
