@@ -140,11 +140,26 @@ class RouterApp:
         program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
         arrived = self._reactor.seconds()
         refusals = 0
+        # A client that goes away cancels its wait for capacity (the proxy
+        # cancels a forwarded request itself), and a run a node turned away
+        # is not tried again for nobody. Asked once: notifyFinish fires once,
+        # and never for a request that has already finished.
+        acquiring = None
+        left: list = []
+
+        def client_left(_):
+            left.append(True)
+            if acquiring is not None:
+                acquiring.cancel()
+
+        request.notifyFinish().addErrback(client_left)
         try:
             while True:
+                if left:
+                    raise CancelledError()
                 acquiring = self.scheduler.acquire(program)
-                request.notifyFinish().addErrback(lambda _, d=acquiring: d.cancel())
                 lease = yield acquiring
+                acquiring = None
                 self._queue_wait.observe(self._reactor.seconds() - arrived)
                 member = lease.member
                 if debug_enabled():

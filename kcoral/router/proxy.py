@@ -97,19 +97,22 @@ class Proxy:
         # program (and the body is read once, right here: no buffering).
         outgoing = self.outgoing.client.post(self._run_url(url), data=body, headers=headers,
                                              allow_redirects=False, unbuffered=True)
-        # A client that goes away cancels the outgoing request. Twisted's
-        # client reports that as the connection it aborted (a failed
-        # response), not as a cancellation: remember who cancelled.
+        # A client that goes away cancels the outgoing request, or the
+        # reading of its answer. Twisted's client reports the first as the
+        # connection it aborted (a failed response), not as a cancellation:
+        # remember who cancelled.
         left: list = []
+        pending = [outgoing]
 
         def client_left(_):
             left.append(True)
-            outgoing.cancel()
+            pending[0].cancel()
 
         request.notifyFinish().addErrback(client_left)
         try:
             response = yield outgoing
-            content = yield response.content()
+            pending[0] = response.content()
+            content = yield pending[0]
         except Exception as e:
             if left or isinstance(e, CancelledError):
                 raise CancelledError() from None

@@ -13,8 +13,8 @@ declares the route, so that it lists it and answers its other methods with
 
 Unlike Klein, this does not cancel the handler's Deferred when the client
 goes away: each handler watches C{request.notifyFinish()} itself where it
-waits (a queue slot, an outgoing request), and an answer that comes after
-the client left is dropped here.
+waits (a queue slot, an outgoing request, the reading of its answer), and
+an answer that comes after the client left is dropped here.
 """
 
 from __future__ import annotations
