@@ -122,7 +122,7 @@ def error_from_answer(status: int, content: bytes) -> KCoralError:
     whether or not C{content} is a KCoral JSON error."""
     try:
         body = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         body = None
     return error_from_body(status, body, content[:200].decode("utf-8", "replace"))
 

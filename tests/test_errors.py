@@ -12,7 +12,7 @@ import pytest
 import kcoral
 from kcoral.errors import (ERRORS_BY_STATUS, BadRequest, KCoralError, MissingContent, NodeFailure,
                            PayloadTooLarge, ProgramExportError, ProgramFailed, ProgramRejected,
-                           ServerBusy, error_body, error_from_body)
+                           ServerBusy, error_body, error_from_answer, error_from_body)
 
 SPEC_TABLE = {
     400: BadRequest,
@@ -88,3 +88,9 @@ def test_payload_too_large_is_a_bad_request():
     error = PayloadTooLarge("too big")
     assert isinstance(error, BadRequest)
     assert error_body(error, "r")["error"]["type"] == "payload_too_large"
+
+
+@pytest.mark.parametrize("content", [b"<html>busy</html>", b"[" * 100_000, b"\xff\xfe"])
+def test_an_answer_that_is_not_a_kcoral_error_still_maps_to_its_status(content):
+    error = error_from_answer(503, content)
+    assert isinstance(error, ServerBusy) and error.message.startswith("HTTP 503: ")
