@@ -259,3 +259,17 @@ def test_version(capsys):
 
     status, out, _ = run_cli(capsys, "--version")
     assert status == 0 and __version__ in out
+
+
+@pytest.mark.parametrize("argv, ports", [
+    (["--cpu-workers", "2"], [8001, 8002]),                             # the gateway holds 8000
+    (["--cpu-workers", "2", "--port", "0"], [0, 0]),
+    ([*ROUTER, "--cpu-workers", "2", "--port", "9100"], [9100, 9101]),  # no gateway
+    (["--cpu-workers", "2", "--listen", "tcp:8001"], [0, 0]),           # not 8001 twice
+    (["--cpu-workers", "2", "--listen", "tcp:8443", "--port", "9100"], [9101, 9102]),
+])
+def test_worker_ports(argv, ports):
+    from kcoral.node.supervisor import worker_port
+
+    options = node_options("--gpus", "none", *argv)
+    assert [worker_port(options, i) for i in range(2)] == ports

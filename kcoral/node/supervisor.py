@@ -51,6 +51,19 @@ def worker_argv(options, spec: WorkerSpec, port: int) -> list[str]:
     return argv
 
 
+def worker_port(options, index: int) -> int:
+    """
+    The port of worker C{index}: C{--port} + index under a Router; after the
+    gateway's own C{--port} (+ 1 + index) on a node without one. Ephemeral
+    (0) with C{--port 0}, and when the gateway listens on C{--listen} and no
+    C{--port} was given (its default could be the very port of --listen).
+    """
+    base = options["port"]
+    if not base or (options["listen"] and not options.given("port")):
+        return 0
+    return base + index + (0 if options["router"] else 1)
+
+
 class SupervisorService(service.MultiService):
     exit_status = 0
 
@@ -63,18 +76,15 @@ class SupervisorService(service.MultiService):
         settings = restart_settings(options)
         self.gateway = None
         self.reporter = None
-        base = options["port"]
-        offset = 0
         if not options["router"]:
             from kcoral.node.gateway import Gateway
 
             self.gateway = Gateway(options, reactor)
-            offset = 1  # the gateway holds --port; workers follow it
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.outgoing = Outgoing(reactor, ca_path=options["tls-ca"])
         self.workers = [
-            Worker(spec, worker_argv(options, spec, base + offset + spec.index if base else 0),
+            Worker(spec, worker_argv(options, spec, worker_port(options, spec.index)),
                    RestartPolicy(settings), reactor, self.outgoing.client,
                    on_change=self._changed, metrics=restarts)
             for spec in specs]
