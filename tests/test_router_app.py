@@ -420,3 +420,10 @@ def test_metrics_list_nodes_by_state(router):
     assert 'kcoral_nodes{state="ready"} 1.0' in text
     assert 'kcoral_node_active_requests{node="gpu-a"} 0.0' in text
     assert "kcoral_queued_requests 0.0" in text
+
+
+def test_the_router_takes_fewer_client_connections_as_its_pool_grows(router):
+    # One descriptor kept for each run it may send to a worker.
+    before = router.site._limit()
+    router.ready(report=node_report(capacities=(2, 3)))
+    assert router.site._limit() == before - 5

@@ -64,8 +64,15 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                     status_check_interval=config.status_check_interval_seconds)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
-                      maxConnections=connection_limit())
+                      maxConnections=_client_connections(connection_limit(), pool))
     return app, site
+
+
+def _client_connections(limit: int, pool: Pool):
+    """How many client connections a Router takes: its descriptors less one
+    for each run it may have in flight to its workers (each on a connection
+    of its own, kept open afterwards for the next run)."""
+    return lambda: max(limit - sum(node.capacity for node in pool.nodes.values()), 1)
 
 
 class RouterService(service.MultiService):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import resource
 
-#: Descriptors kept for everything but client connections (connections to
-#: nodes and workers, cache files, JAX's own), at most half of the limit.
+#: Descriptors kept for everything but client connections (cache files,
+#: probes, JAX's own), at most half of the limit. A Router also keeps one for
+#: each run it may have in flight (L{kcoral.router.service}).
 RESERVED = 256
 #: The soft limit is raised towards the hard one, up to this.
 WANTED = 65536

@@ -16,6 +16,7 @@ arriving, which C{twisted.web} itself does not offer:
 from __future__ import annotations
 
 import io
+from typing import Callable
 
 from twisted.internet import reactor as _globalReactor
 from twisted.internet import protocol
@@ -202,7 +203,7 @@ class KCoralSite(server.Site):
 
     def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
                  idleTimeout: float = 60.0, headerTimeout: float = 30.0, clock=None,
-                 maxConnections: int | None = None):
+                 maxConnections: int | Callable[[], int] | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -225,12 +226,18 @@ class KCoralSite(server.Site):
         self.channels: set[KCoralChannel] = set()
         self._closing: list[Deferred] = []
         #: Open connections beyond which new ones are closed at once
-        #: (L{kcoral.web.fdlimit}); None: no cap.
+        #: (L{kcoral.web.fdlimit}), or a callable that says how many now (a
+        #: Router's own connections to its workers grow with its pool);
+        #: None: no cap.
         self.maxConnections = maxConnections
         self._refused = 0
 
+    def _limit(self) -> int:
+        limit = self.maxConnections
+        return limit() if callable(limit) else limit
+
     def buildProtocol(self, addr):
-        if self.maxConnections is not None and len(self.channels) >= self.maxConnections:
+        if self.maxConnections is not None and len(self.channels) >= self._limit():
             if not self._refused:
                 self.logger.warn("{open} connections are open, the most this service takes: "
                                  "closing new ones until some close", open=len(self.channels))
@@ -254,7 +261,7 @@ class KCoralSite(server.Site):
 
     def channelLost(self, channel) -> None:
         self.channels.discard(channel)
-        if self._refused and len(self.channels) < self.maxConnections:
+        if self._refused and len(self.channels) < self._limit():
             self.logger.info("taking connections again; {refused} were closed at the limit",
                              refused=self._refused)
             self._refused = 0
