@@ -310,3 +310,15 @@ def test_the_device_cache_is_bounded_in_bytes(metrics):
     big = np.zeros(4096, np.float32)
     assert cache.get("d" * 64, big, device) is not cache.get("d" * 64, big, device)
     assert metrics.value("kcoral_cache_bytes", cache="device", tier="device") <= 8192
+
+
+def test_the_device_cache_can_be_emptied(metrics):
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    cache, device = _device_cache(metrics, 1 << 20), jax.devices()[0]
+    for d in "ab":
+        cache.get(d * 64, np.ones(256, np.float32), device)
+    assert cache.clear() == 2 and cache.clear() == 0
+    assert metrics.value("kcoral_cache_entries", cache="device", tier="device") == 0
+    assert metrics.value("kcoral_cache_bytes", cache="device", tier="device") == 0

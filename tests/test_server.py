@@ -177,6 +177,30 @@ async def test_large_inputs_of_every_kind_run_again_from_the_caches(server, dtyp
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_run_out_of_device_memory_drops_the_device_cache_and_runs_once_more(
+        start_server, affine):
+    server = await start_server(name="oom-server")
+    program, (w, x, b), expected = affine
+
+    def work():
+        with Client(server.url) as client:
+            first = client.run(program, w, x, b)  # leaves w on the device
+            try:
+                client.run(programs.huge_allocation_program(), np.float32(1), request_id="oom-1")
+            except ProgramFailed as e:
+                return first, e
+            raise AssertionError("a 1 TiB allocation ran")
+
+    first, error = await deferToThread(work)
+    assert_tree_close(first, expected(w, x, b))
+    assert "RESOURCE_EXHAUSTED" in error.message
+    await server.process.wait_for_line(
+        r"oom-1 ran out of device memory: dropped 1 cached input\(s\), running once more", 10)
+    samples = await metrics(server)
+    assert sample(samples, "kcoral_cache_entries", cache="device", tier="device") == 0
+
+
+@pytest_twisted.ensureDeferred
 async def test_a_repeated_call_sends_only_references(server, affine):
     program, (w, x, b), expected = affine
     before = await metrics(server)

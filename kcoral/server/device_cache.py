@@ -55,3 +55,13 @@ class DeviceCache:
                 self._lru[key] = placed
                 self._publish()
         return placed
+
+    def clear(self) -> int:
+        """Drop every array (their device memory goes when no run uses them
+        any more); how many there were."""
+        with self._lock:
+            count = len(self._lru)
+            while self._lru:
+                self._lru.popitem()
+            self._publish()
+        return count

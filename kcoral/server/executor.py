@@ -185,24 +185,19 @@ class Executor:
         if fresh:
             log.info("{request_id} compiled program {digest}", request_id=request_id,
                      digest=run.program.digest[:12])
-        # Small numpy inputs go straight to the compiled executable: its C++
-        # call path moves them to its device far faster than jax.device_put
-        # (measured: ~10 us against ~100 us for a scalar). Content-addressed
-        # ones come from the device cache, copied there once; not types
-        # narrower than a byte, which device_put lays out unpacked while the
-        # executable wants them packed. A failed transfer (device out of
-        # memory) is a failed run.
         started = time.perf_counter()
         try:
-            arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
-                      else self._placed.get(spec.blob.digest, array, self._device)
-                      for spec, array in zip(run.inputs, arrays)]
-            call_args, call_kwargs = jax.tree.unflatten(exported.in_tree, arrays)
-            outputs = jax.tree.leaves(executable(*call_args, **call_kwargs))
-            # jax.device_get overlaps the copies of several outputs; for the
-            # common single output, np.asarray is the same copy without its
-            # tree walk.
-            outputs = [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+            try:
+                outputs = self._call(executable, exported, run, arrays)
+            except Exception as e:
+                # The device cache may hold the memory this run needed: give
+                # it back and run once more.
+                dropped = self._placed.clear() if _out_of_memory(e) else 0
+                if not dropped:
+                    raise
+                log.info("{request_id} ran out of device memory: dropped {count} cached "
+                         "input(s), running once more", request_id=request_id, count=dropped)
+                outputs = self._call(executable, exported, run, arrays)
         except Exception as e:
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
@@ -210,6 +205,34 @@ class Executor:
         self._ran_ok.inc()
         parts, _ = encode_result(np.asarray(o) for o in outputs)
         return b"".join(parts)
+
+
+    def _call(self, executable, exported, run: RunRequest, arrays: list[np.ndarray]) -> list:
+        """The outputs of one run, as host arrays."""
+        import jax
+
+        # Small numpy inputs go straight to the compiled executable: its C++
+        # call path moves them to its device far faster than jax.device_put
+        # (measured: ~10 us against ~100 us for a scalar). Content-addressed
+        # ones come from the device cache, copied there once; not types
+        # narrower than a byte, which device_put lays out unpacked while the
+        # executable wants them packed. A failed transfer (device out of
+        # memory) is a failed run.
+        arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
+                  else self._placed.get(spec.blob.digest, array, self._device)
+                  for spec, array in zip(run.inputs, arrays)]
+        call_args, call_kwargs = jax.tree.unflatten(exported.in_tree, arrays)
+        outputs = jax.tree.leaves(executable(*call_args, **call_kwargs))
+        # jax.device_get overlaps the copies of several outputs; for the
+        # common single output, np.asarray is the same copy without its tree
+        # walk.
+        return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+
+
+def _out_of_memory(error: Exception) -> bool:
+    # XLA's status code, as every backend words it ("RESOURCE_EXHAUSTED: Out
+    # of memory ..."): jaxlib has no exception class of its own for it.
+    return "RESOURCE_EXHAUSTED" in str(error)
 
 
 def _first_line(error: Exception) -> str:
