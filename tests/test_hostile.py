@@ -923,6 +923,22 @@ def test_answers_do_not_name_the_server_software():
     assert b"\r\nserver:" not in head and b"twisted" not in head
 
 
+@pytest.mark.parametrize("method, status", [(b"GET", 405), (b"POST", 405), (b"OPTIONS", 200)])
+def test_a_request_for_star_is_answered_like_any_other(method, status):
+    """Twisted answers "*" itself (an empty 405 but for OPTIONS): here the
+    405 is a JSON error with the request id, like every other error."""
+    channel, transport = _connect(_site(Clock()))
+    channel.dataReceived(method + b" * HTTP/1.1\r\nHost: x\r\nX-Request-ID: star-1\r\n"
+                         b"Content-Length: 0\r\n\r\n")
+    code, headers, body = parse_raw(transport.value())
+    assert code == status and headers["x-request-id"] == "star-1" and "server" not in headers
+    if status == 405:
+        assert headers["allow"] == "OPTIONS"
+        check_error(code, headers, body, "star-1")
+    else:
+        assert body == b""
+
+
 def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
     clock = Clock()
     channel, transport = _connect(_site(clock, headerTimeout=10.0))

@@ -23,13 +23,18 @@ def install(app) -> None:
 
     @app.handle_errors(MethodNotAllowed)
     def not_allowed(self, request, failure):
-        error = BadRequest(f"{request.method.decode('ascii', 'replace')} is not allowed here")
-        error.type = "method_not_allowed"
-        return json_response(request, 405, error_body(error, request.request_id))
+        return method_not_allowed(request)
 
     @app.handle_errors(Exception)
     def internal(self, request, failure):
         return internal_error(request, failure)
+
+
+def method_not_allowed(request) -> bytes:
+    """A JSON 405 for a method the request's target does not take."""
+    error = BadRequest(f"{request.method.decode('ascii', 'replace')[:20]} is not allowed here")
+    error.type = "method_not_allowed"
+    return json_response(request, 405, error_body(error, request.request_id))
 
 
 def internal_error(request, failure) -> bytes:

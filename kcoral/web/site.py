@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.web import http, server
 
 from kcoral.errors import BadRequest, PayloadTooLarge
+from kcoral.web.errors import method_not_allowed
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 
@@ -89,7 +90,22 @@ class KCoralRequest(server.Request):
         self.setHeader(HEADER, self.request_id.encode())
         if self.channel.site.closing:
             self.closeAfterResponse()
+        if self.path == b"*":
+            self._answer_star()
+            return
         super().process()
+
+    def _answer_star(self) -> None:
+        # Twisted answers a request for "*" itself, with an empty 405 unless
+        # it is OPTIONS: KCoral's errors are JSON with a request id, always.
+        self.site = self.channel.site
+        self.setHeader(b"Date", http.datetimeToString())
+        if self.method == b"OPTIONS":
+            self.setHeader(b"Content-Length", b"0")
+        else:
+            self.setHeader(b"Allow", b"OPTIONS")
+            self.write(method_not_allowed(self))
+        self.finish()
 
     def render(self, resrc):
         # Twisted's process() names itself and its version in a Server
