@@ -32,6 +32,12 @@ from kcoral.web.responses import raw_error_response
 #: After refusing a body, how long to keep reading (and discarding) it so the
 #: client sees our answer instead of a connection reset.
 LINGER_SECONDS = 2.0
+#: A body must arrive at this average rate or better, counted from the end of
+#: the head once this grace has passed: a client sending a byte every minute
+#: (under the idle timeout) would otherwise hold its connection for as long
+#: as a 256 MiB body takes at that pace. A slow link (1 Mbit/s) is far above.
+MIN_BODY_BYTES_PER_SECOND = 1024
+BODY_GRACE_SECONDS = 10.0
 
 
 class _Body(io.BytesIO):
@@ -67,20 +73,30 @@ class KCoralRequest(server.Request):
         if self._refused:
             return
         self._received += len(data)
-        limit = self.channel.site.maxRequestBytes
+        site = self.channel.site
+        limit = site.maxRequestBytes
         if self._received > limit:
             self._refuse(f"request body exceeds the limit of {limit} bytes")
             return
+        elapsed = site.clock.seconds() - self._started
+        if elapsed > BODY_GRACE_SECONDS and self._received < MIN_BODY_BYTES_PER_SECOND * elapsed:
+            self._refuse(f"request body arrives at {self._received / elapsed:.0f} bytes/s, "
+                         f"under the least of {MIN_BODY_BYTES_PER_SECOND}", status=408)
+            return
         self.content.write(data)
 
-    def _refuse(self, message: str) -> None:
+    def _refuse(self, message: str, status: int = 413) -> None:
         self._refused = True
         self.content = _Body()
         site = self.channel.site
         site.logger.warn("{request_id} refused: {message}", request_id=self.request_id, message=message)
-        site.metrics.observe(self.uri or b"other", 413, 0.0)
-        self.channel.refuse(raw_error_response(413, b"Payload Too Large",
-                                               PayloadTooLarge(message), self.request_id))
+        site.metrics.observe(self.uri or b"other", status, 0.0)
+        if status == 413:
+            error, phrase = PayloadTooLarge(message), b"Payload Too Large"
+        else:
+            error, phrase = BadRequest(message), b"Request Timeout"
+            error.type = "request_timeout"
+        self.channel.refuse(raw_error_response(status, phrase, error, self.request_id))
 
     def requestReceived(self, command, path, version):
         if not self._refused:
