@@ -788,15 +788,7 @@ class Injector:
         if fault.exit_code is None:
             fault.problem = "the node did not exit within 60 s of SIGTERM"
             return
-        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
-        try:
-            d.start_node(fault.target)
-        except ChildFailed as e:
-            fault.problem = str(e)
-            return
-        fault.back = d.wait_full(self.settings.recovery_timeout)
-        if fault.back is None:
-            fault.problem = f"capacity not back: {d.health()}"
+        self._start_node_again(fault)
 
     def _supervisor_kill(self, fault: Fault) -> None:
         """SIGKILL the supervisor: its worker must drain and exit by itself
@@ -815,15 +807,7 @@ class Injector:
         if pid_alive(fault.pid):
             fault.problem = f"worker {fault.pid} outlived its supervisor by 60 s"
             return
-        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
-        try:
-            d.start_node(fault.target)
-        except ChildFailed as e:
-            fault.problem = str(e)
-            return
-        fault.back = d.wait_full(self.settings.recovery_timeout)
-        if fault.back is None:
-            fault.problem = f"capacity not back: {d.health()}"
+        self._start_node_again(fault)
 
     def _router_restart(self, fault: Fault) -> None:
         d = self.deployment
@@ -840,6 +824,20 @@ class Injector:
             fault.problem = str(e)
             return
         self.router_starts.append((time.monotonic(), child))
+        self._await_full_capacity(fault)
+
+    def _start_node_again(self, fault: Fault) -> None:
+        """After a pause, a new node with the stopped one's id; then full capacity."""
+        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
+        try:
+            self.deployment.start_node(fault.target)
+        except ChildFailed as e:
+            fault.problem = str(e)
+            return
+        self._await_full_capacity(fault)
+
+    def _await_full_capacity(self, fault: Fault) -> None:
+        d = self.deployment
         fault.back = d.wait_full(self.settings.recovery_timeout)
         if fault.back is None:
             fault.problem = f"capacity not back: {d.health()}"

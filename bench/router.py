@@ -330,6 +330,13 @@ def summarize(rows: list[dict]) -> dict:
 
 # -- reporting -------------------------------------------------------------------
 
+def _heading(names: str, units: str) -> None:
+    """A table's two heading lines and a rule as long as the first."""
+    print(names)
+    print(units)
+    print("-" * len(names))
+
+
 def report(results: dict) -> None:
     print()
     print(f"command: {results['command']}")
@@ -339,12 +346,10 @@ def report(results: dict) -> None:
           f"{paths} alternating; node: one CPU worker, capacity 2")
     print(f"pinning: {results['pinning']}")
     print()
-    head = (f"{'program':<24} {'conc':>4} {'direct ms':>17} {'router ms':>17} {'added':>7} "
-            f"{'direct':>7} {'router':>7} {'ratio':>6} {'router CPU':>10}")
-    print(head)
-    print(f"{'':<24} {'':>4} {'median / p99':>17} {'median / p99':>17} {'ms':>7} "
-          f"{'runs/s':>7} {'runs/s':>7} {'':>6} {'ms/run':>10}")
-    print("-" * len(head))
+    _heading(f"{'program':<24} {'conc':>4} {'direct ms':>17} {'router ms':>17} {'added':>7} "
+             f"{'direct':>7} {'router':>7} {'ratio':>6} {'router CPU':>10}",
+             f"{'':<24} {'':>4} {'median / p99':>17} {'median / p99':>17} {'ms':>7} "
+             f"{'runs/s':>7} {'runs/s':>7} {'':>6} {'ms/run':>10}")
     for row in results["rows"]:
         d, r = row["direct"], row["router"]
         print(f"{row['program']:<24} {row['clients']:>4} "
@@ -366,12 +371,10 @@ def report(results: dict) -> None:
     if "baseline" in results:
         print(f"baseline Router (kcoral from {results['baseline']}) against this one, same worker, "
               f"same rounds:")
-        head = (f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
-                f"{'Router CPU ms/run':>19}")
-        print(head)
-        print(f"{'':<24} {'':>4} {'baseline -> this':>17} {'baseline -> this':>15} "
-              f"{'baseline -> this':>19}")
-        print("-" * len(head))
+        _heading(f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
+                 f"{'Router CPU ms/run':>19}",
+                 f"{'':<24} {'':>4} {'baseline -> this':>17} {'baseline -> this':>15} "
+                 f"{'baseline -> this':>19}")
         for row in results["rows"]:
             b, r = row["baseline"], row["router"]
             print(f"{row['program']:<24} {row['clients']:>4} "

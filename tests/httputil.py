@@ -1,7 +1,7 @@
 """
-HTTP helpers for integration tests: requests with treq (no connection kept
-between tests, since servers come and go), and raw-socket exchanges for what
-no well-behaved client sends.
+HTTP helpers for tests: requests with treq (no connection kept between
+tests, since servers come and go), raw-socket exchanges for what no
+well-behaved client sends, and a L{KCoralSite} on fake transports.
 """
 
 from __future__ import annotations
@@ -12,12 +12,19 @@ import time
 
 import attrs
 import treq
+from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
+from twisted.internet.testing import StringTransport
+from twisted.logger import Logger
 from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
+from twisted.web.resource import Resource
 
+from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+from kcoral.web.site import KCoralSite
 
 
 class ForwardedRequest:
@@ -132,3 +139,30 @@ def parse_raw(response: bytes) -> tuple[int, dict, bytes]:
             decoded, rest = decoded + rest[:size], rest[size + 2:]
         body = decoded
     return status, headers, body
+
+
+# -- a KCoralSite on fake transports and a fake clock ----------------------------------------------
+
+class Hello(Resource):
+    isLeaf = True
+
+    def render_GET(self, request):
+        return b"hello"
+
+    def render_POST(self, request):
+        return b"got %d" % len(request.content.getvalue())
+
+
+def fake_site(clock, maxRequestBytes: int = 1000, **kw) -> KCoralSite:
+    """A L{KCoralSite} of L{Hello} on C{clock}."""
+    metrics = HttpMetrics(CollectorRegistry(), frozenset({"/"}))
+    return KCoralSite(Hello(), metrics=metrics, maxRequestBytes=maxRequestBytes, log=Logger(),
+                      clock=clock, **kw)
+
+
+def connect(site):
+    """A connection to C{site} over a C{StringTransport}: (channel, transport)."""
+    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    return channel, transport

@@ -26,6 +26,7 @@ import time
 import pytest
 
 import chaos
+from tests.httputil import connect, fake_site
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +77,16 @@ def logs(d: chaos.Deployment) -> str:
     return "\n".join(child.tail(40) for child in d.children())
 
 
+def load_on_first_node(d: chaos.Deployment, workload, requests: int):
+    """Start C{requests} runs of C{workload}; once the first node runs one of
+    them, the load and that node's id."""
+    load = chaos.Load(d, workload, d.settings, chaos.Pacer(requests))
+    load.start()
+    target = d.node_ids[0]
+    until(lambda: d.pool_nodes().get(target, {}).get("active", 0) >= 1, f"{target} running a program")
+    return load, target
+
+
 def outcomes(records) -> collections.Counter:
     return collections.Counter(r.outcome if r.outcome != "503" else f"503 {r.detail}"
                                for r in records)
@@ -83,10 +94,7 @@ def outcomes(records) -> collections.Counter:
 
 def test_node_sigterm_under_load_loses_nothing(deployment, workload):
     d = deployment
-    load = chaos.Load(d, workload, d.settings, chaos.Pacer(60))
-    load.start()
-    target = d.node_ids[0]
-    until(lambda: d.pool_nodes().get(target, {}).get("active", 0) >= 1, f"{target} running a program")
+    load, target = load_on_first_node(d, workload, 60)
     node = d.node(target)
     node.signal(signal.SIGTERM)
     assert node.wait(60) == 0, logs(d)
@@ -147,10 +155,7 @@ def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workl
     # parent's death), answering what it runs, and goes; an orphan would keep
     # its port and device from the supervisor that is started again.
     d = deployment
-    load = chaos.Load(d, workload, d.settings, chaos.Pacer(30))
-    load.start()
-    target = d.node_ids[0]
-    until(lambda: d.pool_nodes().get(target, {}).get("active", 0) >= 1, f"{target} running a program")
+    load, target = load_on_first_node(d, workload, 30)
     worker = d.worker_pid(target)
     d.node(target).signal(signal.SIGKILL)
     until(lambda: not chaos.pid_alive(worker), "the orphaned worker gone", timeout=30)
@@ -164,45 +169,15 @@ def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workl
 
 # -- the Router's keep-alive stop, on a fake transport ---------------------------------------
 
-def _keep_alive_site():
-    from prometheus_client import CollectorRegistry
-    from twisted.internet.address import IPv4Address
-    from twisted.internet.task import Clock
-    from twisted.internet.testing import StringTransport
-    from twisted.logger import Logger
-    from twisted.web.resource import Resource
-
-    from kcoral.metrics import HttpMetrics
-    from kcoral.web.site import KCoralSite
-
-    class Hello(Resource):
-        isLeaf = True
-
-        def render_GET(self, request):
-            return b"hello"
-
-        def render_POST(self, request):
-            return b"got %d" % len(request.content.getvalue())
-
-    site = KCoralSite(Hello(), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
-                      maxRequestBytes=1000, log=Logger(), clock=Clock())
-
-    def connect():
-        channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
-        transport = StringTransport()
-        channel.makeConnection(transport)
-        return channel, transport
-
-    return site, connect
-
-
 def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
-    site, connect = _keep_alive_site()
-    idle, idle_transport = connect()
+    from twisted.internet.task import Clock
+
+    site = fake_site(Clock())
+    idle, idle_transport = connect(site)
     idle.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert idle_transport.value().endswith(b"hello") and not idle_transport.disconnecting
     idle_transport.clear()
-    arriving, arriving_transport = connect()
+    arriving, arriving_transport = connect(site)
     arriving.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
 
     site.stopKeepAlive()

@@ -42,9 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
-from twisted.internet.address import IPv4Address
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.web.resource import Resource
@@ -58,7 +56,7 @@ from kcoral.web.fdlimit import connection_limit
 from kcoral.web.site import KCoralSite
 from tests.conftest import server_args, server_env
 from tests.harness import LISTENING, SERVER_READY, kcoral_argv
-from tests.httputil import parse_raw, raw_exchange, request
+from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
 from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until, until_ready
 from tests.test_server import run_frame
 
@@ -893,31 +891,8 @@ def test_the_connection_limit_leaves_descriptors_for_the_rest():
 
 # -- KCoralSite's deadlines, on a fake clock ------------------------------------------------------
 
-class _Hello(Resource):
-    isLeaf = True
-
-    def render_GET(self, request):
-        return b"hello"
-
-    def render_POST(self, request):
-        return b"got %d" % len(request.content.getvalue())
-
-
-def _site(clock, maxRequestBytes: int = 1000, **kw) -> KCoralSite:
-    metrics = HttpMetrics(CollectorRegistry(), frozenset({"/"}))
-    return KCoralSite(_Hello(), metrics=metrics, maxRequestBytes=maxRequestBytes, log=Logger(),
-                      clock=clock, **kw)
-
-
-def _connect(site):
-    channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
-    transport = StringTransport()
-    channel.makeConnection(transport)
-    return channel, transport
-
-
 def test_answers_do_not_name_the_server_software():
-    channel, transport = _connect(_site(Clock()))
+    channel, transport = connect(fake_site(Clock()))
     channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     head = transport.value().split(b"\r\n\r\n", 1)[0].lower()
     assert head.startswith(b"http/1.1 200") and b"\r\ndate: " in head
@@ -928,7 +903,7 @@ def test_answers_do_not_name_the_server_software():
 def test_a_request_for_star_is_answered_like_any_other(method, status):
     """Twisted answers "*" itself (an empty 405 but for OPTIONS): here the
     405 is a JSON error with the request id, like every other error."""
-    channel, transport = _connect(_site(Clock()))
+    channel, transport = connect(fake_site(Clock()))
     channel.dataReceived(method + b" * HTTP/1.1\r\nHost: x\r\nX-Request-ID: star-1\r\n"
                          b"Content-Length: 0\r\n\r\n")
     code, headers, body = parse_raw(transport.value())
@@ -942,7 +917,7 @@ def test_a_request_for_star_is_answered_like_any_other(method, status):
 
 def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
     clock = Clock()
-    channel, transport = _connect(_site(clock, headerTimeout=10.0))
+    channel, transport = connect(fake_site(clock, headerTimeout=10.0))
     head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100
     for byte in head[:9]:
         channel.dataReceived(bytes([byte]))
@@ -955,7 +930,7 @@ def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
 
 def _post_slowly(clock, body: bytes, per_second: int, seconds: int):
     """A POST whose body arrives at C{per_second} bytes each second."""
-    channel, transport = _connect(_site(clock, maxRequestBytes=1 << 20))
+    channel, transport = connect(fake_site(clock, maxRequestBytes=1 << 20))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: slow-1\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body))
     for second in range(seconds):
@@ -987,7 +962,7 @@ def test_a_slow_but_steady_body_is_served():
 
 def test_a_head_in_time_is_served_and_the_deadline_rearmed():
     clock = Clock()
-    channel, transport = _connect(_site(clock, headerTimeout=10.0))
+    channel, transport = connect(fake_site(clock, headerTimeout=10.0))
     clock.advance(9)
     channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert b"200 OK" in transport.value() and transport.value().endswith(b"hello")
@@ -1001,7 +976,7 @@ def test_a_head_in_time_is_served_and_the_deadline_rearmed():
 
 def test_a_stalled_body_is_cut_by_the_idle_timeout():
     clock = Clock()
-    channel, transport = _connect(_site(clock, headerTimeout=10.0, idleTimeout=60.0))
+    channel, transport = connect(fake_site(clock, headerTimeout=10.0, idleTimeout=60.0))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nabc")
     # Nothing more arrives: no byte to check the body's rate on, so the idle
     # timeout ends it (one that trickles in gets a 408, above).
@@ -1013,7 +988,7 @@ def test_a_stalled_body_is_cut_by_the_idle_timeout():
 
 def test_unparseable_http_is_a_json_400():
     clock = Clock()
-    channel, transport = _connect(_site(clock))
+    channel, transport = connect(fake_site(clock))
     channel.dataReceived(b"GET / HTTP/1.1\r\nX-Request-ID: bad-1\r\n"
                                     + b"".join(b"X-%d: y\r\n" % i for i in range(600)) + b"\r\n")
     status, headers, body = parse_raw(transport.value())
