@@ -42,11 +42,7 @@ import argparse
 import json
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,62 +50,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from child import KCoralChild  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 
 TARGET_RUN_SECONDS = 0.05
 
 
-class Service:
-    """A ``kcoral server`` (one worker) or node (``--cpu-workers 2``) child;
-    its console output goes to a temporary file."""
+class Service(KCoralChild):
+    """A ``kcoral server`` (one worker) or node (``--cpu-workers 2``) child."""
 
     def __init__(self, *args: str):
-        self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-node-", suffix=".log",
-                                                delete=False)
-        self.command = [sys.executable, "-m", "kcoral", "server", "--port", "0", "--gpus", "none",
-                        *args]
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                        start_new_session=True)
-        self.node = "--cpu-workers" in args
-        self.url, self.worker_urls, self.pids = self._wait_ready()
-
-    def output(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def _wait_ready(self, timeout: float = 180.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.output()
-            if self.node:
-                gateway = re.search(r"kcoral gateway listening on (http://\S+)", text)
-                ready = dict(re.findall(r"(worker\d+) is ready at (http://\S+)", text))
-                pids = {w: int(p) for w, p in re.findall(r"(worker\d+) started \(pid (\d+)\)", text)}
-                if gateway and len(ready) == 2 and _healthy_workers(gateway.group(1)) == 2:
-                    return gateway.group(1), ready, pids
-            else:
-                found = re.search(r"kcoral server listening on (http://\S+)", text)
-                if found and "kcoral server ready" in text:
-                    return found.group(1), {"worker0": found.group(1)}, {"worker0": self.process.pid}
-            if self.process.poll() is not None:
-                break
+        node = "--cpu-workers" in args
+        names = ("worker0", "worker1") if node else ()
+        ready = {"url": r"kcoral gateway listening on (http://\S+)" if node
+                 else r"kcoral server listening on (http://\S+)"}
+        ready.update({name: rf"{name} is ready at (http://\S+)" for name in names})
+        ready.update({f"{name} pid": rf"{name} started \(pid (\d+)\)" for name in names})
+        if not node:
+            ready["ready"] = r"(kcoral server ready)"
+        super().__init__(["server", "--port", "0", "--gpus", "none", *args], ready)
+        self.url = self.found["url"]
+        if not node:
+            self.worker_urls, self.pids = {"worker0": self.url}, {"worker0": self.process.pid}
+            return
+        self.worker_urls = {name: self.found[name] for name in names}
+        self.pids = {name: int(self.found[f"{name} pid"]) for name in names}
+        deadline = time.monotonic() + 60
+        while _healthy_workers(self.url) < len(names):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the gateway never counted both workers:\n{self.output()[-3000:]}")
             time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{' '.join(self.command)} did not start:\n{self.output()[-3000:]}")
 
     def cpu_seconds(self) -> float:
         """CPU time of the worker processes so far."""
         return sum(cpu_seconds(pid) for pid in self.pids.values())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        os.unlink(self._log.name)
 
 
 def wait_for_idle(services, timeout: float, limit: float = 0.2) -> float:

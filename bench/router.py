@@ -46,11 +46,9 @@ import asyncio
 import json
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -60,83 +58,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from child import KCoralChild  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 
 TARGET_ADDED_MS = 1.0
 TARGET_THROUGHPUT_RATIO = 0.97
 CONCURRENCY = (1, 4, 16, 64)
+#: The benchmark's services run on the CPU.
+ON_CPU = {"JAX_PLATFORMS": "cpu"}
 
 
 # -- the services ----------------------------------------------------------------
 
 
-class Service:
-    """A ``kcoral`` child process on an ephemeral port, in its own session;
-    its console output goes to a temporary file. C{ready} maps names to
-    regular expressions that must all match the output; their first groups
-    are kept in C{found}."""
-
-    def __init__(self, args: list[str], ready: dict[str, str], *, cores: set[int] | None = None,
-                 timeout: float = 180.0):
-        self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-router-", suffix=".log",
-                                                delete=False)
-        self.command = [sys.executable, "-m", "kcoral", *args]
-        if cores is not None:
-            self.command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + self.command
-        self.process = self._popen()
-        self.found = self._wait(ready, timeout)
-
-    def _popen(self):
-        return subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu"),
-            start_new_session=True)
-
-    def output(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def _wait(self, ready: dict[str, str], timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.output()
-            found = {name: re.search(pattern, text) for name, pattern in ready.items()}
-            if all(found.values()):
-                return {name: m.group(1) for name, m in found.items()}
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"{' '.join(self.command)} did not start:\n{self.output()[-3000:]}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        if os.path.exists(self._log.name):
-            os.unlink(self._log.name)
+def start_router(cores: set[int] | None = None) -> KCoralChild:
+    return KCoralChild(["router", "--port", "0"], {"url": r"kcoral router listening on (http://\S+)"},
+                       cores=cores, env=ON_CPU)
 
 
-def start_router(cores: set[int] | None = None) -> Service:
-    return Service(["router", "--port", "0"], {"url": r"kcoral router listening on (http://\S+)"},
-                   cores=cores)
-
-
-def start_node(router_url: str) -> Service:
-    node = Service(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
+def start_node(router_url: str) -> KCoralChild:
+    node = KCoralChild(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
                     "--gpus", "none", "--health-interval-seconds", "0.5"],
                    {"worker": r"worker0 is ready at (http://\S+)",
                     "pid": r"worker0 started \(pid (\d+)\)",
-                    "ready": r"(the Router reports node bench ready)"})
+                    "ready": r"(the Router reports node bench ready)"}, env=ON_CPU)
     node.worker_pid = int(node.found["pid"])
     return node
 
 
-class BaselineRouter(Service):
+class BaselineRouter(KCoralChild):
     """
     A second Router, run from another version's C{kcoral} package (a
     directory holding it, e.g. C{git archive REV kcoral | tar -x -C DIR}),
@@ -149,15 +100,10 @@ class BaselineRouter(Service):
         self._worker_url = worker_url
         self._stop = threading.Event()
         super().__init__(["router", "--port", "0"],
-                         {"url": r"kcoral router listening on (http://\S+)"})
+                         {"url": r"kcoral router listening on (http://\S+)"},
+                         env={"PYTHONPATH": self.tree}, cwd=self.tree)
         self._reporter = threading.Thread(target=self._report, daemon=True)
         self._reporter.start()
-
-    def _popen(self):
-        return subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.tree,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=self.tree),
-            start_new_session=True)
 
     def _report(self):
         import urllib.request

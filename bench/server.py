@@ -29,16 +29,15 @@ import json
 import multiprocessing
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from child import KCoralChild  # noqa: E402  (bench/child.py)
+from procstat import cpu_seconds  # noqa: E402
 
 TARGET_ADDED_MS = 1.0
 TARGET_BYTES_PERCENT = 1.0
@@ -48,56 +47,21 @@ WEIGHTS_SHAPE = (4096, 4096)  # float32: 64 MiB
 
 # -- the server child process --------------------------------------------------
 
-class ServerProcess:
+class ServerProcess(KCoralChild):
     """A ``kcoral server`` child on an ephemeral port, optionally pinned to
-    some cores; its console output goes to a temporary file."""
+    some cores."""
 
-    def __init__(self, gpus: str, cores: set[int] | None = None, extra: list[str] = ()):
-        self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "kcoral", "server", "--port", "0", "--gpus", gpus, *extra]
-        if cores is not None:
-            command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + command
-        self.command = command
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if gpus == "none":
-            env["JAX_PLATFORMS"] = "cpu"
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=ROOT, env=env, start_new_session=True)
-        self.url = self._wait_ready()
-
-    def _output(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def _wait_ready(self, timeout: float = 120.0) -> str:
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            text = self._output()
-            found = re.search(r"kcoral server listening on (http://\S+)", text)
-            if found:
-                url = found.group(1)
-            if url and "kcoral server ready" in text:
-                return url
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the server did not start:\n{self._output()[-3000:]}")
+    def __init__(self, gpus: str, cores: set[int] | None = None):
+        super().__init__(["server", "--port", "0", "--gpus", gpus],
+                         {"url": r"kcoral server listening on (http://\S+)",
+                          "ready": r"(kcoral server ready)"},
+                         cores=cores, env={"JAX_PLATFORMS": "cpu"} if gpus == "none" else None,
+                         timeout=120.0)
+        self.url = self.found["url"]
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time of the server process (all its threads)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        os.unlink(self._log.name)
+        """CPU time of the server process (all its threads)."""
+        return cpu_seconds(self.process.pid)
 
 
 # -- measurements --------------------------------------------------------------
