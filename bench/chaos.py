@@ -736,7 +736,6 @@ class Injector:
     def _wait_back(self, fault: Fault, child: Child, since: int) -> None:
         """Back: the node logged a new ready worker (when its worker was
         replaced) and the pool has its full capacity again."""
-        d = self.deployment
         timeout = self.settings.recovery_timeout
         exits = child.find_indexed(WORKER_EXITED, since)
         if exits:
@@ -745,17 +744,21 @@ class Injector:
             except ChildFailed as e:
                 fault.problem = str(e)
                 return
-        fault.back = d.wait_full(timeout)
-        if fault.back is None:
-            fault.problem = f"capacity not back within {timeout} s: {d.health()}"
+        self._await_full_capacity(fault)
 
-    def _kill(self, fault: Fault) -> None:
+    def _signal_worker(self, fault: Fault, sig: int) -> tuple[Child, int]:
+        """Send C{sig} to the target's worker: its node and the mark of its
+        output before."""
         d = self.deployment
         child = d.node(fault.target)
         since = child.mark()
         fault.pid = d.worker_pid(fault.target)
         fault.start = time.monotonic()
-        signal_pid(fault.pid, signal.SIGKILL)
+        signal_pid(fault.pid, sig)
+        return child, since
+
+    def _kill(self, fault: Fault) -> None:
+        child, since = self._signal_worker(fault, signal.SIGKILL)
         try:
             child.wait_for(WORKER_EXITED, 30, since)
         except ChildFailed as e:
@@ -764,12 +767,7 @@ class Injector:
         self._wait_back(fault, child, since)
 
     def _freeze(self, fault: Fault) -> None:
-        d = self.deployment
-        child = d.node(fault.target)
-        since = child.mark()
-        fault.pid = d.worker_pid(fault.target)
-        fault.start = time.monotonic()
-        signal_pid(fault.pid, signal.SIGSTOP)
+        child, since = self._signal_worker(fault, signal.SIGSTOP)
         time.sleep(fault.seconds)
         signal_pid(fault.pid, signal.SIGCONT)
         # The supervisor may be about to kill it (SIGTERM pending, SIGKILL
@@ -837,10 +835,10 @@ class Injector:
         self._await_full_capacity(fault)
 
     def _await_full_capacity(self, fault: Fault) -> None:
-        d = self.deployment
-        fault.back = d.wait_full(self.settings.recovery_timeout)
+        d, timeout = self.deployment, self.settings.recovery_timeout
+        fault.back = d.wait_full(timeout)
         if fault.back is None:
-            fault.problem = f"capacity not back: {d.health()}"
+            fault.problem = f"capacity not back within {timeout} s: {d.health()}"
 
 
 class ResourceMonitor:
