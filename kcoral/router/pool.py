@@ -234,19 +234,23 @@ class Pool:
         client's references to a member that lacks them: a 409 and a resend
         on every other run); without a program, to the one picked longest ago.
         """
-        best, best_key = None, None
+        least, tied = None, []
         for node in self.nodes.values():
             if node.state != READY:
                 continue
             for member in node.members.values():
                 if member.free <= 0:
                     continue
-                key = (member.active / member.capacity,
-                       -_affinity(program, member) if program else 0, member.picked)
-                if best_key is None or key < best_key:
-                    best, best_key = member, key
-        if best is not None:
-            best.picked = next(self._picks)
+                load = member.active / member.capacity
+                if least is None or load < least:
+                    least, tied = load, [member]
+                elif load == least:
+                    tied.append(member)
+        if not tied:
+            return None
+        # Hashed only among the least loaded: this runs for every request.
+        best = min(tied, key=lambda m: (-_affinity(program, m) if program else 0, m.picked))
+        best.picked = next(self._picks)
         return best
 
     def ready_nodes(self) -> list[Node]:
