@@ -51,6 +51,13 @@ class PayloadTooLarge(BadRequest):
     type = "payload_too_large"
 
 
+class RequestTimeout(BadRequest):
+    """408: the request body arrived too slowly."""
+
+    status = 408
+    type = "request_timeout"
+
+
 class MissingContent(KCoralError):
     """409: the request referenced cached content the server does not hold."""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from twisted.web import http
+
 from kcoral.errors import KCoralError, ServerBusy, error_body
 
 #: Seconds a 503 asks the client to wait before retrying.
@@ -32,11 +34,11 @@ def error_response(request, error: KCoralError) -> bytes:
     return json_response(request, error.status or 500, error_body(error, request.request_id))
 
 
-def raw_error_response(status: int, phrase: bytes, error: KCoralError, request_id: str) -> bytes:
+def raw_error_response(error: KCoralError, request_id: str) -> bytes:
     """A whole HTTP/1.1 response, for answers sent before Twisted's request
     machinery runs (a body refused from its headers)."""
     body = json.dumps(error_body(error, request_id)).encode() + b"\n"
-    head = [b"HTTP/1.1 %d %s" % (status, phrase),
+    head = [b"HTTP/1.1 %d %s" % (error.status, http.RESPONSES[error.status]),
             b"Content-Type: application/json",
             b"Content-Length: %d" % len(body),
             b"X-Request-ID: " + request_id.encode(),

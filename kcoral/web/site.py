@@ -24,7 +24,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web import http, server
 
-from kcoral.errors import BadRequest, PayloadTooLarge
+from kcoral.errors import BadRequest, KCoralError, PayloadTooLarge, RequestTimeout
 from kcoral.web.errors import method_not_allowed
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
@@ -65,7 +65,8 @@ class KCoralRequest(server.Request):
         self.channel.headersComplete()
         limit = self.channel.site.maxRequestBytes
         if length is not None and length > limit:
-            self._refuse(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+            self._refuse(PayloadTooLarge(f"request body of {length} bytes exceeds the limit of "
+                                         f"{limit} bytes"))
             return
         self.content = _Body()
 
@@ -76,27 +77,23 @@ class KCoralRequest(server.Request):
         site = self.channel.site
         limit = site.maxRequestBytes
         if self._received > limit:
-            self._refuse(f"request body exceeds the limit of {limit} bytes")
+            self._refuse(PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"))
             return
         elapsed = site.clock.seconds() - self._started
         if elapsed > BODY_GRACE_SECONDS and self._received < MIN_BODY_BYTES_PER_SECOND * elapsed:
-            self._refuse(f"request body arrives at {self._received / elapsed:.0f} bytes/s, "
-                         f"under the least of {MIN_BODY_BYTES_PER_SECOND}", status=408)
+            self._refuse(RequestTimeout(f"request body arrives at {self._received / elapsed:.0f} "
+                                        f"bytes/s, under the least of {MIN_BODY_BYTES_PER_SECOND}"))
             return
         self.content.write(data)
 
-    def _refuse(self, message: str, status: int = 413) -> None:
+    def _refuse(self, error: KCoralError) -> None:
         self._refused = True
         self.content = _Body()
         site = self.channel.site
-        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id, message=message)
-        site.metrics.observe(self.uri or b"other", status, 0.0)
-        if status == 413:
-            error, phrase = PayloadTooLarge(message), b"Payload Too Large"
-        else:
-            error, phrase = BadRequest(message), b"Request Timeout"
-            error.type = "request_timeout"
-        self.channel.refuse(raw_error_response(status, phrase, error, self.request_id))
+        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id,
+                         message=error.message)
+        site.metrics.observe(self.uri or b"other", error.status, 0.0)
+        self.channel.refuse(raw_error_response(error, self.request_id))
 
     def requestReceived(self, command, path, version):
         if not self._refused:
@@ -183,8 +180,7 @@ class KCoralChannel(http.HTTPChannel):
         request = self.requests[-1] if self.requests else None
         rid = request.request_id if isinstance(request, KCoralRequest) else request_id_from(None)
         self.site.metrics.observe(b"other", 400, 0.0)
-        self.transport.write(raw_error_response(400, b"Bad Request",
-                                                BadRequest("malformed HTTP request"), rid))
+        self.transport.write(raw_error_response(BadRequest("malformed HTTP request"), rid))
         self.loseConnection()
 
     def headersComplete(self):
