@@ -103,26 +103,23 @@ class KCoralRequest(server.Request):
         self.setHeader(HEADER, self.request_id.encode())
         if self.channel.site.closing:
             self.closeAfterResponse()
-        if self.path == b"*":
-            self._answer_star()
-            return
         super().process()
 
-    def _answer_star(self) -> None:
-        # Twisted answers a request for "*" itself, with an empty 405 unless
-        # it is OPTIONS: KCoral's errors are JSON with a request id, always.
-        self.site = self.channel.site
-        self.setHeader(b"Date", http.datetimeToString())
+    def _handleStar(self):
+        # Twisted's process() answers a request for "*" here, with an empty
+        # 405 unless it is OPTIONS: KCoral's errors are JSON with a request id.
+        self.responseHeaders.removeHeader(b"Server")
         if self.method == b"OPTIONS":
-            self.setHeader(b"Content-Length", b"0")
-        else:
-            self.setHeader(b"Allow", b"OPTIONS")
-            self.write(method_not_allowed(self))
+            super()._handleStar()
+            return
+        self.setHeader(b"Allow", b"OPTIONS")
+        self.write(method_not_allowed(self))
         self.finish()
 
     def render(self, resrc):
         # Twisted's process() names itself and its version in a Server
-        # header: nothing a client needs, and something an attacker would.
+        # header: nothing a client needs, and something an attacker would
+        # (removed in _handleStar too).
         self.responseHeaders.removeHeader(b"Server")
         super().render(resrc)
 
