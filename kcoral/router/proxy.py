@@ -11,6 +11,7 @@ means it may have run, and is a 502 that is never retried.
 
 from __future__ import annotations
 
+from cachetools import LRUCache
 from hyperlink import EncodedURL
 from twisted.internet import error as netError
 from twisted.internet.defer import CancelledError, inlineCallbacks
@@ -55,7 +56,7 @@ class _RunURL(EncodedURL):
         return text if text is not None else super().to_text(with_password)
 
 
-#: Members' parsed URLs; cleared when workers' addresses have changed often.
+#: Members' parsed URLs kept, the least recently used dropped first.
 _MAX_URLS = 1024
 
 
@@ -74,13 +75,11 @@ class Proxy:
     def __init__(self, reactor, *, ca_path: str | None = None):
         self._reactor = reactor
         self.outgoing = Outgoing(reactor, ca_path=ca_path)
-        self._urls: dict[str, _RunURL] = {}
+        self._urls: LRUCache = LRUCache(_MAX_URLS)
 
     def _run_url(self, url: str) -> _RunURL:
         parsed = self._urls.get(url)
         if parsed is None:
-            if len(self._urls) >= _MAX_URLS:
-                self._urls.clear()
             parsed = self._urls[url] = _RunURL.parse(url + "/v1/run")
         return parsed
 

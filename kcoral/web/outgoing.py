@@ -6,6 +6,7 @@ service-identity) against the platform's roots or a given CA file.
 
 from __future__ import annotations
 
+from cachetools import LRUCache
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import succeed
@@ -18,7 +19,7 @@ from zope.interface import implementer
 
 from kcoral.web.endpoint import pem_certificates
 
-#: Endpoints kept by L{Endpoints}; more distinct peers than this start it over.
+#: Endpoints kept by L{Endpoints}, the least recently used dropped first.
 MAX_ENDPOINTS = 1024
 
 #: Request bodies up to this size are written in one piece with the request
@@ -119,7 +120,7 @@ class Endpoints:
     def __init__(self, reactor, policy):
         self._reactor = reactor
         self._policy = policy
-        self._endpoints: dict = {}
+        self._endpoints: LRUCache = LRUCache(MAX_ENDPOINTS)
 
     def endpointForURI(self, uri):
         key = (uri.scheme, uri.host, uri.port)
@@ -134,8 +135,6 @@ class Endpoints:
             endpoint = HostnameEndpoint(self._reactor, host, uri.port)
             if uri.scheme == b"https":
                 endpoint = wrapClientTLS(self._policy.creatorForNetloc(uri.host, uri.port), endpoint)
-            if len(self._endpoints) >= MAX_ENDPOINTS:
-                self._endpoints.clear()
             self._endpoints[key] = endpoint
         return endpoint
 
