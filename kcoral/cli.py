@@ -17,10 +17,9 @@ from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from kcoral import operator
-from kcoral.logging import CHILD_ENV
+from kcoral.logging import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral._version import __version__
 from kcoral.node import tap as node_tap
-from kcoral.node.worker import SUPERVISOR_PID_ENV
 from kcoral.router import tap as router_tap
 
 

@@ -12,6 +12,9 @@ from twisted.logger import (FileLogObserver, FilteringLogObserver, LogLevel,
 
 #: Set by the supervisor for its children, whose lines it prefixes and stamps.
 CHILD_ENV = "KCORAL_SUPERVISED"
+#: Also set for them: the supervisor's pid, so that a worker can tell when its
+#: supervisor is gone (kcoral.cli).
+SUPERVISOR_PID_ENV = "KCORAL_SUPERVISOR_PID"
 
 #: Whether debug events may reach an observer: not on the kcoral command's
 #: console (info and up), but perhaps elsewhere (twistd logs every level).

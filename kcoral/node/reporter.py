@@ -13,6 +13,7 @@ from typing import Callable
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.errors import error_from_answer
 from kcoral.web.endpoint import is_loopback
 from kcoral.web.outgoing import describe_failure
 
@@ -55,10 +56,7 @@ class Reporter:
             self._problem(f"the Router is unreachable ({describe_failure(e)}); retrying")
             return False
         if response.code != 200:
-            try:
-                message = json.loads(content)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = content[:200].decode("utf-8", "replace")
+            message = error_from_answer(response.code, content).message
             self._problem(f"the Router refused node {self.node_id} with {response.code}: {message}")
             return False
         state = json.loads(content).get("state")

@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from kcoral.logging import CHILD_ENV
+from kcoral.logging import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.web.outgoing import describe_failure, tls_problem
@@ -24,8 +24,6 @@ from kcoral.web.outgoing import describe_failure, tls_problem
 log = Logger()
 
 _LISTENING = re.compile(rb"kcoral server listening on (\S+)")
-#: The supervisor's pid, for its workers: a worker must not outlive it.
-SUPERVISOR_PID_ENV = "KCORAL_SUPERVISOR_PID"
 #: A child line longer than this is cut, so a runaway child cannot grow the
 #: supervisor's memory.
 MAX_LINE = 64 * 1024
@@ -91,7 +89,6 @@ class Worker:
             return
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         env[CHILD_ENV] = "1"
-        # So the worker can tell when its supervisor is gone (kcoral.cli).
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
         self.url, self.healthy, self.health = None, False, {}
         self._exited = Deferred()
