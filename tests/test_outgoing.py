@@ -79,7 +79,7 @@ def test_a_run_url_may_name_an_ipv6_worker():
 
 def test_the_proxy_parses_each_member_url_once():
     proxy = Proxy(reactor)
-    assert proxy._run_url("http://127.0.0.1:8000") is proxy._run_url("http://127.0.0.1:8000")
+    assert proxy.run_url("http://127.0.0.1:8000") is proxy.run_url("http://127.0.0.1:8000")
 
 
 def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):

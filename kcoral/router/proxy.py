@@ -77,7 +77,8 @@ class Proxy:
         self.outgoing = Outgoing(reactor, ca_path=ca_path)
         self._urls: LRUCache = LRUCache(_MAX_URLS)
 
-    def _run_url(self, url: str) -> _RunURL:
+    def run_url(self, url: str) -> _RunURL:
+        """The C{/v1/run} URL of the member at C{url}, parsed once."""
         parsed = self._urls.get(url)
         if parsed is None:
             parsed = self._urls[url] = _RunURL.parse(url + "/v1/run")
@@ -94,7 +95,7 @@ class Proxy:
             headers.setRawHeaders(b"Content-Type", [REQUEST_CONTENT_TYPE.encode()])
         # A node's answer goes back as it is: never follow a redirect with a
         # program (and the body is read once, right here: no buffering).
-        outgoing = self.outgoing.client.post(self._run_url(url), data=body, headers=headers,
+        outgoing = self.outgoing.client.post(self.run_url(url), data=body, headers=headers,
                                              allow_redirects=False, unbuffered=True)
         # A client that goes away cancels the outgoing request, or the
         # reading of its answer. Twisted's client reports the first as the
