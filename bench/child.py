@@ -21,14 +21,15 @@ class KCoralChild:
     console output goes to a temporary file. C{ready} maps names to regular
     expressions that must all match the output; their first groups are kept
     in C{found}. C{cores} pins it (``taskset``); C{env} adds to the
-    environment; C{cwd} is where it runs (another version's tree, say).
+    environment; C{cwd} is where it runs (another version's tree, say);
+    C{program} is what Python runs (another script, say).
     """
 
     def __init__(self, args: list[str], ready: dict[str, str], *, cores: set[int] | None = None,
                  env: dict[str, str] | None = None, cwd: str | Path = ROOT,
-                 timeout: float = 180.0):
+                 timeout: float = 180.0, program: tuple[str, ...] = ("-m", "kcoral")):
         self._log = tempfile.NamedTemporaryFile(prefix="kcoral-bench-", suffix=".log", delete=False)
-        self.command = [sys.executable, "-m", "kcoral", *args]
+        self.command = [sys.executable, *program, *args]
         if cores is not None:
             self.command = ["taskset", "-c", ",".join(map(str, sorted(cores)))] + self.command
         self.process = subprocess.Popen(

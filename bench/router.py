@@ -4,6 +4,7 @@ and through a Router, side by side.
 
     .venv/bin/python bench/router.py            # about four minutes
     .venv/bin/python bench/router.py --router-core 1
+    .venv/bin/python bench/router.py --bare     # and the floor under it
 
 Starts real processes on ephemeral loopback ports: a ``kcoral router`` and
 one CPU node (``kcoral server --router URL --node-id bench --gpus none``: a
@@ -29,13 +30,22 @@ that processes outside the benchmark took meanwhile (on a shared machine, a
 measure of how far to trust the rest). By default nothing is pinned: on a
 small machine the Router then competes with the worker for the same cores.
 ``--router-core N`` gives the Router a core of its own, as it would have on
-its own host. ``--profile-router FILE`` samples the Router with py-spy (not a
+its own host. ``--bare`` also sends the load through the two proxies of
+``bench/bare_proxy.py``, which forward runs with the Router's stack
+(Twisted's HTTP server and treq) and nothing of the Router: "floor" with
+the Router's own outgoing client, "plain" with treq as documented.
+``--gpus 0`` runs the node's worker on a GPU (a GPU node's program leaves
+the host's cores to the Router). ``--profile-router FILE`` samples the Router with py-spy (not a
 dependency of KCoral) while it holds the GIL, i.e. where its Python spends
 CPU, for the whole run.
 
 Targets (issue 3): the Router adds under 1 ms to the trivial program's
 median latency (one client), and keeps at least 97% of the direct
-throughput for the 5 ms program. The exit status is 0 whatever the numbers;
+throughput for the 5 ms program while the node is kept busy (as many
+clients as its capacity, or more). With fewer, throughput is one over the
+latency: a hop within the 1 ms the first target allows would cost a 5 ms
+program up to a sixth of it, so the two targets only agree under load; the
+report still gives the one-client ratio. The exit status is 0 whatever the numbers;
 ``doc/benchmarks.rst`` ("Router") records the results.
 """
 
@@ -65,8 +75,10 @@ from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 TARGET_ADDED_MS = 1.0
 TARGET_THROUGHPUT_RATIO = 0.97
 CONCURRENCY = (1, 4, 16, 64)
-#: The benchmark's services run on the CPU.
-ON_CPU = {"JAX_PLATFORMS": "cpu"}
+#: Programs the node's one worker runs at once (the server's default).
+CAPACITY = 2
+#: Routers measured beside this one, when asked for, by their path names.
+OTHERS = ("baseline", "floor", "plain")
 
 
 # -- the services ----------------------------------------------------------------
@@ -74,17 +86,24 @@ ON_CPU = {"JAX_PLATFORMS": "cpu"}
 
 def start_router(cores: set[int] | None = None) -> KCoralChild:
     return KCoralChild(["router", "--port", "0"], {"url": r"kcoral router listening on (http://\S+)"},
-                       cores=cores, env=ON_CPU)
+                       cores=cores)
 
 
-def start_node(router_url: str) -> KCoralChild:
+def start_node(router_url: str, gpus: str) -> KCoralChild:
     node = KCoralChild(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
-                    "--gpus", "none", "--health-interval-seconds", "0.5"],
+                    "--gpus", gpus, "--capacity", str(CAPACITY),
+                    "--health-interval-seconds", "0.5"],
                    {"worker": r"worker0 is ready at (http://\S+)",
                     "pid": r"worker0 started \(pid (\d+)\)",
-                    "ready": r"(the Router reports node bench ready)"}, env=ON_CPU)
+                    "ready": r"(the Router reports node bench ready)"})
     node.worker_pid = int(node.found["pid"])
     return node
+
+
+def start_bare_proxy(worker_url: str, plain: bool, cores: set[int] | None = None) -> KCoralChild:
+    return KCoralChild([worker_url] + ["--plain"] * plain,
+                       {"url": r"bare proxy listening on (http://\S+)"},
+                       cores=cores, program=(str(ROOT / "bench" / "bare_proxy.py"),))
 
 
 class BaselineRouter(KCoralChild):
@@ -95,13 +114,13 @@ class BaselineRouter(KCoralChild):
     and reports for it, as a supervisor would, every half second.
     """
 
-    def __init__(self, tree: str, worker_url: str):
+    def __init__(self, tree: str, worker_url: str, cores: set[int] | None = None):
         self.tree = str(Path(tree).resolve())
         self._worker_url = worker_url
         self._stop = threading.Event()
         super().__init__(["router", "--port", "0"],
                          {"url": r"kcoral router listening on (http://\S+)"},
-                         env={"PYTHONPATH": self.tree}, cwd=self.tree)
+                         cores=cores, env={"PYTHONPATH": self.tree}, cwd=self.tree)
         self._reporter = threading.Thread(target=self._report, daemon=True)
         self._reporter.start()
 
@@ -111,7 +130,7 @@ class BaselineRouter(KCoralChild):
         report = json.dumps({
             "session": "bench-baseline", "gpu_target": "cpu", "runtime": {}, "draining": False,
             "workers": [{"name": "worker0", "url": self._worker_url, "healthy": True,
-                         "capacity": 2, "active": 0}]}).encode()
+                         "capacity": CAPACITY, "active": 0}]}).encode()
         while not self._stop.is_set():
             put = urllib.request.Request(self.found["url"] + "/v1/nodes/bench-baseline",
                                          data=report, method="PUT",
@@ -287,9 +306,10 @@ def report(results: dict) -> None:
     print()
     print(f"command: {results['command']}")
     print(f"machine: {results['machine']}; jax {results['jax']}")
-    paths = "direct, router and baseline" if "baseline" in results else "direct and router"
+    paths = ["direct", "router"] + [name for name in OTHERS if name in results]
     print(f"{results['seconds']:g} s per window, {results['rounds']} rounds per cell, "
-          f"{paths} alternating; node: one CPU worker, capacity 2")
+          f"{', '.join(paths)} alternating; node: one worker ({results['device']}), "
+          f"capacity {CAPACITY}")
     print(f"pinning: {results['pinning']}")
     print()
     _heading(f"{'program':<24} {'conc':>4} {'direct ms':>17} {'router ms':>17} {'added':>7} "
@@ -314,20 +334,20 @@ def report(results: dict) -> None:
               f"{r['router']:.3f}, others {row['direct']['others_ms_per_run']:.3f} -> "
               f"{row['router']['others_ms_per_run']:.3f}")
     print()
-    if "baseline" in results:
-        print(f"baseline Router (kcoral from {results['baseline']}) against this one, same worker, "
-              f"same rounds:")
-        _heading(f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
-                 f"{'Router CPU ms/run':>19}",
-                 f"{'':<24} {'':>4} {'baseline -> this':>17} {'baseline -> this':>15} "
-                 f"{'baseline -> this':>19}")
-        for row in results["rows"]:
-            b, r = row["baseline"], row["router"]
-            print(f"{row['program']:<24} {row['clients']:>4} "
-                  f"{ms(b['median']) + ' -> ' + ms(r['median']):>17} "
-                  f"{b['runs_per_second']:>6.0f} -> {r['runs_per_second']:<5.0f} "
-                  f"{b['cpu_ms_per_run']['baseline']:>8.3f} -> {r['cpu_ms_per_run']['router']:<6.3f}")
-        print()
+    for name in OTHERS:
+        if name in results:
+            print(f"{results[name]} against this Router, same worker, same rounds:")
+            _heading(f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
+                     f"{'CPU ms/run':>19}",
+                     f"{'':<24} {'':>4} {name + ' -> Router':>17} {name + ' -> Router':>15} "
+                     f"{name + ' -> Router':>19}")
+            for row in results["rows"]:
+                b, r = row[name], row["router"]
+                print(f"{row['program']:<24} {row['clients']:>4} "
+                      f"{ms(b['median']) + ' -> ' + ms(r['median']):>17} "
+                      f"{b['runs_per_second']:>6.0f} -> {r['runs_per_second']:<5.0f} "
+                      f"{b['cpu_ms_per_run'][name]:>8.3f} -> {r['cpu_ms_per_run']['router']:<6.3f}")
+            print()
     checks = []
     trivial = [r for r in results["rows"] if r["kind"] == "trivial" and r["clients"] == 1]
     if trivial:
@@ -335,14 +355,21 @@ def report(results: dict) -> None:
         checks.append((f"trivial program, 1 client: the Router adds < {TARGET_ADDED_MS:g} ms "
                        f"(median)", added * 1000 < TARGET_ADDED_MS, f"{ms(added)} ms"))
     heavy = [r for r in results["rows"] if r["kind"] == "5ms"]
-    if heavy:
-        worst = min(heavy, key=lambda r: r["ratio"])
-        checks.append((f"5 ms program: Router throughput >= {100 * TARGET_THROUGHPUT_RATIO:g}% "
-                       f"of direct (worst concurrency: {worst['clients']})",
+    busy = [r for r in heavy if r["clients"] >= CAPACITY]
+    if busy:
+        worst = min(busy, key=lambda r: r["ratio"])
+        checks.append((f"5 ms program, node kept busy (clients >= its capacity, {CAPACITY}): "
+                       f"Router throughput >= {100 * TARGET_THROUGHPUT_RATIO:g}% of direct "
+                       f"(worst concurrency: {worst['clients']})",
                        worst["ratio"] >= TARGET_THROUGHPUT_RATIO,
-                       ", ".join(f"{r['clients']}: {100 * r['ratio']:.1f}%" for r in heavy)))
+                       ", ".join(f"{r['clients']}: {100 * r['ratio']:.1f}%" for r in busy)))
     for what, ok, value in checks:
         print(f"  [{'met' if ok else 'MISSED'}] {what}: {value}")
+    for row in heavy:
+        if row["clients"] < CAPACITY:
+            print(f"  [latency-bound] 5 ms program, {row['clients']} client(s): "
+                  f"{100 * row['ratio']:.1f}% of direct, one over the latency "
+                  f"({ms(row['added_median'])} ms added to {ms(row['direct']['median'])} ms)")
 
 
 def main() -> int:
@@ -359,13 +386,20 @@ def main() -> int:
                         help="sample the Router with py-spy (not a dependency: pip install "
                              "py-spy) during the whole load and write its collapsed stacks here")
     parser.add_argument("--router-core", type=int, metavar="N",
-                        help="pin the Router to core N and everything else (this process, the "
-                             "node, its worker) to the other cores: the Router's hop without "
+                        help="pin the Router (and --baseline, --bare) to core N and everything else "
+                             "(this process, the node, its worker) to the other cores: the Router's hop without "
                              "its competition for the worker's CPU (default: nothing pinned)")
     parser.add_argument("--baseline", metavar="DIR",
                         help="also measure a Router run from another version's kcoral package "
                              "in DIR (e.g. git archive REV kcoral | tar -x -C DIR), in front "
                              "of the same worker, in the same rounds")
+    parser.add_argument("--bare", action="store_true",
+                        help="also measure the two proxies of bench/bare_proxy.py (Twisted's "
+                             "HTTP server and treq, nothing of the Router) in front of the same "
+                             "worker, in the same rounds")
+    parser.add_argument("--gpus", default="none",
+                        help="the node's --gpus, e.g. 0 (default: none, the CPU); the programs "
+                             "are calibrated on JAX's default device in-process")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -379,7 +413,8 @@ def main() -> int:
         # Before JAX starts, so that its thread pools (and the node's, which
         # inherits this affinity) are sized for the cores left.
         os.sched_setaffinity(0, cores - router_cores)
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    if args.gpus == "none":
+        os.environ["JAX_PLATFORMS"] = "cpu"  # here and in the node, which inherits it
     import jax
     import numpy as np
 
@@ -390,10 +425,12 @@ def main() -> int:
     concurrency = [int(c) for c in args.clients.split(",")]
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-               "jax": jax.__version__, "seconds": args.seconds, "rounds": args.rounds,
+               "jax": jax.__version__, "device": str(jax.devices()[0]),
+               "seconds": args.seconds, "rounds": args.rounds,
                "pinning": ("nothing pinned: client, Router, supervisor and worker share all cores"
                            if router_cores is None else
-                           f"Router on core {args.router_core}; client, supervisor and worker "
+                           f"Router (and the proxies measured beside it) on core "
+                           f"{args.router_core}; client, supervisor and worker "
                            f"on cores {','.join(map(str, sorted(os.sched_getaffinity(0))))}"),
                "rows": []}
     chosen = []
@@ -408,7 +445,7 @@ def main() -> int:
         print("starting a Router and one CPU node ...", flush=True)
         router = start_router(router_cores)
         services.append(router)
-        node = start_node(router.found["url"])
+        node = start_node(router.found["url"], args.gpus)
         services.append(node)
         router_url, worker_url = router.found["url"], node.found["worker"]
         wait_ready(router_url)
@@ -421,12 +458,20 @@ def main() -> int:
                  "--gil", "--output", args.profile_router], stdout=subprocess.DEVNULL)
         paths = {"direct": worker_url, "router": router_url}
         if args.baseline:
-            baseline = BaselineRouter(args.baseline, worker_url)
+            baseline = BaselineRouter(args.baseline, worker_url, router_cores)
             services.append(baseline)
             wait_ready(baseline.found["url"])
             paths["baseline"] = baseline.found["url"]
             pids["baseline"] = baseline.process.pid
-            results["baseline"] = args.baseline
+            results["baseline"] = f"the baseline Router (kcoral from {args.baseline})"
+        if args.bare:
+            for name, plain, what in (("floor", False, "with the Router's outgoing client"),
+                                      ("plain", True, "with treq as documented")):
+                bare = start_bare_proxy(worker_url, plain, router_cores)
+                services.append(bare)
+                paths[name] = bare.found["url"]
+                pids[name] = bare.process.pid
+                results[name] = f"a bare proxy {what} (bench/bare_proxy.py)"
 
         for kind, label, program, inputs in chosen:
             # Upload and compile with the real Client, and check its outputs
