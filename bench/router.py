@@ -35,9 +35,9 @@ its own host. ``--bare`` also sends the load through the two proxies of
 (Twisted's HTTP server and treq) and nothing of the Router: "floor" with
 the Router's own outgoing client, "plain" with treq as documented.
 ``--gpus 0`` runs the node's worker on a GPU (a GPU node's program leaves
-the host's cores to the Router). ``--profile-router FILE`` samples the Router with py-spy (not a
-dependency of KCoral) while it holds the GIL, i.e. where its Python spends
-CPU, for the whole run.
+the host's cores to the Router). ``--profile-router FILE`` samples the
+Router with py-spy (not a dependency of KCoral) while it holds the GIL, i.e.
+where its Python spends CPU, for the whole run.
 
 Targets (issue 3): the Router adds under 1 ms to the trivial program's
 median latency (one client), and keeps at least 97% of the direct
@@ -45,8 +45,8 @@ throughput for the 5 ms program while the node is kept busy (as many
 clients as its capacity, or more). With fewer, throughput is one over the
 latency: a hop within the 1 ms the first target allows would cost a 5 ms
 program up to a sixth of it, so the two targets only agree under load; the
-report still gives the one-client ratio. The exit status is 0 whatever the numbers;
-``doc/benchmarks.rst`` ("Router") records the results.
+report still gives the one-client ratio. The exit status is 0 whatever the
+numbers; ``doc/benchmarks.rst`` ("Router") records the results.
 """
 
 from __future__ import annotations
@@ -386,9 +386,10 @@ def main() -> int:
                         help="sample the Router with py-spy (not a dependency: pip install "
                              "py-spy) during the whole load and write its collapsed stacks here")
     parser.add_argument("--router-core", type=int, metavar="N",
-                        help="pin the Router (and --baseline, --bare) to core N and everything else "
-                             "(this process, the node, its worker) to the other cores: the Router's hop without "
-                             "its competition for the worker's CPU (default: nothing pinned)")
+                        help="pin the Router (and --baseline, --bare) to core N and everything "
+                             "else (this process, the node, its worker) to the other cores: the "
+                             "Router's hop without its competition for the worker's CPU "
+                             "(default: nothing pinned)")
     parser.add_argument("--baseline", metavar="DIR",
                         help="also measure a Router run from another version's kcoral package "
                              "in DIR (e.g. git archive REV kcoral | tar -x -C DIR), in front "
@@ -442,7 +443,7 @@ def main() -> int:
 
     services, profiler = [], None
     try:
-        print("starting a Router and one CPU node ...", flush=True)
+        print("starting a Router and one node ...", flush=True)
         router = start_router(router_cores)
         services.append(router)
         node = start_node(router.found["url"], args.gpus)
