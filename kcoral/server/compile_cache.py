@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Hashable
 
-from kcoral.server.upload_cache import CacheMetrics, _EvictingLRU
+from kcoral.server.upload_cache import CacheMetrics, EvictingLRU
 
 
 class CompileCache:
@@ -19,7 +19,7 @@ class CompileCache:
         self._metrics = metrics
         # Bound once: every run looks up its executable here.
         self._memory_hits = metrics.hits.labels(self.name, "memory")
-        self._lru = _EvictingLRU(entries, lambda v: 1, self._evicted)
+        self._lru = EvictingLRU(entries, lambda v: 1, self._evicted)
         self._lock = threading.Lock()
         # Compiling holds this lock per key, so two requests for the same new
         # program compile it once, while other programs still run.

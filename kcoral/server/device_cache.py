@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from kcoral.server.upload_cache import CacheMetrics, _EvictingLRU
+from kcoral.server.upload_cache import CacheMetrics, EvictingLRU
 
 
 class DeviceCache:
@@ -27,7 +27,7 @@ class DeviceCache:
         self._metrics = metrics
         self._hits = metrics.hits.labels(self.name, "device")
         self._misses = metrics.misses.labels(self.name)
-        self._lru = _EvictingLRU(max_bytes, lambda array: array.nbytes,
+        self._lru = EvictingLRU(max_bytes, lambda array: array.nbytes,
                                  lambda key, array: metrics.evictions.labels(self.name, "device").inc())
         self._lock = threading.Lock()
         self._publish()
@@ -61,6 +61,8 @@ class DeviceCache:
         any more); how many there were."""
         with self._lock:
             count = len(self._lru)
+            # Not clear(): it bypasses popitem, and each array dropped here
+            # is an eviction in the metrics.
             while self._lru:
                 self._lru.popitem()
             self._publish()

@@ -12,6 +12,7 @@ import threading
 import time
 
 import attrs
+import cachetools
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.logger import Logger
@@ -23,7 +24,7 @@ from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
-from kcoral.server.upload_cache import CacheMetrics, UploadCache, _EvictingLRU
+from kcoral.server.upload_cache import CacheMetrics, UploadCache
 
 log = Logger()
 
@@ -76,7 +77,7 @@ class Executor:
         self._metrics = metrics
         self._gpus = gpus
         self._compilation_cache_dir = compilation_cache_dir
-        self._programs = _EvictingLRU(64, lambda v: 1, lambda k, v: None)
+        self._programs: cachetools.LRUCache = cachetools.LRUCache(64)
         self._programs_lock = threading.Lock()
         # Bound once: labels() costs a lock and a dict lookup on every run.
         self._ran_ok = metrics.executions.labels("ok")

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kcoral.protocol.wire import is_digest, sha256
 
 
-class _EvictingLRU(cachetools.LRUCache):
+class EvictingLRU(cachetools.LRUCache):
     """An LRU that tells its owner what it evicts."""
 
     def __init__(self, maxsize, getsizeof, on_evict):
@@ -56,11 +56,11 @@ class UploadCache:
         # Bound once: every run looks up its program here (labels() costs a
         # lock and a key per call).
         self._memory_hits = metrics.hits.labels(self.name, "memory")
-        self._memory = _EvictingLRU(memory_bytes, len, lambda k, v: self._evicted("memory"))
+        self._memory = EvictingLRU(memory_bytes, len, lambda k, v: self._evicted("memory"))
         self._dir = Path(directory) if directory else None
         self._disk = None
         if self._dir is not None:
-            self._disk = _EvictingLRU(disk_bytes, lambda size: size, self._evict_file)
+            self._disk = EvictingLRU(disk_bytes, lambda size: size, self._evict_file)
             self._load_disk_index()
         self._publish()
 
