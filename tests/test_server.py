@@ -18,6 +18,7 @@ from twisted.internet.threads import deferToThread
 
 from kcoral import (AsyncClient, Client, KCoralError, ProgramFailed, ProgramRejected,
                     __version__)
+from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, encode_request, sha256, wire_array
 from tests import programs
 from tests.conftest import TEST_GPUS
@@ -169,11 +170,37 @@ async def test_large_inputs_of_every_kind_run_again_from_the_caches(server, dtyp
             second = client.run(program, x)
             return first, second, client.bytes_sent - sent
 
+    def device_hits(samples):
+        return sample(samples, "kcoral_cache_hits_total", cache="device", tier="device")
+
+    before = await metrics(server)
     first, second, sent_second = await deferToThread(twice)
     for result in (first, second):
         assert result.dtype == x.dtype
         np.testing.assert_array_equal(result, x[::64, ::64])
     assert sent_second < 1024
+    hits = device_hits(await metrics(server)) - device_hits(before)
+    assert hits == (0 if x.dtype in SUB_BYTE else 1), (dtype, hits)
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_same_bytes_as_two_float8_types_stay_two_arrays(server):
+    """Regression: the device cache keyed arrays by digest and dtype.str,
+    which most float8 types share ('<V1'): zeros sent as float8_e4m3fn, then
+    as float8_e4m3fnuz, came back from the second run as the first type."""
+    import jax.numpy as jnp
+
+    from kcoral import Program
+
+    def run_zeros(name):
+        x = np.zeros((256, 256), dtype=jnp.dtype(name))
+        program = Program.from_function(lambda v: v[:2, :2], x)
+        with Client(server.url) as client:
+            return client.run(program, x)
+
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz"):
+        result = await deferToThread(run_zeros, name)
+        assert result.dtype == np.dtype(jnp.dtype(name)), (name, result.dtype)
 
 
 @pytest_twisted.ensureDeferred

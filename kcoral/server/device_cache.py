@@ -42,7 +42,9 @@ class DeviceCache:
         device is out of memory) raises."""
         import jax
 
-        key = (digest, host.dtype.str, host.shape, device.id)
+        # The dtype itself, not its .str: most float8 types share '<V1', and
+        # the same bytes (zeros, say) can be sent as two of them.
+        key = (digest, host.dtype, host.shape, device.id)
         with self._lock:
             found = self._lru.get(key)
         if found is not None:
