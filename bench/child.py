@@ -13,6 +13,38 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: JAX takes most of a GPU's memory when it starts, unless this says "false".
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
+
+
+def start_jax(gpus: str):
+    """
+    Start JAX in this process for a benchmark of a service run with
+    C{--gpus gpus}, and return the device its in-process calls use. With
+    'none', on the CPU, here and in the children (they inherit
+    C{JAX_PLATFORMS}). Otherwise on the GPU (the one C{gpus} names, if one),
+    without taking most of its memory up front as JAX does by default: the
+    service under test, started afterwards, needs it.
+    """
+    if gpus == "none":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+
+        return jax.devices()[0]
+    before = os.environ.get(PREALLOCATE)
+    os.environ[PREALLOCATE] = "false"
+    try:
+        import jax
+
+        device = jax.devices()[int(gpus) if gpus.isdigit() else 0]  # JAX reads it here, once
+    finally:
+        # The services allocate as they would anywhere.
+        if before is None:
+            del os.environ[PREALLOCATE]
+        else:
+            os.environ[PREALLOCATE] = before
+    jax.config.update("jax_default_device", device)
+    return device
 
 
 class KCoralChild:
@@ -50,8 +82,14 @@ class KCoralChild:
             if self.process.poll() is not None:
                 break
             time.sleep(0.05)
+        self.fail(f"{' '.join(self.command)} did not start")
+
+    def fail(self, why: str):
+        """Stop, and raise C{why} with the end of the output (read first:
+        stopping deletes it)."""
+        output = self.output()
         self.stop()
-        raise RuntimeError(f"{' '.join(self.command)} did not start:\n{self.output()[-3000:]}")
+        raise RuntimeError(f"{why}:\n{output[-3000:]}")
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is None:

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from child import KCoralChild  # noqa: E402
-from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
+from procstat import OutsideLoad, cpu_seconds  # noqa: E402
 
 TARGET_RUN_SECONDS = 0.05
 
@@ -78,8 +78,7 @@ class Service(KCoralChild):
         deadline = time.monotonic() + 60
         while _healthy_workers(self.url) < len(names):
             if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the gateway never counted both workers:\n{self.output()[-3000:]}")
+                self.fail("the gateway never counted both workers")
             time.sleep(0.05)
 
     def cpu_seconds(self) -> float:
@@ -87,18 +86,15 @@ class Service(KCoralChild):
         return sum(cpu_seconds(pid) for pid in self.pids.values())
 
 
-def wait_for_idle(services, timeout: float, limit: float = 0.2) -> float:
+def wait_for_idle(services, timeout: float, limit: float = 0.2) -> None:
     """On a shared machine: wait (up to C{timeout} seconds) until processes
-    other than ours use under C{limit} cores over two seconds; the last
-    reading."""
-    if timeout <= 0:
-        return float("nan")
+    other than ours use under C{limit} cores over two seconds."""
     deadline = time.monotonic() + timeout
-    while True:
-        with OutsideLoad(services) as outside:
+    while time.monotonic() < deadline:
+        with OutsideLoad(_pids(services)) as outside:
             time.sleep(2.0)
-        if outside.cores < limit or time.monotonic() >= deadline:
-            return outside.cores
+        if outside.cores < limit:
+            return
 
 
 def quietly(measure, services, timeout: float, limit: float = 0.2) -> dict:
@@ -124,32 +120,9 @@ def _healthy_workers(url: str) -> int:
     return sum(1 for w in body.get("workers", []) if w["healthy"])
 
 
-
-class OutsideLoad:
-    """Cores' worth of CPU used by processes other than this benchmark and
-    its services during a measurement: on a shared machine, a number that
-    says how far to trust the others."""
-
-    def __init__(self, services):
-        self._pids = [os.getpid()] + [pid for s in services
-                                      for pid in (s.process.pid, *s.pids.values())]
-
-    def _sample(self):
-        ours = 0.0
-        for pid in set(self._pids):
-            try:
-                ours += cpu_seconds(pid)
-            except FileNotFoundError:
-                pass
-        return time.perf_counter(), machine_busy_seconds(), ours
-
-    def __enter__(self):
-        self._start = self._sample()
-        return self
-
-    def __exit__(self, *exc):
-        (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
-        self.cores = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)
+def _pids(services) -> list[int]:
+    """The processes of C{services}: each one's own and its workers'."""
+    return [pid for s in services for pid in (s.process.pid, *s.pids.values())]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -228,7 +201,7 @@ def throughput(service: Service, program, inputs, clients: int, seconds: float,
     for t in threads:
         t.start()
     ready.wait(timeout=300)
-    with OutsideLoad(services) as outside:
+    with OutsideLoad(_pids(services)) as outside:
         cpu_before = service.cpu_seconds()
         start = time.perf_counter()
         window["until"] = start + seconds
@@ -257,7 +230,7 @@ def gateway_latency(node: Service, count: int, services, block: int = 50) -> dic
         for client in clients.values():
             for _ in range(block):
                 client.run(trivial, x)
-        with OutsideLoad(services) as outside:
+        with OutsideLoad(_pids(services)) as outside:
             while len(times["gateway"]) < count:
                 for name, client in clients.items():
                     for _ in range(block):

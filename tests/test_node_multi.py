@@ -40,6 +40,7 @@ from twisted.internet.defer import DeferredList, ensureDeferred
 from twisted.internet.task import deferLater
 
 from kcoral import AsyncClient, KCoralError, NodeFailure, Program
+from procstat import OutsideLoad  # bench/procstat.py (tests/conftest.py)
 from tests import programs
 from tests.harness import ChildProcess, ProcessGroup, kcoral_argv
 from tests.httputil import request
@@ -297,51 +298,6 @@ async def test_node_file_and_command_line(node):
 TIMING_TRIES = 3
 
 
-def _ticks_to_seconds(ticks: int) -> float:
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """Busy CPU time of the whole machine (all cores) since boot."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
-    return _ticks_to_seconds(sum(fields[:8]) - idle)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return _ticks_to_seconds(int(fields[11]) + int(fields[12]))
-
-
-class OutsideLoad:
-    """Cores' worth of CPU used by processes other than the test and its
-    node while measuring (0 where /proc is missing)."""
-
-    def __init__(self, node: Node):
-        self._pids = [os.getpid(), node.process.pid, *node.pids().values()]
-        self._available = os.path.exists("/proc/stat")
-
-    def _sample(self):
-        return (time.perf_counter(), machine_busy_seconds(),
-                sum(process_cpu_seconds(pid) for pid in self._pids))
-
-    def __enter__(self):
-        if self._available:
-            self._start = self._sample()
-        self.cores = 0.0
-        return self
-
-    def __exit__(self, *exc):
-        if self._available:
-            (t0, busy0, ours0), (t1, busy1, ours1) = self._start, self._sample()
-            self.cores = max(0.0, (busy1 - busy0) - (ours1 - ours0)) / (t1 - t0)
-
-
 @pytest_twisted.ensureDeferred
 async def test_two_slow_programs_run_in_parallel(node, spin):
     program, x, n = spin.program, spin.x, spin.seconds(PARALLEL_SECONDS)
@@ -356,7 +312,7 @@ async def test_two_slow_programs_run_in_parallel(node, spin):
     tries = []
     for attempt in range(TIMING_TRIES):
         before = {name: await executions(url) for name, url in urls.items()}
-        with OutsideLoad(node) as outside:
+        with OutsideLoad([node.process.pid, *node.pids().values()]) as outside:
             started = time.perf_counter()
             check_spun(await run(node.url, program, n, x, request_id=f"alone-{attempt}"), x)
             alone = time.perf_counter() - started
