@@ -30,9 +30,11 @@ from twisted.web.http_headers import Headers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kcoral.heap import settle  # noqa: E402
+from kcoral.protocol.wire import PROGRAM_HEADER  # noqa: E402
 from kcoral.router.proxy import Proxy  # noqa: E402
+from kcoral.web.outgoing import MAX_PER_HOST  # noqa: E402
 
-_FORWARDED = (b"Content-Type", b"X-KCoral-Program")
+_FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 
 
 class BareProxy(resource.Resource):
@@ -54,15 +56,22 @@ class BareProxy(resource.Resource):
 
         def answer(response):
             request.setResponseCode(response.code)
-            request.setHeader(b"Content-Type", response.headers.getRawHeaders(b"Content-Type")[0])
-            return response.content().addCallback(send)
+            for value in response.headers.getRawHeaders(b"Content-Type", [])[:1]:
+                request.setHeader(b"Content-Type", value)
+            return response.content()
+
+        def failed(failure):
+            # Answered, so that the benchmark's load generator reports it
+            # instead of waiting for an answer for ever.
+            request.setResponseCode(502)
+            return failure.getErrorMessage().encode("utf-8", "replace")
 
         def send(content):
             request.setHeader(b"Content-Length", b"%d" % len(content))
             request.write(content)
             request.finish()
 
-        outgoing.addCallback(answer)
+        outgoing.addCallback(answer).addErrback(failed).addCallback(send)
         return server.NOT_DONE_YET
 
 
@@ -76,7 +85,7 @@ class _Site(server.Site):
 def main(worker_url: str, plain: bool) -> None:
     if plain:
         pool = HTTPConnectionPool(reactor, persistent=True)
-        pool.maxPersistentPerHost = 64  # as the Router's
+        pool.maxPersistentPerHost = MAX_PER_HOST  # as the Router's
         proxy = BareProxy(HTTPClient(Agent(reactor, pool=pool)), worker_url + "/v1/run")
     else:
         router = Proxy(reactor)

@@ -7,8 +7,9 @@ and through a Router, side by side.
     .venv/bin/python bench/router.py --bare     # and the floor under it
 
 Starts real processes on ephemeral loopback ports: a ``kcoral router`` and
-one CPU node (``kcoral server --router URL --node-id bench --gpus none``: a
-supervisor and one server worker, capacity 2). The load goes either straight
+one node (``kcoral server --router URL --node-id bench --gpus none``, or
+one GPU with ``--gpus N``: a supervisor and one server worker, capacity 2).
+The load goes either straight
 to that worker ("direct") or to the Router, which forwards each run to the
 same worker ("router"), so the two paths differ only by the Router's hop.
 
@@ -20,8 +21,8 @@ warmed with the real ``Client`` first (upload and compile); the timed
 requests are the exact bytes ``Client.run`` sends for a repeated call
 (program and large inputs by digest), sent by a lean asyncio load generator
 so that the client spends as little of the machine's CPU as it can. Every
-answer must be a 200 with the expected outputs. Direct and router windows
-alternate, in rounds, so that drift hits both alike.
+answer must be a 200 with the expected outputs. The paths' windows
+alternate, in rounds, so that drift hits them all alike.
 
 For each program and concurrency: medians and p99s of the run latency,
 runs per second, the Router's throughput over the direct one and the median
@@ -68,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child import KCoralChild  # noqa: E402
+from child import KCoralChild, start_jax  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 
@@ -77,8 +78,6 @@ TARGET_THROUGHPUT_RATIO = 0.97
 CONCURRENCY = (1, 4, 16, 64)
 #: Programs the node's one worker runs at once (the server's default).
 CAPACITY = 2
-#: Routers measured beside this one, when asked for, by their path names.
-OTHERS = ("baseline", "floor", "plain")
 
 
 # -- the services ----------------------------------------------------------------
@@ -306,7 +305,7 @@ def report(results: dict) -> None:
     print()
     print(f"command: {results['command']}")
     print(f"machine: {results['machine']}; jax {results['jax']}")
-    paths = ["direct", "router"] + [name for name in OTHERS if name in results]
+    paths = ["direct", "router", *results["others"]]
     print(f"{results['seconds']:g} s per window, {results['rounds']} rounds per cell, "
           f"{', '.join(paths)} alternating; node: one worker ({results['device']}), "
           f"capacity {CAPACITY}")
@@ -334,20 +333,19 @@ def report(results: dict) -> None:
               f"{r['router']:.3f}, others {row['direct']['others_ms_per_run']:.3f} -> "
               f"{row['router']['others_ms_per_run']:.3f}")
     print()
-    for name in OTHERS:
-        if name in results:
-            print(f"{results[name]} against this Router, same worker, same rounds:")
-            _heading(f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
-                     f"{'CPU ms/run':>19}",
-                     f"{'':<24} {'':>4} {name + ' -> Router':>17} {name + ' -> Router':>15} "
-                     f"{name + ' -> Router':>19}")
-            for row in results["rows"]:
-                b, r = row[name], row["router"]
-                print(f"{row['program']:<24} {row['clients']:>4} "
-                      f"{ms(b['median']) + ' -> ' + ms(r['median']):>17} "
-                      f"{b['runs_per_second']:>6.0f} -> {r['runs_per_second']:<5.0f} "
-                      f"{b['cpu_ms_per_run'][name]:>8.3f} -> {r['cpu_ms_per_run']['router']:<6.3f}")
-            print()
+    for name, what in results["others"].items():
+        print(f"{what} against this Router, same worker, same rounds:")
+        _heading(f"{'program':<24} {'conc':>4} {'median ms':>17} {'runs/s':>15} "
+                 f"{'CPU ms/run':>19}",
+                 f"{'':<24} {'':>4} {name + ' -> Router':>17} {name + ' -> Router':>15} "
+                 f"{name + ' -> Router':>19}")
+        for row in results["rows"]:
+            b, r = row[name], row["router"]
+            print(f"{row['program']:<24} {row['clients']:>4} "
+                  f"{ms(b['median']) + ' -> ' + ms(r['median']):>17} "
+                  f"{b['runs_per_second']:>6.0f} -> {r['runs_per_second']:<5.0f} "
+                  f"{b['cpu_ms_per_run'][name]:>8.3f} -> {r['cpu_ms_per_run']['router']:<6.3f}")
+        print()
     checks = []
     trivial = [r for r in results["rows"] if r["kind"] == "trivial" and r["clients"] == 1]
     if trivial:
@@ -378,7 +376,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=0.5,
                         help="untimed load before each window")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="direct/router windows per cell (alternating which goes first)")
+                        help="windows of each path per cell (alternating their order)")
     parser.add_argument("--clients", default=",".join(map(str, CONCURRENCY)),
                         help="comma list of concurrencies")
     parser.add_argument("--programs", default="trivial,5ms", help="trivial, 5ms or both")
@@ -399,10 +397,12 @@ def main() -> int:
                              "HTTP server and treq, nothing of the Router) in front of the same "
                              "worker, in the same rounds")
     parser.add_argument("--gpus", default="none",
-                        help="the node's --gpus, e.g. 0 (default: none, the CPU); the programs "
-                             "are calibrated on JAX's default device in-process")
+                        help="the node's --gpus: none (the CPU, the default) or one GPU's index; "
+                             "the programs are calibrated on the same device in-process")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    if args.gpus != "none" and not args.gpus.isdigit():
+        parser.error(f"--gpus {args.gpus}: 'none' or one GPU's index (the node has one worker)")
 
     router_cores = None
     if args.router_core is not None:
@@ -414,8 +414,7 @@ def main() -> int:
         # Before JAX starts, so that its thread pools (and the node's, which
         # inherits this affinity) are sized for the cores left.
         os.sched_setaffinity(0, cores - router_cores)
-    if args.gpus == "none":
-        os.environ["JAX_PLATFORMS"] = "cpu"  # here and in the node, which inherits it
+    device = start_jax(args.gpus)
     import jax
     import numpy as np
 
@@ -426,14 +425,14 @@ def main() -> int:
     concurrency = [int(c) for c in args.clients.split(",")]
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-               "jax": jax.__version__, "device": str(jax.devices()[0]),
+               "jax": jax.__version__, "device": str(device),
                "seconds": args.seconds, "rounds": args.rounds,
                "pinning": ("nothing pinned: client, Router, supervisor and worker share all cores"
                            if router_cores is None else
                            f"Router (and the proxies measured beside it) on core "
                            f"{args.router_core}; client, supervisor and worker "
                            f"on cores {','.join(map(str, sorted(os.sched_getaffinity(0))))}"),
-               "rows": []}
+               "others": {}, "rows": []}
     chosen = []
     for (name, function, inputs, _), kind in zip(programs(np.random.default_rng(0))[:2],
                                                  ("trivial", "5ms")):
@@ -464,7 +463,7 @@ def main() -> int:
             wait_ready(baseline.found["url"])
             paths["baseline"] = baseline.found["url"]
             pids["baseline"] = baseline.process.pid
-            results["baseline"] = f"the baseline Router (kcoral from {args.baseline})"
+            results["others"]["baseline"] = f"the baseline Router (kcoral from {args.baseline})"
         if args.bare:
             for name, plain, what in (("floor", False, "with the Router's outgoing client"),
                                       ("plain", True, "with treq as documented")):
@@ -472,7 +471,7 @@ def main() -> int:
                 services.append(bare)
                 paths[name] = bare.found["url"]
                 pids[name] = bare.process.pid
-                results[name] = f"a bare proxy {what} (bench/bare_proxy.py)"
+                results["others"][name] = f"a bare proxy {what} (bench/bare_proxy.py)"
 
         for kind, label, program, inputs in chosen:
             # Upload and compile with the real Client, and check its outputs

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from child import KCoralChild  # noqa: E402  (bench/child.py)
+from child import KCoralChild, start_jax  # noqa: E402  (bench/child.py)
 from procstat import cpu_seconds  # noqa: E402
 
 TARGET_ADDED_MS = 1.0
@@ -55,8 +55,7 @@ class ServerProcess(KCoralChild):
         super().__init__(["server", "--port", "0", "--gpus", gpus],
                          {"url": r"kcoral server listening on (http://\S+)",
                           "ready": r"(kcoral server ready)"},
-                         cores=cores, env={"JAX_PLATFORMS": "cpu"} if gpus == "none" else None,
-                         timeout=120.0)
+                         cores=cores, timeout=120.0)  # JAX_PLATFORMS: see start_jax
         self.url = self.found["url"]
 
     def cpu_seconds(self) -> float:
@@ -215,8 +214,7 @@ def main() -> int:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
-    if args.gpus == "none":
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    device = start_jax(args.gpus)
     import jax
     import numpy as np
 
@@ -225,11 +223,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
                "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
-               "jax": jax.__version__, "device": str(jax.devices()[0]), "latency": [],
+               "jax": jax.__version__, "device": str(device), "latency": [],
                "load_before": os.getloadavg()[0]}
     servers = []
     try:
-        print(f"device: {jax.devices()[0]}; starting a server ...", flush=True)
+        print(f"device: {device}; starting a server ...", flush=True)
         server = ServerProcess(args.gpus)
         servers.append(server)
         for name, function, inputs, again in programs(rng):

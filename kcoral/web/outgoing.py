@@ -22,6 +22,9 @@ from kcoral.web.endpoint import pem_certificates
 #: Endpoints kept by L{Endpoints}, the least recently used dropped first.
 MAX_ENDPOINTS = 1024
 
+#: Persistent connections kept to one peer (a Router's to one worker).
+MAX_PER_HOST = 64
+
 #: Request bodies up to this size are written in one piece with the request
 #: head (L{BytesProducer}); larger ones stream through treq's default producer.
 INLINE_BODY_BYTES = 1 << 20
@@ -159,7 +162,7 @@ class _NoCookies(IndexableCookieJar):
 
 
 class Outgoing:
-    def __init__(self, reactor, *, ca_path: str | None = None, max_per_host: int = 64,
+    def __init__(self, reactor, *, ca_path: str | None = None, max_per_host: int = MAX_PER_HOST,
                  idle_seconds: float = 30.0):
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
