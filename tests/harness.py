@@ -16,6 +16,7 @@ or not.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -23,6 +24,7 @@ from typing import Iterable, Pattern
 
 import attrs
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.task import deferLater
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 
@@ -322,3 +324,22 @@ class ProcessGroup:
     def report(self) -> str:
         return "\n".join(f"{child.name} (pid {child.pid}, {child.output.describe_exit()}):\n"
                          f"{child.tail(60)}" for child in self.children)
+
+
+async def until(check, what: str, timeout: float = 30.0, interval: float = 0.05):
+    """
+    Poll C{check} (real processes and sockets: no event to wait on) until it
+    returns something true, which is returned; fail after C{timeout}
+    seconds. C{check} returns the value, or an awaitable of it.
+    """
+    from twisted.internet import reactor
+
+    deadline = reactor.seconds() + timeout
+    while True:
+        last = check()
+        if inspect.isawaitable(last):
+            last = await last
+        if last:
+            return last
+        assert reactor.seconds() < deadline, f"{what}: not within {timeout} s (last: {last!r})"
+        await deferLater(reactor, interval, lambda: None)

@@ -153,11 +153,11 @@ class Hello(Resource):
         return b"got %d" % len(request.content.getvalue())
 
 
-def fake_site(clock, maxRequestBytes: int = 1000, **kw) -> KCoralSite:
-    """A L{KCoralSite} of L{Hello} on C{clock}."""
+def fake_site(clock, maxRequestBytes: int = 1000, resource=None, **kw) -> KCoralSite:
+    """A L{KCoralSite} of C{resource} (default: L{Hello}) on C{clock}."""
     metrics = HttpMetrics(CollectorRegistry(), frozenset({"/"}))
-    return KCoralSite(Hello(), metrics=metrics, maxRequestBytes=maxRequestBytes, log=Logger(),
-                      clock=clock, **kw)
+    return KCoralSite(resource or Hello(), metrics=metrics, maxRequestBytes=maxRequestBytes,
+                      log=Logger(), clock=clock, **kw)
 
 
 def connect(site):

@@ -40,24 +40,20 @@ import pytest
 import pytest_twisted
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
-from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from kcoral import Program
-from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
 from kcoral.router.report import InvalidReport, parse_report
-from kcoral.web.fdlimit import connection_limit
-from kcoral.web.site import KCoralSite
+from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
 from tests.conftest import server_args, server_env
-from tests.harness import LISTENING, SERVER_READY, kcoral_argv
+from tests.harness import LISTENING, SERVER_READY, kcoral_argv, until
 from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
-from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until, until_ready
+from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until_ready
 from tests.test_server import run_frame
 
 jax = pytest.importorskip("jax")
@@ -883,10 +879,14 @@ async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processe
 
 
 def test_the_connection_limit_leaves_descriptors_for_the_rest():
-    limit = connection_limit()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    assert soft >= min(hard, 65536) or hard == resource.RLIM_INFINITY
-    assert limit == soft - min(256, soft // 2) and 0 < limit < soft
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        limit = connection_limit()
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+    assert soft >= min(hard, WANTED) or hard == resource.RLIM_INFINITY
+    assert limit == soft - min(RESERVED, soft // 2) and 0 < limit < soft
 
 
 # -- KCoralSite's deadlines, on a fake clock ------------------------------------------------------
@@ -1035,8 +1035,7 @@ async def test_the_head_deadline_never_truncates_a_response_being_read():
     # Regression: the deadline for the next request head starts when a
     # response is handed to the transport, and used to abort the connection,
     # dropping the part of a large response the client had not read yet.
-    metrics = HttpMetrics(CollectorRegistry(), frozenset({"/"}))
-    site = KCoralSite(_Big(), metrics=metrics, maxRequestBytes=1000, log=Logger(), headerTimeout=0.3)
+    site = fake_site(reactor, resource=_Big(), headerTimeout=0.3)
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     try:
         got = await deferToThread(_slow_read, port.getHost().port, 1.5)

@@ -26,13 +26,12 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 
 from kcoral import AsyncClient, BadRequest, Client, Program, ProgramRejected, ServerBusy
 from tests import programs
 from tests.conftest import TEST_GPUS, server_args, server_env
-from tests.harness import LISTENING, START_TIMEOUT, ChildProcess, RunningService, kcoral_argv
+from tests.harness import LISTENING, START_TIMEOUT, ChildProcess, RunningService, kcoral_argv, until
 from tests.httputil import parse_raw, post_run, raw_exchange, request
 from tests.test_server import assert_tree_close, metrics, run_frame, sample
 
@@ -115,20 +114,6 @@ async def start_node(group, router_url: str, node_id: str, *extra: str,
         await child.stop()
         raise
     return Node(child, node_id)
-
-
-async def until(check, what: str, timeout: float = 30.0, interval: float = 0.05):
-    """Poll the coroutine function C{check} (real processes: no event to wait
-    on) until it returns something true, which is returned; fail after
-    C{timeout} seconds."""
-    deadline = reactor.seconds() + timeout
-    last = None
-    while True:
-        last = await check()
-        if last:
-            return last
-        assert reactor.seconds() < deadline, f"{what}: not within {timeout} s (last: {last!r})"
-        await deferLater(reactor, interval, lambda: None)
 
 
 async def pool_nodes(router) -> dict:

@@ -32,9 +32,10 @@ from twisted.web.client import HTTPConnectionPool
 from kcoral import AsyncClient, NodeFailure, ServerBusy
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
+from tests.harness import until
 from tests.httputil import post_run, request
 from tests.test_routed import (Deployment, pool_nodes, quick_program, router_health, spin_seconds,
-                               start_node, start_router, until, until_ready)
+                               start_node, start_router, until_ready)
 from tests.test_server import metrics, run_frame, sample
 from tests.test_server_lifecycle import check_spun
 
@@ -144,7 +145,7 @@ async def test_queue_full_and_queue_timeout(deployment, spin):
         assert not outcome, "the queued request ended early"
 
         # The queued request's wait for capacity expires: 503 queue_timeout.
-        await until(lambda: _true(outcome), "the queued request's answer", QUEUE_WAIT + 10)
+        await until(lambda: outcome, "the queued request's answer", QUEUE_WAIT + 10)
         [error] = outcome
         assert isinstance(error.value, ServerBusy), error
         assert error.value.reason == "queue_timeout" and error.value.request_id == "waits-1"
@@ -211,10 +212,6 @@ async def _health_at_least(router, what: str, count: int):
     return (await router_health(router))[what] >= count
 
 
-async def _true(value):
-    return bool(value)
-
-
 # -- supervisor recovery -----------------------------------------------------------------------
 
 @pytest_twisted.ensureDeferred
@@ -278,7 +275,7 @@ async def test_sigkill_mid_request_is_a_502_then_the_node_recovers(deployment, s
         mark, router_mark = node.process.mark(), router.process.mark()
         os.kill(pid, signal.SIGKILL)
 
-        await until(lambda: _true(outcome), "the answer to killed-1", 30)
+        await until(lambda: outcome, "the answer to killed-1", 30)
         [error] = outcome
         assert isinstance(error.value, NodeFailure), error
         assert error.value.status == 502 and error.value.request_id == "killed-1"

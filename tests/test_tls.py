@@ -44,7 +44,7 @@ from kcoral.router.proxy import NotSent, Proxy
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.outgoing import tls_problem
 from tests.conftest import server_args, server_env
-from tests.harness import START_TIMEOUT, kcoral_argv
+from tests.harness import START_TIMEOUT, kcoral_argv, until
 from tests.httputil import ForwardedRequest
 from tests.test_routed import FAST_NODE, start_router
 from tests.test_server import run_frame
@@ -110,16 +110,6 @@ async def nodes_of(router_url: str, context) -> dict:
     return {n["node_id"]: n for n in body["nodes"]}
 
 
-async def wait_until(check, what: str, timeout: float = 60.0):
-    deadline = reactor.seconds() + timeout
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert reactor.seconds() < deadline, f"{what}: not within {timeout} s"
-        await deferLater(reactor, 0.1, lambda: None)
-
-
 def spawn_node(processes, router_url: str, node_id: str, *extra: str):
     args = server_args("--router", router_url, "--node-id", node_id, *FAST_NODE, *extra)
     return processes.spawn(kcoral_argv(*args), name=node_id,
@@ -149,7 +139,7 @@ async def test_router_and_node_on_tls(processes, pki):
         nodes = await nodes_of(router.url, context)
         return nodes if nodes.get("tls-node", {}).get("state") == "ready" else None
 
-    nodes = await wait_until(ready, "tls-node ready")
+    nodes = await until(ready, "tls-node ready", 60, 0.1)
     [worker] = nodes["tls-node"]["workers"]
     assert worker["url"].startswith("https://127.0.0.1:") and worker["healthy"]
 
@@ -312,7 +302,7 @@ async def test_the_router_refuses_a_worker_it_cannot_verify(processes, pki, case
         nodes = await nodes_of(router.url, None)
         return nodes.get("unverifiable", {}).get("state") == "ready"
 
-    await wait_until(ready, "the node's report accepted")
+    await until(ready, "the node's report accepted", 60, 0.1)
     body = run_frame(quick_program(), [np.ones(3, np.float32)])
     mark = router.process.mark()
     status, answer = await deferToThread(http_post, router.url, body, "unverified-1", None)
@@ -433,15 +423,10 @@ def _closed_within(port: int, seconds: float) -> bool:
 
 @pytest_twisted.ensureDeferred
 async def test_a_connection_beyond_the_cap_is_closed_also_under_tls(pki):
-    from prometheus_client import CollectorRegistry
-    from twisted.logger import Logger
-
-    from kcoral.metrics import HttpMetrics
-    from kcoral.web.site import KCoralSite
+    from tests.httputil import fake_site
 
     issued = pki["node"]
-    site = KCoralSite(_Hello(), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
-                      maxRequestBytes=1000, log=Logger(), maxConnections=0)
+    site = fake_site(reactor, maxConnections=0)
     port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(site)
     try:
         assert await deferToThread(_closed_within, port.getHost().port, 10)
