@@ -165,7 +165,9 @@ class Executor:
         exported = self._exported(run.program.digest, serialized)
         self._check_signature(exported, arrays)
 
-        key = (run.program.digest, tuple((a.shape, a.dtype.str) for a in arrays), self._device.id)
+        # The dtype itself: .str is "<V1" for most float8 types (the signature
+        # check above already told them apart; this key must too).
+        key = (run.program.digest, tuple((a.shape, a.dtype) for a in arrays), self._device.id)
 
         def compile():
             started = time.perf_counter()
