@@ -11,7 +11,7 @@ in progress.
     .venv/bin/python bench/chaos.py --quick                # what `make test` runs
     .venv/bin/python bench/chaos.py --requests 3000 --faults 40 --seed 7
 
-What it checks (issue 5, item 1):
+What it checks:
 
  - every request ends with exactly one answer: 200 with the correct outputs,
    502, or 503 (the client's C{ServerBusy}, after its own retries within

@@ -40,7 +40,7 @@ the host's cores to the Router). ``--profile-router FILE`` samples the
 Router with py-spy (not a dependency of KCoral) while it holds the GIL, i.e.
 where its Python spends CPU, for the whole run.
 
-Targets (issue 3): the Router adds under 1 ms to the trivial program's
+Targets: the Router adds under 1 ms to the trivial program's
 median latency (one client), and keeps at least 97% of the direct
 throughput for the 5 ms program while the node is kept busy (as many
 clients as its capacity, or more). With fewer, throughput is one over the

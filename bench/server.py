@@ -16,7 +16,7 @@ measures, in one run:
  - throughput: trivial runs per second against a second server pinned to one
    core (``taskset -c 0``), driven by client processes on the other cores.
 
-Targets (issue 2): the trivial round trip adds under 1 ms (median); a repeated
+Targets: the trivial round trip adds under 1 ms (median); a repeated
 call with cached 64 MiB weights sends under 1% of the first call's bytes; one
 core sustains 1,000 trivial runs/s. The exit status is 0 whatever the numbers;
 C{doc/benchmarks.rst} records the results.

@@ -16,8 +16,8 @@ import sys
 from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
-from kcoral import operator
-from kcoral.logging import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral import status
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral._version import __version__
 from kcoral.node import tap as node_tap
 from kcoral.router import tap as router_tap
@@ -29,8 +29,8 @@ class Options(usage.Options):
     subCommands = [
         ["router", None, router_tap.Options, "Run a Router."],
         ["server", None, node_tap.Options, "Run a server, or with --router a node."],
-        ["status", None, operator.StatusOptions, "Print a Router's pool and queue."],
-        ["health", None, operator.HealthOptions, "Print one service's /health."],
+        ["status", None, status.StatusOptions, "Print a Router's pool and queue."],
+        ["health", None, status.HealthOptions, "Print one service's /health."],
     ]
 
     def opt_version(self):
@@ -46,7 +46,7 @@ class Options(usage.Options):
 def run_service(tap, options) -> int:
     from twisted.internet import reactor
 
-    from kcoral.logging import start_console_logging
+    from kcoral.logs import start_console_logging
 
     start_console_logging()
     try:
@@ -92,7 +92,7 @@ def _drain_when_the_supervisor_dies(handler) -> None:
     A supervised worker whose supervisor dies without stopping it (SIGKILL,
     the OOM killer, a crash) drains and exits, as on SIGTERM: an orphan would
     keep its port and its device's memory, so the restarted supervisor's new
-    worker could not start (issue 5). On Linux the
+    worker could not start. On Linux the
     kernel sends the SIGTERM (PR_SET_PDEATHSIG) when the parent dies.
     """
     supervisor = os.environ.get(SUPERVISOR_PID_ENV)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_service(router_tap, config.subOptions)
     if config.subCommand == "server":
         return run_service(node_tap, config.subOptions)
-    return operator.run(config.subCommand, config.subOptions)
+    return status.run(config.subCommand, config.subOptions)
 
 
 def entry() -> None:

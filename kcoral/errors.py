@@ -2,7 +2,7 @@
 The errors a KCoral client can see, and the one table that maps them to HTTP.
 
 Servers, the Router and clients all use L{ERRORS_BY_STATUS} so that a status
-code means the same thing everywhere (SPEC section 4).
+code means the same thing everywhere (the table in doc/protocol.rst).
 """
 
 from __future__ import annotations

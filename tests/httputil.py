@@ -56,7 +56,7 @@ class Answer:
         return self.header("X-Request-ID")
 
     def error(self) -> dict:
-        """The JSON error object, checked against SPEC section 4."""
+        """The JSON error object, checked against the error contract."""
         assert self.header("Content-Type") == "application/json", self
         info = self.json["error"]
         assert isinstance(info["type"], str) and isinstance(info["message"], str)

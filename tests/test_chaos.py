@@ -1,5 +1,5 @@
 """
-The chaos run of C{bench/chaos.py} in its quick mode (issue 5, item 1): a
+The chaos run of C{bench/chaos.py} in its quick mode: a
 Router, three CPU nodes, ~150 requests and six faults (each kind at least
 once: worker SIGKILL, worker SIGSTOP/SIGCONT, node SIGTERM and restart,
 supervisor SIGKILL and restart, Router SIGTERM and restart). Nothing is lost, no answer is wrong, every 502

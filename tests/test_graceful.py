@@ -1,5 +1,5 @@
 """
-Graceful paths lose nothing (issue 5, item 2), with real processes on
+Graceful paths lose nothing, with real processes on
 loopback and the chaos run's load generator (C{bench/chaos.py}): a node
 stopped with SIGTERM under load, and a Router stopped with SIGTERM under load,
 produce no 5xx and no connection closed without an answer; neither does a

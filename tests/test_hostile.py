@@ -1,5 +1,5 @@
 """
-Hostile input (issue 5, item 3), against a real C{kcoral server} and through
+Hostile input, against a real C{kcoral server} and through
 a real C{kcoral router} with a node behind it, plus L{KCoralSite} on a fake
 clock for the deadlines:
 
@@ -182,7 +182,7 @@ def post_once(port: int, body: bytes, rid: str) -> tuple[int, dict, bytes]:
 
 
 def check_error(status: int, headers: dict, body: bytes, rid: str | None = None) -> dict:
-    """A JSON error naming the response's request id (SPEC section 4)."""
+    """A JSON error naming the response's request id."""
     assert headers.get("content-type") == "application/json", (status, headers, body[:200])
     info = json.loads(body)["error"]
     assert isinstance(info["type"], str) and isinstance(info["message"], str) and info["message"]

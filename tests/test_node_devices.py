@@ -1,5 +1,5 @@
 """
-Which workers a node runs (SPEC section 7): one per GPU named by C{--gpus},
+Which workers a node runs: one per GPU named by C{--gpus},
 CPU workers with C{--gpus none} or on a host without a GPU.
 """
 

@@ -1,5 +1,5 @@
 """
-Integration tests of a multi-worker node (SPEC section 7, issue 4) with real
+Integration tests of a multi-worker node with real
 processes and real JAX: C{kcoral server --cpu-workers 2} runs a supervisor,
 two server children and, standalone, an embedded gateway on the public port.
 

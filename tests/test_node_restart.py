@@ -1,5 +1,5 @@
 """
-The supervisor's restart policy (seed 000's supervisor table) and the
+The supervisor's restart policy (its documented defaults) and the
 supervised worker's restart cycle on a fake clock: backoff and jitter,
 stable reset, failure threshold, startup grace, SIGTERM then SIGKILL.
 """
@@ -26,7 +26,7 @@ def policy(seed=0, **settings):
 
 # -- backoff --------------------------------------------------------------------------
 
-def test_defaults_are_the_seed_table():
+def test_defaults_are_the_documented_ones():
     s = RestartSettings()
     assert (s.failure_threshold, s.startup_grace_seconds, s.stable_reset_seconds,
             s.termination_grace_seconds, s.restart_min_delay_seconds,

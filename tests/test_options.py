@@ -1,6 +1,5 @@
 """
-The command-line options of the Router and of a server or node (SPEC section
-3, seed 000's tables): defaults, environment fallbacks, precedence, hidden
+The command-line options of the Router and of a server or node: defaults, environment fallbacks, precedence, hidden
 supervisor options, and the C{kcoral} command's answer to bad options.
 """
 
@@ -54,7 +53,7 @@ def run_cli(capsys, *argv):
 
 # -- defaults ---------------------------------------------------------------------------------
 
-def test_router_defaults_are_seed_000s_table():
+def test_router_defaults_are_the_documented_ones():
     o = router_options()
     assert o["host"] == "127.0.0.1"
     assert o["port"] == 9000

@@ -21,7 +21,7 @@ from twisted.web import resource, server
 from twisted.web.client import URI, BrowserLikePolicyForHTTPS, FileBodyProducer, HTTPConnectionPool
 from twisted.web.error import SchemeNotSupported
 
-from kcoral.logging import debug_enabled, start_console_logging
+from kcoral.logs import debug_enabled, start_console_logging
 from kcoral.router.proxy import NotSent, Proxy, _RunURL
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
 from tests.harness import until
@@ -85,11 +85,11 @@ def test_the_proxy_parses_each_member_url_once():
 
 
 def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):
-    import kcoral.logging
+    import kcoral.logs
     from twisted.logger import LogLevel
 
-    monkeypatch.setattr(kcoral.logging, "_debug", True)
-    monkeypatch.setattr(kcoral.logging.globalLogBeginner, "beginLoggingTo", lambda *a, **k: None)
+    monkeypatch.setattr(kcoral.logs, "_debug", True)
+    monkeypatch.setattr(kcoral.logs.globalLogBeginner, "beginLoggingTo", lambda *a, **k: None)
     assert debug_enabled()  # twistd, tests: nobody said debug events are dropped
     start_console_logging(io.StringIO())
     assert not debug_enabled()

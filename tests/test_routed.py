@@ -6,7 +6,7 @@ the Router's and the workers' logs; 413 from the Router; a second supervisor
 with a node id in use (409); an empty Router
 (503 C{no_ready_node}); C{twistd -n kcoral-router}; node tokens.
 
-The failure rows of seed 000's table (queue full and expired, SIGKILL and
+The failure rows of the status-code table (queue full and expired, SIGKILL and
 SIGSTOP of a worker, a node stopped under load, a Router restart) are in
 L{tests.test_routed_failures}, which reuses the helpers below.
 """

@@ -1,5 +1,5 @@
 """
-The failure rows of seed 000's table, with real processes on loopback and
+The failure rows of the status-code table, with real processes on loopback and
 real JAX: a Router with a one-place queue in front of two CPU nodes of
 capacity 1 (shared by this module): 503 C{queue_full} and C{queue_timeout},
 a queued client that leaves frees its place;

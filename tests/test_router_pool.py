@@ -1,7 +1,7 @@
 """
 The Router's pool: the node state machine (joining, ready, unhealthy,
 draining, incompatible, gone), retention, session conflicts and the choice of
-a member, on a fake clock (SPEC section 4, "Node states").
+a member, on a fake clock.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def worker(name, port, capacity=2, healthy=True):
 
 
 class World:
-    """A pool on a fake clock, with seed 000's defaults unless told."""
+    """A pool on a fake clock, with the Router's defaults unless told."""
 
     def __init__(self, **settings):
         self.clock = Clock()

@@ -1,7 +1,7 @@
 """
 Integration tests against one real C{kcoral server} process (on an ephemeral
 port, real JAX), shared by this module: programs and their results, what a
-repeated call sends, and every bad input of SPEC section 4's table that a
+repeated call sends, and every bad input of the status-code table that a
 running server can see. Restarts, draining and the small-limit server are in
 L{tests.test_server_lifecycle}.
 """
@@ -349,7 +349,7 @@ async def test_request_id_is_echoed_on_a_successful_run(server, affine):
     assert generated.code == 200 and generated.request_id
 
 
-# -- bad input (SPEC section 4) ------------------------------------------------------
+# -- bad input ------------------------------------------------------------------
 
 def _unknown_dtype_frame(affine):
     return frame({"program": {"digest": "a" * 64},

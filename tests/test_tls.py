@@ -1,5 +1,5 @@
 """
-TLS (issue 5, item 4), with a CA generated in the test (L{tests.tlsutil}):
+TLS, with a CA generated in the test (L{tests.tlsutil}):
 
  - a Router and a node on TLS (C{--tls-cert}, C{--tls-key}, C{--tls-ca}): the
    supervisor registers with the C{https://} Router, the Router sends work to

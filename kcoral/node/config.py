@@ -1,7 +1,6 @@
 """
 The node file: C{kcoral server --config node.yaml} takes any server or node
-option from a YAML file (modelled on seed 004's node file). Keys are the
-option names, with C{_} or C{-}; the sections C{cache:} and C{supervisor:}
+option from a YAML file. Keys are the option names, with C{_} or C{-}; the sections C{cache:} and C{supervisor:}
 group their options for readability. Precedence: command line, then
 environment, then the file, then defaults.
 """

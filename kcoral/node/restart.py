@@ -1,5 +1,5 @@
 """
-The restart policy of a supervised worker (seed 000's supervisor table):
+The restart policy of a supervised worker:
 capped exponential backoff with jitter between restarts, reset after the
 worker has been healthy for C{stable_reset_seconds}; a restart after
 C{failure_threshold} failed probes in a row, except during the
@@ -41,7 +41,7 @@ class RestartPolicy:
     def __attrs_post_init__(self):
         s = self.settings
         # Twisted's policy gives the capped exponential; our jitter is a
-        # fraction of the delay (seed 000), not Twisted's additive seconds.
+        # fraction of the delay, not Twisted's additive seconds.
         self._backoff = backoffPolicy(s.restart_min_delay_seconds, s.restart_max_delay_seconds,
                                       factor=2.0, jitter=lambda: 0.0)
 

@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from kcoral.logging import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.web.outgoing import describe_failure, tls_problem

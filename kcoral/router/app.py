@@ -18,7 +18,7 @@ from twisted.logger import Logger
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge, ServerBusy, error_body
-from kcoral.logging import debug_enabled
+from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.pool import NodeConflict, Pool, PoolFull

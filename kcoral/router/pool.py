@@ -1,8 +1,8 @@
 """
 The pool: the nodes a Router (or an embedded gateway) knows, their workers,
-and the state machine that decides which of them take work (SPEC section 4,
-"Node states"). Driven by reports (L{Pool.report}) and by a periodic
-L{Pool.observe}; time comes from an injected clock.
+and the state machine that decides which of them take work. Driven by
+reports (L{Pool.report}) and by a periodic L{Pool.observe}; time comes from
+an injected clock.
 """
 
 from __future__ import annotations

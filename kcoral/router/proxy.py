@@ -2,10 +2,9 @@
 The proxy: forwards one C{POST /v1/run} to the member a lease names, with
 treq over a persistent connection pool.
 
-What a failure means depends on whether the node may have started the work
-(seed 000, "Recover from failures"): a connection that could not be made, or
-a 503 from the node (its own queue, or draining), means the request never ran
-and may go to another member; a connection lost after the request was sent
+What a failure means depends on whether the node may have started the work:
+a connection that could not be made, or a 503 from the node (its own queue,
+or draining), means the request never ran and may go to another member; a connection lost after the request was sent
 means it may have run, and is a 502 that is never retried.
 """
 

@@ -77,7 +77,7 @@ class Scheduler:
         Without it (the Router, which closes its port first) a request that
         still arrives on a connection already open is served: the client sent
         it before the Router stopped accepting, and a 503 for it would be a
-        5xx from a graceful stop (issue 5).
+        5xx from a graceful stop.
         """
         self.draining = True
         self._refusing = self._refusing or refuse

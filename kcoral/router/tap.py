@@ -1,6 +1,6 @@
 """
 C{twistd kcoral-router} and C{kcoral router}: one C{usage.Options}, one
-C{makeService}. Defaults are those of the Router guide (seed 000).
+C{makeService}.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """
-The server's HTTP API (SPEC section 4): C{/health}, C{/readyz}, C{/metrics} and
+The server's HTTP API: C{/health}, C{/readyz}, C{/metrics} and
 C{POST /v1/run}.
 
 The reactor only parses the small JSON frame header and moves bytes; digest
@@ -17,7 +17,7 @@ from twisted.logger import Logger
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
-from kcoral.logging import debug_enabled
+from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError, decode_request
 from kcoral.router.queue import QueueFull, QueueTimeout
