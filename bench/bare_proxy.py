@@ -29,10 +29,10 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kcoral.heap import settle  # noqa: E402
-from kcoral.protocol.wire import PROGRAM_HEADER  # noqa: E402
-from kcoral.router.proxy import Proxy  # noqa: E402
-from kcoral.web.outgoing import MAX_PER_HOST  # noqa: E402
+from kcoral.heap import settle
+from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.router.proxy import Proxy
+from kcoral.web.outgoing import MAX_PER_HOST
 
 _FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 

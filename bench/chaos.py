@@ -111,10 +111,10 @@ class Settings:
     echo: bool = False
 
     @classmethod
-    def quick(cls, **changes) -> "Settings":
+    def quick(cls, **changes) -> Settings:
         """The `make test` run: every fault kind, about a minute and a half."""
-        base = dict(requests=150, faults=6, long_seconds=(0.2, 0.5), fault_gap=(0.5, 1.5),
-                    node_down_seconds=(0.3, 1.0))
+        base = {"requests": 150, "faults": 6, "long_seconds": (0.2, 0.5), "fault_gap": (0.5, 1.5),
+                "node_down_seconds": (0.3, 1.0)}
         base.update(changes)
         return cls(**base)
 
@@ -516,7 +516,7 @@ class Pacer:
     after an interval of (time the injector still needs) / (requests left);
     once the injector is done, the rest go as fast as the clients can."""
 
-    def __init__(self, total: int, injector: "Injector | None" = None):
+    def __init__(self, total: int, injector: Injector | None = None):
         self.total = total
         self.injector = injector
         self._next = 0
@@ -596,7 +596,7 @@ class Load:
             record.outcome, record.detail = "hung", str(e)
         except KCoralError as e:
             record.outcome, record.detail = "error", f"{e.status} {e.type}: {e.message}"
-        except Exception as e:  # noqa: BLE001 - every other ending is a lost request
+        except Exception as e:
             record.outcome, record.detail = "error", f"{e.__class__.__name__}: {e}"
         else:
             problem = check(outputs)
@@ -706,7 +706,7 @@ class Injector:
                 time.sleep(rng.uniform(*settings.fault_gap))
             for thread in running.values():
                 thread.join()
-        except Exception as e:  # noqa: BLE001 - reported in the table
+        except Exception as e:
             self.failed = f"the injector failed: {e.__class__.__name__}: {e}"
         finally:
             self.finished = True
@@ -727,11 +727,11 @@ class Injector:
     def _inject(self, fault: Fault) -> None:
         try:
             getattr(self, f"_{fault.kind}")(fault)
-        except Exception as e:  # noqa: BLE001 - reported in the table
+        except Exception as e:
             fault.problem = f"{e.__class__.__name__}: {e}"
         if fault.back is None and not self.failed:
-            self.failed = f"fault {fault.index} ({fault.kind} {fault.target}) did not recover: " \
-                          f"{fault.problem}"
+            self.failed = (f"fault {fault.index} ({fault.kind} {fault.target}) did not recover: "
+                           f"{fault.problem}")
 
     def _wait_back(self, fault: Fault, child: Child, since: int) -> None:
         """Back: the node logged a new ready worker (when its worker was
@@ -1013,13 +1013,12 @@ def table(result: Result) -> str:
     s = result.settings
     rows: list[tuple[str, str]] = []
     records = result.records
-    rows.append(("requests", f"{len(records)} of {s.requests} "
-                 f"({sum(r.kind == 'short' for r in records)} short, "
-                 f"{sum(r.kind == 'big' for r in records)} big, "
-                 f"{sum(r.kind == 'long' for r in records)} long), {s.clients} clients"))
+    rows.append(("requests", (f"{len(records)} of {s.requests} "
+                              f"({sum(r.kind == 'short' for r in records)} short, "
+                              f"{sum(r.kind == 'big' for r in records)} big, "
+                              f"{sum(r.kind == 'long' for r in records)} long), {s.clients} clients")))
     rows.append(("200 correct", str(len(result.by_outcome("ok")))))
-    rows.append(("502", f"{len(result.by_outcome('502'))} "
-                 f"(unexplained: {len(result.unexplained_502())})"))
+    rows.append(("502", f"{len(result.by_outcome('502'))} (unexplained: {len(result.unexplained_502())})"))
     busy = result.by_outcome("503")
     reasons: dict[str, int] = {}
     for r in busy:
@@ -1044,23 +1043,22 @@ def table(result: Result) -> str:
         rows.append((f"faults: {kind}", f"{len(of_kind)}{extra}"))
         rows.append((f"  recovery after {kind}", _seconds([f.recovery for f in of_kind
                                                            if f.recovery is not None])))
-    rows.append(("faults injected", f"{len(faults)} of {s.faults}, "
-                 f"{sum(f.overlapped for f in faults)} overlapping another"))
+    rows.append(("faults injected",
+                 f"{len(faults)} of {s.faults}, {sum(f.overlapped for f in faults)} overlapping another"))
     rows.append(("worker deaths", str(len(result.deaths))))
     rows.append(("pool at full capacity after the run",
                  "no" if result.final_recovery is None
                  else f"yes, {result.final_recovery:.1f} s after the last answer"))
     res = result.resources
     if res:
-        rows.append(("Router RSS", f"{res['rss_base']:.1f} MiB after warm-up, peak "
-                     f"{res['rss_peak']:.1f}, end {res['rss_end']:.1f}"))
-        rows.append(("Router open fds", f"{res['fds_base']} after warm-up, peak "
-                     f"{res['fds_peak']}, end {res['fds_end']}"))
+        rows.append(("Router RSS", (f"{res['rss_base']:.1f} MiB after warm-up, peak "
+                                    f"{res['rss_peak']:.1f}, end {res['rss_end']:.1f}")))
+        rows.append(("Router open fds", (f"{res['fds_base']} after warm-up, peak "
+                                         f"{res['fds_peak']}, end {res['fds_end']}")))
     done = [r for r in records if r.outcome == "ok"]
     if done:
         latency = sorted(r.end - r.start for r in done)
-        rows.append(("200 latency", f"median {statistics.median(latency):.2f} s, "
-                     f"max {latency[-1]:.2f} s"))
+        rows.append(("200 latency", f"median {statistics.median(latency):.2f} s, max {latency[-1]:.2f} s"))
     rows.append(("elapsed", f"{result.elapsed:.0f} s (seed {s.seed})"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

@@ -7,8 +7,15 @@ loaded on first use.
 """
 
 from kcoral._version import __version__
-from kcoral.errors import (BadRequest, KCoralError, NodeFailure, ProgramExportError,
-                           ProgramFailed, ProgramRejected, ServerBusy)
+from kcoral.errors import (
+    BadRequest,
+    KCoralError,
+    NodeFailure,
+    ProgramExportError,
+    ProgramFailed,
+    ProgramRejected,
+    ServerBusy,
+)
 
 __all__ = ["AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure", "Program",
            "ProgramExportError", "ProgramFailed", "ProgramRejected", "ServerBusy", "__version__"]

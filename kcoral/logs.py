@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
-from twisted.logger import (FileLogObserver, FilteringLogObserver, LogLevel,
-                            LogLevelFilterPredicate, PredicateResult, eventAsText, formatEvent,
-                            globalLogBeginner)
-
+from twisted.logger import (
+    FileLogObserver,
+    FilteringLogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    PredicateResult,
+    eventAsText,
+    formatEvent,
+    globalLogBeginner,
+)
 
 #: Set by the supervisor for its children, whose lines it prefixes and stamps.
 CHILD_ENV = "KCORAL_SUPERVISED"

@@ -4,7 +4,8 @@ L{Program}: a JAX computation exported with C{jax.export}, ready to send.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -30,7 +31,7 @@ class Program:
 
     @classmethod
     def from_function(cls, function: Callable, *example_args,
-                      platforms: Sequence[str] = DEFAULT_PLATFORMS, **example_kwargs) -> "Program":
+                      platforms: Sequence[str] = DEFAULT_PLATFORMS, **example_kwargs) -> Program:
         """
         Export C{function} for C{platforms}, traced at the shapes and dtypes of
         the example arguments (arrays or C{jax.ShapeDtypeStruct}s).
@@ -54,7 +55,7 @@ class Program:
         return cls.from_exported(exported)
 
     @classmethod
-    def from_exported(cls, exported) -> "Program":
+    def from_exported(cls, exported) -> Program:
         try:
             serialized = bytes(exported.serialize())
         except Exception as e:
@@ -65,7 +66,7 @@ class Program:
         return cls(serialized, exported, sha256(serialized))
 
     @classmethod
-    def from_bytes(cls, serialized: bytes) -> "Program":
+    def from_bytes(cls, serialized: bytes) -> Program:
         from jax import export
 
         serialized = bytes(serialized)

@@ -14,20 +14,20 @@ import os
 import sys
 from pathlib import Path
 
-# The test process only exports programs and checks results: keep its JAX on
-# the CPU, so that it never takes GPU memory a server under test needs.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-# Tests drive the chaos run's load generator and read CPU times as the
-# benchmarks do: bench/ modules are importable (chaos, procstat).
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
 import pytest
 import pytest_twisted
 
+# Tests drive the chaos run's load generator, read CPU times as the
+# benchmarks do, and start children with the benchmarks' helpers: bench/
+# modules are importable (chaos, procstat, child).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
 from tests.harness import SERVER_READY, ProcessGroup
+
+# The test process only exports programs and checks results: keep its JAX on
+# the CPU, so that it never takes GPU memory a server under test needs
+# (nothing imported above imports JAX).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 TEST_GPUS = os.environ.get("KCORAL_TEST_GPUS")
 

@@ -20,13 +20,14 @@ import inspect
 import os
 import re
 import sys
-from typing import Iterable, Pattern
+from collections.abc import Iterable
+from re import Pattern
 
 import attrs
 from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.task import deferLater
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
 
 #: The line every kcoral service logs once its port is open.
 LISTENING = re.compile(r"kcoral (?P<service>[\w-]+) listening on (?P<url>https?://\S+)")
@@ -279,7 +280,7 @@ class ProcessGroup:
     """
 
     #: Every group whose children may still run, for failure reports.
-    live: list["ProcessGroup"] = []
+    live: list[ProcessGroup] = []
 
     def __init__(self, reactor, echo=None):
         self.reactor = reactor

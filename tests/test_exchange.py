@@ -14,11 +14,17 @@ import pytest
 
 pytest.importorskip("jax")
 
-from kcoral import BadRequest, NodeFailure, Program, ProgramFailed, ProgramRejected, ServerBusy  # noqa: E402
-from kcoral.client.exchange import Response, RunCall, Send, Sleep, exchange  # noqa: E402
-from kcoral.errors import MissingContent, error_body  # noqa: E402
-from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, decode_request,  # noqa: E402
-                                  encode_result, sha256, wire_array)
+from kcoral import BadRequest, NodeFailure, Program, ProgramFailed, ProgramRejected, ServerBusy
+from kcoral.client.exchange import Response, RunCall, Send, Sleep, exchange
+from kcoral.errors import MissingContent, error_body
+from kcoral.protocol.wire import (
+    CACHE_THRESHOLD_BYTES,
+    PROGRAM_HEADER,
+    decode_request,
+    encode_result,
+    sha256,
+    wire_array,
+)
 
 
 @pytest.fixture(scope="module")

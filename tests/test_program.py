@@ -72,8 +72,8 @@ def noisy(x):
 
 
 def hidden_callback(x):
-    return jax.lax.cond(x > 0, lambda v: jax.pure_callback(np.negative, jax.ShapeDtypeStruct((), np.float32), v),
-                        lambda v: v, x)
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    return jax.lax.cond(x > 0, lambda v: jax.pure_callback(np.negative, scalar, v), lambda v: v, x)
 
 
 @pytest.mark.parametrize("function", [noisy, hidden_callback])

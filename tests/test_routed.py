@@ -297,7 +297,8 @@ async def test_413_through_the_router(deployment):
     error = await deferToThread(_attempt, router.url, program, big, request_id="client-413")
     assert isinstance(error, BadRequest) and error.status == 413, error
     assert error.request_id == "client-413"
-    await router.process.wait_for_line(r"client-413 refused: request body .*exceeds the limit", 10, since=mark)
+    await router.process.wait_for_line(r"client-413 refused: request body .*exceeds the limit", 10,
+                                       since=mark)
     # Neither node ever saw these requests.
     for node in deployment.nodes.values():
         assert not node.process.matching(r"(router|client)-413")

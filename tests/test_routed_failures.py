@@ -34,8 +34,16 @@ from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
 from tests.harness import until
 from tests.httputil import post_run, request
-from tests.test_routed import (Deployment, pool_nodes, quick_program, router_health, spin_seconds,
-                               start_node, start_router, until_ready)
+from tests.test_routed import (
+    Deployment,
+    pool_nodes,
+    quick_program,
+    router_health,
+    spin_seconds,
+    start_node,
+    start_router,
+    until_ready,
+)
 from tests.test_server import metrics, run_frame, sample
 from tests.test_server_lifecycle import check_spun
 

@@ -16,8 +16,7 @@ import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.threads import deferToThread
 
-from kcoral import (AsyncClient, Client, KCoralError, ProgramFailed, ProgramRejected,
-                    __version__)
+from kcoral import AsyncClient, Client, KCoralError, ProgramFailed, ProgramRejected, __version__
 from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, encode_request, sha256, wire_array
 from tests import programs

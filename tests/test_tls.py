@@ -346,7 +346,8 @@ def test_a_token_over_plain_http_to_another_host_is_warned_about(url, token, war
 
 
 def test_tls_problem_names_what_tls_refused():
-    untrusted = ResponseNeverReceived([Failure(SSL.Error([("SSL routines", "", "certificate verify failed")]))])
+    refused = SSL.Error([("SSL routines", "", "certificate verify failed")])
+    untrusted = ResponseNeverReceived([Failure(refused)])
     assert "certificate verify failed" in tls_problem(untrusted)
     assert "--tls-ca" in tls_problem(untrusted)
     misnamed = ResponseNeverReceived([Failure(VerificationError(

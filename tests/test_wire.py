@@ -16,8 +16,18 @@ from hypothesis import strategies as st
 
 from kcoral.protocol import wire
 from kcoral.protocol.dtypes import DTYPES, UnknownDType, dtype_from_name, name_of
-from kcoral.protocol.wire import (ALIGN, MAGIC, PREFIX, WireError, decode_request, decode_result,
-                                  encode_request, encode_result, sha256, wire_array)
+from kcoral.protocol.wire import (
+    ALIGN,
+    MAGIC,
+    PREFIX,
+    WireError,
+    decode_request,
+    decode_result,
+    encode_request,
+    encode_result,
+    sha256,
+    wire_array,
+)
 
 DTYPE_NAMES = sorted(DTYPES)
 # Types numpy itself can byte-swap (ml-dtypes types are single-byte or
@@ -370,7 +380,8 @@ json_values = st.recursive(
     | st.sampled_from(["a" * 64, "float32", "bfloat16", "int4"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12)
-shape_values = st.lists(st.integers(-1, 2 ** 63) | st.sampled_from([0, 1, 2, 2 ** 62]), max_size=4) | json_values
+shape_values = (st.lists(st.integers(-1, 2 ** 63) | st.sampled_from([0, 1, 2, 2 ** 62]), max_size=4)
+                | json_values)
 entries = st.fixed_dictionaries({}, optional={
     "dtype": st.sampled_from(DTYPE_NAMES) | json_values,
     "shape": shape_values,

@@ -48,7 +48,7 @@ class TestCA:
 
     __test__ = False  # not a test class, whatever its name
 
-    def __init__(self, directory: Path, name: str = "KCoral test CA", parent: "TestCA | None" = None):
+    def __init__(self, directory: Path, name: str = "KCoral test CA", parent: TestCA | None = None):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.name = name

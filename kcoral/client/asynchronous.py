@@ -90,9 +90,8 @@ class AsyncClient:
 
 
 def _small(args, kwargs) -> bool:
-    import numpy as np
-
     import jax
+    import numpy as np
 
     leaves = jax.tree.leaves((args, kwargs))
     return sum(np.asarray(leaf).nbytes for leaf in leaves) < _THREAD_BYTES

@@ -8,7 +8,7 @@ steps; the blocking and the Twisted client each drive it with their own I/O.
 from __future__ import annotations
 
 import time
-from typing import Generator
+from collections.abc import Generator
 
 import attrs
 import numpy as np
@@ -16,8 +16,15 @@ from twisted.application.internet import backoffPolicy
 
 from kcoral.errors import KCoralError, ServerBusy, error_from_answer
 from kcoral.program import Program
-from kcoral.protocol.wire import (CACHE_THRESHOLD_BYTES, PROGRAM_HEADER, REQUEST_CONTENT_TYPE,
-                                  decode_result, encode_request, sha256, wire_array)
+from kcoral.protocol.wire import (
+    CACHE_THRESHOLD_BYTES,
+    PROGRAM_HEADER,
+    REQUEST_CONTENT_TYPE,
+    decode_result,
+    encode_request,
+    sha256,
+    wire_array,
+)
 
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
@@ -53,7 +60,7 @@ class RunCall:
     digests: list[str | None]
 
     @classmethod
-    def prepare(cls, program: Program, args: tuple, kwargs: dict) -> "RunCall":
+    def prepare(cls, program: Program, args: tuple, kwargs: dict) -> RunCall:
         """Check and flatten the inputs, hashing the large ones (may block)."""
         arrays = [wire_array(a) for a in program.flatten_inputs(args, kwargs)]
         digests = [sha256(a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None for a in arrays]

@@ -11,7 +11,6 @@ for code that already runs a reactor.
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import threading
 import time
@@ -57,7 +56,7 @@ class Client:
         #: Bytes of request bodies sent, for callers that watch traffic.
         self.bytes_sent = 0
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +85,7 @@ class Client:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             conn = self._connection(remaining)
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError(f"could not connect to {self.url} within the client's timeout") from None
         except ssl.SSLError as e:
             raise NodeFailure(f"TLS with {self.url} failed: {e}") from None
@@ -99,7 +98,7 @@ class Client:
             else:
                 answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
                                       send.parts, send.length)
-        except socket.timeout:
+        except TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
         except (ProtocolError, OSError) as e:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import re
 import struct
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np

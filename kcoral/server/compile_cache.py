@@ -7,7 +7,7 @@ to its executable, so XLA frees it.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from kcoral.server.upload_cache import CacheMetrics, EvictingLRU
 
