@@ -8,6 +8,7 @@ import sys
 from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
+    ILogFilterPredicate,
     LogLevel,
     LogLevelFilterPredicate,
     PredicateResult,
@@ -15,6 +16,7 @@ from twisted.logger import (
     formatEvent,
     globalLogBeginner,
 )
+from zope.interface import provider
 
 #: Set by the supervisor for its children, whose lines it prefixes and stamps.
 CHILD_ENV = "KCORAL_SUPERVISED"
@@ -46,6 +48,7 @@ def _format(event: dict) -> str:
     return f"{stamp} {level:<5} [{namespace}] {message}\n"
 
 
+@provider(ILogFilterPredicate)
 def _not_noise(event: dict) -> PredicateResult:
     # Twisted announces every client connection factory and listening port at
     # info level; they would drown the one line per event we promise.
@@ -59,6 +62,6 @@ def start_console_logging(stream=None, level: LogLevel = LogLevel.info) -> None:
     global _debug
     _debug = level == LogLevel.debug
     observer = FileLogObserver(stream or sys.stdout, _format)
-    predicates = [LogLevelFilterPredicate(defaultLogLevel=level), _not_noise]
+    predicates: list[ILogFilterPredicate] = [LogLevelFilterPredicate(defaultLogLevel=level), _not_noise]
     globalLogBeginner.beginLoggingTo([FilteringLogObserver(observer, predicates)],
                                      redirectStandardIO=False)

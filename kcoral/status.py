@@ -28,7 +28,9 @@ class StatusOptions(usage.Options):
 class HealthOptions(usage.Options):
     synopsis = "URL"
 
-    def parseArgs(self, url):
+    # usage.Options passes the positional arguments here, and says
+    # "Wrong number of arguments" when they do not fit this signature.
+    def parseArgs(self, url: str) -> None:  # type: ignore[override]
         self["url"] = url.rstrip("/")
 
 

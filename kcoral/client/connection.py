@@ -18,6 +18,7 @@ from __future__ import annotations
 import select
 import socket
 import ssl
+from collections.abc import Sequence
 
 #: The longest status or header line accepted, and the most header lines.
 MAX_LINE = 65536
@@ -99,7 +100,7 @@ class Connection:
             self._timeout = timeout
 
     def request(self, method: str, target: str, host_header: str, headers: dict,
-                parts: list = (), length: int = 0) -> Answer:
+                parts: Sequence = (), length: int = 0) -> Answer:
         lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]
         for name, value in headers.items():
             _check_header(name, value)
@@ -196,7 +197,7 @@ class Connection:
         raise ProtocolError(f"the answer has more than {MAX_HEADERS} headers")
 
     def _chunked(self) -> bytes:
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             size_line = self._line().split(b";", 1)[0].strip()
             try:

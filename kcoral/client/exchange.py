@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from typing import Any
 
 import attrs
 import numpy as np
 from twisted.application.internet import backoffPolicy
 
-from kcoral.errors import KCoralError, ServerBusy, error_from_answer
+from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -90,21 +91,25 @@ def _error(response: Response) -> KCoralError:
 
 
 def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
-             request_id: str | None = None, clock=time.monotonic) -> Generator:
+             request_id: str | None = None,
+             clock=time.monotonic) -> Generator[Send | Sleep, Response | None, Any]:
     """
     Run C{call}; C{held} is the set of digests this server is known to hold,
     updated as answers arrive. Returns the outputs in the program's structure.
+    The driver answers each L{Send} with its L{Response}, each L{Sleep}
+    with None once the time has passed.
     """
     give_up = clock() + busy_timeout
     resent = False
     attempt = 0
     while True:
         response = yield call.send(held, request_id)
+        assert response is not None
         if response.status == 200:
             held.update(call.content_digests())
             return call.program.unflatten_outputs(decode_result(response.body))
         error = _error(response)
-        if response.status == 409 and not resent:
+        if isinstance(error, MissingContent) and not resent:
             # The server lost content we thought it held (a restart, an
             # eviction, another node behind a Router): send it inline, once.
             held.difference_update(error.missing or call.content_digests())

@@ -100,7 +100,8 @@ class RunRequest:
     def references(self) -> list[str]:
         """Digests sent without content: the server must hold them."""
         blobs = [self.program] + [spec.blob for spec in self.inputs]
-        return [b.digest for b in blobs if b.data is None]
+        # A blob without data always has a digest (the decoder insists).
+        return [b.digest for b in blobs if b.data is None and b.digest is not None]
 
 
 def byte_view(buffer) -> memoryview:

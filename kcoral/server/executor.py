@@ -107,6 +107,7 @@ class Executor:
 
     def _content(self, blob: Blob, what: str, missing: list[str]):
         if blob.data is None:
+            assert blob.digest is not None  # the decoder refuses a blob with neither
             data = self._uploads.get(blob.digest)
             if data is None:
                 missing.append(blob.digest)
@@ -134,6 +135,7 @@ class Executor:
         return exported
 
     def _check_signature(self, exported, arrays: list[np.ndarray]) -> None:
+        assert self.info is not None, "load() comes first"
         platform = self.info.platform
         if platform not in exported.platforms:
             raise ProgramRejected(
@@ -152,6 +154,8 @@ class Executor:
     def execute(self, run: RunRequest, request_id: str) -> bytes:
         import jax
 
+        digest = run.program.digest
+        assert digest is not None  # the decoder requires the program's
         missing: list[str] = []
         serialized = self._content(run.program, "program", missing)
         contents = [self._content(spec.blob, f"input {i}", missing) for i, spec in enumerate(run.inputs)]
@@ -162,12 +166,12 @@ class Executor:
             arrays = [spec.view(data) for spec, data in zip(run.inputs, contents)]
         except WireError as e:
             raise BadRequest(str(e)) from None
-        exported = self._exported(run.program.digest, serialized)
+        exported = self._exported(digest, serialized)
         self._check_signature(exported, arrays)
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature
         # check above already told them apart; this key must too).
-        key = (run.program.digest, tuple((a.shape, a.dtype) for a in arrays), self._device.id)
+        key = (digest, tuple((a.shape, a.dtype) for a in arrays), self._device.id)
 
         def compile():
             started = time.perf_counter()
@@ -187,7 +191,7 @@ class Executor:
             raise
         if fresh:
             log.info("{request_id} compiled program {digest}", request_id=request_id,
-                     digest=run.program.digest[:12])
+                     digest=digest[:12])
         started = time.perf_counter()
         try:
             try:

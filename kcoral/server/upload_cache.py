@@ -57,33 +57,29 @@ class UploadCache:
         # lock and a key per call).
         self._memory_hits = metrics.hits.labels(self.name, "memory")
         self._memory = EvictingLRU(memory_bytes, len, lambda k, v: self._evicted("memory"))
-        self._dir = Path(directory) if directory else None
-        self._disk = None
-        if self._dir is not None:
+        self._dir: Path | None = None
+        self._disk: EvictingLRU | None = None
+        if directory:
+            self._dir = Path(directory)
             self._disk = EvictingLRU(disk_bytes, lambda size: size, self._evict_file)
-            self._load_disk_index()
+            self._load_disk_index(self._dir, self._disk)
         self._publish()
 
-    def _load_disk_index(self) -> None:
-        self._dir.mkdir(parents=True, exist_ok=True)
+    def _load_disk_index(self, directory: Path, disk: EvictingLRU) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
         files = []
-        for entry in os.scandir(self._dir):
+        for entry in os.scandir(directory):
             if entry.is_file() and is_digest(entry.name):
                 stat = entry.stat()
                 files.append((stat.st_mtime, entry.name, stat.st_size))
             elif entry.name.endswith(".part"):
                 os.unlink(entry.path)  # a write that a crash interrupted
         for _, name, size in sorted(files):
-            self._insert_disk(name, size)
-
-    def _insert_disk(self, digest: str, size: int) -> None:
-        if size > self._disk.maxsize:
-            return
-        self._disk[digest] = size
+            _insert_disk(disk, name, size)
 
     def _path(self, digest: str) -> Path:
         # Only ever a validated digest: never a path built from client text.
-        assert is_digest(digest)
+        assert is_digest(digest) and self._dir is not None
         return self._dir / digest
 
     def _evict_file(self, digest: str, size: int) -> None:
@@ -110,13 +106,14 @@ class UploadCache:
 
     def get(self, digest: str) -> bytes | None:
         m = self._metrics
+        disk = self._disk
         with self._lock:
             data = self._memory.get(digest)
-            on_disk = self._disk is not None and digest in self._disk
+            on_disk = disk is not None and digest in disk
         if data is not None:
             self._memory_hits.inc()
             return data
-        if on_disk:
+        if disk is not None and on_disk:
             try:
                 data = self._path(digest).read_bytes()
             except FileNotFoundError:
@@ -126,7 +123,7 @@ class UploadCache:
                 self._remember(digest, data)
                 return data
             with self._lock:
-                self._disk.pop(digest, None)
+                disk.pop(digest, None)
         m.misses.labels(self.name).inc()
         return None
 
@@ -143,7 +140,7 @@ class UploadCache:
         part.write_bytes(data)
         os.replace(part, path)
         with self._lock:
-            self._insert_disk(digest, len(data))
+            _insert_disk(self._disk, digest, len(data))
             self._publish()
 
     def _remember(self, digest: str, data: bytes) -> None:
@@ -151,3 +148,8 @@ class UploadCache:
             if len(data) <= self._memory.maxsize:
                 self._memory[digest] = data
             self._publish()
+
+
+def _insert_disk(disk: EvictingLRU, digest: str, size: int) -> None:
+    if size <= disk.maxsize:
+        disk[digest] = size
