@@ -45,7 +45,6 @@ import re
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +59,8 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
+
+from child import ChildFailed, KCoralChild  # noqa: E402  (bench/child.py)
 
 KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL = (
     "kill", "freeze", "node_stop", "router_restart", "supervisor_kill")
@@ -149,104 +150,6 @@ class Settings:
 
 # -- child processes -------------------------------------------------------------------
 
-class ChildFailed(Exception):
-    pass
-
-
-class Child:
-    """A C{kcoral} child process whose output lines are kept with their
-    arrival time (C{time.monotonic()}), and optionally written to a file."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path | None, echo: bool):
-        self.name = name
-        self.lines: list[tuple[float, str]] = []
-        self._cond = threading.Condition()
-        self._echo = echo
-        self._log = open(log_dir / f"{name}.log", "a", buffering=1) if log_dir else None
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("JAX_PLATFORMS", None)  # servers run with --gpus none
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kcoral", *args], cwd=ROOT, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl+C of the run reaches the driver only,
-            # which then stops every child in order.
-            start_new_session=True)
-        self.started = time.monotonic()
-        self._reader = threading.Thread(target=self._read, name=f"read-{name}", daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            text = raw.decode("utf-8", "replace").rstrip("\n")
-            now = time.monotonic()
-            with self._cond:
-                self.lines.append((now, text))
-                self._cond.notify_all()
-            if self._log is not None:
-                self._log.write(f"{now:.3f} {text}\n")
-            if self._echo:
-                print(f"[{self.name}] {text}", file=sys.stderr, flush=True)
-        self.proc.wait()
-        with self._cond:
-            self._cond.notify_all()
-        if self._log is not None:
-            self._log.close()
-
-    def mark(self) -> int:
-        with self._cond:
-            return len(self.lines)
-
-    def find(self, pattern: re.Pattern, since: int = 0) -> list[tuple[float, re.Match]]:
-        return [(t, m) for _, t, m in self.find_indexed(pattern, since)]
-
-    def find_indexed(self, pattern: re.Pattern, since: int = 0) -> list[tuple[int, float, re.Match]]:
-        """(line index, arrival time, match) of each matching line."""
-        with self._cond:
-            lines = self.lines[since:]
-        found = ((since + i, t, pattern.search(text)) for i, (t, text) in enumerate(lines))
-        return [item for item in found if item[2]]
-
-    def wait_for(self, pattern: re.Pattern, timeout: float, since: int = 0) -> tuple[float, re.Match]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for t, text in self.lines[since:]:
-                    match = pattern.search(text)
-                    if match:
-                        return t, match
-                since = len(self.lines)
-                if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise ChildFailed(f"{self.name} exited ({self.proc.returncode}) before "
-                                      f"logging {pattern.pattern!r}\n{self.tail()}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ChildFailed(f"{self.name} did not log {pattern.pattern!r} within "
-                                      f"{timeout} s\n{self.tail()}")
-                self._cond.wait(min(left, 0.5))
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def tail(self, count: int = 30) -> str:
-        with self._cond:
-            lines = self.lines[-count:]
-        return "\n".join(f"  [{self.name}] {text}" for _, text in lines)
-
-
 def free_port() -> int:
     """A free port below the ephemeral range, so that no outgoing
     connection takes it while the Router restarts."""
@@ -298,36 +201,39 @@ class Deployment:
         self.log_dir = log_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.router: Child | None = None
+        self.router: KCoralChild | None = None
         #: Every Router and supervisor ever started, in order.
-        self.routers: list[Child] = []
-        self.node_children: dict[str, list[Child]] = {}
+        self.routers: list[KCoralChild] = []
+        self.node_children: dict[str, list[KCoralChild]] = {}
         self.node_ids = [f"node-{chr(ord('a') + i)}" for i in range(settings.nodes)]
         self._starts = 0
 
-    def _child(self, name: str, args: list[str]) -> Child:
+    def _child(self, name: str, args: list[str]) -> KCoralChild:
         self._starts += 1
-        return Child(f"{self._starts:02d}-{name}", args, self.log_dir, self.settings.echo)
+        name = f"{self._starts:02d}-{name}"
+        # Servers run with --gpus none; this process's JAX_PLATFORMS is its own.
+        return KCoralChild(args, name=name, env={"JAX_PLATFORMS": None}, echo=self.settings.echo,
+                           log=self.log_dir / f"{name}.log" if self.log_dir else None)
 
-    def start_router(self) -> Child:
+    def start_router(self) -> KCoralChild:
         child = self._child("router", self.settings.router_args(self.port))
         self.routers.append(child)
         child.wait_for(LISTENING, 60)
         self.router = child
         return child
 
-    def start_node(self, node_id: str, wait: bool = True) -> Child:
+    def start_node(self, node_id: str, wait: bool = True) -> KCoralChild:
         child = self._child(node_id, self.settings.node_args(self.url, node_id))
         self.node_children.setdefault(node_id, []).append(child)
         if wait:
             self.wait_node(child)
         return child
 
-    def wait_node(self, child: Child) -> None:
+    def wait_node(self, child: KCoralChild) -> None:
         child.wait_for(WORKER_READY, 120)
         child.wait_for(REGISTERED, 60)
 
-    def node(self, node_id: str) -> Child:
+    def node(self, node_id: str) -> KCoralChild:
         return self.node_children[node_id][-1]
 
     def worker_pid(self, node_id: str) -> int | None:
@@ -367,14 +273,14 @@ class Deployment:
             time.sleep(0.1)
         return None
 
-    def children(self) -> list[Child]:
+    def children(self) -> list[KCoralChild]:
         return self.routers + [c for cs in self.node_children.values() for c in cs]
 
     def stop_all(self, grace: float = 30.0) -> dict[str, int | None]:
         """SIGTERM every live supervisor, then the Router; SIGKILL what is
         left after C{grace}. Returns exit statuses by child name."""
         codes = {}
-        live = [c for c in self.children() if c.proc.poll() is None]
+        live = [c for c in self.children() if c.running]
         nodes = [c for c in live if c not in self.routers]
         routers = [c for c in live if c in self.routers]
         for group in (nodes, routers):
@@ -383,7 +289,7 @@ class Deployment:
             for child in group:
                 codes[child.name] = child.wait(grace)
         for child in self.children():
-            if child.proc.poll() is None:
+            if child.running:
                 child.signal(signal.SIGKILL)
                 child.wait(10)
         # A worker whose supervisor was killed would outlive it.
@@ -662,7 +568,7 @@ class Injector:
         self.started = time.monotonic()
         #: Seconds a fault takes, lead-in and gap included, until measured.
         self._guess = 8.0
-        self.router_starts: list[tuple[float, Child]] = []
+        self.router_starts: list[tuple[float, KCoralChild]] = []
         self.thread = threading.Thread(target=self._run, name="injector", daemon=True)
 
     def expected_end(self) -> float:
@@ -733,7 +639,7 @@ class Injector:
             self.failed = (f"fault {fault.index} ({fault.kind} {fault.target}) did not recover: "
                            f"{fault.problem}")
 
-    def _wait_back(self, fault: Fault, child: Child, since: int) -> None:
+    def _wait_back(self, fault: Fault, child: KCoralChild, since: int) -> None:
         """Back: the node logged a new ready worker (when its worker was
         replaced) and the pool has its full capacity again."""
         timeout = self.settings.recovery_timeout
@@ -746,7 +652,7 @@ class Injector:
                 return
         self._await_full_capacity(fault)
 
-    def _signal_worker(self, fault: Fault, sig: int) -> tuple[Child, int]:
+    def _signal_worker(self, fault: Fault, sig: int) -> tuple[KCoralChild, int]:
         """Send C{sig} to the target's worker: its node and the mark of its
         output before."""
         d = self.deployment
@@ -772,8 +678,11 @@ class Injector:
         signal_pid(fault.pid, signal.SIGCONT)
         # The supervisor may be about to kill it (SIGTERM pending, SIGKILL
         # after the grace): give that a moment to show.
-        time.sleep(1.5)
-        fault.killed = bool(child.find(WORKER_EXITED, since))
+        try:
+            child.wait_for(WORKER_EXITED, 1.5, since)
+            fault.killed = True
+        except ChildFailed:
+            fault.killed = False
         self._wait_back(fault, child, since)
 
     def _node_stop(self, fault: Fault) -> None:
@@ -853,7 +762,7 @@ class ResourceMonitor:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             router = self.deployment.router
-            if router is not None and router.proc.poll() is None:
+            if router is not None and router.running:
                 sample = process_resources(router.pid)
                 if sample:
                     self.samples.append((time.monotonic(), router.pid, *sample))

@@ -11,16 +11,15 @@ tests of the Router and the supervisor reuse it with their own ready lines.
 Every child belongs to a L{ProcessGroup}, whose L{ProcessGroup.stop_all}
 stops each one (SIGTERM, then SIGKILL after a grace period), awaiting its
 exit: fixtures call it in their teardown, so no child outlives a test, failed
-or not.
+or not. The parts that need no reactor (command line, environment, output
+lines, ready lines) are the benchmarks' own, from C{bench/child.py}.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from re import Pattern
 
 import attrs
@@ -29,16 +28,26 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 
-#: The line every kcoral service logs once its port is open.
-LISTENING = re.compile(r"kcoral (?P<service>[\w-]+) listening on (?P<url>https?://\S+)")
-#: The line a standalone server logs once its device is loaded.
-SERVER_READY = re.compile(r"kcoral server ready on (?P<target>\S+)")
+# bench/child.py (on the path from tests/conftest.py): what the benchmarks'
+# children share with these.
+from child import (
+    LISTENING,
+    SERVER_READY,
+    STOP_GRACE,
+    OutputLines,
+    as_pattern,
+    child_environment,
+    describe_exit,
+    kcoral_argv,
+)
+
+__all__ = ["LISTENING", "SERVER_READY", "START_TIMEOUT", "STOP_GRACE", "ChildExited", "ChildProcess",
+           "LineCollector", "LineTimeout", "ProcessGroup", "RunningService", "child_environment",
+           "kcoral_argv", "until"]
 
 #: Seconds a child gets to log its ready line: importing JAX and initialising
 #: a device on a busy 2-core CI machine can take a while.
 START_TIMEOUT = 90.0
-#: Seconds between SIGTERM and SIGKILL when a test tears a child down.
-STOP_GRACE = 15.0
 
 
 class ChildExited(Exception):
@@ -49,12 +58,11 @@ class LineTimeout(Exception):
     """No line matched within the timeout."""
 
 
-def _as_pattern(pattern: str | Pattern) -> Pattern:
-    return re.compile(pattern) if isinstance(pattern, str) else pattern
-
-
+@attrs.define(eq=False)
 class _Watcher:
-    __slots__ = ("pattern", "deferred", "timer")
+    pattern: Pattern[str]
+    deferred: Deferred
+    timer: object = None
 
 
 class LineCollector(ProcessProtocol):
@@ -63,12 +71,11 @@ class LineCollector(ProcessProtocol):
     and fires Deferreds when a line matches or when the child ends.
     """
 
-    def __init__(self, name: str, clock, echo=None):
+    def __init__(self, name: str, clock, echo: Callable[[str], object] | None = None):
         self.name = name
         self._clock = clock
-        self._echo = echo
-        self.lines: list[str] = []
-        self._partial: dict[int, bytes] = {}
+        self._output = OutputLines(name, clock.seconds, echo)
+        self.lines = self._output.lines
         self._watchers: list[_Watcher] = []
         self._ended: list[Deferred] = []
         self.exit_code: int | None = None
@@ -81,27 +88,18 @@ class LineCollector(ProcessProtocol):
         self.transport.closeStdin()
 
     def childDataReceived(self, fd: int, data: bytes):
-        data = self._partial.pop(fd, b"") + data
-        *complete, rest = data.split(b"\n")
-        if rest:
-            self._partial[fd] = rest
-        for line in complete:
-            self._line(line)
+        self._notify(self._output.feed(fd, data))
 
-    def _line(self, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip("\r")
-        self.lines.append(text)
-        if self._echo is not None:
-            self._echo(f"[{self.name}] {text}")
-        for watcher in list(self._watchers):
-            match = watcher.pattern.search(text)
-            if match is not None:
-                self._settle(watcher)
-                watcher.deferred.callback(match)
+    def _notify(self, lines: list[str]) -> None:
+        for text in lines:
+            for watcher in list(self._watchers):
+                match = watcher.pattern.search(text)
+                if match is not None:
+                    self._settle(watcher)
+                    watcher.deferred.callback(match)
 
     def processEnded(self, reason):
-        for fd in sorted(self._partial):
-            self._line(self._partial.pop(fd))
+        self._notify(self._output.flush())
         self.ended = True
         self.exit_code = getattr(reason.value, "exitCode", None)
         self.exit_signal = getattr(reason.value, "signal", None)
@@ -128,21 +126,18 @@ class LineCollector(ProcessProtocol):
         the next one to arrive. Fails with L{LineTimeout} after C{timeout}
         seconds, or L{ChildExited} if the child ends first.
         """
-        pattern = _as_pattern(pattern)
-        for text in self.lines[since:]:
-            match = pattern.search(text)
-            if match is not None:
-                d = Deferred()
-                d.callback(match)
-                return d
+        pattern = as_pattern(pattern)
+        found = self._output.first(pattern, since)
+        if found is not None:
+            d: Deferred = Deferred()
+            d.callback(found[1])
+            return d
         if self.ended:
             d = Deferred()
             d.errback(ChildExited(f"{self.name} has exited ({self.describe_exit()}); no line "
                                   f"matched {pattern.pattern!r}\n{self.tail()}"))
             return d
-        watcher = _Watcher()
-        watcher.pattern = pattern
-        watcher.deferred = Deferred(lambda d: self._settle(watcher))
+        watcher = _Watcher(pattern, Deferred(lambda d: self._settle(watcher)))
         watcher.timer = self._clock.callLater(timeout, self._timed_out, watcher, timeout)
         self._watchers.append(watcher)
         return watcher.deferred
@@ -155,7 +150,7 @@ class LineCollector(ProcessProtocol):
 
     def when_ended(self) -> Deferred:
         """A Deferred that fires with the exit code once the child has ended."""
-        d = Deferred(lambda d: self._ended.remove(d) if d in self._ended else None)
+        d: Deferred = Deferred(lambda d: self._ended.remove(d) if d in self._ended else None)
         if self.ended:
             d.callback(self.exit_code)
         else:
@@ -165,19 +160,15 @@ class LineCollector(ProcessProtocol):
     # -- reading ------------------------------------------------------------
 
     def matching(self, pattern: str | Pattern, since: int = 0) -> list[str]:
-        pattern = _as_pattern(pattern)
-        return [line for line in self.lines[since:] if pattern.search(line)]
+        return self._output.matching(pattern, since)
 
     def describe_exit(self) -> str:
         if not self.ended:
             return "running"
-        if self.exit_signal is not None:
-            return f"killed by signal {self.exit_signal}"
-        return f"exit status {self.exit_code}"
+        return describe_exit(-self.exit_signal if self.exit_signal is not None else self.exit_code)
 
     def tail(self, count: int = 40) -> str:
-        lines = self.lines[-count:]
-        return "\n".join(f"  [{self.name}] {line}" for line in lines) or f"  [{self.name}] (no output)"
+        return self._output.tail(count)
 
 
 class ChildProcess:
@@ -240,24 +231,6 @@ class ChildProcess:
 
     def tail(self, count: int = 40) -> str:
         return self.output.tail(count)
-
-
-def child_environment(extra: dict | None = None) -> dict:
-    """The test process's environment, unbuffered, plus C{extra}; a value of
-    None removes that variable."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    for key, value in (extra or {}).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
-def kcoral_argv(*args: str) -> list[str]:
-    """Run the C{kcoral} command of this source tree with this interpreter."""
-    return [sys.executable, "-m", "kcoral", *args]
 
 
 @attrs.define

@@ -13,8 +13,6 @@ import pytest
 
 import chaos
 
-pytestmark = pytest.mark.integration
-
 pytest.importorskip("jax")
 
 
@@ -28,6 +26,7 @@ def test_fault_plan_has_every_kind_and_no_late_router_restart():
         assert chaos.fault_plan(6, random.Random(seed)) == plan
 
 
+@pytest.mark.integration
 def test_quick_chaos_run(tmp_path):
     result = chaos.run(chaos.Settings.quick(log_dir=str(tmp_path)))
     report = chaos.table(result)

@@ -26,9 +26,8 @@ import time
 import pytest
 
 import chaos
+from child import until
 from tests.httputil import connect, fake_site
-
-pytestmark = pytest.mark.integration
 
 pytest.importorskip("jax")
 
@@ -63,16 +62,6 @@ def deployment(tmp_path):
 ROUTER_5XX = re.compile(r"\[kcoral\.router\.app\] \S+ answered 5\d\d")
 
 
-def until(check, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-
-
 def logs(d: chaos.Deployment) -> str:
     return "\n".join(child.tail(40) for child in d.children())
 
@@ -92,6 +81,7 @@ def outcomes(records) -> collections.Counter:
                                for r in records)
 
 
+@pytest.mark.integration
 def test_node_sigterm_under_load_loses_nothing(deployment, workload):
     d = deployment
     load, target = load_on_first_node(d, workload, 60)
@@ -116,6 +106,7 @@ def test_node_sigterm_under_load_loses_nothing(deployment, workload):
     assert d.pool_nodes().get(target, {"state": "gone"})["state"] == "gone"
 
 
+@pytest.mark.integration
 def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload):
     d = deployment
     # No retries: once the Router is gone, a request is refused at once.
@@ -149,6 +140,7 @@ def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload
     assert router.find(re.compile(r"kcoral router stopped"))
 
 
+@pytest.mark.integration
 def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workload):
     # A supervisor killed outright (SIGKILL, the OOM killer) cannot stop its
     # worker: the worker drains by itself (the kernel's SIGTERM on its

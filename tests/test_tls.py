@@ -122,6 +122,7 @@ def quick_program():
 
 # -- a deployment on TLS ------------------------------------------------------------------------
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_router_and_node_on_tls(processes, pki):
     ca = pki["ca"]
@@ -196,6 +197,7 @@ def test_the_url_of_an_endpoint_string_comes_from_where_it_listens():
         UNIXAddress(b"/run/kcoral.sock")) == "http+unix:///run/kcoral.sock"
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_router_listens_on_an_endpoint_string(processes, pki):
     router = await start_router(processes, "--listen", ssl_endpoint(pki["router"]),
@@ -205,6 +207,7 @@ async def test_a_router_listens_on_an_endpoint_string(processes, pki):
     assert status == 503 and health["status"] == "unavailable"
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_server_listens_on_an_endpoint_string(start_server, pki):
     server = await start_server("--listen", ssl_endpoint(pki["node"]), name="listen-server")
@@ -226,6 +229,7 @@ async def test_a_server_listens_on_an_endpoint_string(start_server, pki):
     (["router", "--listen", "nonsense:0"], "--listen nonsense:0: ValueError"),
     (["router", "--listen", "ssl:0:privateKey=/nonexistent.pem"], "--listen ssl:0:privateKey="),
 ])
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
     child = processes.spawn(kcoral_argv(*args), name="bad-listen")
@@ -241,6 +245,7 @@ async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
     ("impostor", r"certificate verify failed"),
     ("elsewhere", r"the peer's TLS certificate is not valid for 127\.0\.0\.1"),
 ])
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processes, pki, certificate,
                                                                         refusal):
@@ -260,6 +265,7 @@ async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processe
     assert TOKEN not in "\n".join(node.output.lines + router.process.output.lines)
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_worker_certificate_for_another_host_never_becomes_ready(processes, pki):
     ca = pki["ca"]
@@ -279,6 +285,7 @@ async def test_a_worker_certificate_for_another_host_never_becomes_ready(process
     assert len(node.matching(r"not valid for 127\.0\.0\.1")) == 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", ["another CA", "another host"])
 @pytest_twisted.ensureDeferred
 async def test_the_router_refuses_a_worker_it_cannot_verify(processes, pki, case):
@@ -466,7 +473,7 @@ async def test_a_ca_file_may_hold_several_cas(tmp_path, pki):
     assert "certificate verify failed" in await _fetch(pki["impostor"], pki["ca"].path)
 
 
-def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki, processes):
+def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki):
     address = ListenAddress("127.0.0.1", 0, pki["node"].cert, pki["impostor"].key)
     with pytest.raises(ValueError, match="--tls-cert .* with --tls-key"):
         address.endpoint(reactor)
@@ -474,6 +481,7 @@ def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki, proc
         ListenAddress("127.0.0.1", 0, pki["node"].key, pki["node"].key).endpoint(reactor)
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_kcoral_router_with_a_wrong_key_exits_1_with_one_line(pki, processes):
     child = processes.spawn(kcoral_argv("router", "--port", "0", "--tls-cert", pki["router"].cert,
