@@ -11,6 +11,12 @@ import time
 import numpy as np
 
 
+def references(run) -> list[str | None]:
+    """The digests a decoded run sent without their content."""
+    return [blob.digest for blob in (run.program, *(spec.blob for spec in run.inputs))
+            if blob.data is None]
+
+
 def affine_program():
     """A dict of outputs, a tuple nested inside: C{w @ x + b}."""
     import jax.numpy as jnp

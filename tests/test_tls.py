@@ -256,7 +256,8 @@ async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processe
     line = await node.wait_for_line(rf"the Router is unreachable \(.*{refusal}", START_TIMEOUT)
     assert "TLS" in line.string
     await node.wait_for_line(r"worker0 is ready at", START_TIMEOUT)
-    await deferLater(reactor, 1.0, lambda: None)  # a few heartbeats
+    # What must not happen has no event: give it a few heartbeats' time.
+    await deferLater(reactor, 1.0, lambda: None)
     assert not node.matching(r"registered with the Router")
     # Nothing reached the Router: the node never joined.
     context = pki["other_ca" if certificate == "impostor" else "ca"].client_context()
@@ -276,6 +277,7 @@ async def test_a_worker_certificate_for_another_host_never_becomes_ready(process
     await node.wait_for_line(r"worker0 at https://127\.0\.0\.1:\d+: the peer's TLS certificate "
                              r"is not valid for 127\.0\.0\.1", START_TIMEOUT)
     await node.wait_for_line(r"registered with the Router as misnamed-node", 30)
+    # What must not happen has no event: give it several probes' time.
     await deferLater(reactor, 2.0, lambda: None)
     nodes = await nodes_of(router.url, None)
     assert nodes["misnamed-node"]["state"] != "ready"

@@ -28,6 +28,7 @@ from kcoral.protocol.wire import (
     sha256,
     wire_array,
 )
+from tests.programs import references
 
 DTYPE_NAMES = sorted(DTYPES)
 # Types numpy itself can byte-swap (ml-dtypes types are single-byte or
@@ -199,7 +200,7 @@ def test_references_and_inline_content():
               (wire_array(big), digest, True)]
     body = join(encode_request("a" * 64, None, inputs))
     run = decode_request(body)
-    assert run.references() == ["a" * 64, digest]
+    assert references(run) == ["a" * 64, digest]
     assert run.inputs[0].blob.data is None and run.inputs[0].blob.digest == digest
     assert run.inputs[1].blob.digest is None
     assert bytes(run.inputs[2].blob.data) == big.tobytes()
@@ -260,7 +261,7 @@ def test_request_round_trip_property(inputs):
             assert same(spec.view(spec.blob.data), array)
         else:
             assert spec.blob.data is None
-    assert run.references() == [d for d in digests if d is not None]
+    assert references(run) == [d for d in digests if d is not None]
 
 
 # -- malformed frames -----------------------------------------------------------

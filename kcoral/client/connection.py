@@ -33,7 +33,9 @@ class ProtocolError(OSError):
     """The peer's answer is not HTTP/1.1 as this client understands it."""
 
 
-class Answer:
+class HTTPAnswer:
+    """One HTTP/1.1 answer as read off the socket."""
+
     __slots__ = ("status", "headers", "body", "will_close")
 
     def __init__(self, status: int, headers: dict[bytes, bytes], body: bytes, will_close: bool):
@@ -100,7 +102,7 @@ class Connection:
             self._timeout = timeout
 
     def request(self, method: str, target: str, host_header: str, headers: dict,
-                parts: Sequence = (), length: int = 0) -> Answer:
+                parts: Sequence = (), length: int = 0) -> HTTPAnswer:
         lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]
         for name, value in headers.items():
             _check_header(name, value)
@@ -150,7 +152,7 @@ class Connection:
             raise ProtocolError("an HTTP line of the answer is too long")
         return line
 
-    def _answer(self, method: str) -> Answer:
+    def _answer(self, method: str) -> HTTPAnswer:
         while True:
             line = self._line()
             if not line:
@@ -182,7 +184,7 @@ class Connection:
         else:
             body = self._rfile.read()
             will_close = True
-        return Answer(status, headers, body, will_close)
+        return HTTPAnswer(status, headers, body, will_close)
 
     def _headers(self) -> dict[bytes, bytes]:
         headers: dict[bytes, bytes] = {}

@@ -97,12 +97,6 @@ class RunRequest:
     program: Blob
     inputs: tuple[ArraySpec, ...]
 
-    def references(self) -> list[str]:
-        """Digests sent without content: the server must hold them."""
-        blobs = [self.program] + [spec.blob for spec in self.inputs]
-        # A blob without data always has a digest (the decoder insists).
-        return [b.digest for b in blobs if b.data is None and b.digest is not None]
-
 
 def byte_view(buffer) -> memoryview:
     """The bytes of C{buffer} (bytes or a C-contiguous array), without a copy."""
