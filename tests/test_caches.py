@@ -40,6 +40,7 @@ def metrics():
 # -- upload cache: memory ---------------------------------------------------
 
 def test_memory_hit_and_miss(metrics):
+    """A blob put in memory is held and returned; hits, misses, bytes and entries are counted."""
     cache = UploadCache(1000, metrics.caches)
     digest, data = blob(100)
     assert cache.get(digest) is None
@@ -53,6 +54,7 @@ def test_memory_hit_and_miss(metrics):
 
 
 def test_memory_is_bounded_in_bytes_and_evicts_least_recently_used(metrics):
+    """Past its byte limit, the memory tier evicts the least recently used blob and counts the eviction."""
     cache = UploadCache(1000, metrics.caches)
     a, b, c = blob(400, 1), blob(400, 2), blob(400, 3)
     cache.put(*a)
@@ -66,6 +68,7 @@ def test_memory_is_bounded_in_bytes_and_evicts_least_recently_used(metrics):
 
 
 def test_memory_skips_what_can_never_fit(metrics):
+    """A blob larger than the memory tier is not stored and evicts nothing."""
     cache = UploadCache(100, metrics.caches)
     small = blob(60, 1)
     cache.put(*small)
@@ -77,6 +80,7 @@ def test_memory_skips_what_can_never_fit(metrics):
 
 
 def test_zero_sized_memory_cache_holds_nothing(metrics):
+    """A memory tier of zero bytes holds nothing."""
     cache = UploadCache(0, metrics.caches)
     digest, data = blob(10)
     cache.put(digest, data)
@@ -86,6 +90,7 @@ def test_zero_sized_memory_cache_holds_nothing(metrics):
 # -- upload cache: disk -------------------------------------------------------
 
 def test_disk_tier_survives_a_new_instance(tmp_path, metrics):
+    """A blob on disk is found by a new cache on the same folder, then served from memory."""
     first = UploadCache(1000, metrics.caches, str(tmp_path), 10_000)
     digest, data = blob(500, 7)
     first.put(digest, data)
@@ -103,6 +108,7 @@ def test_disk_tier_survives_a_new_instance(tmp_path, metrics):
 
 
 def test_disk_tier_is_bounded_and_deletes_evicted_files(tmp_path, metrics):
+    """Past its byte limit, the disk tier evicts the oldest blob and deletes its file."""
     cache = UploadCache(0, metrics.caches, str(tmp_path), 1000)
     items = [blob(400, i) for i in range(3)]
     for item in items:
@@ -116,6 +122,7 @@ def test_disk_tier_is_bounded_and_deletes_evicted_files(tmp_path, metrics):
 
 
 def test_disk_index_keeps_the_newest_files_on_restart(tmp_path, metrics):
+    """On restart, files beyond the disk limit are removed oldest first; the newest stay readable."""
     items = [blob(400, i) for i in range(3)]
     for age, (digest, data) in enumerate(items):
         (tmp_path / digest).write_bytes(data)
@@ -129,6 +136,7 @@ def test_disk_index_keeps_the_newest_files_on_restart(tmp_path, metrics):
 
 
 def test_corrupted_disk_file_is_a_miss(tmp_path, metrics):
+    """A disk file whose bytes no longer match its digest is a miss, and a fresh copy can be stored."""
     digest, data = blob(300, 9)
     UploadCache(0, metrics.caches, str(tmp_path), 10_000).put(digest, data)
     (tmp_path / digest).write_bytes(b"\x01" + data[1:])
@@ -143,6 +151,7 @@ def test_corrupted_disk_file_is_a_miss(tmp_path, metrics):
 
 
 def test_vanished_disk_file_is_a_miss(tmp_path, metrics):
+    """A disk file deleted behind the cache's back is a miss and leaves the index."""
     cache = UploadCache(0, metrics.caches, str(tmp_path), 10_000)
     digest, data = blob(300, 4)
     cache.put(digest, data)
@@ -152,6 +161,7 @@ def test_vanished_disk_file_is_a_miss(tmp_path, metrics):
 
 
 def test_interrupted_writes_and_foreign_files_are_ignored(tmp_path, metrics):
+    """On start, partial writes are deleted; foreign files and folders are left alone and not indexed."""
     digest, data = blob(50, 5)
     (tmp_path / (digest + ".123.part")).write_bytes(data[:10])
     (tmp_path / "notes.txt").write_text("not a cache entry")
@@ -164,6 +174,7 @@ def test_interrupted_writes_and_foreign_files_are_ignored(tmp_path, metrics):
 
 
 def test_disk_tier_skips_what_can_never_fit(tmp_path, metrics):
+    """A blob larger than the disk tier is not written, but is kept in memory."""
     cache = UploadCache(1000, metrics.caches, str(tmp_path), 100)
     digest, data = blob(200)
     cache.put(digest, data)
@@ -172,6 +183,7 @@ def test_disk_tier_skips_what_can_never_fit(tmp_path, metrics):
 
 
 def test_concurrent_puts_of_the_same_content(tmp_path, metrics):
+    """Threads putting the same blobs at once leave one intact file per digest."""
     cache = UploadCache(10_000, metrics.caches, str(tmp_path), 100_000)
     items = [blob(1000, i % 4) for i in range(32)]
     threads = [threading.Thread(target=cache.put, args=item) for item in items]
@@ -187,6 +199,7 @@ def test_concurrent_puts_of_the_same_content(tmp_path, metrics):
 # -- compile cache --------------------------------------------------------------
 
 def test_compile_cache_compiles_once_and_is_lru(metrics):
+    """The compile cache compiles a key once, evicts the least recently used, and counts both."""
     cache = CompileCache(2, metrics.caches)
     compiled = []
 
@@ -214,6 +227,7 @@ def test_compile_cache_compiles_once_and_is_lru(metrics):
 
 
 def test_eviction_drops_the_last_reference(metrics):
+    """An evicted executable is not kept alive by the compile cache."""
     import gc
     import weakref
 
@@ -230,6 +244,7 @@ def test_eviction_drops_the_last_reference(metrics):
 
 
 def test_concurrent_requests_for_a_new_program_compile_it_once(metrics):
+    """Concurrent requests for one key compile it once, without holding up other keys."""
     cache = CompileCache(4, metrics.caches)
     started = threading.Event()
     release = threading.Event()
@@ -259,6 +274,7 @@ def test_concurrent_requests_for_a_new_program_compile_it_once(metrics):
 
 
 def test_a_failed_compile_is_not_cached(metrics):
+    """A compile that raises is not cached: the next request compiles again."""
     cache = CompileCache(4, metrics.caches)
 
     def broken():
@@ -279,6 +295,7 @@ def _device_cache(metrics, max_bytes: int):
 
 
 def test_a_content_addressed_input_is_copied_to_the_device_once(metrics):
+    """An input is copied to the device once per digest, dtype and shape; repeats get that array."""
     jax = pytest.importorskip("jax")
     import numpy as np
 
@@ -296,6 +313,7 @@ def test_a_content_addressed_input_is_copied_to_the_device_once(metrics):
 
 
 def test_the_device_cache_is_bounded_in_bytes(metrics):
+    """Past its byte limit the device cache evicts the oldest array; one larger than it is never kept."""
     jax = pytest.importorskip("jax")
     import numpy as np
 
@@ -313,6 +331,7 @@ def test_the_device_cache_is_bounded_in_bytes(metrics):
 
 
 def test_the_device_cache_can_be_emptied(metrics):
+    """clear() drops every device array and says how many it dropped."""
     jax = pytest.importorskip("jax")
     import numpy as np
 

@@ -17,6 +17,7 @@ pytest.importorskip("jax")
 
 
 def test_fault_plan_has_every_kind_and_no_late_router_restart():
+    """A fault plan has every kind of fault, no Router restart in the last two, and one plan per seed."""
     import random
 
     for seed in range(50):
@@ -28,6 +29,7 @@ def test_fault_plan_has_every_kind_and_no_late_router_restart():
 
 @pytest.mark.integration
 def test_quick_chaos_run(tmp_path):
+    """The quick chaos run loses no request, gets no wrong answer, and has no unexplained 502."""
     result = chaos.run(chaos.Settings.quick(log_dir=str(tmp_path)))
     report = chaos.table(result)
     print(report)

@@ -60,6 +60,7 @@ def ok(body: bytes, *extra: bytes) -> bytes:
 
 
 def test_content_length_answers_on_one_keep_alive_connection():
+    """Two requests share one keep-alive connection, each sent and answered with a Content-Length."""
     peer = Peer([ok(b"first", b"X-Request-ID: a"), ok(b"second")])
     conn = Connection("127.0.0.1", peer.port)
     one = conn.request("POST", "/v1/run", "h:1", {"X-Request-ID": "a"}, [b"ab", b"cd"], 4)
@@ -77,6 +78,7 @@ def test_content_length_answers_on_one_keep_alive_connection():
 
 
 def test_chunked_answer_with_extensions_and_trailers():
+    """A chunked answer with extensions and trailers is read exactly, leaving the connection usable."""
     answer = (b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n"
               b"Retry-After: 2\r\n\r\n"
               b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer: x\r\n\r\n")
@@ -91,6 +93,7 @@ def test_chunked_answer_with_extensions_and_trailers():
 
 
 def test_interim_answers_are_skipped():
+    """A 100 Continue before the answer is skipped; the final answer is returned."""
     peer = Peer([b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"done")])
     conn = Connection("127.0.0.1", peer.port)
     assert conn.request("POST", "/", "h", {}, [b"x"], 1).body == b"done"
@@ -99,6 +102,7 @@ def test_interim_answers_are_skipped():
 
 
 def test_close_delimited_and_connection_close_answers():
+    """An answer with Connection: close and no length is read until the peer closes, and will close."""
     peer = Peer([b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end"], close_after=True)
     conn = Connection("127.0.0.1", peer.port)
     answer = conn.request("GET", "/", "h", {})
@@ -108,6 +112,7 @@ def test_close_delimited_and_connection_close_answers():
 
 
 def test_http_1_0_answers_close_unless_kept_alive():
+    """An HTTP/1.0 answer without keep-alive means the connection will close."""
     peer = Peer([b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"])
     conn = Connection("127.0.0.1", peer.port)
     assert conn.request("GET", "/", "h", {}).will_close
@@ -116,6 +121,7 @@ def test_http_1_0_answers_close_unless_kept_alive():
 
 
 def test_a_large_scattered_body_arrives_whole():
+    """A body of many buffers, far larger than a socket buffer, arrives whole and in order."""
     # Far more than a socket buffer, in more buffers than one sendmsg takes:
     # exercises partial sends and batching.
     parts = [bytes([i % 251]) * (i * 97 % 4096 + 1) for i in range(1500)]
@@ -130,6 +136,7 @@ def test_a_large_scattered_body_arrives_whole():
 
 
 def test_memoryview_and_numpy_parts():
+    """Memoryviews of numpy arrays and empty parts are sent as their bytes."""
     import numpy as np
 
     array = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -143,6 +150,7 @@ def test_memoryview_and_numpy_parts():
 
 
 def test_dropped_sees_a_peer_that_closed_an_idle_connection():
+    """dropped() is true once the peer has closed an idle connection."""
     peer = Peer([ok(b"one")], close_after=True)
     conn = Connection("127.0.0.1", peer.port)
     conn.request("GET", "/", "h", {})
@@ -166,6 +174,7 @@ def test_dropped_sees_a_peer_that_closed_an_idle_connection():
     (b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n", "too long"),
 ])
 def test_malformed_answers_are_protocol_errors(answer, message):
+    """Each malformed or cut-off answer raises ProtocolError saying what is wrong."""
     peer = Peer([answer], close_after=True)
     conn = Connection("127.0.0.1", peer.port)
     with pytest.raises(ProtocolError, match=message):
@@ -175,6 +184,7 @@ def test_malformed_answers_are_protocol_errors(answer, message):
 
 
 def test_header_injection_is_refused():
+    """A header value holding CR LF raises ValueError instead of being sent."""
     peer = Peer([])
     conn = Connection("127.0.0.1", peer.port)
     with pytest.raises(ValueError):

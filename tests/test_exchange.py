@@ -90,6 +90,7 @@ class Driver:
 
 
 def test_first_call_sends_everything_then_references(program, inputs):
+    """A first run sends the program and large inputs inline; a second, knowing them held, sends digests."""
     w, x = inputs
     outputs = [np.float32(3), np.float32(2)]
     first = Driver(program, inputs, request_id="r-1")
@@ -111,6 +112,7 @@ def test_first_call_sends_everything_then_references(program, inputs):
 
 
 def test_a_409_is_answered_by_resending_inline_once(program, inputs):
+    """After a 409, only the content the server says it lacks is sent again, inline."""
     w, _ = inputs
     held = {program.digest, sha256(wire_array(w))}
     driver = Driver(program, inputs, held=held)
@@ -124,6 +126,7 @@ def test_a_409_is_answered_by_resending_inline_once(program, inputs):
 
 
 def test_a_second_409_is_an_error(program, inputs):
+    """A 409 to the resend raises MissingContent: there is no third try."""
     driver = Driver(program, inputs, held={program.digest})
     missing = MissingContent("gone", details={"missing": [program.digest]})
     with pytest.raises(MissingContent):
@@ -132,6 +135,7 @@ def test_a_second_409_is_an_error(program, inputs):
 
 
 def test_busy_answers_are_retried_honouring_retry_after(program, inputs):
+    """A 503 is retried after at least its Retry-After delay."""
     driver = Driver(program, inputs, busy_timeout=10)
     busy = ServerBusy("full", reason="queue_full")
     driver.run(error(503, busy, retry_after=2.0), error(503, busy, retry_after=1.0),
@@ -141,6 +145,7 @@ def test_busy_answers_are_retried_honouring_retry_after(program, inputs):
 
 
 def test_backoff_grows_without_retry_after(program, inputs):
+    """Without Retry-After, the delay between 503 retries grows, capped near six seconds."""
     driver = Driver(program, inputs, busy_timeout=1000)
     busy = ServerBusy("full", reason="queue_full")
     driver.run(*[error(503, busy)] * 8, ok([np.float32(3), np.float32(2)]))
@@ -151,6 +156,7 @@ def test_backoff_grows_without_retry_after(program, inputs):
 
 
 def test_busy_until_the_deadline_raises_server_busy(program, inputs):
+    """When 503s last past the busy timeout, ServerBusy is raised with the server's reason."""
     driver = Driver(program, inputs, busy_timeout=5)
     busy = ServerBusy("draining", reason="draining")
     with pytest.raises(ServerBusy) as info:
@@ -161,6 +167,7 @@ def test_busy_until_the_deadline_raises_server_busy(program, inputs):
 
 
 def test_zero_busy_timeout_never_retries(program, inputs):
+    """With a busy timeout of zero, the first 503 raises ServerBusy without a sleep."""
     driver = Driver(program, inputs, busy_timeout=0)
     with pytest.raises(ServerBusy):
         driver.run(error(503, ServerBusy("full", reason="queue_full"), retry_after=1.0))
@@ -168,6 +175,7 @@ def test_zero_busy_timeout_never_retries(program, inputs):
 
 
 def test_unreachable_server_is_retried_like_a_busy_one(program, inputs):
+    """A refused connection is retried within the busy timeout, then raises ServerBusy 'unreachable'."""
     driver = Driver(program, inputs, busy_timeout=3)
     with pytest.raises(ServerBusy) as info:
         driver.run(*[Response(None, problem="connection refused")] * 50)
@@ -183,6 +191,7 @@ def test_unreachable_server_is_retried_like_a_busy_one(program, inputs):
     (502, NodeFailure("node lost"), NodeFailure),
 ])
 def test_other_errors_are_never_retried(program, inputs, status, exception, expected):
+    """A 400, 413, 422, 500 or 502 raises its error at once, with the request id, and marks nothing held."""
     driver = Driver(program, inputs, busy_timeout=100)
     with pytest.raises(expected) as info:
         driver.run(error(status, exception))
@@ -192,6 +201,7 @@ def test_other_errors_are_never_retried(program, inputs, status, exception, expe
 
 
 def test_non_json_error_bodies(program, inputs):
+    """A 502 whose body is not JSON raises NodeFailure naming the HTTP status."""
     driver = Driver(program, inputs)
     with pytest.raises(NodeFailure, match="HTTP 502"):
         driver.run(Response(502, b"<html>Bad Gateway</html>"))

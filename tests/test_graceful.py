@@ -83,6 +83,7 @@ def outcomes(records) -> collections.Counter:
 
 @pytest.mark.integration
 def test_node_sigterm_under_load_loses_nothing(deployment, workload):
+    """A node stopped with SIGTERM under load drains and exits 0, and every request gets its 200."""
     d = deployment
     load, target = load_on_first_node(d, workload, 60)
     node = d.node(target)
@@ -108,6 +109,7 @@ def test_node_sigterm_under_load_loses_nothing(deployment, workload):
 
 @pytest.mark.integration
 def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload):
+    """A Router stopped with SIGTERM under load answers what was sent before with 200, and no 5xx."""
     d = deployment
     # No retries: once the Router is gone, a request is refused at once.
     settings = dataclasses.replace(d.settings, busy_timeout=0.0)
@@ -142,6 +144,7 @@ def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload
 
 @pytest.mark.integration
 def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workload):
+    """A worker whose supervisor is killed finishes its runs and exits; the node restarts to full capacity."""
     # A supervisor killed outright (SIGKILL, the OOM killer) cannot stop its
     # worker: the worker drains by itself (the kernel's SIGTERM on its
     # parent's death), answering what it runs, and goes; an orphan would keep
@@ -162,6 +165,7 @@ def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workl
 # -- the Router's keep-alive stop, on a fake transport ---------------------------------------
 
 def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
+    """After stopKeepAlive, each connection's next answer says Connection: close and closes it."""
     from twisted.internet.task import Clock
 
     site = fake_site(Clock())
@@ -189,6 +193,7 @@ def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
 # -- a drained server's quiet period, on a fake clock ------------------------------------------
 
 def test_a_drained_server_closes_only_once_runs_stop_arriving():
+    """A draining server finishes only once runs have stopped arriving for DRAIN_QUIET_SECONDS."""
     # A Router that has not heard of the drain sends the next run as soon as
     # the last answer frees a slot: the port stays open (answering 503
     # draining) until runs have stopped arriving for DRAIN_QUIET_SECONDS.

@@ -34,6 +34,7 @@ def python(*args):
 
 @pytest_twisted.ensureDeferred
 async def test_lines_from_both_streams(processes):
+    """Lines of stdout and stderr, and an unterminated last line, are seen; the exit status is reported."""
     child = processes.spawn(python("exit"), name="child")
     match = await child.wait_for_line(r"hello from (\w+)", 30)
     assert match.group(1) == "stdout"
@@ -48,6 +49,7 @@ async def test_lines_from_both_streams(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_waiting_for_a_line_that_never_comes(processes):
+    """A wait for a line that never comes raises LineTimeout with the output's tail; the child runs on."""
     child = processes.spawn(python("run"), name="child")
     await child.wait_for_line("hello", 30)
     with pytest.raises(LineTimeout, match="hello from stdout"):  # the tail is in the message
@@ -57,6 +59,7 @@ async def test_waiting_for_a_line_that_never_comes(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_waiting_on_a_child_that_exits(processes):
+    """A wait for a line from a child that exits without it raises ChildExited."""
     child = processes.spawn(python("exit"), name="child")
     with pytest.raises(ChildExited, match="exit status 3"):
         await child.wait_for_line("never printed", 30)
@@ -66,6 +69,7 @@ async def test_waiting_on_a_child_that_exits(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_since_skips_earlier_lines(processes):
+    """A wait since a mark ignores the lines that came before it."""
     child = processes.spawn(python("exit"), name="child")
     await child.exited(30)
     mark = child.mark()
@@ -76,6 +80,7 @@ async def test_since_skips_earlier_lines(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_stop_terminates_politely(processes):
+    """stop() ends a child that honours SIGTERM with that signal."""
     child = processes.spawn(python("run"), name="child")
     await child.wait_for_line("hello", 30)
     await child.stop(grace=10)
@@ -85,6 +90,7 @@ async def test_stop_terminates_politely(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_stop_escalates_to_kill(processes):
+    """stop() kills a child that ignores SIGTERM past the grace; stopping it again does nothing."""
     child = processes.spawn(python("stubborn"), name="child")
     await child.wait_for_line("hello", 30)
     await child.stop(grace=0.5)

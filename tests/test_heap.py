@@ -18,6 +18,7 @@ def restored_gc():
 
 
 def test_a_started_service_freezes_what_exists_and_collects_less_often(restored_gc):
+    """A started SettledHeap freezes what exists and raises the young threshold; new cycles still go."""
     older, oldest = gc.get_threshold()[1:]
     before = gc.get_freeze_count()
     heap = SettledHeap()

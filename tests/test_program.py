@@ -26,23 +26,27 @@ def add(x, y):
 
 
 def test_from_function_defaults_to_cpu_and_cuda():
+    """A program exported from a function targets cpu and cuda; its digest is the SHA-256 of its bytes."""
     program = Program.from_function(add, np.float32(1), np.float32(2))
     assert program.platforms == ("cpu", "cuda")
     assert program.digest == hashlib.sha256(program.serialized).hexdigest()
 
 
 def test_from_function_with_other_platforms():
+    """The platforms given to from_function are those the program is exported for."""
     program = Program.from_function(add, np.float32(1), np.float32(2), platforms=("cpu",))
     assert program.platforms == ("cpu",)
 
 
 def test_shape_dtype_structs_as_examples():
+    """A ShapeDtypeStruct serves as an example input and gives the program its shape."""
     spec = jax.ShapeDtypeStruct((3, 4), jnp.float32)
     program = Program.from_function(lambda a: a.sum(axis=0), spec)
     assert program.exported.in_avals[0].shape == (3, 4)
 
 
 def test_from_exported_and_from_bytes_agree():
+    """A program from an Exported equals one from its serialized bytes (any bytes-like), digest and all."""
     exported = export.export(jax.jit(add), platforms=("cpu",))(np.int32(1), np.int32(2))
     first = Program.from_exported(exported)
     second = Program.from_bytes(first.serialized)
@@ -54,6 +58,7 @@ def test_from_exported_and_from_bytes_agree():
 
 
 def test_digest_depends_on_the_program():
+    """Another function or other input shapes give another digest; the same export gives the same one."""
     a = Program.from_function(add, np.float32(1), np.float32(2))
     b = Program.from_function(lambda x, y: x * y, np.float32(1), np.float32(2))
     c = Program.from_function(add, np.zeros(3, np.float32), np.zeros(3, np.float32))
@@ -62,6 +67,7 @@ def test_digest_depends_on_the_program():
 
 
 def test_from_bytes_refuses_garbage():
+    """Bytes that are not a serialized jax.export program raise ProgramExportError."""
     with pytest.raises(ProgramExportError, match="not a serialized jax.export program"):
         Program.from_bytes(b"\x00garbage")
 
@@ -79,12 +85,14 @@ def hidden_callback(x):
 @pytest.mark.parametrize("function", [noisy, hidden_callback])
 @pytest.mark.parametrize("platforms", [("cpu", "cuda"), ("cpu",), ("cuda",)])
 def test_host_callbacks_fail_locally_with_a_clear_message(function, platforms):
+    """A function with a host callback, even in a branch, fails to export with a message about callbacks."""
     with pytest.raises(ProgramExportError) as info:
         Program.from_function(function, np.float32(1), platforms=platforms)
     assert "callback" in str(info.value).lower()
 
 
 def test_untraceable_functions_fail_locally():
+    """A function that branches on a traced value fails to export, naming the function."""
     def branchy(x):
         if x > 0:  # a Python branch on a traced value
             return x
@@ -103,6 +111,7 @@ def matmul():
 
 
 def test_inputs_are_checked_before_sending(matmul):
+    """Inputs of a wrong dtype, shape or pytree structure raise ValueError when flattened."""
     w, x = np.ones((4, 3), np.float32), np.ones(3, np.float32)
     assert len(matmul.flatten_inputs((w, x), {})) == 2
     with pytest.raises(ValueError, match="dtype"):
@@ -118,6 +127,7 @@ def test_inputs_are_checked_before_sending(matmul):
 
 
 def test_symbolic_dimensions_accept_any_size():
+    """A symbolic dimension accepts any size; the fixed dimensions are still checked."""
     (n,) = export.symbolic_shape("n")
     program = Program.from_function(lambda v: v * 2, jax.ShapeDtypeStruct((n, 2), jnp.float32))
     for rows in (1, 5):
@@ -135,6 +145,7 @@ def nested(params, x, *, scale):
 
 
 def test_pytree_inputs_and_outputs_through_the_wire():
+    """Pytree inputs are sent as flat leaves, and flat outputs come back in the function's structure."""
     params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.float32)}
     x = np.linspace(0, 1, 4, dtype=np.float32)
     scale = np.float32(2)
@@ -166,6 +177,7 @@ def test_pytree_inputs_and_outputs_through_the_wire():
     lambda x: (),
 ], ids=["leaf", "1-tuple", "tuple", "nested-list", "dict", "empty"])
 def test_output_structures(make_output):
+    """Flat outputs are rebuilt into any output structure: a leaf, tuples, lists, dicts or nothing."""
     program = Program.from_function(make_output, np.float32(1))
     expected = make_output(np.float32(1))
     leaves = [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(expected)]
@@ -202,6 +214,7 @@ pytrees = st.recursive(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pytrees)
 def test_pytrees_round_trip_through_the_wire(tree):
+    """Any pytree of arrays survives the wire both ways with its structure, dtypes, shapes and bytes."""
     program = Program.from_function(lambda t: jax.tree.map(lambda a: a, t), tree, platforms=("cpu",))
     call = RunCall.prepare(program, (tree,), {})
     run = decode_request(b"".join(bytes(p) for p in call.send(set(), None).parts))

@@ -177,6 +177,7 @@ async def deployment(module_processes):
 
 @pytest_twisted.ensureDeferred
 async def test_two_nodes_serve_programs(deployment, affine):
+    """A Router lists two ready nodes, sums their capacity, and spreads concurrent runs over both."""
     program, (w, x, b), expected = affine
     router = deployment.router
     nodes = await pool_nodes(router)
@@ -221,6 +222,7 @@ async def metrics_of(url: str) -> dict:
 
 @pytest_twisted.ensureDeferred
 async def test_status_command_prints_a_row_per_node(deployment, processes):
+    """kcoral status prints a header, a row per ready node, and the Router's summary line."""
     child = processes.spawn(kcoral_argv("status", "--router", deployment.router.url), name="status")
     assert await child.exited(60) == 0, child.tail()
     lines = child.output.lines
@@ -234,6 +236,7 @@ async def test_status_command_prints_a_row_per_node(deployment, processes):
 
 @pytest_twisted.ensureDeferred
 async def test_request_id_in_router_and_worker_logs(deployment):
+    """A request id is in the worker's log lines and in the Router's line naming the node that answered."""
     router = deployment.router
     supervisors = [node.process for node in deployment.nodes.values()]
     marks = [p.mark() for p in supervisors]
@@ -277,6 +280,7 @@ def _attempt(url, program, *args, request_id=None):
 
 @pytest_twisted.ensureDeferred
 async def test_413_through_the_router(deployment):
+    """The Router answers 413 to a body over its limit, seen from the head alone; no node sees it."""
     router = deployment.router
     mark = router.process.mark()
     # Only the head is sent: the Router answers from Content-Length.
@@ -308,6 +312,7 @@ async def test_413_through_the_router(deployment):
 
 @pytest_twisted.ensureDeferred
 async def test_a_second_supervisor_with_a_node_id_in_use_is_refused(deployment, processes):
+    """A second supervisor with a node id in use is refused with 409 and leaves the live node ready."""
     router = deployment.router
     mark = router.process.mark()
     twin = await start_node(processes, router.url, "node-a", name="twin-a", registered=False)
@@ -325,6 +330,7 @@ async def test_a_second_supervisor_with_a_node_id_in_use_is_refused(deployment, 
 
 @pytest_twisted.ensureDeferred
 async def test_no_ready_node(processes):
+    """A Router without nodes is unavailable and answers runs 503 no_ready_node with Retry-After."""
     router = await start_router(processes, "--queue-wait-timeout-seconds", "0.3", name="empty-router")
     answer = await request("GET", router.url + "/health")
     assert answer.code == 503 and answer.json["status"] == "unavailable"
@@ -347,6 +353,7 @@ async def test_no_ready_node(processes):
 
 @pytest_twisted.ensureDeferred
 async def test_twistd_kcoral_router(processes):
+    """twistd -n kcoral-router serves with its options in effect and drains on SIGTERM."""
     child = processes.spawn(twistd_argv("-n", "kcoral-router", "--port", "0",
                                         "--queue-wait-timeout-seconds", "0.2"), name="twistd-router")
     url = (await child.wait_for_line(LISTENING, START_TIMEOUT)).group("url")
@@ -373,6 +380,7 @@ WRONG = "not-the-token-9c2e"
 
 @pytest_twisted.ensureDeferred
 async def test_node_tokens(processes):
+    """Only a node with the right token joins; a wrong or missing token gets 401 and is never logged."""
     router = await start_router(processes, "--node-token", SECRET, name="token-router",
                                 env={"KCORAL_NODE_TOKEN": None})
     # The right token, from the environment; a wrong one on the command line.

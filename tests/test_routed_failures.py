@@ -127,6 +127,7 @@ async def both_nodes_serve(deployment, spin, tag: str) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_queue_full_and_queue_timeout(deployment, spin):
+    """A full queue answers 503 queue_full, a queued wait ends as queue_timeout, a leaver frees its place."""
     program, rate, x = spin
     router = deployment.router
     quick = quick_program()
@@ -180,6 +181,7 @@ async def test_queue_full_and_queue_timeout(deployment, spin):
 
 @pytest_twisted.ensureDeferred
 async def test_a_client_that_leaves_mid_run_cancels_the_forwarded_request(deployment, spin):
+    """A client that leaves mid-run frees its lease at once, and the worker drops the answer."""
     program, rate, x = spin
     router = deployment.router
     marks = {n: node.process.mark() for n, node in deployment.nodes.items()}
@@ -224,6 +226,7 @@ async def _health_at_least(router, what: str, count: int):
 
 @pytest_twisted.ensureDeferred
 async def test_unresponsive_worker_is_replaced(deployment, spin):
+    """A worker stopped with SIGSTOP fails its probes, is killed after the grace and restarted."""
     node = deployment.nodes["f-a"]
     router = deployment.router
     supervisor = node.process
@@ -262,6 +265,7 @@ async def test_unresponsive_worker_is_replaced(deployment, spin):
 
 @pytest_twisted.ensureDeferred
 async def test_sigkill_mid_request_is_a_502_then_the_node_recovers(deployment, spin):
+    """A worker killed mid-request is a 502, never retried; the supervisor restarts it and runs succeed."""
     program, rate, x = spin
     router = deployment.router
     codes = await run_codes(router)
@@ -310,6 +314,7 @@ async def test_sigkill_mid_request_is_a_502_then_the_node_recovers(deployment, s
 
 @pytest_twisted.ensureDeferred
 async def test_node_stopped_under_load_loses_no_request(deployment, module_processes, spin):
+    """A node stopped with SIGTERM under load drains, exits 0 and fails no request."""
     program, rate, x = spin
     router = deployment.router
     node = await start_node(module_processes, router.url, "f-c", *NODE_OPTIONS)
@@ -356,6 +361,7 @@ async def test_node_stopped_under_load_loses_no_request(deployment, module_proce
 
 @pytest_twisted.ensureDeferred
 async def test_router_restart(deployment, module_processes, spin):
+    """A Router stopped with SIGTERM answers its run in flight and exits 0; the nodes rejoin its successor."""
     program, rate, x = spin
     old = deployment.router
     client = AsyncClient(old.url, busy_timeout=0)

@@ -87,6 +87,7 @@ def affine():
 
 @pytest_twisted.ensureDeferred
 async def test_health_of_a_real_server(server):
+    """/health gives status, target, capacity, runtime versions and devices, and echoes the request id."""
     answer = await request("GET", server.url + "/health", headers={"X-Request-ID": "probe-1"})
     assert answer.code == 200
     assert answer.request_id == "probe-1"
@@ -110,6 +111,7 @@ async def test_health_of_a_real_server(server):
 
 @pytest_twisted.ensureDeferred
 async def test_three_programs(server, affine):
+    """Programs with dict, tuple and list outputs, integer dtypes and keyword inputs run right."""
     integer, integer_args, integer_expected = programs.integer_program()
     keyword, kw_args, kw_kwargs, kw_expected = programs.keyword_program()
     program, args, expected = affine
@@ -133,6 +135,7 @@ async def test_three_programs(server, affine):
                                    "float8_e4m3fn", "float8_e5m2"])
 @pytest_twisted.ensureDeferred
 async def test_dtypes_through_a_real_server(server, dtype):
+    """Inputs and outputs of narrow, wide, complex and float8 dtypes run with exact values."""
     import jax.numpy as jnp
 
     from kcoral import Program
@@ -151,9 +154,10 @@ async def test_dtypes_through_a_real_server(server, dtype):
                                    "float8_e4m3fn", "complex64"])
 @pytest_twisted.ensureDeferred
 async def test_large_inputs_of_every_kind_run_again_from_the_caches(server, dtype):
-    """Content-addressed (64 KiB and up) inputs of narrow and exotic types:
-    the second run takes them by reference, from the device cache where a
-    type allows (not the sub-byte ones, which run from host memory)."""
+    """A large input of any type goes by reference on a second run, from the device cache if it can.
+
+    Content-addressed (64 KiB and up) inputs of narrow and exotic types: the
+    sub-byte ones run from host memory, not from the device cache."""
     import jax.numpy as jnp
 
     from kcoral import Program
@@ -184,7 +188,9 @@ async def test_large_inputs_of_every_kind_run_again_from_the_caches(server, dtyp
 
 @pytest_twisted.ensureDeferred
 async def test_the_same_bytes_as_two_float8_types_stay_two_arrays(server):
-    """Regression: the device cache keyed arrays by digest and dtype.str,
+    """The same bytes sent as two float8 types come back as two arrays, each of its own type.
+
+    Regression: the device cache keyed arrays by digest and dtype.str,
     which most float8 types share ('<V1'): zeros sent as float8_e4m3fn, then
     as float8_e4m3fnuz, came back from the second run as the first type."""
     import jax.numpy as jnp
@@ -205,6 +211,7 @@ async def test_the_same_bytes_as_two_float8_types_stay_two_arrays(server):
 @pytest_twisted.ensureDeferred
 async def test_a_run_out_of_device_memory_drops_the_device_cache_and_runs_once_more(
         start_server, affine):
+    """A run out of device memory empties the device cache and runs once more before failing."""
     server = await start_server(name="oom-server")
     program, (w, x, b), expected = affine
 
@@ -228,6 +235,7 @@ async def test_a_run_out_of_device_memory_drops_the_device_cache_and_runs_once_m
 
 @pytest_twisted.ensureDeferred
 async def test_a_repeated_call_sends_only_references(server, affine):
+    """A repeated call sends the program and large inputs by reference; a new client sends everything."""
     program, (w, x, b), expected = affine
     before = await metrics(server)
 
@@ -264,6 +272,7 @@ def _bytes_of_one_run(url, program, *args):
 
 @pytest_twisted.ensureDeferred
 async def test_a_repeated_program_never_recompiles(server):
+    """A program run three times is compiled once."""
     from kcoral import Program
 
     program = Program.from_function(lambda v: jax.numpy.tanh(v) * 3, np.ones(5, np.float32))
@@ -287,6 +296,7 @@ async def test_a_repeated_program_never_recompiles(server):
 
 @pytest_twisted.ensureDeferred
 async def test_symbolic_shapes_compile_once_per_concrete_shape(server):
+    """A program with a symbolic dimension compiles once per concrete shape it runs with."""
     from jax import export
 
     from kcoral import Program
@@ -310,6 +320,7 @@ async def test_symbolic_shapes_compile_once_per_concrete_shape(server):
 
 @pytest_twisted.ensureDeferred
 async def test_async_client(server, affine):
+    """The AsyncClient gives the right results, and its second call sends references only."""
     program, (w, x, b), expected = affine
     client = AsyncClient(server.url)
     try:
@@ -326,6 +337,7 @@ async def test_async_client(server, affine):
 
 @pytest_twisted.ensureDeferred
 async def test_async_client_errors(server):
+    """The AsyncClient raises ProgramFailed, with the request id, for a run that fails; the server goes on."""
     client = AsyncClient(server.url, busy_timeout=0)
     try:
         with pytest.raises(ProgramFailed) as failed:
@@ -338,6 +350,7 @@ async def test_async_client_errors(server):
 
 @pytest_twisted.ensureDeferred
 async def test_request_id_is_echoed_on_a_successful_run(server, affine):
+    """A successful run echoes the client's X-Request-ID, or generates one, with the result content type."""
     program, args, _ = affine
     answer = await post_run(server.url, run_frame(program, args), program_digest=program.digest,
                             request_id="my-run-7")
@@ -411,6 +424,7 @@ RAW_CASES = {
 @pytest.mark.parametrize("case", sorted(RAW_CASES))
 @pytest_twisted.ensureDeferred
 async def test_bad_requests(server, affine, case):
+    """Each bad frame is answered with its status, error type, message and request id, and logged."""
     make, status, type_, message = RAW_CASES[case]
     rid = "bad-" + case.replace(" ", "-")
     mark = server.process.mark()
@@ -440,6 +454,7 @@ CLIENT_CASES = {
 @pytest.mark.parametrize("case", sorted(CLIENT_CASES))
 @pytest_twisted.ensureDeferred
 async def test_rejected_and_failed_programs(server, case):
+    """A program for another platform, or failing to compile or run, raises its error; the server goes on."""
     make, args, error_type, message = CLIENT_CASES[case]
     rid = "client-" + case.replace(" ", "-")
     mark = server.process.mark()
@@ -457,6 +472,7 @@ async def test_rejected_and_failed_programs(server, case):
 
 
 def test_client_checks_inputs_before_sending(server, affine):
+    """The client refuses inputs of a wrong shape or dtype before sending a byte."""
     program, (w, x, b), _ = affine
     with Client(server.url) as client:
         with pytest.raises(ValueError, match="shape"):
@@ -468,6 +484,7 @@ def test_client_checks_inputs_before_sending(server, affine):
 
 @pytest_twisted.ensureDeferred
 async def test_413_from_content_length_before_the_body(server):
+    """A Content-Length over the limit is answered 413 from the head alone, with the request id."""
     head = (b"POST /v1/run HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/x-kcoral-run\r\n"
             b"X-Request-ID: too-big-1\r\n"
@@ -487,6 +504,7 @@ async def test_413_from_content_length_before_the_body(server):
 
 @pytest_twisted.ensureDeferred
 async def test_unknown_routes_and_methods(server):
+    """An unknown route is a 404 with the request id; a wrong method is a 405 method_not_allowed."""
     answer = await request("GET", server.url + "/v1/nothing", headers={"X-Request-ID": "nf-1"})
     assert answer.code == 404 and answer.error()["request_id"] == "nf-1"
     answer = await request("GET", server.url + "/v1/run")
@@ -495,6 +513,7 @@ async def test_unknown_routes_and_methods(server):
 
 @pytest_twisted.ensureDeferred
 async def test_http_metrics(server):
+    """/metrics counts requests by route and code, their durations, cache sizes and active runs."""
     await request("GET", server.url + "/health")
     await post_run(server.url, b"junk")
     samples = await metrics(server)

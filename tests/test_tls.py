@@ -125,6 +125,7 @@ def quick_program():
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_router_and_node_on_tls(processes, pki):
+    """A Router and node on TLS register and serve a trusting client; other clients and plain HTTP fail."""
     ca = pki["ca"]
     router = await start_router(processes, *pki["router"].options(), "--tls-ca", ca.path,
                                 "--node-token", TOKEN, name="tls-router")
@@ -187,6 +188,7 @@ def ssl_endpoint(issued, interface: str = "127.0.0.1") -> str:
 
 
 def test_the_url_of_an_endpoint_string_comes_from_where_it_listens():
+    """The URL of a listening endpoint string is https for ssl, bracketed for IPv6, http+unix for a socket."""
     from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 
     tls = ListenAddress(description="ssl:0:privateKey=k.pem:certKey=c.pem")
@@ -200,6 +202,7 @@ def test_the_url_of_an_endpoint_string_comes_from_where_it_listens():
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_router_listens_on_an_endpoint_string(processes, pki):
+    """A Router started with --listen and an ssl endpoint string serves https."""
     router = await start_router(processes, "--listen", ssl_endpoint(pki["router"]),
                                 name="listen-router")
     assert router.url.startswith("https://127.0.0.1:")
@@ -210,6 +213,7 @@ async def test_a_router_listens_on_an_endpoint_string(processes, pki):
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_server_listens_on_an_endpoint_string(start_server, pki):
+    """A server started with --listen and an ssl endpoint string runs programs over https."""
     server = await start_server("--listen", ssl_endpoint(pki["node"]), name="listen-server")
     assert server.url.startswith("https://127.0.0.1:")
     program, x = quick_program(), np.arange(3, dtype=np.float32)
@@ -232,6 +236,7 @@ async def test_a_server_listens_on_an_endpoint_string(start_server, pki):
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
+    """A conflicting or malformed --listen option exits with a one-line error and no traceback."""
     child = processes.spawn(kcoral_argv(*args), name="bad-listen")
     assert await child.exited(60) in (1, 2)
     lines = [line for line in child.output.lines if line.strip()]
@@ -249,6 +254,7 @@ async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
 @pytest_twisted.ensureDeferred
 async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processes, pki, certificate,
                                                                         refusal):
+    """A supervisor refuses a Router certified by another CA or for another host, and never registers."""
     issued = pki[certificate]
     router = await start_router(processes, *issued.options(), "--node-token", TOKEN,
                                 name="wrong-router")
@@ -269,6 +275,7 @@ async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processe
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_worker_certificate_for_another_host_never_becomes_ready(processes, pki):
+    """A worker certified for another host never becomes ready, and the problem is logged once."""
     ca = pki["ca"]
     router = await start_router(processes, "--node-token", TOKEN, "--tls-ca", ca.path,
                                 name="plain-router")
@@ -291,6 +298,7 @@ async def test_a_worker_certificate_for_another_host_never_becomes_ready(process
 @pytest.mark.parametrize("case", ["another CA", "another host"])
 @pytest_twisted.ensureDeferred
 async def test_the_router_refuses_a_worker_it_cannot_verify(processes, pki, case):
+    """A run for a worker the Router cannot verify is never sent: the client gets 503 no_ready_node."""
     ca = pki["ca"]
     router = await start_router(processes, "--node-token", TOKEN, "--tls-ca", ca.path,
                                 name="checking-router")
@@ -349,12 +357,14 @@ def _warnings(router_url: str, token: str | None) -> list[str]:
     ("http://10.0.0.5:9000", None, False),
 ])
 def test_a_token_over_plain_http_to_another_host_is_warned_about(url, token, warned):
+    """A token over plain HTTP to a host not on loopback is warned about, without the token itself."""
     lines = _warnings(url, token)
     assert bool(lines) == warned, lines
     assert not any(TOKEN in line for line in lines)
 
 
 def test_tls_problem_names_what_tls_refused():
+    """tls_problem describes a failed verification or a host mismatch, and is None for other errors."""
     refused = SSL.Error([("SSL routines", "", "certificate verify failed")])
     untrusted = ResponseNeverReceived([Failure(refused)])
     assert "certificate verify failed" in tls_problem(untrusted)
@@ -376,6 +386,7 @@ class _Hello(Resource):
 @pytest.mark.parametrize("certificate", ["impostor", "elsewhere"])
 @pytest_twisted.ensureDeferred
 async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certificate):
+    """A worker certificate that fails verification makes the proxy raise NotSent; a valid one is served."""
     # Regression: a host name mismatch fails with service-identity's
     # VerificationError, not SSL.Error, and was taken for a connection lost
     # after sending (502, "it may have run").
@@ -433,6 +444,7 @@ def _closed_within(port: int, seconds: float) -> bool:
 
 @pytest_twisted.ensureDeferred
 async def test_a_connection_beyond_the_cap_is_closed_also_under_tls(pki):
+    """Past the connection cap, the server closes a TLS connection too."""
     from tests.httputil import fake_site
 
     issued = pki["node"]
@@ -446,6 +458,7 @@ async def test_a_connection_beyond_the_cap_is_closed_also_under_tls(pki):
 
 @pytest_twisted.ensureDeferred
 async def test_a_certificate_chain_is_sent_whole(tmp_path):
+    """The intermediates of a --tls-cert file are sent, so clients that trust only the root verify it."""
     # --tls-cert may hold the service's certificate followed by intermediate
     # CAs; clients trust only the root. (Regression: only the first
     # certificate of the file was sent, so such chains could not be verified.)
@@ -467,6 +480,7 @@ async def test_a_certificate_chain_is_sent_whole(tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_a_ca_file_may_hold_several_cas(tmp_path, pki):
+    """Every CA in a --tls-ca file is trusted, not only the first."""
     # (Regression: only the first CA of a --tls-ca file was trusted.)
     bundle = tmp_path / "bundle.pem"
     bundle.write_bytes(open(pki["other_ca"].path, "rb").read() + open(pki["ca"].path, "rb").read())
@@ -476,6 +490,7 @@ async def test_a_ca_file_may_hold_several_cas(tmp_path, pki):
 
 
 def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki):
+    """A key that does not match its certificate, or a file without a certificate, raises ValueError."""
     address = ListenAddress("127.0.0.1", 0, pki["node"].cert, pki["impostor"].key)
     with pytest.raises(ValueError, match="--tls-cert .* with --tls-key"):
         address.endpoint(reactor)
@@ -486,6 +501,7 @@ def test_a_key_that_does_not_match_its_certificate_is_a_one_line_error(pki):
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_kcoral_router_with_a_wrong_key_exits_1_with_one_line(pki, processes):
+    """kcoral router with a key that does not match its certificate exits 1 with one error line."""
     child = processes.spawn(kcoral_argv("router", "--port", "0", "--tls-cert", pki["router"].cert,
                                         "--tls-key", pki["impostor"].key), name="bad-key")
     assert await child.exited(60) == 1

@@ -93,6 +93,7 @@ def request_round_trip(arrays, digests=None, inline=None):
 # -- dtypes ---------------------------------------------------------------
 
 def test_every_jax_dtype_is_on_the_wire():
+    """Every dtype JAX uses has a wire name, and name_of gives JAX's own name for it."""
     import jax.numpy as jnp
 
     expected = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -106,12 +107,14 @@ def test_every_jax_dtype_is_on_the_wire():
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)
 def test_dtype_names_round_trip(name):
+    """Each wire dtype name maps to a dtype whose wire name is that name again."""
     assert name_of(dtype_from_name(name)) == name
 
 
 @pytest.mark.parametrize("bad", ["float128", "object", "", "FLOAT32", "<f4", None, 3, ["float32"],
                                  "x" * 1000])
 def test_unknown_dtype_names(bad):
+    """A name that is not a wire dtype (other case, numpy codes, non-strings) raises UnknownDType."""
     with pytest.raises(UnknownDType):
         dtype_from_name(bad)
 
@@ -119,6 +122,7 @@ def test_unknown_dtype_names(bad):
 @pytest.mark.parametrize("dtype", [np.dtype(object), np.dtype("U3"), np.dtype([("a", "i4")]),
                                    np.dtype("datetime64[s]")])
 def test_unsendable_dtypes(dtype):
+    """Object, string, structured and datetime dtypes have no wire name: UnknownDType."""
     with pytest.raises(UnknownDType):
         name_of(dtype)
 
@@ -128,6 +132,7 @@ def test_unsendable_dtypes(dtype):
 @pytest.mark.parametrize("name", DTYPE_NAMES)
 @pytest.mark.parametrize("shape", [(3, 5), (), (0,), (2, 0, 3), (7,)], ids=str)
 def test_result_round_trip(name, shape):
+    """An output of any wire dtype and shape, empty and zero-dimensional included, decodes bit for bit."""
     array = sample(name, shape)
     [back] = result_round_trip([array])
     assert same(back, array)
@@ -135,6 +140,7 @@ def test_result_round_trip(name, shape):
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)
 def test_request_round_trip(name):
+    """Inline inputs of a request frame decode with their dtype, shape and bits, and no digest."""
     arrays = [sample(name, (4, 3), seed=1), sample(name, (), seed=2), sample(name, (0, 2))]
     run = request_round_trip(arrays)
     assert len(run.inputs) == 3
@@ -146,6 +152,7 @@ def test_request_round_trip(name):
 
 
 def test_zero_dimensional_arrays_stay_zero_dimensional():
+    """A zero-dimensional array is sent and decoded with shape (), not as a vector."""
     scalar = np.array(7, dtype=np.int64)
     assert wire_array(scalar).shape == ()
     [back] = result_round_trip([scalar])
@@ -160,6 +167,7 @@ def test_zero_dimensional_arrays_stay_zero_dimensional():
     lambda a: a[1:3, 1:4],
 ], ids=["strided", "transposed", "fortran", "reversed", "sliced"])
 def test_non_contiguous_inputs(make):
+    """Strided, transposed, Fortran-ordered, reversed and sliced arrays arrive with their values."""
     base = np.arange(48, dtype=np.float32).reshape(6, 8)
     view = make(base)
     [back] = result_round_trip([view])
@@ -170,6 +178,7 @@ def test_non_contiguous_inputs(make):
 
 @pytest.mark.parametrize("name", SWAPPABLE)
 def test_big_endian_inputs_arrive_little_endian(name):
+    """A big-endian array has its type's wire name and decodes as the native type, same values."""
     little = sample(name, (2, 3))
     big = little.astype(little.dtype.newbyteorder(">"))
     assert name_of(big.dtype) == name
@@ -179,6 +188,7 @@ def test_big_endian_inputs_arrive_little_endian(name):
 
 
 def test_buffers_are_aligned_and_decoded_without_copies():
+    """Decoded outputs are views into the body, each starting on an ALIGN-byte boundary."""
     arrays = [np.arange(n, dtype=np.float64) for n in (1, 3, 17, 100)]
     body = join(encode_result(arrays))
     back = decode_result(body)
@@ -193,6 +203,7 @@ def test_buffers_are_aligned_and_decoded_without_copies():
 
 
 def test_references_and_inline_content():
+    """An input by reference carries only its digest and is listed; inline ones carry their bytes."""
     big = np.ones(wire.CACHE_THRESHOLD_BYTES // 4, np.float32)
     small = np.arange(3, dtype=np.int8)
     digest = sha256(wire_array(big))
@@ -241,6 +252,7 @@ def wire_arrays(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(wire_arrays(), max_size=6))
 def test_result_round_trip_property(arrays):
+    """Any list of arrays, of any dtype, shape and layout, survives a result frame bit for bit."""
     back = result_round_trip(arrays)
     assert len(back) == len(arrays)
     for got, sent in zip(back, arrays):
@@ -251,6 +263,7 @@ def test_result_round_trip_property(arrays):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(wire_arrays(), st.booleans()), max_size=6))
 def test_request_round_trip_property(inputs):
+    """Any mix of inline and by-reference inputs decodes with its shapes, dtypes, digests and bytes."""
     arrays = [wire_array(a) for a, _ in inputs]
     digests = [sha256(a) if by_reference else None for a, (_, by_reference) in zip(arrays, inputs)]
     run = request_round_trip(arrays, digests, [not by_ref for _, by_ref in inputs])
@@ -336,17 +349,20 @@ GOOD_REQUEST = join(encode_request(sha256(b"p"), b"p", [
             "inputs": [{"dtype": "complex128", "shape": [2 ** 62], "digest": "b" * 64}]}), "too large"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_malformed_requests(body, message):
+    """Each malformed request frame raises WireError with a message naming what is wrong."""
     with pytest.raises(WireError, match=".*" + __import__("re").escape(message)):
         decode_request(body)
 
 
 def test_deeply_nested_json_header():
+    """A JSON header nested 100,000 levels deep raises WireError, not RecursionError."""
     text = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(WireError):
         decode_request(PREFIX.pack(MAGIC, len(text)) + text)
 
 
 def test_result_frames_need_outputs_with_data():
+    """A result frame without 'outputs', or with an output that has no data, raises WireError."""
     with pytest.raises(WireError, match="outputs"):
         decode_result(frame({"inputs": []}))
     with pytest.raises(WireError, match="no data"):
@@ -356,6 +372,7 @@ def test_result_frames_need_outputs_with_data():
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=512))
 def test_arbitrary_bytes_never_raise_anything_but_wire_error(body):
+    """Any bytes decode or raise WireError; without the magic, both decoders refuse them."""
     if not body.startswith(MAGIC):
         assert decodes_or_wire_error(body) == ["refused", "refused"]
     assert set(decodes_or_wire_error(MAGIC + body)) <= {"decoded", "refused"}
@@ -364,6 +381,7 @@ def test_arbitrary_bytes_never_raise_anything_but_wire_error(body):
 @settings(max_examples=500, deadline=None)
 @given(st.data())
 def test_mutated_frames_never_raise_anything_but_wire_error(data):
+    """A frame with bytes changed or cut decodes or raises WireError; cut in the prefix, it is refused."""
     body = bytearray(GOOD_REQUEST)
     for _ in range(data.draw(st.integers(1, 8))):
         position = data.draw(st.integers(0, len(body) - 1))
@@ -397,6 +415,7 @@ entries = st.fixed_dictionaries({}, optional={
        inputs=st.lists(entries, max_size=4) | json_values,
        payload=st.binary(max_size=300))
 def test_hostile_headers_never_raise_anything_but_wire_error(program, inputs, payload):
+    """Headers of arbitrary JSON decode or raise WireError; a request is never a result, nor the reverse."""
     body = frame({"program": program, "inputs": inputs}, payload)
     request_outcome, result_outcome = decodes_or_wire_error(body)
     assert result_outcome == "refused"  # no 'outputs' in a request frame
