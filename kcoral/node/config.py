@@ -11,6 +11,8 @@ import yaml
 
 from twisted.python import usage
 
+from kcoral.options import KCoralOptions
+
 #: Section keys and the option prefix their keys take.
 SECTIONS = {"cache": "cache-", "supervisor": ""}
 _SECTION_ALIASES = {"cache-compile-entries": "compile-cache-entries",
@@ -50,7 +52,7 @@ def _typed(value: object, default: object, where: str) -> str:
     return str(value)
 
 
-def load(path: str, options: usage.Options, given: set[str]) -> None:
+def load(path: str, options: KCoralOptions, given: set[str]) -> None:
     """Apply the node file at C{path} to every option not in C{given}."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -70,7 +72,7 @@ def load(path: str, options: usage.Options, given: set[str]) -> None:
         if option in given:
             continue
         text = _typed(value, options.defaults.get(option), where)
-        coerce = getattr(options._dispatch[option], "coerce", str)
+        coerce = options.coercions.get(option, str)
         try:
             options[option] = coerce(text)
         except ValueError as e:
