@@ -197,8 +197,11 @@ def _machine() -> Callable[[_Core], _Inputs]:
     stopping = machine.state("Stopping")
 
     @pep614(idle.upon(_Inputs.start).to(starting))
-    @pep614(waiting.upon(_Inputs.restart, nodata=True).to(starting))
     def spawn(inputs: _Inputs, core: _Core) -> None:
+        core.spawn(inputs)
+
+    @pep614(waiting.upon(_Inputs.restart).to(starting))
+    def respawn(inputs: _Inputs, core: _Core, restart: IDelayedCall) -> None:
         core.spawn(inputs)
 
     @pep614(starting.upon(_Inputs.answered).to(running))
