@@ -119,24 +119,33 @@ class FakeResponse:
         return succeed(self.body)
 
 
+@attrs.frozen
+class SentRequest:
+    method: str
+    url: str
+    data: Any = None
+    headers: Any = None
+
+
 @attrs.define
 class ScriptedHTTP:
     """
     A treq-like client whose answers the test sets per URL: a status and a
     JSON body, or None (connection refused, as from a worker that does not
-    listen). Every request is recorded as C{(method, url, data)}.
+    listen). Every request is recorded as a L{SentRequest}.
     """
 
     answers: dict[str, tuple[int, Any] | None] = attrs.Factory(dict)
-    requests: list[tuple[str, str, Any]] = attrs.Factory(list)
+    requests: list[SentRequest] = attrs.Factory(list)
     #: When set, requests wait on these Deferreds instead of answering at once.
     held: list[Deferred[Any]] | None = None
 
     def answer(self, url: str, code: int | None, body: Any = None) -> None:
         self.answers[url] = None if code is None else (code, body)
 
-    def _request(self, method: str, url: str, data: Any = None) -> Deferred[Any]:
-        self.requests.append((method, url, data))
+    def _request(self, method: str, url: str, data: Any = None, headers: Any = None
+                 ) -> Deferred[Any]:
+        self.requests.append(SentRequest(method, url, data, headers))
         if self.held is not None:
             self.held.append(Deferred())
             return self.held[-1]
@@ -146,15 +155,30 @@ class ScriptedHTTP:
         code, body = answer
         return succeed(FakeResponse(code, json.dumps(body).encode()))
 
-    def get(self, url: str, **kwargs: Any) -> Deferred[Any]:
-        return self._request("GET", url)
+    def get(self, url: str, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
+        return self._request("GET", url, None, headers)
 
-    def put(self, url: str, data: Any = None, **kwargs: Any) -> Deferred[Any]:
-        return self._request("PUT", url, data)
+    def put(self, url: str, data: Any = None, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
+        return self._request("PUT", url, data, headers)
 
-    def delete(self, url: str, **kwargs: Any) -> Deferred[Any]:
-        return self._request("DELETE", url)
+    def delete(self, url: str, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
+        return self._request("DELETE", url, None, headers)
 
     def sent(self, method: str) -> list[Any]:
         """The bodies (JSON, decoded) of the C{method} requests so far."""
-        return [json.loads(data) if data else None for m, _, data in self.requests if m == method]
+        return [json.loads(r.data) if r.data else None for r in self.requests if r.method == method]
+
+    def methods(self) -> list[str]:
+        return [r.method for r in self.requests]
+
+
+@attrs.define
+class FakeOutgoing:
+    """Stands in for L{kcoral.web.outgoing.Outgoing}: its C{client} is scripted."""
+
+    client: ScriptedHTTP = attrs.Factory(ScriptedHTTP)
+    closed: bool = False
+
+    def close(self) -> Deferred[None]:
+        self.closed = True
+        return succeed(None)

@@ -81,12 +81,13 @@ class SupervisorService(service.MultiService):
     exit_status = 0
 
     def __init__(self, options, reactor, specs: list[WorkerSpec], account: str,
-                 settings: RestartSettings):
+                 settings: RestartSettings, *, outgoing: Outgoing | None = None):
         super().__init__()
         self._options = options
         self._account = account
         self._advertise = options["advertise-host"] or options["host"]
-        self.outgoing = Outgoing(reactor, ca_path=options["tls-ca"])
+        #: The HTTP client of the probes and the reports.
+        self.outgoing = outgoing or Outgoing(reactor, ca_path=options["tls-ca"])
         self.reporter: Reporter | None = None
         self.gateway: Gateway | None = None
         if options["router"]:
