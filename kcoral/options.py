@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import attrs
 from twisted.python import usage
@@ -65,7 +66,7 @@ def option_name(field: str) -> str:
 
 def default(config: type, field: str) -> Any:
     """The default of C{field} in the frozen config class C{config}."""
-    value = attrs.fields_dict(config)[field].default
+    value: Any = attrs.fields_dict(config)[field].default
     return value.factory() if isinstance(value, attrs.Factory) else value  # type: ignore[arg-type]
 
 
@@ -78,7 +79,7 @@ def parameter(config: type, field: str, doc: str,
 
 def config_from(config: type[C], options: usage.Options, **overrides: Any) -> C:
     """An instance of C{config} with every field that has an option taken from it."""
-    values = {f.name: options[option_name(f.name)] for f in attrs.fields(config)
+    values = {f.name: options[option_name(f.name)] for f in attrs.fields(cast(Any, config))
               if option_name(f.name) in options.defaults}
     values.update(overrides)
     return config(**values)

@@ -9,12 +9,15 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.error import ConnectionRefusedError, ProcessDone, ProcessTerminated
+from twisted.internet.error import (
+    ConnectionRefusedError,
+    ProcessDone,
+    ProcessTerminated,
+)
 from twisted.internet.interfaces import IProcessTransport, IReactorProcess
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from zope.interface import implementer
-
 
 # -- processes: a fake process reactor --------------------------------------------------------
 
@@ -23,12 +26,12 @@ class FakeProcess:
     """A spawned child that never runs: it records the signals it gets, and
     the test says what it writes and when it ends."""
 
-    def __init__(self, reactor: "ProcessReactor", protocol, executable, args, env, childFDs,
+    def __init__(self, reactor: ProcessReactor, protocol, executable, args, env, childFDs,
                  pid: int):
         self.reactor = reactor
         self.protocol, self.executable, self.args, self.env = protocol, executable, args, env
         self.childFDs = childFDs
-        self.pid = pid
+        self.pid: int | None = pid
         self.signals: list[str] = []
         self.ended = False
         protocol.makeConnection(self)

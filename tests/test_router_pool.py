@@ -9,11 +9,20 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from kcoral.router.pool import (DRAINING, GONE, INCOMPATIBLE, JOINING, READY, UNHEALTHY,
-                                NodeConflict, Pool, PoolFull)
+from kcoral.router.pool import (
+    DRAINING,
+    GONE,
+    INCOMPATIBLE,
+    JOINING,
+    READY,
+    UNHEALTHY,
+    NodeConflict,
+    Pool,
+    PoolFull,
+)
+from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Lease, Scheduler
-from kcoral.router.queue import WaitQueue
 
 RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
 

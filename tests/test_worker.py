@@ -5,6 +5,7 @@ URL pipe, probes, SIGTERM then SIGKILL, restarts with backoff, draining stop.
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 
@@ -24,9 +25,9 @@ class Supervised:
     """One worker on a fake reactor, with a scripted /health."""
 
     def __init__(self, *, spec=None, **settings):
-        settings = dict(dict(failure_threshold=3, startup_grace_seconds=30,
-                             termination_grace_seconds=5, health_interval_seconds=2,
-                             restart_jitter=0.0), **settings)
+        settings = {"failure_threshold": 3, "startup_grace_seconds": 30,
+                    "termination_grace_seconds": 5, "health_interval_seconds": 2,
+                    "restart_jitter": 0.0, **settings}
         self.reactor = ProcessReactor()
         self.http = ScriptedHTTP()
         self.restarts = Counter("kcoral_worker_restarts", "restarts", ["worker"],
@@ -167,7 +168,7 @@ def test_crashes_are_restarted_with_doubling_delays():
         while len(s.reactor.processes) == count:
             s.reactor.advance(0.25)
         starts.append(s.reactor.seconds())
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert gaps == [1.0, 2.0, 4.0, 4.0, 4.0]
     assert s.restart_count() == 5
 

@@ -8,7 +8,6 @@ environment, then the file, then defaults.
 from __future__ import annotations
 
 import yaml
-
 from twisted.python import usage
 
 from kcoral.options import KCoralOptions
@@ -23,8 +22,8 @@ class NodeFileError(usage.UsageError):
     pass
 
 
-def _flatten(data: dict, path: str) -> dict[str, object]:
-    flat = {}
+def _flatten(data: dict, path: str) -> dict[str, tuple[str, object]]:
+    flat: dict[str, tuple[str, object]] = {}
     for key, value in data.items():
         if not isinstance(key, str):
             raise NodeFileError(f"{path}: key {key!r} is not a name")

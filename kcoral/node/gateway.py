@@ -6,7 +6,7 @@ workers as static members, on the node's public port.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from prometheus_client import generate_latest
 from twisted.application import service

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from twisted.application import service

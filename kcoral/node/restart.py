@@ -11,7 +11,7 @@ for C{stable_reset_seconds}.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 from twisted.application.internet import backoffPolicy

@@ -120,7 +120,7 @@ class SupervisorService(service.MultiService):
 
     def _target(self) -> tuple[str | None, dict]:
         """The GPU target and runtime of the node: its healthy workers'."""
-        health = next((w.health for w in self.workers if w.healthy), {})
+        health: dict = next((w.health for w in self.workers if w.healthy), {})
         return health.get("gpu_target"), health.get("runtime") or {}
 
     def report(self) -> dict:

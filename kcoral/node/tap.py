@@ -6,15 +6,28 @@ server; otherwise a supervisor that runs the server process(es).
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.python import usage
 
 from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import NodeConfig, makeSupervisorService
-from kcoral.options import (LISTEN, TLS_CA, TLS_CERT, TLS_KEY, KCoralOptions, check_listen,
-                            config_from, non_negative, parameter, port, positive)
+from kcoral.options import (
+    LISTEN,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
+    KCoralOptions,
+    check_listen,
+    config_from,
+    non_negative,
+    parameter,
+    port,
+    positive,
+)
 from kcoral.server.service import ServerConfig, ServerService
 
-SUPERVISOR_OPTIONS = [parameter(RestartSettings, *row) for row in [
+_SUPERVISOR_ROWS: list[tuple[Any, ...]] = [
     ("health_interval_seconds", "Interval between health probes and heartbeats.", positive(float)),
     ("health_timeout_seconds", "Timeout of each local health probe.", positive(float)),
     ("failure_threshold", "Failed probes in a row before a restart.", positive(int)),
@@ -25,7 +38,9 @@ SUPERVISOR_OPTIONS = [parameter(RestartSettings, *row) for row in [
     ("restart_min_delay_seconds", "First restart delay.", non_negative(float)),
     ("restart_max_delay_seconds", "Largest restart delay before jitter.", non_negative(float)),
     ("restart_jitter", "Random variation of restart delays, a fraction in [0, 0.5].", float),
-]]
+]
+#: The supervisor options, left out of --help.
+SUPERVISOR_OPTIONS = [parameter(RestartSettings, *row) for row in _SUPERVISOR_ROWS]
 
 
 def _server(field: str, doc: str, coerce=None) -> list:

@@ -17,14 +17,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import attrs
 from automat import TypeMachineBuilder, pep614
 from twisted.application import service
 from twisted.internet import error, protocol
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
-from twisted.internet.interfaces import IDelayedCall, IProcessTransport
+from twisted.internet.base import DelayedCall
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -111,11 +112,12 @@ class _Core:
     reactor: Any
     on_change: Callable[[], None]
     restarts: Any  # a prometheus Counter labelled by worker, or None
-    process: IProcessTransport | None = None
+    #: The child (an IProcessTransport), while there is one.
+    process: Any = None
     url: str | None = None
     healthy: bool = False
     health: dict = attrs.Factory(dict)
-    murder: IDelayedCall | None = None
+    murder: DelayedCall | None = None
     stopped: list[Deferred[Any]] = attrs.Factory(list)
     probes: LoopingCall | None = None
 
@@ -180,7 +182,7 @@ class _Core:
 def _machine() -> Callable[[_Core], _Inputs]:
     machine = TypeMachineBuilder(_Inputs, _Core)
 
-    def restart_later(inputs: _Inputs, core: _Core, reason: Any) -> IDelayedCall:
+    def restart_later(inputs: _Inputs, core: _Core, reason: Any) -> DelayedCall:
         """The C{restart} timer: a new start after the policy's backoff."""
         delay = core.policy.next_delay()
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
@@ -201,7 +203,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         core.spawn(inputs)
 
     @pep614(waiting.upon(_Inputs.restart).to(starting))
-    def respawn(inputs: _Inputs, core: _Core, restart: IDelayedCall) -> None:
+    def respawn(inputs: _Inputs, core: _Core, restart: DelayedCall) -> None:
         core.spawn(inputs)
 
     @pep614(starting.upon(_Inputs.answered).to(running))
@@ -260,7 +262,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
             d.callback(getattr(reason, "exitCode", None))
 
     @pep614(waiting.upon(_Inputs.stop).to(idle))
-    def cancel_restart(inputs: _Inputs, core: _Core, restart: IDelayedCall) -> Deferred[Any]:
+    def cancel_restart(inputs: _Inputs, core: _Core, restart: DelayedCall) -> Deferred[Any]:
         restart.cancel()
         if core.probes is not None and core.probes.running:
             core.probes.stop()
@@ -289,7 +291,7 @@ class Worker(service.Service):
     def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
                  *, on_change: Callable[[], None] = lambda: None, restarts=None):
         self.spec = spec
-        self.name = spec.name
+        self.setName(spec.name)
         self.policy = policy
         self._reactor = reactor
         self._http = http
@@ -371,6 +373,6 @@ class Worker(service.Service):
     def report(self, url: str) -> WorkerReport:
         """This worker as a node reports it, reached at C{url}."""
         healthy = self.healthy and self.url is not None
-        return WorkerReport(self.name, url, healthy,
+        return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
                             int(self.health.get("active", 0)) if healthy else 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 from twisted.logger import Logger
@@ -40,7 +40,7 @@ MAX_NODES = 10_000
 class Member:
     """One worker endpoint: the unit that receives programs."""
 
-    node: "Node"
+    node: Node
     name: str
     url: str
     capacity: int = 0

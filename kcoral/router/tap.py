@@ -5,9 +5,44 @@ C{makeService}.
 
 from __future__ import annotations
 
-from kcoral.options import (LISTEN, TLS_CA, TLS_CERT, TLS_KEY, KCoralOptions, check_listen,
-                            config_from, non_negative, parameter, port, positive)
+from typing import Any
+
+from kcoral.options import (
+    LISTEN,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
+    KCoralOptions,
+    check_listen,
+    config_from,
+    non_negative,
+    parameter,
+    port,
+    positive,
+)
 from kcoral.router.service import RouterConfig, RouterService
+
+
+#: Each option: its RouterConfig field, help text and value check.
+_OPTIONS: list[tuple[Any, ...]] = [
+    ("host", "Interface to listen on."),
+    ("port", "Port to listen on.", port),
+    ("status_check_interval_seconds", "Interval for checking status freshness.", positive(float)),
+    ("max_status_age_seconds", "Maximum age of a node health report.", positive(float)),
+    ("unhealthy_threshold", "Failed observations before removing a ready node.", positive(int)),
+    ("recovery_threshold", "Successful observations before a failed node returns.",
+     positive(int)),
+    ("queue_wait_timeout_seconds", "Maximum wait for capacity.", non_negative(float)),
+    ("max_queued_requests", "Bound on requests waiting for capacity.", non_negative(int)),
+    ("node_retention_seconds", "Retention of disconnected, unused node records.",
+     non_negative(float)),
+    ("max_request_bytes", "Maximum accepted request body size, in bytes.", positive(int)),
+    ("node_token", "Token nodes must present [env: KCORAL_NODE_TOKEN]."),
+    ("tls_cert", TLS_CERT),
+    ("tls_key", TLS_KEY),
+    ("tls_ca", TLS_CA),
+    ("listen", LISTEN),
+]
 
 
 class Options(KCoralOptions):
@@ -15,25 +50,7 @@ class Options(KCoralOptions):
     longdesc = ("Run a KCoral Router: one stable address that sends each program to a "
                 "healthy node with free capacity, queueing when none is free.")
 
-    optParameters = [parameter(RouterConfig, *row) for row in [
-        ("host", "Interface to listen on."),
-        ("port", "Port to listen on.", port),
-        ("status_check_interval_seconds", "Interval for checking status freshness.", positive(float)),
-        ("max_status_age_seconds", "Maximum age of a node health report.", positive(float)),
-        ("unhealthy_threshold", "Failed observations before removing a ready node.", positive(int)),
-        ("recovery_threshold", "Successful observations before a failed node returns.",
-         positive(int)),
-        ("queue_wait_timeout_seconds", "Maximum wait for capacity.", non_negative(float)),
-        ("max_queued_requests", "Bound on requests waiting for capacity.", non_negative(int)),
-        ("node_retention_seconds", "Retention of disconnected, unused node records.",
-         non_negative(float)),
-        ("max_request_bytes", "Maximum accepted request body size, in bytes.", positive(int)),
-        ("node_token", "Token nodes must present [env: KCORAL_NODE_TOKEN]."),
-        ("tls_cert", TLS_CERT),
-        ("tls_key", TLS_KEY),
-        ("tls_ca", TLS_CA),
-        ("listen", LISTEN),
-    ]]
+    optParameters = [parameter(RouterConfig, *row) for row in _OPTIONS]
     environment = {"node-token": "KCORAL_NODE_TOKEN"}
 
     def postOptions(self):
