@@ -112,6 +112,7 @@ class _Core:
     reactor: Any
     on_change: Callable[[], None]
     restarts: Any  # a prometheus Counter labelled by worker, or None
+    probes: LoopingCall
     #: The child (an IProcessTransport), while there is one.
     process: Any = None
     url: str | None = None
@@ -119,7 +120,6 @@ class _Core:
     health: dict = attrs.Factory(dict)
     murder: DelayedCall | None = None
     stopped: list[Deferred[Any]] = attrs.Factory(list)
-    probes: LoopingCall | None = None
 
     @property
     def name(self) -> str:
@@ -173,6 +173,10 @@ class _Core:
         if self.healthy:
             self.healthy = False
             self.on_change()
+
+    def stop_probing(self) -> None:
+        if self.probes.running:
+            self.probes.stop()
 
     def wait_for_stop(self) -> Deferred[Any]:
         self.stopped.append(Deferred())
@@ -254,8 +258,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
     def stopped(inputs: _Inputs, core: _Core, reason: Any) -> None:
         log.info("{worker} stopped ({how})", worker=core.name, how=describe_exit(reason))
         core.gone()
-        if core.probes is not None and core.probes.running:
-            core.probes.stop()
+        core.stop_probing()
         core.on_change()
         waiting_for_stop, core.stopped = core.stopped, []
         for d in waiting_for_stop:
@@ -264,8 +267,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(waiting.upon(_Inputs.stop).to(idle))
     def cancel_restart(inputs: _Inputs, core: _Core, restart: DelayedCall) -> Deferred[Any]:
         restart.cancel()
-        if core.probes is not None and core.probes.running:
-            core.probes.stop()
+        core.stop_probing()
         return succeed(None)
 
     @pep614(idle.upon(_Inputs.stop).loop())
@@ -295,9 +297,9 @@ class Worker(service.Service):
         self.policy = policy
         self._reactor = reactor
         self._http = http
-        self._core = _Core(spec, argv, policy, reactor, on_change, restarts)
-        self._core.probes = LoopingCall(self._probe)
-        self._core.probes.clock = reactor
+        probes = LoopingCall(self._probe)
+        probes.clock = reactor
+        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes)
         self._machine = _build(self._core)
 
     @property
@@ -315,9 +317,8 @@ class Worker(service.Service):
     def startService(self) -> None:
         super().startService()
         self._machine.start()
-        probes = self._core.probes
-        if probes is not None and not probes.running:
-            probes.start(self.policy.settings.health_interval_seconds, now=False)
+        if not self._core.probes.running:
+            self._core.probes.start(self.policy.settings.health_interval_seconds, now=False)
 
     def stopService(self) -> Deferred[Any]:
         super().stopService()
