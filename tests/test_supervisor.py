@@ -7,10 +7,13 @@ first and of the departure last).
 
 from __future__ import annotations
 
-from kcoral.node import tap
+import sys
+
 from kcoral.node.announce import URL_FD
+from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec
-from kcoral.node.supervisor import SupervisorService
+from kcoral.node.supervisor import SupervisorService, worker_argv
+from kcoral.server.service import ServerConfig
 from tests.fakes import FakeOutgoing, ProcessReactor
 
 ROUTER = "http://127.0.0.1:9000"
@@ -19,13 +22,15 @@ HEALTHY = {"status": "ok", "capacity": 2, "active": 0, "gpu_target": "cpu", "run
 SPECS = [WorkerSpec("worker0", 0, None), WorkerSpec("worker1", 1, None)]
 
 
-def supervisor(*argv):
-    options = tap.Options()
-    options.parseOptions(["--gpus", "none", "--cpu-workers", "2", "--port", "0", *argv])
+def supervisor(**settings):
     reactor, outgoing = ProcessReactor(), FakeOutgoing()
-    node = SupervisorService(options, reactor, SPECS, "2 CPU worker(s)",
-                             options.restart_settings(), outgoing=outgoing)
+    node = SupervisorService(NodeConfig(cpu_workers=2, **settings),
+                             ServerConfig(port=0, gpus="none"), reactor, SPECS, [0, 0],
+                             "2 CPU worker(s)", outgoing=outgoing)
     return node, reactor, outgoing.client, outgoing
+
+
+UNDER_A_ROUTER = {"router": ROUTER, "node_id": "gpu-a"}
 
 
 def serve(node, reactor, http):
@@ -43,7 +48,7 @@ def test_children_start_reporter_or_workers_then_gateway():
     """Standalone the children are the workers then the gateway; under a Router, reporter then workers."""
     node, _, _, _ = supervisor()
     assert [type(c).__name__ for c in node] == ["MultiService", "Gateway"]
-    node, _, _, _ = supervisor("--router", ROUTER, "--node-id", "gpu-a")
+    node, _, _, _ = supervisor(**UNDER_A_ROUTER)
     assert [type(c).__name__ for c in node] == ["Reporter", "MultiService"]
 
 
@@ -73,7 +78,7 @@ def test_the_workers_get_sigterm_only_after_the_gateway_drained():
 
 def test_under_a_router_draining_is_said_first_and_leaving_last():
     """The Router hears 'draining' before any SIGTERM and the DELETE after the workers exit."""
-    node, reactor, http, _ = supervisor("--router", ROUTER, "--node-id", "gpu-a")
+    node, reactor, http, _ = supervisor(**UNDER_A_ROUTER)
     http.answer(NODE_URL, 200, {"state": "ready"})
     serve(node, reactor, http)
     node.stopService()
@@ -90,9 +95,22 @@ def test_under_a_router_draining_is_said_first_and_leaving_last():
 
 def test_a_worker_change_is_reported_without_waiting_for_the_heartbeat():
     """A worker that turns healthy is reported to the Router at once."""
-    node, reactor, http, _ = supervisor("--router", ROUTER, "--node-id", "gpu-a")
+    node, reactor, http, _ = supervisor(**UNDER_A_ROUTER)
     http.answer(NODE_URL, 200, {"state": "joining"})
     serve(node, reactor, http)
     healthy = [sum(w["healthy"] for w in body["workers"]) for body in http.sent("PUT")]
     # Heartbeats alone would have sent two by now (at 0 and 2 s).
     assert healthy[-1] == 2 and len(healthy) > 2
+
+
+def test_a_worker_runs_with_the_node_server_settings():
+    """A worker's command line carries the node's server settings and a cache directory of its own."""
+    server = ServerConfig(host="10.0.0.5", capacity=3, cache_dir="/var/cache/kcoral",
+                          tls_cert="cert.pem")
+    argv = worker_argv(server, SPECS[1], 8002)
+    assert argv[:4] == [sys.executable, "-m", "kcoral", "server"]
+    pairs = dict(zip(argv[4::2], argv[5::2], strict=True))
+    assert pairs["--host"] == "10.0.0.5" and pairs["--port"] == "8002"
+    assert pairs["--gpus"] == "none" and pairs["--capacity"] == "3"
+    assert pairs["--cache-dir"] == "/var/cache/kcoral/worker1"
+    assert pairs["--tls-cert"] == "cert.pem" and "--tls-key" not in pairs

@@ -1,16 +1,36 @@
 """
+A node's configuration: its own settings (L{NodeConfig}, beside the
+L{ServerConfig} its workers run with), and the node file.
+
 The node file: C{kcoral server --config node.yaml} takes any server or node
-option from a YAML file. Keys are the option names, with C{_} or C{-}; the sections C{cache:} and C{supervisor:}
-group their options for readability. Precedence: command line, then
+option from a YAML file. Keys are the option names, with C{_} or C{-}; the
+sections C{cache:} and C{supervisor:} group their options for readability. Precedence: command line, then
 environment, then the file, then defaults.
 """
 
 from __future__ import annotations
 
+import attrs
 import yaml
 from twisted.python import usage
 
+from kcoral.node.restart import RestartSettings
 from kcoral.options import KCoralOptions
+
+
+@attrs.frozen
+class NodeConfig:
+    """A node's own settings (its workers take a L{ServerConfig}'s)."""
+
+    cpu_workers: int = 1
+    router: str | None = None
+    node_id: str | None = None
+    node_token: str | None = None
+    advertise_host: str | None = None
+    #: CA file to verify https Routers and workers with (default: the platform's roots).
+    tls_ca: str | None = None
+    restart: RestartSettings = attrs.Factory(RestartSettings)
+
 
 #: Section keys and the option prefix their keys take.
 SECTIONS = {"cache": "cache-", "supervisor": ""}

@@ -13,9 +13,11 @@ from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.node.config import NodeConfig
 from kcoral.node.metrics import merge, scrape_workers
 from kcoral.router.report import WorkerReport
 from kcoral.router.service import RouterConfig, build_router
+from kcoral.server.service import ServerConfig
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 
@@ -25,18 +27,18 @@ log = Logger()
 NODE = "local"
 
 
-def gateway_config(options) -> RouterConfig:
-    """The Router settings of the gateway of a node with C{options}."""
+def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
+    """The Router settings of the gateway of a node, on the node's public address."""
     return RouterConfig(
-        host=options["host"], port=options["port"],
+        host=server.host, port=server.port,
         # The supervisor probes the workers itself: the pool follows its
         # verdicts at once instead of re-counting observations.
         unhealthy_threshold=1, recovery_threshold=1,
-        queue_wait_timeout_seconds=options["queue-wait-timeout-seconds"],
-        max_queued_requests=max(options["max-queued-requests"], RouterConfig().max_queued_requests),
-        max_request_bytes=options["max-request-bytes"],
-        tls_cert=options["tls-cert"], tls_key=options["tls-key"], tls_ca=options["tls-ca"],
-        listen=options["listen"])
+        queue_wait_timeout_seconds=server.queue_wait_timeout_seconds,
+        max_queued_requests=max(server.max_queued_requests, RouterConfig().max_queued_requests),
+        max_request_bytes=server.max_request_bytes,
+        tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
+        listen=server.listen)
 
 
 class Gateway(service.MultiService):

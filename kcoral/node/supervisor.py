@@ -15,50 +15,44 @@ from __future__ import annotations
 import os
 import sys
 
-import attrs
 from prometheus_client import Counter
 from twisted.application import service
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.gateway import Gateway, gateway_config
 from kcoral.node.reporter import Reporter
-from kcoral.node.restart import RestartPolicy, RestartSettings
+from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
+from kcoral.options import option_name
 from kcoral.router.report import WorkerReport
+from kcoral.server.service import ServerConfig
 from kcoral.web.endpoint import url_of
 from kcoral.web.outgoing import Outgoing
 
 log = Logger()
 
 
-@attrs.frozen
-class NodeConfig:
-    """A node's own settings (its workers take a L{ServerConfig}'s)."""
-
-    cpu_workers: int = 1
-    router: str | None = None
-    node_id: str | None = None
-    node_token: str | None = None
-    advertise_host: str | None = None
-    #: CA file to verify https Routers and workers with (default: the platform's roots).
-    tls_ca: str | None = None
-    restart: RestartSettings = attrs.Factory(RestartSettings)
+#: The server settings a worker is started with, as they are on the node.
+WORKER_SETTINGS = ("capacity", "max_queued_requests", "queue_wait_timeout_seconds",
+                   "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
+                   "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
+                   "tls_cert", "tls_key")
 
 
-def worker_argv(options, spec: WorkerSpec, port: int) -> list[str]:
-    argv = [sys.executable, "-m", "kcoral", "server", "--host", options["host"], "--port", str(port),
+def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
+    """The command line of the worker C{spec} of a node whose servers have C{server}."""
+    argv = [sys.executable, "-m", "kcoral", "server", "--host", server.host, "--port", str(port),
             "--gpus", spec.gpus_argument]
-    for name in ("capacity", "max-queued-requests", "queue-wait-timeout-seconds",
-                 "max-request-bytes", "cache-memory-bytes", "cache-disk-bytes",
-                 "compile-cache-entries", "device-cache-bytes", "compilation-cache-dir",
-                 "tls-cert", "tls-key"):
-        if options[name] is not None:
-            argv += [f"--{name}", str(options[name])]
-    if options["cache-dir"]:
+    for name in WORKER_SETTINGS:
+        value = getattr(server, name)
+        if value is not None:
+            argv += [f"--{option_name(name)}", str(value)]
+    if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.
-        argv += ["--cache-dir", os.path.join(options["cache-dir"], spec.name)]
+        argv += ["--cache-dir", os.path.join(server.cache_dir, spec.name)]
     return argv
 
 
@@ -76,35 +70,40 @@ def worker_port(options, index: int) -> int:
 
 
 class SupervisorService(service.MultiService):
-    """The node: its workers, and the reporter or the gateway."""
+    """
+    The node with the settings C{node}, whose workers run with C{server}'s:
+    one per C{specs}, worker i on C{ports[i]}; the reporter (with a Router)
+    or the gateway (without).
+    """
 
     exit_status = 0
 
-    def __init__(self, options, reactor, specs: list[WorkerSpec], account: str,
-                 settings: RestartSettings, *, outgoing: Outgoing | None = None):
+    def __init__(self, node: NodeConfig, server: ServerConfig, reactor, specs: list[WorkerSpec],
+                 ports: list[int], account: str, *, outgoing: Outgoing | None = None):
         super().__init__()
-        self._options = options
         self._account = account
-        self._advertise = options["advertise-host"] or options["host"]
+        self._advertise = node.advertise_host or server.host
+        self._scheme = "https" if server.tls_cert else "http"
+        settings = node.restart
         #: The HTTP client of the probes and the reports.
-        self.outgoing = outgoing or Outgoing(reactor, ca_path=options["tls-ca"])
+        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca)
         self.reporter: Reporter | None = None
         self.gateway: Gateway | None = None
-        if options["router"]:
-            self.reporter = Reporter(self.outgoing.client, options["router"], options["node-id"],
-                                     options["node-token"], self.report,
+        if node.router:
+            self.reporter = Reporter(self.outgoing.client, node.router, node.node_id,
+                                     node.node_token, self.report,
                                      timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
-            self.gateway = Gateway(gateway_config(options), reactor,
-                                   secured=bool(options["node-token"]))
+            self.gateway = Gateway(gateway_config(node, server), reactor,
+                                   secured=bool(node.node_token))
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()
-        for spec in specs:
-            Worker(spec, worker_argv(options, spec, worker_port(options, spec.index)),
-                   RestartPolicy(settings), reactor, self.outgoing.client,
-                   on_change=self._changed, restarts=restarts).setServiceParent(self.workers)
+        for spec, port in zip(specs, ports, strict=True):
+            Worker(spec, worker_argv(server, spec, port), RestartPolicy(settings), reactor,
+                   self.outgoing.client, on_change=self._changed,
+                   restarts=restarts).setServiceParent(self.workers)
         self.workers.setServiceParent(self)
         if self.gateway is not None:
             self.gateway.setServiceParent(self)
@@ -112,8 +111,7 @@ class SupervisorService(service.MultiService):
     def _advertised(self, worker: Worker) -> str:
         if not worker.url:
             return "http://unknown:1"
-        scheme = "https" if self._options["tls-cert"] else "http"
-        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]), scheme)
+        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]), self._scheme)
 
     def worker_reports(self) -> tuple[WorkerReport, ...]:
         return tuple(w.report(self._advertised(w)) for w in self.workers)
@@ -158,6 +156,8 @@ class SupervisorService(service.MultiService):
         log.info("kcoral node stopped")
 
 
-def makeSupervisorService(options, reactor):
+def makeSupervisorService(options, reactor) -> SupervisorService:
+    """The supervisor of the node that the options C{options} describe."""
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus())
-    return SupervisorService(options, reactor, specs, account, options.node_config().restart)
+    return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
+                             [worker_port(options, spec.index) for spec in specs], account)

@@ -10,8 +10,10 @@ from typing import Any
 
 from twisted.python import usage
 
+from kcoral.node import config
+from kcoral.node.config import NodeConfig
 from kcoral.node.restart import RestartSettings
-from kcoral.node.supervisor import NodeConfig, makeSupervisorService
+from kcoral.node.supervisor import makeSupervisorService
 from kcoral.options import (
     LISTEN,
     TLS_CA,
@@ -92,7 +94,6 @@ class Options(KCoralOptions):
     def postOptions(self):
         from_environment = self.from_environment()
         if self["config"]:
-            from kcoral.node import config
             config.load(self["config"], self, self.named | from_environment)
         check_listen(self)
         if self["listen"] and self["router"]:

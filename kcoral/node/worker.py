@@ -24,8 +24,8 @@ import attrs
 from automat import TypeMachineBuilder, pep614
 from twisted.application import service
 from twisted.internet import error, protocol
-from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.base import DelayedCall
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
