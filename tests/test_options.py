@@ -298,8 +298,8 @@ def test_worker_ports(argv, ports):
 
 def test_node_options_default_to_the_configs():
     """The node options' defaults are ServerConfig's, NodeConfig's and RestartSettings'."""
-    from kcoral.node.restart import RestartSettings
     from kcoral.node.config import NodeConfig
+    from kcoral.node.restart import RestartSettings
     from kcoral.server.service import ServerConfig
 
     o = node_options()

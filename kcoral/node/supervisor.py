@@ -89,7 +89,7 @@ class SupervisorService(service.MultiService):
         self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca)
         self.reporter: Reporter | None = None
         self.gateway: Gateway | None = None
-        if node.router:
+        if node.router and node.node_id:
             self.reporter = Reporter(self.outgoing.client, node.router, node.node_id,
                                      node.node_token, self.report,
                                      timeout=settings.health_interval_seconds, reactor=reactor)

@@ -22,7 +22,6 @@ from kcoral.options import (
 )
 from kcoral.router.service import RouterConfig, RouterService
 
-
 #: Each option: its RouterConfig field, help text and value check.
 _OPTIONS: list[tuple[Any, ...]] = [
     ("host", "Interface to listen on."),
