@@ -1,14 +1,20 @@
 """
 Pieces shared by the C{usage.Options} of every KCoral service: value checks,
-environment fallbacks and options left out of C{--help}.
+environment fallbacks, options left out of C{--help}, and the link between
+options and the frozen config of a service, which holds every default.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
+import attrs
 from twisted.python import usage
+
+C = TypeVar("C")
 
 
 def non_negative(kind):
@@ -40,9 +46,11 @@ def port(text: str) -> int:
 
 #: Listening on a Twisted server endpoint string (the Router, a standalone
 #: server, a node's gateway). Twisted parses it, TLS files included.
-LISTEN = ["listen", None, None,
-          "A Twisted server endpoint string to listen on instead of --host, --port, --tls-cert "
-          "and --tls-key, e.g. ssl:9443:interface=0.0.0.0:privateKey=key.pem:certKey=cert.pem."]
+LISTEN = ("A Twisted server endpoint string to listen on instead of --host, --port, --tls-cert "
+          "and --tls-key, e.g. ssl:9443:interface=0.0.0.0:privateKey=key.pem:certKey=cert.pem.")
+TLS_CERT = "PEM certificate (chain): listen with TLS."
+TLS_KEY = "PEM private key of --tls-cert (default: inside --tls-cert)."
+TLS_CA = "PEM CA to verify https peers with (default: the system's roots)."
 
 
 def check_listen(options) -> None:
@@ -51,15 +59,42 @@ def check_listen(options) -> None:
                                "certificate in the endpoint string (certKey=..., privateKey=...)")
 
 
-class _NamedParameter(usage.CoerceParameter):
-    """Names the option when its value is refused (Twisted's message does not)."""
+def option_name(field: str) -> str:
+    """The option of a config field: C{max_request_bytes} is C{max-request-bytes}."""
+    return field.replace("_", "-")
 
-    def dispatch(self, parameterName, value):
+
+def default(config: type, field: str) -> Any:
+    """The default of C{field} in the frozen config class C{config}."""
+    value: Any = attrs.fields_dict(config)[field].default
+    return value.factory() if isinstance(value, attrs.Factory) else value  # type: ignore[arg-type]
+
+
+def parameter(config: type, field: str, doc: str,
+              coerce: Callable[[str], Any] | None = None) -> list[Any]:
+    """The C{optParameters} row of C{field}'s option, its default from C{config}."""
+    row = [option_name(field), None, default(config, field), doc]
+    return row if coerce is None else row + [coerce]
+
+
+def config_from(config: type[C], options: usage.Options, **overrides: Any) -> C:
+    """An instance of C{config} with every field that has an option taken from it."""
+    values = {f.name: options[option_name(f.name)] for f in attrs.fields(cast(Any, config))
+              if option_name(f.name) in options.defaults}
+    values.update(overrides)
+    return config(**values)
+
+
+def _naming(name: str, coerce: Callable[[str], Any]) -> Callable[[str], Any]:
+    """C{coerce}, naming the option when it refuses a value (Twisted's
+    message does not: it catches only C{ValueError}, so this one passes)."""
+    def named(text: str) -> Any:
         try:
-            super().dispatch(parameterName, value)
-        except usage.UsageError as e:
-            why = str(e).removeprefix("Parameter type enforcement failed: ")
-            raise usage.UsageError(f"--{parameterName}: {why}") from None
+            return coerce(text)
+        except ValueError as e:
+            raise usage.UsageError(f"--{name}: {e}") from None
+    named.coerceDoc = getattr(coerce, "coerceDoc", "")  # type: ignore[attr-defined]
+    return named
 
 
 class KCoralOptions(usage.Options):
@@ -71,12 +106,17 @@ class KCoralOptions(usage.Options):
 
     environment: dict[str, str] = {}
     hidden: frozenset[str] = frozenset()
+    optParameters: list[list[Any]] = []
+    #: The value check of each option that has one (a node file's values go
+    #: through them too).
+    coercions: dict[str, Callable[[str], Any]] = {}
 
-    def __init__(self):
-        super().__init__()
-        for name, handler in self._dispatch.items():
-            if type(handler) is usage.CoerceParameter:
-                self._dispatch[name] = _NamedParameter(self, handler.coerce)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "optParameters" in cls.__dict__:
+            cls.coercions = {row[0]: row[4] for row in cls.optParameters if len(row) > 4}
+            cls.optParameters = [row[:4] + [_naming(row[0], row[4])] if len(row) > 4 else row
+                                 for row in cls.optParameters]
 
     def getUsage(self, width=None):
         everything = self.longOpt

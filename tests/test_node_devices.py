@@ -17,12 +17,14 @@ FOUR = ["0", "1", "2", "3"]
 
 
 def test_default_gpu_zero():
+    """By default a host with GPUs runs one worker on GPU 0."""
     specs, account = plan_workers("0", 1, FOUR)
     assert specs == [WorkerSpec("worker0", 0, "0")]
     assert "GPU 0" in account
 
 
 def test_all_gpus():
+    """--gpus all runs one worker per GPU found."""
     specs, account = plan_workers("all", 1, FOUR)
     assert [(s.name, s.index, s.gpu) for s in specs] == [
         ("worker0", 0, "0"), ("worker1", 1, "1"), ("worker2", 2, "2"), ("worker3", 3, "3")]
@@ -30,12 +32,14 @@ def test_all_gpus():
 
 
 def test_a_list_of_gpus():
+    """A GPU list runs one worker per listed GPU, in its order."""
     specs, _ = plan_workers("2, 0", 1, FOUR)
     # worker i listens on port + i, in the order given
     assert [(s.name, s.index, s.gpu) for s in specs] == [("worker0", 0, "2"), ("worker1", 1, "0")]
 
 
 def test_gpus_none_runs_cpu_workers():
+    """--gpus none runs --cpu-workers CPU workers, and says why."""
     specs, account = plan_workers("none", 3, FOUR)
     assert [(s.name, s.index, s.gpu) for s in specs] == [
         ("worker0", 0, None), ("worker1", 1, None), ("worker2", 2, None)]
@@ -44,6 +48,7 @@ def test_gpus_none_runs_cpu_workers():
 
 @pytest.mark.parametrize("gpus", ["4", "0,7", "all,9", "-1"])
 def test_an_unknown_gpu_index_is_refused(gpus):
+    """A GPU the host lacks is refused, naming the ones it has."""
     with pytest.raises(ValueError) as e:
         plan_workers(gpus, 1, FOUR)
     assert "0, 1, 2, 3" in str(e.value)
@@ -51,6 +56,7 @@ def test_an_unknown_gpu_index_is_refused(gpus):
 
 @pytest.mark.parametrize("gpus", ["0", "all", "0,1"])
 def test_no_gpu_falls_back_to_cpu_workers(gpus):
+    """A host without GPUs falls back to CPU workers, said in one line."""
     specs, account = plan_workers(gpus, 2, [])
     assert [s.gpu for s in specs] == [None, None]
     assert "no GPU found" in account and "2 CPU worker(s)" in account
@@ -59,17 +65,20 @@ def test_no_gpu_falls_back_to_cpu_workers(gpus):
 
 @pytest.mark.parametrize("gpus", [",", " , ", ""])
 def test_an_empty_gpu_list_is_refused(gpus):
+    """A GPU list that names no GPU is refused."""
     with pytest.raises(ValueError):
         plan_workers(gpus, 1, FOUR)
 
 
 def test_the_same_gpu_twice_is_refused():
+    """A GPU named twice is refused."""
     with pytest.raises(ValueError) as e:
         plan_workers("1,1", 1, FOUR)
     assert "1" in str(e.value)
 
 
 def test_worker_environment_isolates_devices():
+    """Each worker sees only its own GPU, a CPU worker none."""
     gpu, cpu = WorkerSpec("worker1", 1, "3"), WorkerSpec("worker0", 0, None)
     assert gpu.env == {"CUDA_VISIBLE_DEVICES": "3"}
     assert gpu.gpus_argument == "0"  # the only device the child sees
@@ -87,18 +96,21 @@ def _fake_smi(directory, script: str):
 
 
 def test_detect_gpus_reads_nvidia_smi(tmp_path, monkeypatch):
+    """GPUs are found by their nvidia-smi indices."""
     _fake_smi(tmp_path, 'printf "0\\n1\\n\\n 2 \\n"')
     monkeypatch.setenv("PATH", str(tmp_path))
     assert detect_gpus() == ["0", "1", "2"]
 
 
 def test_detect_gpus_when_nvidia_smi_fails(tmp_path, monkeypatch):
+    """A failing nvidia-smi means no GPU."""
     _fake_smi(tmp_path, 'echo "NVIDIA-SMI has failed" ; exit 9')
     monkeypatch.setenv("PATH", str(tmp_path))
     assert detect_gpus() == []
 
 
 def test_detect_gpus_without_nvidia_smi(tmp_path, monkeypatch):
+    """Without nvidia-smi there is no GPU, and PATH is left as it was."""
     monkeypatch.setenv("PATH", str(tmp_path))
     assert devices.shutil.which("nvidia-smi") is None
     assert detect_gpus() == []

@@ -280,6 +280,7 @@ async def node(module_processes, node_file):
 
 @pytest_twisted.ensureDeferred
 async def test_node_file_and_command_line(node):
+    """A node file's settings apply, and the command line beats them."""
     # The file gave two CPU workers; the command line's capacity and port won.
     body = await node.health()
     assert body["status"] == "ok" and body["gpu_target"] == "cpu"
@@ -300,6 +301,7 @@ TIMING_TRIES = 3
 
 @pytest_twisted.ensureDeferred
 async def test_two_slow_programs_run_in_parallel(node, spin):
+    """Two slow programs through the gateway run at once, one on each worker."""
     program, x, n = spin.program, spin.x, spin.seconds(PARALLEL_SECONDS)
     urls = await node.worker_urls()
     # Warm up: two runs at once land on both workers (least loaded first),
@@ -345,6 +347,7 @@ async def test_two_slow_programs_run_in_parallel(node, spin):
 
 @pytest_twisted.ensureDeferred
 async def test_gateway_metrics_merge_every_worker(node, quick):
+    """The gateway's /metrics holds every worker's series with a worker label, and parses."""
     # One client's sequential runs: the first sends the program inline, the
     # others only its digest, and the gateway keeps them on the worker that
     # holds it (no 409, no resend).
@@ -386,6 +389,7 @@ async def test_gateway_metrics_merge_every_worker(node, quick):
 
 @pytest_twisted.ensureDeferred
 async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
+    """Children's log lines reach the console whole, each with its [workerN] prefix."""
     # Two runs of a new program at once: each worker compiles it and logs
     # a line at about the same time as the other.
     program = Program.from_function(lambda v: v + 3, np.float32(1))
@@ -427,6 +431,7 @@ async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
 
 @pytest_twisted.ensureDeferred
 async def test_sigkill_one_worker_under_load(nodes, spin, quick):
+    """A worker killed under load is restarted while the other serves; capacity comes back."""
     program, x, slow = spin.program, spin.x, spin.seconds(SLOW_SECONDS)
     # Its gateway listens on a Twisted endpoint string (--listen), which
     # changes nothing else: the workers still take ports of their own.
@@ -486,6 +491,7 @@ async def test_sigkill_one_worker_under_load(nodes, spin, quick):
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl+C"])
 @pytest_twisted.ensureDeferred
 async def test_stop_under_load_loses_nothing(nodes, spin, how):
+    """SIGTERM or Ctrl+C under load loses no request and exits 0."""
     program, x, n = spin.program, spin.x, spin.seconds(STOP_SECONDS)
     # Ctrl+C in a terminal sends SIGINT to the whole foreground process
     # group: the workers get it too, yet only the supervisor may act on it.
@@ -520,6 +526,7 @@ async def test_stop_under_load_loses_nothing(nodes, spin, how):
 
 @pytest_twisted.ensureDeferred
 async def test_node_under_a_router_reports_both_workers(nodes, processes, spin):
+    """Under a Router the node reports both workers, which the Router schedules directly."""
     program, x = spin.program, spin.x
     router = processes.spawn(kcoral_argv("router", "--port", "0",
                                          "--status-check-interval-seconds", "0.5"), name="router")
@@ -576,6 +583,7 @@ async def test_node_under_a_router_reports_both_workers(nodes, processes, spin):
 ])
 @pytest_twisted.ensureDeferred
 async def test_bad_node_file_is_a_one_line_error(processes, tmp_path, content, key, message):
+    """A bad node file is a one-line error naming the key, exit status 2."""
     path = tmp_path / "node.yaml"
     path.write_text(yaml.safe_dump(content))
     child = processes.spawn(kcoral_argv("server", "--config", str(path)), name="bad-node-file")

@@ -54,6 +54,7 @@ def run_cli(capsys, *argv):
 # -- defaults ---------------------------------------------------------------------------------
 
 def test_router_defaults_are_the_documented_ones():
+    """The Router's options default to the documented values."""
     o = router_options()
     assert o["host"] == "127.0.0.1"
     assert o["port"] == 9000
@@ -69,6 +70,7 @@ def test_router_defaults_are_the_documented_ones():
 
 
 def test_router_config_carries_every_option():
+    """Every Router option reaches its RouterConfig field."""
     config = router_options(
         "--host", "0.0.0.0", "--port", "9100", "--status-check-interval-seconds", "0.5",
         "--max-status-age-seconds", "7", "--unhealthy-threshold", "4", "--recovery-threshold", "5",
@@ -83,10 +85,12 @@ def test_router_config_carries_every_option():
 
 
 def test_router_config_defaults_match_the_options():
+    """The Router options' defaults are RouterConfig's."""
     assert attrs.asdict(router_options().router_config()) == attrs.asdict(RouterConfig())
 
 
 def test_node_defaults():
+    """The node's options default to the documented values."""
     o = node_options()
     assert o["host"] == "127.0.0.1"
     assert o["port"] == 8000
@@ -102,12 +106,14 @@ def test_node_defaults():
 # -- environment -----------------------------------------------------------------------------
 
 def test_router_token_from_the_environment(monkeypatch):
+    """The Router's node token falls back to KCORAL_NODE_TOKEN; the command line wins."""
     monkeypatch.setenv("KCORAL_NODE_TOKEN", "from-env")
     assert router_options()["node-token"] == "from-env"
     assert router_options("--node-token", "from-cli")["node-token"] == "from-cli"
 
 
 def test_node_settings_from_the_environment(monkeypatch):
+    """The node's Router, id and token fall back to their environment variables."""
     monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://router.example:9000")
     monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
     monkeypatch.setenv("KCORAL_NODE_TOKEN", "token-env")
@@ -118,6 +124,7 @@ def test_node_settings_from_the_environment(monkeypatch):
 
 
 def test_the_command_line_beats_the_environment(monkeypatch):
+    """An option on the command line beats its environment variable."""
     monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://router.example:9000")
     monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
     monkeypatch.setenv("KCORAL_NODE_TOKEN", "token-env")
@@ -129,17 +136,20 @@ def test_the_command_line_beats_the_environment(monkeypatch):
 
 
 def test_an_empty_environment_variable_is_unset(monkeypatch):
+    """An empty environment variable leaves the option unset."""
     monkeypatch.setenv("KCORAL_NODE_TOKEN", "")
     assert router_options()["node-token"] is None
 
 
 def test_the_node_id_may_come_from_the_environment(monkeypatch):
+    """--router takes its node id from KCORAL_NODE_ID."""
     monkeypatch.setenv("KCORAL_NODE_ID", "gpu-env")
     o = node_options("--router", "http://127.0.0.1:9000")
     assert o["node-id"] == "gpu-env"
 
 
 def test_the_router_may_come_from_the_environment_and_then_needs_a_node_id(monkeypatch):
+    """A Router from the environment needs a node id too."""
     monkeypatch.setenv("KCORAL_ROUTER_ENDPOINT", "http://127.0.0.1:9000")
     with pytest.raises(usage.UsageError):
         node_options()
@@ -148,6 +158,7 @@ def test_the_router_may_come_from_the_environment_and_then_needs_a_node_id(monke
 # -- checks ----------------------------------------------------------------------------------
 
 def test_router_without_node_id_is_a_usage_error():
+    """--router without --node-id is a usage error naming --node-id."""
     with pytest.raises(usage.UsageError) as e:
         node_options("--router", "http://127.0.0.1:9000")
     assert "--node-id" in str(e.value)
@@ -155,6 +166,7 @@ def test_router_without_node_id_is_a_usage_error():
 
 @pytest.mark.parametrize("jitter", ["-0.01", "0.51", "1", "nan"])
 def test_restart_jitter_outside_its_range_is_a_usage_error(jitter):
+    """A jitter outside 0-0.5 is a usage error naming the option."""
     with pytest.raises(usage.UsageError) as e:
         node_options(*ROUTER, "--restart-jitter", jitter)
     assert "restart-jitter" in str(e.value)
@@ -162,6 +174,7 @@ def test_restart_jitter_outside_its_range_is_a_usage_error(jitter):
 
 @pytest.mark.parametrize("jitter", ["0", "0.25", "0.5"])
 def test_restart_jitter_within_its_range(jitter):
+    """A jitter within 0-0.5, bounds included, is taken."""
     assert node_options(*ROUTER, "--restart-jitter", jitter)["restart-jitter"] == float(jitter)
 
 
@@ -174,12 +187,14 @@ def test_restart_jitter_within_its_range(jitter):
     ["--node-retention-seconds", "-1"], ["--max-request-bytes", "0"],
 ])
 def test_bad_router_values_are_usage_errors(argv):
+    """A refused Router value is a usage error that names its option."""
     with pytest.raises(usage.UsageError) as e:
         router_options(*argv)
     assert argv[0] in str(e.value)  # the message names the option
 
 
 def test_hidden_supervisor_options_are_accepted():
+    """The supervisor options are accepted with --router and carry their values."""
     o = node_options(*ROUTER, "--health-interval-seconds", "0.5", "--health-timeout-seconds", "0.25",
                      "--failure-threshold", "5", "--startup-grace-seconds", "0",
                      "--stable-reset-seconds", "10", "--termination-grace-seconds", "2",
@@ -192,6 +207,7 @@ def test_hidden_supervisor_options_are_accepted():
 
 
 def test_hidden_supervisor_options_are_left_out_of_help():
+    """The supervisor options are left out of --help, and still work after it."""
     text = node_tap.Options().getUsage()
     for name in SUPERVISOR_DEFAULTS:
         assert name not in text
@@ -203,6 +219,7 @@ def test_hidden_supervisor_options_are_left_out_of_help():
 
 
 def test_router_help_lists_every_option():
+    """The Router's --help lists every option and the token's variable."""
     text = router_tap.Options().getUsage()
     for name in ("--host", "--port", "--status-check-interval-seconds", "--max-status-age-seconds",
                  "--unhealthy-threshold", "--recovery-threshold", "--queue-wait-timeout-seconds",
@@ -212,6 +229,7 @@ def test_router_help_lists_every_option():
 
 
 def test_the_plugins_use_the_same_options():
+    """The twistd plugins use the kcoral command's Options classes."""
     from twisted.plugins import kcoral_plugins
 
     assert kcoral_plugins.kcoralRouter.options is router_tap.Options
@@ -234,6 +252,7 @@ def test_the_plugins_use_the_same_options():
     ([], "command"),
 ])
 def test_bad_options_exit_2_with_a_one_line_error(capsys, argv, named):
+    """Bad options exit 2 with one error line that names the problem."""
     status, out, err = run_cli(capsys, *argv)
     assert status == 2
     assert "Traceback" not in err
@@ -245,6 +264,7 @@ def test_bad_options_exit_2_with_a_one_line_error(capsys, argv, named):
 
 
 def test_help_lists_options_and_exits_0(capsys):
+    """--help exits 0 and lists the options, hidden ones left out."""
     status, out, _ = run_cli(capsys, "router", "--help")
     assert status == 0 and "--max-queued-requests" in out
     status, out, _ = run_cli(capsys, "server", "--help")
@@ -254,6 +274,7 @@ def test_help_lists_options_and_exits_0(capsys):
 
 
 def test_version(capsys):
+    """--version prints the version and exits 0."""
     from kcoral._version import __version__
 
     status, out, _ = run_cli(capsys, "--version")
@@ -268,7 +289,40 @@ def test_version(capsys):
     (["--cpu-workers", "2", "--listen", "tcp:8443", "--port", "9100"], [9101, 9102]),
 ])
 def test_worker_ports(argv, ports):
+    """Each worker's port follows --port, the gateway and --listen."""
     from kcoral.node.supervisor import worker_port
 
     options = node_options("--gpus", "none", *argv)
     assert [worker_port(options, i) for i in range(2)] == ports
+
+
+def test_node_options_default_to_the_configs():
+    """The node options' defaults are ServerConfig's, NodeConfig's and RestartSettings'."""
+    from kcoral.node.config import NodeConfig
+    from kcoral.node.restart import RestartSettings
+    from kcoral.server.service import ServerConfig
+
+    o = node_options()
+    assert o.server_config() == ServerConfig()
+    assert o.node_config() == NodeConfig()
+    assert o.restart_settings() == RestartSettings()
+
+
+def test_node_options_reach_their_configs():
+    """A node option given on the command line reaches its config field."""
+    o = node_options(*ROUTER, "--capacity", "5", "--advertise-host", "10.0.0.7",
+                     "--failure-threshold", "4", "--node-token", "t")
+    assert o.server_config().capacity == 5 and o.server_config().secured is True
+    assert o.node_config().advertise_host == "10.0.0.7"
+    assert o.node_config().restart.failure_threshold == 4
+
+
+def test_a_node_file_value_is_checked_like_the_option(tmp_path):
+    """A node file's value goes through its option's check, and a refusal names the key."""
+    path = tmp_path / "node.yaml"
+    path.write_text("supervisor:\n  failure_threshold: 0\n")
+    with pytest.raises(usage.UsageError) as e:
+        node_options(*ROUTER, "--config", str(path))
+    assert "supervisor.failure_threshold" in str(e.value) and "positive" in str(e.value)
+    path.write_text("capacity: 3\n")
+    assert node_options("--config", str(path))["capacity"] == 3

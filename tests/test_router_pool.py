@@ -9,11 +9,20 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from kcoral.router.pool import (DRAINING, GONE, INCOMPATIBLE, JOINING, READY, UNHEALTHY,
-                                NodeConflict, Pool, PoolFull)
+from kcoral.router.pool import (
+    DRAINING,
+    GONE,
+    INCOMPATIBLE,
+    JOINING,
+    READY,
+    UNHEALTHY,
+    NodeConflict,
+    Pool,
+    PoolFull,
+)
+from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Lease, Scheduler
-from kcoral.router.queue import WaitQueue
 
 RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
 
@@ -68,6 +77,7 @@ def world():
 # -- joining and ready ----------------------------------------------------------
 
 def test_a_new_node_joins(world):
+    """A first report makes a joining node, not yet a ready one."""
     node = world.pool.report("gpu-a", report())
     assert node.state == JOINING
     assert world.pool.ready_nodes() == []
@@ -77,6 +87,7 @@ def test_a_new_node_joins(world):
 
 @pytest.mark.parametrize("threshold", [1, 2, 4])
 def test_ready_after_recovery_threshold_good_observations(threshold):
+    """A node becomes ready after exactly the recovery threshold of good observations."""
     world = World(recovery_threshold=threshold)
     r = report()
     world.pool.report("gpu-a", r)
@@ -91,6 +102,7 @@ def test_ready_after_recovery_threshold_good_observations(threshold):
 
 
 def test_a_bad_observation_restarts_the_count(world):
+    """A bad observation starts the count of good ones over."""
     world.pool.report("gpu-a", report())
     world.tick(reports=[("gpu-a", report())])
     world.tick(reports=[("gpu-a", report(healthy=False))])
@@ -101,6 +113,7 @@ def test_a_bad_observation_restarts_the_count(world):
 
 
 def test_a_node_without_a_healthy_worker_does_not_become_ready(world):
+    """A node with no healthy worker never becomes ready."""
     for _ in range(5):
         world.tick(reports=[("gpu-a", report(healthy=False))])
     assert world.pool.nodes["gpu-a"].state == JOINING
@@ -111,6 +124,7 @@ def test_a_node_without_a_healthy_worker_does_not_become_ready(world):
 
 @pytest.mark.parametrize("threshold", [1, 3])
 def test_unhealthy_after_threshold_stale_observations(threshold):
+    """A ready node turns unhealthy after the threshold of stale observations."""
     world = World(unhealthy_threshold=threshold)
     world.ready()
     # Reports stop: observations within max_status_age are still good.
@@ -129,6 +143,7 @@ def test_unhealthy_after_threshold_stale_observations(threshold):
 
 
 def test_unhealthy_after_threshold_reports_without_a_healthy_worker(world):
+    """A ready node turns unhealthy after the threshold of reports without a healthy worker."""
     world.ready()
     sick = report(healthy=False)
     world.tick(reports=[("gpu-a", sick)])
@@ -141,6 +156,7 @@ def test_unhealthy_after_threshold_reports_without_a_healthy_worker(world):
 
 
 def test_an_unhealthy_node_recovers_after_recovery_threshold(world):
+    """An unhealthy node is ready again after the recovery threshold."""
     world.ready()
     for _ in range(10):
         world.tick()
@@ -153,6 +169,7 @@ def test_an_unhealthy_node_recovers_after_recovery_threshold(world):
 
 
 def test_stale_means_older_than_max_status_age():
+    """A report is stale once older than the maximum status age."""
     world = World(max_status_age_seconds=2.5, unhealthy_threshold=1)
     world.ready()
     world.tick(2.5)
@@ -164,6 +181,7 @@ def test_stale_means_older_than_max_status_age():
 # -- draining and leaving ------------------------------------------------------------
 
 def test_a_draining_report_takes_the_node_out_at_once(world):
+    """A draining report takes the node out of scheduling at once."""
     world.ready()
     node = world.pool.report("gpu-a", report(draining=True))
     assert node.state == DRAINING
@@ -176,6 +194,7 @@ def test_a_draining_report_takes_the_node_out_at_once(world):
 
 
 def test_a_node_that_stops_draining_joins_again(world):
+    """A node that stops draining joins again."""
     world.ready()
     world.pool.report("gpu-a", report(draining=True))
     world.tick(reports=[("gpu-a", report())])
@@ -186,6 +205,7 @@ def test_a_node_that_stops_draining_joins_again(world):
 
 
 def test_leave_makes_the_node_gone(world):
+    """Deregistration makes the node gone and its members unhealthy."""
     world.ready()
     assert not world.pool.leave("gpu-a", "another session")
     assert world.pool.nodes["gpu-a"].state == READY
@@ -201,6 +221,7 @@ def test_leave_makes_the_node_gone(world):
 # -- retention -------------------------------------------------------------------------
 
 def test_a_gone_node_is_forgotten_after_retention():
+    """A gone node is forgotten after the retention time."""
     world = World(node_retention_seconds=60)
     world.ready()
     world.pool.leave("gpu-a", "s1")
@@ -211,6 +232,7 @@ def test_a_gone_node_is_forgotten_after_retention():
 
 
 def test_the_pool_refuses_node_ids_beyond_its_bound_until_one_is_forgotten():
+    """New node ids beyond the pool's bound are refused until one is forgotten."""
     world = World(node_retention_seconds=60, max_nodes=2)
     world.ready("gpu-a")
     world.pool.report("gpu-b", report("s2"))
@@ -227,6 +249,7 @@ def test_the_pool_refuses_node_ids_beyond_its_bound_until_one_is_forgotten():
 
 
 def test_a_silent_node_is_forgotten_retention_after_its_last_report():
+    """A silent node is forgotten the retention time after its last report."""
     world = World(node_retention_seconds=60)
     world.ready()
     last_report = world.clock.seconds()
@@ -239,6 +262,7 @@ def test_a_silent_node_is_forgotten_retention_after_its_last_report():
 
 
 def test_a_node_with_requests_in_flight_is_kept_past_retention():
+    """A silent node with requests in flight outlives the retention time."""
     world = World(node_retention_seconds=60)
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
     world.ready()
@@ -253,6 +277,7 @@ def test_a_node_with_requests_in_flight_is_kept_past_retention():
 
 
 def test_a_gone_node_with_requests_in_flight_is_kept_until_they_end():
+    """A gone node with requests in flight is kept until they end."""
     world = World(node_retention_seconds=60)
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
     world.ready()
@@ -268,6 +293,7 @@ def test_a_gone_node_with_requests_in_flight_is_kept_until_they_end():
 # -- compatibility ----------------------------------------------------------------------
 
 def test_a_node_with_another_gpu_target_is_incompatible(world):
+    """A node with another GPU target than the pool's is incompatible."""
     world.ready("gpu-a")
     other = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
     world.pool.report("gpu-b", other)
@@ -284,6 +310,7 @@ def test_a_node_with_another_gpu_target_is_incompatible(world):
 
 
 def test_a_node_with_another_runtime_is_incompatible(world):
+    """A node with another runtime than the pool's is incompatible."""
     world.ready("gpu-a")
     other = report(runtime=dict(RUNTIME, jax="0.4.31"), url="http://10.0.0.2:8000")
     world.pool.report("gpu-b", other)
@@ -295,6 +322,7 @@ def test_a_node_with_another_runtime_is_incompatible(world):
 
 
 def test_a_compatible_second_node_becomes_ready(world):
+    """A second node that matches the pool becomes ready."""
     world.ready("gpu-a")
     world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
     assert world.pool.capacity() == 4
@@ -302,6 +330,7 @@ def test_a_compatible_second_node_becomes_ready(world):
 
 
 def test_the_pool_target_comes_from_the_first_ready_node(world):
+    """The pool's target is its first ready node's, and resets when none is left."""
     first = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
     world.ready("gpu-b", first)
     assert world.pool.target[0] == "sm_80"
@@ -315,6 +344,7 @@ def test_the_pool_target_comes_from_the_first_ready_node(world):
 # -- sessions -----------------------------------------------------------------------------
 
 def test_a_second_live_session_with_the_same_node_id_is_refused(world):
+    """A second live session for a node id is refused."""
     world.ready()
     with pytest.raises(NodeConflict):
         world.pool.report("gpu-a", report(session="s2"))
@@ -323,6 +353,7 @@ def test_a_second_live_session_with_the_same_node_id_is_refused(world):
 
 
 def test_a_stale_session_can_be_taken_over(world):
+    """A stale session's node id can be taken over."""
     world.ready()
     world.clock.advance(5.01)
     node = world.pool.report("gpu-a", report(session="s2", url="http://10.0.0.9:8000"))
@@ -332,6 +363,7 @@ def test_a_stale_session_can_be_taken_over(world):
 
 
 def test_a_gone_session_can_be_taken_over_at_once(world):
+    """A gone session's node id can be taken over at once."""
     world.ready()
     world.pool.leave("gpu-a", "s1")
     node = world.pool.report("gpu-a", report(session="s2"))
@@ -339,6 +371,7 @@ def test_a_gone_session_can_be_taken_over_at_once(world):
 
 
 def test_a_takeover_keeps_the_accounting_of_requests_in_flight(world):
+    """A takeover keeps the accounting of the requests in flight."""
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
     world.ready()
     lease = _lease(scheduler)
@@ -352,6 +385,7 @@ def test_a_takeover_keeps_the_accounting_of_requests_in_flight(world):
 # -- picking --------------------------------------------------------------------------------
 
 def test_pick_is_least_loaded_and_never_beyond_capacity(world):
+    """pick() takes the least loaded member and never goes beyond capacity."""
     world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=2),
                                          worker("worker1", 8001, capacity=4)]))
     for _ in range(6):
@@ -363,6 +397,7 @@ def test_pick_is_least_loaded_and_never_beyond_capacity(world):
 
 
 def test_pick_prefers_the_member_with_the_lowest_load(world):
+    """pick() prefers the member with the lowest load relative to its capacity."""
     world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=4),
                                          worker("worker1", 8001, capacity=4)]))
     members = world.pool.nodes["gpu-a"].members
@@ -375,6 +410,7 @@ def test_pick_prefers_the_member_with_the_lowest_load(world):
 
 
 def test_pick_spreads_ties(world):
+    """pick() spreads ties among equally loaded members."""
     world.ready("gpu-a")
     world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
     first, second = world.pool.pick(), world.pool.pick()
@@ -382,6 +418,7 @@ def test_pick_spreads_ties(world):
 
 
 def test_ties_go_where_the_program_is_while_the_pool_is_idle(world):
+    """Ties go to the same member for the same program while the pool is idle."""
     # One client's sequential runs of one program stay on one member (its
     # caches hold the program), rather than alternating and missing: a 409
     # and a resend on every other run. Another program may prefer another.
@@ -400,6 +437,7 @@ def test_ties_go_where_the_program_is_while_the_pool_is_idle(world):
 
 
 def test_pick_skips_suspect_and_unhealthy_members(world):
+    """pick() skips suspect and unhealthy members."""
     world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
                                          worker("worker2", 8002, healthy=False)]))
     members = world.pool.nodes["gpu-a"].members
@@ -414,6 +452,7 @@ def test_pick_skips_suspect_and_unhealthy_members(world):
 
 
 def test_pick_skips_nodes_that_are_not_ready(world):
+    """pick() skips members of nodes that are not ready."""
     world.ready("gpu-a")
     world.pool.report("gpu-b", report(url="http://10.0.0.2:8000"))  # joining
     world.pool.report("gpu-a", report(draining=True))
@@ -421,6 +460,7 @@ def test_pick_skips_nodes_that_are_not_ready(world):
 
 
 def test_a_member_with_zero_capacity_gets_no_work(world):
+    """A member with zero capacity gets no work."""
     world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=0),
                                          worker("worker1", 8001, capacity=1)]))
     assert _take(world.pool).name == "worker1"
@@ -430,12 +470,14 @@ def test_a_member_with_zero_capacity_gets_no_work(world):
 # -- members come and go ----------------------------------------------------------------------
 
 def test_a_worker_that_disappears_from_the_report_is_dropped(world):
+    """A worker missing from a report is dropped."""
     world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001)]))
     world.pool.report("gpu-a", report(workers=[worker("worker0", 8000)]))
     assert list(world.pool.nodes["gpu-a"].members) == ["worker0"]
 
 
 def test_a_departed_worker_with_requests_in_flight_keeps_its_accounting(world):
+    """A departed worker with requests in flight keeps their accounting."""
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
     world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=1),
                                          worker("worker1", 8001, capacity=1)]))
@@ -478,3 +520,15 @@ def _lease(scheduler) -> Lease:
     scheduler.acquire().addCallback(leases.append)
     assert len(leases) == 1, "no capacity was free"
     return leases[0]
+
+
+def test_static_members_are_never_stale_and_have_no_session(world):
+    """Members set first hand are ready without reports, never stale, never taken over."""
+    node = world.pool.set_static("local", report().workers, gpu_target="sm_90", runtime={})
+    assert node.static and node.session is None and node.report is None
+    for _ in range(world.pool.recovery_threshold):
+        world.clock.advance(3600)
+        world.pool.observe()
+    assert node.state == READY and world.pool.capacity() == 2
+    with pytest.raises(NodeConflict):
+        world.pool.report("local", report("s1"))

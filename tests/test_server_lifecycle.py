@@ -85,6 +85,7 @@ def check_spun(result, x):
 
 @pytest_twisted.ensureDeferred
 async def test_client_resends_after_a_server_restart(start_server, affine):
+    """After a server restart (memory cache gone) the client resends the content once and succeeds."""
     program, (w, x, b), expected = affine
     first = await start_server(name="server-1")
     client = Client(first.url)
@@ -114,6 +115,7 @@ async def test_client_resends_after_a_server_restart(start_server, affine):
 
 @pytest_twisted.ensureDeferred
 async def test_async_client_rides_out_a_server_crash(start_server, affine):
+    """The async client retries through a server crash and restart."""
     program, (w, x, b), expected = affine
     first = await start_server(name="server-1")
     client = AsyncClient(first.url, busy_timeout=120)
@@ -142,6 +144,7 @@ async def test_async_client_rides_out_a_server_crash(start_server, affine):
 
 @pytest_twisted.ensureDeferred
 async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
+    """The disk upload cache still holds the content after a restart."""
     program, (w, x, b), expected = affine
     cache = str(tmp_path / "uploads")
     first = await start_server("--cache-dir", cache, name="server-1")
@@ -165,6 +168,7 @@ async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
 
 @pytest_twisted.ensureDeferred
 async def test_persistent_compilation_cache_is_written_and_reused(start_server, affine, tmp_path):
+    """JAX's persistent compilation cache is written, then reused by a new server."""
     program, (w, x, b), expected = affine
     xla = tmp_path / "xla"
     first = await start_server("--compilation-cache-dir", str(xla), name="server-1")
@@ -189,6 +193,7 @@ async def test_persistent_compilation_cache_is_written_and_reused(start_server, 
 
 @pytest_twisted.ensureDeferred
 async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
+    """A chunked body gets 413 as soon as it passes the limit."""
     head = (b"POST /v1/run HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             b"Content-Type: application/x-kcoral-run\r\n"
             b"Transfer-Encoding: chunked\r\n"
@@ -209,6 +214,7 @@ async def test_413_as_soon_as_a_chunked_body_passes_the_limit(small_server):
 
 @pytest_twisted.ensureDeferred
 async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
+    """A body over the limit raises BadRequest in the client."""
     big = np.ones(4 * SMALL_LIMIT // 4, np.float32)
     program = Program.from_function(lambda v: v.sum(), big)
 
@@ -228,6 +234,7 @@ async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
 
 @pytest_twisted.ensureDeferred
 async def test_queue_full_retries_and_fast_health_while_a_program_runs(small_server, spin):
+    """A full queue refuses at once (queue_full), a patient client gets in later, a queued run whose client left is dropped; /health stays fast."""
     program, n, x = spin
     quick = Program.from_function(lambda v: v * 2, np.float32(1))
     slow_client = AsyncClient(small_server.url, busy_timeout=0)
@@ -288,6 +295,7 @@ async def test_queue_full_retries_and_fast_health_while_a_program_runs(small_ser
 
 @pytest_twisted.ensureDeferred
 async def test_sigterm_drains_and_exits_zero(start_server, spin):
+    """SIGTERM drains the running program, refuses new ones, and exits 0."""
     program, n, x = spin
     quick = Program.from_function(lambda v: v * 2, np.float32(1))
     server = await start_server()
@@ -328,6 +336,7 @@ async def test_sigterm_drains_and_exits_zero(start_server, spin):
 
 @pytest_twisted.ensureDeferred
 async def test_port_in_use_is_a_one_line_error(processes, small_server):
+    """A port in use is a one-line error and exit status 1."""
     child = processes.spawn(kcoral_argv("server", "--port", str(small_server.port), "--gpus", "none"),
                             name="second")
     assert await child.exited(60) == 1
@@ -344,6 +353,7 @@ async def test_port_in_use_is_a_one_line_error(processes, small_server):
 ])
 @pytest_twisted.ensureDeferred
 async def test_bad_options_exit_2(processes, args, message):
+    """Bad server options exit 2 with a one-line error."""
     child = processes.spawn(kcoral_argv("server", *args), name="bad-options")
     assert await child.exited(60) == 2
     assert child.matching(message)

@@ -1,15 +1,36 @@
 """
+A node's configuration: its own settings (L{NodeConfig}, beside the
+L{ServerConfig} its workers run with), and the node file.
+
 The node file: C{kcoral server --config node.yaml} takes any server or node
-option from a YAML file. Keys are the option names, with C{_} or C{-}; the sections C{cache:} and C{supervisor:}
-group their options for readability. Precedence: command line, then
+option from a YAML file. Keys are the option names, with C{_} or C{-}; the
+sections C{cache:} and C{supervisor:} group their options for readability. Precedence: command line, then
 environment, then the file, then defaults.
 """
 
 from __future__ import annotations
 
+import attrs
 import yaml
-
 from twisted.python import usage
+
+from kcoral.node.restart import RestartSettings
+from kcoral.options import KCoralOptions
+
+
+@attrs.frozen
+class NodeConfig:
+    """A node's own settings (its workers take a L{ServerConfig}'s)."""
+
+    cpu_workers: int = 1
+    router: str | None = None
+    node_id: str | None = None
+    node_token: str | None = None
+    advertise_host: str | None = None
+    #: CA file to verify https Routers and workers with (default: the platform's roots).
+    tls_ca: str | None = None
+    restart: RestartSettings = attrs.Factory(RestartSettings)
+
 
 #: Section keys and the option prefix their keys take.
 SECTIONS = {"cache": "cache-", "supervisor": ""}
@@ -21,8 +42,8 @@ class NodeFileError(usage.UsageError):
     pass
 
 
-def _flatten(data: dict, path: str) -> dict[str, object]:
-    flat = {}
+def _flatten(data: dict, path: str) -> dict[str, tuple[str, object]]:
+    flat: dict[str, tuple[str, object]] = {}
     for key, value in data.items():
         if not isinstance(key, str):
             raise NodeFileError(f"{path}: key {key!r} is not a name")
@@ -50,7 +71,7 @@ def _typed(value: object, default: object, where: str) -> str:
     return str(value)
 
 
-def load(path: str, options: usage.Options, given: set[str]) -> None:
+def load(path: str, options: KCoralOptions, given: set[str]) -> None:
     """Apply the node file at C{path} to every option not in C{given}."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -70,7 +91,7 @@ def load(path: str, options: usage.Options, given: set[str]) -> None:
         if option in given:
             continue
         text = _typed(value, options.defaults.get(option), where)
-        coerce = getattr(options._dispatch[option], "coerce", str)
+        coerce = options.coercions.get(option, str)
         try:
             options[option] = coerce(text)
         except ValueError as e:

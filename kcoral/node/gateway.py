@@ -6,44 +6,57 @@ workers as static members, on the node's public port.
 
 from __future__ import annotations
 
-from twisted.application import service
+from collections.abc import Sequence
+
 from prometheus_client import generate_latest
+from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.node.config import NodeConfig
 from kcoral.node.metrics import merge, scrape_workers
-from kcoral.router.report import NodeReport
+from kcoral.router.report import WorkerReport
 from kcoral.router.service import RouterConfig, build_router
+from kcoral.server.service import ServerConfig
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 
 log = Logger()
 
+#: The gateway's one node: this one, whose workers its supervisor probes.
 NODE = "local"
 
 
-class Gateway(service.Service):
-    def __init__(self, options, reactor):
-        self._reactor = reactor
-        config = RouterConfig(
-            host=options["host"], port=options["port"],
-            # The supervisor probes the workers itself: the pool follows
-            # its verdicts at once instead of re-counting observations.
-            unhealthy_threshold=1, recovery_threshold=1,
-            queue_wait_timeout_seconds=options["queue-wait-timeout-seconds"],
-            max_queued_requests=max(options["max-queued-requests"], 1024),
-            max_request_bytes=options["max-request-bytes"],
-            tls_cert=options["tls-cert"], tls_key=options["tls-key"], tls_ca=options["tls-ca"],
-            listen=options["listen"])
+def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
+    """The Router settings of the gateway of a node, on the node's public address."""
+    return RouterConfig(
+        host=server.host, port=server.port,
+        # The supervisor probes the workers itself: the pool follows its
+        # verdicts at once instead of re-counting observations.
+        unhealthy_threshold=1, recovery_threshold=1,
+        queue_wait_timeout_seconds=server.queue_wait_timeout_seconds,
+        max_queued_requests=max(server.max_queued_requests, RouterConfig().max_queued_requests),
+        max_request_bytes=server.max_request_bytes,
+        tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
+        listen=server.listen)
+
+
+class Gateway(service.MultiService):
+    """Serves the node's public port; stopping drains its runs, then closes it."""
+
+    def __init__(self, config: RouterConfig, reactor, *, secured: bool = False):
+        super().__init__()
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
-        address = ListenAddress.of(config)
-        self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
-                                         bool(options["node-token"]))
+        self.listener = DrainingListener("kcoral gateway", ListenAddress.of(config), reactor, site,
+                                         self._drain, secured)
+        self.listener.setServiceParent(self)
 
-    def update(self, report: NodeReport) -> None:
-        self.app.pool.report(NODE, report, static=True)
+    def update(self, workers: Sequence[WorkerReport], *, gpu_target: str | None,
+               runtime: dict) -> None:
+        """The workers as their supervisor sees them now."""
+        self.app.pool.set_static(NODE, workers, gpu_target=gpu_target, runtime=runtime)
         self.app.pool.observe()
 
     @inlineCallbacks
@@ -53,17 +66,5 @@ class Gateway(service.Service):
         texts = yield scrape_workers(self.app.proxy.outgoing.client, workers)
         return merge(generate_latest(self.registry), texts)
 
-    def privilegedStartService(self):
-        self.listener.privilegedStartService()
-        super().privilegedStartService()
-
-    def startService(self):
-        super().startService()
-        self.listener.startService()
-
     def _drain(self) -> Deferred:
         return self.app.scheduler.drain()
-
-    def stopService(self):
-        super().stopService()
-        return self.listener.stopService()

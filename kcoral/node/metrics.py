@@ -6,6 +6,8 @@ metric name (so the text stays valid: no family appears twice).
 
 from __future__ import annotations
 
+from typing import Any
+
 import treq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +27,7 @@ class _Families:
 
 def merge(own: bytes, workers: dict[str, str]) -> bytes:
     """C{own} exposition text plus each worker's, relabelled, as one text."""
-    merged: dict[str, object] = {}
+    merged: dict[str, Any] = {}
     sources = [(None, own.decode())] + sorted(workers.items())
     for worker, text in sources:
         for family in text_string_to_metric_families(text):

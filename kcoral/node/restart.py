@@ -1,14 +1,17 @@
 """
-The restart policy of a supervised worker:
-capped exponential backoff with jitter between restarts, reset after the
-worker has been healthy for C{stable_reset_seconds}; a restart after
+The restart policy of a supervised worker, whole: a restart after
 C{failure_threshold} failed probes in a row, except during the
-C{startup_grace_seconds} after a start.
+C{startup_grace_seconds} after a start, and never twice for one start (the
+probes that fail while a worker is being replaced do not replace it again);
+SIGTERM, then SIGKILL after C{termination_grace_seconds}; capped exponential
+backoff with jitter between restarts, reset after the worker has been healthy
+for C{stable_reset_seconds}.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import attrs
 from twisted.application.internet import backoffPolicy
@@ -16,6 +19,8 @@ from twisted.application.internet import backoffPolicy
 
 @attrs.frozen
 class RestartSettings:
+    """The supervisor's options, with their documented defaults."""
+
     failure_threshold: int = 3
     startup_grace_seconds: float = 30.0
     stable_reset_seconds: float = 60.0
@@ -29,6 +34,9 @@ class RestartSettings:
 
 @attrs.define
 class RestartPolicy:
+    """What one worker's probes and exits mean: when to replace it, how long
+    to wait before starting it again."""
+
     settings: RestartSettings
     random: random.Random = attrs.Factory(random.Random)
     #: Restarts since the worker was last stable.
@@ -36,14 +44,21 @@ class RestartPolicy:
     started_at: float | None = None
     healthy_since: float | None = None
     failures: int = 0
-    _backoff: object = attrs.field(init=False, repr=False)
+    #: Whether this start has been condemned already (once is enough).
+    condemned: bool = False
+    _backoff: Callable[[int], float] = attrs.field(init=False, repr=False)
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         s = self.settings
         # Twisted's policy gives the capped exponential; our jitter is a
         # fraction of the delay, not Twisted's additive seconds.
         self._backoff = backoffPolicy(s.restart_min_delay_seconds, s.restart_max_delay_seconds,
                                       factor=2.0, jitter=lambda: 0.0)
+
+    @property
+    def termination_grace(self) -> float:
+        """Seconds between SIGTERM and SIGKILL."""
+        return self.settings.termination_grace_seconds
 
     def next_delay(self) -> float:
         """The delay before the next start; each call counts one restart."""
@@ -54,9 +69,11 @@ class RestartPolicy:
 
     def started(self, now: float) -> None:
         self.started_at, self.healthy_since, self.failures = now, None, 0
+        self.condemned = False
 
     def probe(self, ok: bool, now: float) -> bool:
-        """Record one health probe; True when the worker must be restarted."""
+        """Record one health probe; True, once per start, when the worker
+        must be replaced."""
         if ok:
             self.failures = 0
             if self.healthy_since is None:
@@ -68,4 +85,7 @@ class RestartPolicy:
         self.failures += 1
         in_grace = self.started_at is not None and \
             now - self.started_at < self.settings.startup_grace_seconds
-        return not in_grace and self.failures >= self.settings.failure_threshold
+        if self.condemned or in_grace or self.failures < self.settings.failure_threshold:
+            return False
+        self.condemned = True
+        return True

@@ -3,6 +3,11 @@ The node supervisor: one server process per device, each probed and
 restarted on its own; under a Router it reports every worker, and standalone
 with two or more workers it puts an embedded gateway (the Router's own pool,
 scheduler and proxy, with static members) on the public port.
+
+Its children start in this order and stop one at a time in the reverse one:
+the reporter (under a Router), the workers, the gateway (standalone). So the
+gateway stops taking work and drains first, then the workers drain and exit,
+and last the reporter deregisters from the Router.
 """
 
 from __future__ import annotations
@@ -12,42 +17,42 @@ import sys
 
 from prometheus_client import Counter
 from twisted.application import service
-from twisted.application.internet import TimerService
-from twisted.internet.defer import DeferredList, inlineCallbacks
+from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
+from kcoral.node.gateway import Gateway, gateway_config
 from kcoral.node.reporter import Reporter
-from kcoral.node.restart import RestartPolicy, RestartSettings
+from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
-from kcoral.router.report import NodeReport, WorkerReport
+from kcoral.options import option_name
+from kcoral.router.report import WorkerReport
+from kcoral.server.service import ServerConfig
 from kcoral.web.endpoint import url_of
 from kcoral.web.outgoing import Outgoing
 
 log = Logger()
 
-GATEWAY_NODE = "local"
+
+#: The server settings a worker is started with, as they are on the node.
+WORKER_SETTINGS = ("capacity", "max_queued_requests", "queue_wait_timeout_seconds",
+                   "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
+                   "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
+                   "tls_cert", "tls_key")
 
 
-def restart_settings(options) -> RestartSettings:
-    return RestartSettings(**{name.replace("-", "_"): options[name] for name in (
-        "failure-threshold", "startup-grace-seconds", "stable-reset-seconds",
-        "termination-grace-seconds", "restart-min-delay-seconds", "restart-max-delay-seconds",
-        "restart-jitter", "health-interval-seconds", "health-timeout-seconds")})
-
-
-def worker_argv(options, spec: WorkerSpec, port: int) -> list[str]:
-    argv = [sys.executable, "-m", "kcoral", "server", "--host", options["host"], "--port", str(port),
+def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
+    """The command line of the worker C{spec} of a node whose servers have C{server}."""
+    argv = [sys.executable, "-m", "kcoral", "server", "--host", server.host, "--port", str(port),
             "--gpus", spec.gpus_argument]
-    for name in ("capacity", "max-queued-requests", "queue-wait-timeout-seconds",
-                 "max-request-bytes", "cache-memory-bytes", "cache-disk-bytes",
-                 "compile-cache-entries", "device-cache-bytes", "compilation-cache-dir",
-                 "tls-cert", "tls-key"):
-        if options[name] is not None:
-            argv += [f"--{name}", str(options[name])]
-    if options["cache-dir"]:
+    for name in WORKER_SETTINGS:
+        value = getattr(server, name)
+        if value is not None:
+            argv += [f"--{option_name(name)}", str(value)]
+    if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.
-        argv += ["--cache-dir", os.path.join(options["cache-dir"], spec.name)]
+        argv += ["--cache-dir", os.path.join(server.cache_dir, spec.name)]
     return argv
 
 
@@ -65,96 +70,94 @@ def worker_port(options, index: int) -> int:
 
 
 class SupervisorService(service.MultiService):
+    """
+    The node with the settings C{node}, whose workers run with C{server}'s:
+    one per C{specs}, worker i on C{ports[i]}; the reporter (with a Router)
+    or the gateway (without).
+    """
+
     exit_status = 0
 
-    def __init__(self, options, reactor, specs: list[WorkerSpec], account: str):
+    def __init__(self, node: NodeConfig, server: ServerConfig, reactor, specs: list[WorkerSpec],
+                 ports: list[int], account: str, *, outgoing: Outgoing | None = None):
         super().__init__()
-        self._reactor = reactor
-        self._options = options
         self._account = account
-        self._advertise = options["advertise-host"] or options["host"]
-        settings = restart_settings(options)
-        self.gateway = None
-        self.reporter = None
-        if not options["router"]:
-            from kcoral.node.gateway import Gateway
-
-            self.gateway = Gateway(options, reactor)
+        self._advertise = node.advertise_host or server.host
+        self._scheme = "https" if server.tls_cert else "http"
+        settings = node.restart
+        #: The HTTP client of the probes and the reports.
+        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca)
+        self.reporter: Reporter | None = None
+        self.gateway: Gateway | None = None
+        if node.router and node.node_id:
+            self.reporter = Reporter(self.outgoing.client, node.router, node.node_id,
+                                     node.node_token, self.report,
+                                     timeout=settings.health_interval_seconds, reactor=reactor)
+            self.reporter.setServiceParent(self)
+        else:
+            self.gateway = Gateway(gateway_config(node, server), reactor,
+                                   secured=bool(node.node_token))
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
-        self.outgoing = Outgoing(reactor, ca_path=options["tls-ca"])
-        self.workers = [
-            Worker(spec, worker_argv(options, spec, worker_port(options, spec.index)),
-                   RestartPolicy(settings), reactor, self.outgoing.client,
-                   on_change=self._changed, metrics=restarts)
-            for spec in specs]
-        if options["router"]:
-            self.reporter = Reporter(self.outgoing.client, options["router"], options["node-id"],
-                                     options["node-token"], self.report,
-                                     timeout=settings.health_interval_seconds)
-            TimerService(settings.health_interval_seconds, self._heartbeat).setServiceParent(self)
-        self.draining = False
-
-    def _heartbeat(self):
-        return self.reporter.send(draining=self.draining)
+        self.workers = service.MultiService()
+        for spec, port in zip(specs, ports, strict=True):
+            Worker(spec, worker_argv(server, spec, port), RestartPolicy(settings), reactor,
+                   self.outgoing.client, on_change=self._changed,
+                   restarts=restarts).setServiceParent(self.workers)
+        self.workers.setServiceParent(self)
+        if self.gateway is not None:
+            self.gateway.setServiceParent(self)
 
     def _advertised(self, worker: Worker) -> str:
         if not worker.url:
-            return ""
-        scheme = "https" if self._options["tls-cert"] else "http"
-        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]), scheme)
+            return "http://unknown:1"
+        return url_of(self._advertise, int(worker.url.rsplit(":", 1)[1]), self._scheme)
+
+    def worker_reports(self) -> tuple[WorkerReport, ...]:
+        return tuple(w.report(self._advertised(w)) for w in self.workers)
+
+    def _target(self) -> tuple[str | None, dict]:
+        """The GPU target and runtime of the node: its healthy workers'."""
+        health: dict = next((w.health for w in self.workers if w.healthy), {})
+        return health.get("gpu_target"), health.get("runtime") or {}
 
     def report(self) -> dict:
-        workers = [dict(w.report(), url=self._advertised(w) or "http://unknown:1") for w in self.workers]
-        health = next((w.health for w in self.workers if w.healthy), {})
-        return {"workers": workers, "gpu_target": health.get("gpu_target"),
-                "runtime": health.get("runtime") or {}}
+        """The node as its reporter tells the Router."""
+        gpu_target, runtime = self._target()
+        return {"workers": [w.to_json() for w in self.worker_reports()],
+                "gpu_target": gpu_target, "runtime": runtime}
 
     def _changed(self) -> None:
         """A worker started, stopped or changed health: tell the gateway, or
         the Router without waiting for the next heartbeat."""
         if self.gateway is not None:
-            self.gateway.update(self.node_report())
-        if self.reporter is not None and self.running:
-            self._heartbeat()
-
-    def node_report(self) -> NodeReport:
-        body = self.report()
-        return NodeReport(session="gateway", workers=tuple(
-            WorkerReport(w["name"], w["url"], w["healthy"], w["capacity"], w["active"])
-            for w in body["workers"]), gpu_target=body["gpu_target"], runtime=body["runtime"])
-
-    def privilegedStartService(self):
-        if self.gateway is not None:
-            self.gateway.privilegedStartService()
-        super().privilegedStartService()
+            gpu_target, runtime = self._target()
+            self.gateway.update(self.worker_reports(), gpu_target=gpu_target, runtime=runtime)
+        if self.reporter is not None and self.reporter.running:
+            self.reporter.send()
 
     def startService(self):
         log.info("kcoral node starting: {account}", account=self._account)
         super().startService()
-        if self.gateway is not None:
-            self.gateway.startService()
-        for worker in self.workers:
-            worker.start()
 
     @inlineCallbacks
     def stopService(self):
-        log.info("node stopping: draining {n} worker(s)", n=len(self.workers))
-        self.draining = True
+        log.info("node stopping: draining {n} worker(s)", n=len(list(self.workers)))
         if self.reporter is not None:
             # Tell the Router first, so no new work arrives while we drain;
             # heartbeats go on (saying draining) until the workers are done.
-            yield self.reporter.send(draining=True)
-        if self.gateway is not None:
-            yield self.gateway.stopService()
-        yield DeferredList([w.stop() for w in self.workers])
-        yield super().stopService()
-        if self.reporter is not None:
-            yield self.reporter.leave()
+            yield self.reporter.drain()
+        # One child at a time, the last started first: each waits for the
+        # ones that send it work to have drained.
+        service.Service.stopService(self)
+        for child in reversed(list(self)):
+            yield child.stopService()
         yield self.outgoing.close()
         log.info("kcoral node stopped")
 
 
-def makeSupervisorService(options, reactor):
+def makeSupervisorService(options, reactor) -> SupervisorService:
+    """The supervisor of the node that the options C{options} describe."""
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus())
-    return SupervisorService(options, reactor, specs, account)
+    return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
+                             [worker_port(options, spec.index) for spec in specs], account)

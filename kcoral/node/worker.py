@@ -1,206 +1,352 @@
 """
-One supervised server process: started through C{ProcessProtocol}, probed,
-restarted with the L{RestartPolicy}, and stopped with SIGTERM, then SIGKILL
-when it does not go.
+One supervised server process, as a service: started through a
+C{ProcessProtocol}, probed, replaced by its L{RestartPolicy} when it stops
+answering or exits, and stopped with SIGTERM (then SIGKILL, when it hangs).
+
+Its life is an explicit state machine::
+
+    Idle --start--> Starting --answered--> Running
+    Starting, Running --unresponsive--> Replacing (TERM now, KILL after the grace)
+    Starting, Running, Replacing --ended--> Waiting (the restart timer) --restart--> Starting
+    Starting, Running, Replacing --stop--> Stopping (TERM; KILL only when it hangs) --ended--> Idle
+    Waiting --stop--> Idle
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import sys
+from collections.abc import Callable
+from typing import Any, Protocol
 
+import attrs
+from automat import TypeMachineBuilder, pep614
+from twisted.application import service
 from twisted.internet import error, protocol
+from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
+from kcoral.router.report import WorkerReport
 from kcoral.web.outgoing import describe_failure, tls_problem
 
 log = Logger()
 
-_LISTENING = re.compile(rb"kcoral server listening on (\S+)")
 #: A child line longer than this is cut, so a runaway child cannot grow the
 #: supervisor's memory.
 MAX_LINE = 64 * 1024
+#: The child's descriptors: its output (relayed line by line) and its URL pipe.
+CHILD_FDS = {0: "w", 1: "r", 2: "r", URL_FD: "r"}
 
 
 class LineProtocol(protocol.ProcessProtocol):
-    """Relays a child's output line by line (never a partial line)."""
+    """Relays a child's output line by line (never a partial line), and the
+    first line of its URL pipe."""
 
-    def __init__(self, on_line, on_end):
+    def __init__(self, on_line: Callable[[bytes], None], on_url: Callable[[str], None],
+                 on_end: Callable[[Any], None]):
         self._on_line = on_line
+        self._on_url = on_url
         self._on_end = on_end
-        self._partial = {1: b"", 2: b""}
+        self._partial: dict[int, bytes] = {}
 
-    def childDataReceived(self, fd, data):
-        lines = (self._partial.get(fd, b"") + data).split(b"\n")
-        self._partial[fd] = lines.pop()[:MAX_LINE]
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        lines = (self._partial.get(childFD, b"") + data).split(b"\n")
+        self._partial[childFD] = lines.pop()[:MAX_LINE]
         for line in lines:
-            self._on_line(line[:MAX_LINE])
+            self._line(childFD, line[:MAX_LINE])
 
-    def processEnded(self, reason):
+    def _line(self, fd: int, line: bytes) -> None:
+        if fd == URL_FD:
+            self._on_url(line.decode("ascii", "replace"))
+        else:
+            self._on_line(line)
+
+    def processEnded(self, reason) -> None:
         for fd, rest in self._partial.items():
             if rest:
-                self._on_line(rest)
+                self._line(fd, rest)
+        self._partial.clear()
         self._on_end(reason.value)
 
 
-class Worker:
-    STOPPED, STARTING, RUNNING, STOPPING = "stopped", "starting", "running", "stopping"
-    #: The TLS problem of the last failed probe, logged once when it appears.
-    _tls_refused = None
+def describe_exit(reason) -> str:
+    signal = getattr(reason, "signal", None)
+    return f"signal {signal}" if signal else f"status {getattr(reason, 'exitCode', None)}"
 
-    def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
-                 *, on_change=lambda: None, metrics=None):
-        self.spec = spec
-        self.name = spec.name
-        self._argv = argv
-        self.policy = policy
-        self._reactor = reactor
-        self._on_change = on_change
-        self._metrics = metrics
-        self.state = self.STOPPED
-        self.url: str | None = None
-        self.healthy = False
-        self.health: dict = {}
-        self._process = None
-        self._exited: Deferred | None = None
-        self._kill = None
-        self._pending_start = None
-        self._wanted = False
-        self._probes = LoopingCall(self._probe)
-        self._probes.clock = reactor
-        self._http = http
 
-    # -- lifecycle ----------------------------------------------------------
-
+class _Inputs(Protocol):
     def start(self) -> None:
-        self._wanted = True
-        self._spawn()
+        """The service starts: spawn the child."""
 
-    def _spawn(self) -> None:
-        self._pending_start = None
-        if not self._wanted:
-            return
+    def stop(self) -> Deferred[Any]:
+        """The service stops: drain the child; fires with its exit status."""
+
+    def answered(self) -> None:
+        """A health probe found the child serving."""
+
+    def unresponsive(self, why: str) -> None:
+        """The restart policy condemned the child."""
+
+    def ended(self, reason: Any) -> None:
+        """The child exited (C{reason}: Twisted's ProcessDone or ProcessTerminated)."""
+
+    def restart(self) -> None:
+        """The restart delay is over."""
+
+
+@attrs.define(eq=False)
+class _Core:
+    """What the worker's states share: the child, its URL and health, and
+    the one timer that outlives a state (C{murder}: SIGKILL after the grace)."""
+
+    spec: WorkerSpec
+    argv: list[str]
+    policy: RestartPolicy
+    reactor: Any
+    on_change: Callable[[], None]
+    restarts: Any  # a prometheus Counter labelled by worker, or None
+    probes: LoopingCall
+    #: The child (an IProcessTransport), while there is one.
+    process: Any = None
+    url: str | None = None
+    healthy: bool = False
+    health: dict = attrs.Factory(dict)
+    murder: DelayedCall | None = None
+    stopped: list[Deferred[Any]] = attrs.Factory(list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def spawn(self, inputs: _Inputs) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
         env[CHILD_ENV] = "1"
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
+        env[URL_FD_ENV] = str(URL_FD)
         self.url, self.healthy, self.health = None, False, {}
-        self._exited = Deferred()
-        self._process = self._reactor.spawnProcess(
-            LineProtocol(self._line, self._ended), sys.executable, self._argv, env=env)
-        self.state = self.STARTING
-        self.policy.started(self._reactor.seconds())
-        log.info("{worker} started (pid {pid})", worker=self.name, pid=self._process.pid)
-        if not self._probes.running:
-            self._probes.start(self.policy.settings.health_interval_seconds, now=False)
-        self._on_change()
+        self.process = self.reactor.spawnProcess(
+            LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,
+            env=env, childFDs=CHILD_FDS)
+        self.policy.started(self.reactor.seconds())
+        log.info("{worker} started (pid {pid})", worker=self.name, pid=self.process.pid)
+        self.on_change()
 
-    def _line(self, line: bytes) -> None:
-        if self.url is None:
-            found = _LISTENING.search(line)
-            if found:
-                self.url = found.group(1).decode("ascii", "replace")
+    def relay(self, line: bytes) -> None:
         log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
 
-    def _ended(self, reason) -> None:
-        code = getattr(reason, "exitCode", None)
-        signal = getattr(reason, "signal", None)
-        how = f"signal {signal}" if signal else f"status {code}"
-        self._process = None
-        if self._kill is not None and self._kill.active():
-            self._kill.cancel()
-        self._kill = None
-        self.healthy = False
-        exited, self._exited = self._exited, None
-        if self._wanted and self.state != self.STOPPING:
-            delay = self.policy.next_delay()
-            log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
-                     worker=self.name, how=how, delay=delay)
-            if self._metrics is not None:
-                self._metrics.labels(self.name).inc()
-            self.state = self.STOPPED
-            self._pending_start = self._reactor.callLater(delay, self._spawn)
-        else:
-            log.info("{worker} stopped ({how})", worker=self.name, how=how)
-            self.state = self.STOPPED
-            if self._probes.running:
-                self._probes.stop()
-        self._on_change()
-        if exited is not None:
-            exited.callback(code)
+    def listening(self, url: str) -> None:
+        if self.url is None:
+            self.url = url
 
-    def _signal(self, name: str) -> None:
-        if self._process is not None:
+    def signal(self, name: str) -> None:
+        if self.process is not None:
             try:
-                self._process.signalProcess(name)
+                self.process.signalProcess(name)
             except error.ProcessExitedAlready:
                 pass
 
-    def _terminate(self, grace: float | None) -> Deferred:
-        """SIGTERM now; SIGKILL after C{grace} seconds (never when None)."""
-        exited = self._exited if self._exited is not None else Deferred()
-        if self._process is None:
-            exited.callback(None)
-            return exited
-        self._signal("TERM")
-        if grace is not None and self._kill is None:
-            self._kill = self._reactor.callLater(grace, self._force_kill)
-        return exited
+    def condemn(self) -> None:
+        """Arm C{murder}, once: SIGKILL unless the child exits within the grace."""
+        if self.murder is None:
+            self.murder = self.reactor.callLater(self.policy.termination_grace, self.kill)
 
-    def _force_kill(self) -> None:
-        # self._kill stays set (fired) until the process ends, so the failed
-        # probes that follow do not start a second restart of the same worker.
+    def kill(self) -> None:
         log.warn("{worker} did not stop within {grace}s: SIGKILL", worker=self.name,
-                 grace=self.policy.settings.termination_grace_seconds)
-        self._signal("KILL")
+                 grace=self.policy.termination_grace)
+        self.signal("KILL")
 
-    def restart(self, why: str) -> Deferred:
-        """Replace an unresponsive worker: TERM, KILL after the grace, start
-        again after the backoff delay."""
-        log.warn("{worker} is being restarted: {why}", worker=self.name, why=why)
-        self.healthy = False
-        self._on_change()
-        return self._terminate(self.policy.settings.termination_grace_seconds)
+    def gone(self) -> None:
+        """The child exited: forget it and its murder."""
+        self.process, self.healthy = None, False
+        if self.murder is not None and self.murder.active():
+            self.murder.cancel()
+        self.murder = None
 
-    def stop(self) -> Deferred:
-        """Drain and stop: SIGTERM, then wait while the worker finishes its
-        requests; it is killed only if it stops answering probes."""
-        self._wanted = False
-        if self._pending_start is not None and self._pending_start.active():
-            self._pending_start.cancel()
-        self._pending_start = None
-        if self._process is None:
-            if self._probes.running:
-                self._probes.stop()
-            self.state = self.STOPPED
-            return succeed(None)
-        self.state = self.STOPPING
-        return self._terminate(None)
+    def unhealthy(self) -> None:
+        if self.healthy:
+            self.healthy = False
+            self.on_change()
+
+    def stop_probing(self) -> None:
+        if self.probes.running:
+            self.probes.stop()
+
+    def wait_for_stop(self) -> Deferred[Any]:
+        self.stopped.append(Deferred())
+        return self.stopped[-1]
+
+
+def _machine() -> Callable[[_Core], _Inputs]:
+    machine = TypeMachineBuilder(_Inputs, _Core)
+
+    def restart_later(inputs: _Inputs, core: _Core, reason: Any) -> DelayedCall:
+        """The C{restart} timer: a new start after the policy's backoff."""
+        delay = core.policy.next_delay()
+        log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
+                 worker=core.name, how=describe_exit(reason), delay=delay)
+        if core.restarts is not None:
+            core.restarts.labels(core.name).inc()
+        return core.reactor.callLater(delay, inputs.restart)
+
+    idle = machine.state("Idle")
+    starting = machine.state("Starting")
+    running = machine.state("Running")
+    replacing = machine.state("Replacing")
+    waiting = machine.state("Waiting", restart_later)
+    stopping = machine.state("Stopping")
+
+    @pep614(idle.upon(_Inputs.start).to(starting))
+    def spawn(inputs: _Inputs, core: _Core) -> None:
+        core.spawn(inputs)
+
+    @pep614(waiting.upon(_Inputs.restart).to(starting))
+    def respawn(inputs: _Inputs, core: _Core, restart: DelayedCall) -> None:
+        core.spawn(inputs)
+
+    @pep614(starting.upon(_Inputs.answered).to(running))
+    def ready(inputs: _Inputs, core: _Core) -> None:
+        log.info("{worker} is ready at {url}", worker=core.name, url=core.url)
+
+    running.upon(_Inputs.answered).loop().returns(None)
+    # Answers to a child on its way out change nothing, nor does a second
+    # verdict on a child being replaced: it is never restarted twice.
+    replacing.upon(_Inputs.answered).loop().returns(None)
+    replacing.upon(_Inputs.unresponsive).loop().returns(None)
+    stopping.upon(_Inputs.answered).loop().returns(None)
+
+    @pep614(starting.upon(_Inputs.unresponsive).to(replacing))
+    @pep614(running.upon(_Inputs.unresponsive).to(replacing))
+    def replace(inputs: _Inputs, core: _Core, why: str) -> None:
+        log.warn("{worker} is being restarted: {why}", worker=core.name, why=why)
+        core.unhealthy()
+        core.signal("TERM")
+        core.condemn()
+
+    @pep614(stopping.upon(_Inputs.unresponsive).loop())
+    def hung(inputs: _Inputs, core: _Core, why: str) -> None:
+        # A draining worker closes its port before it exits (and JAX's
+        # teardown takes a while): the grace first, then SIGKILL.
+        core.condemn()
+
+    @pep614(starting.upon(_Inputs.ended).to(waiting))
+    @pep614(running.upon(_Inputs.ended).to(waiting))
+    @pep614(replacing.upon(_Inputs.ended).to(waiting))
+    def exited(inputs: _Inputs, core: _Core, reason: Any) -> None:
+        core.gone()
+        core.on_change()
+
+    @pep614(starting.upon(_Inputs.stop).to(stopping))
+    @pep614(running.upon(_Inputs.stop).to(stopping))
+    def drain(inputs: _Inputs, core: _Core) -> Deferred[Any]:
+        core.unhealthy()
+        core.signal("TERM")
+        return core.wait_for_stop()
+
+    @pep614(replacing.upon(_Inputs.stop).to(stopping))
+    @pep614(stopping.upon(_Inputs.stop).loop())
+    def already_terminated(inputs: _Inputs, core: _Core) -> Deferred[Any]:
+        return core.wait_for_stop()
+
+    @pep614(stopping.upon(_Inputs.ended).to(idle))
+    def stopped(inputs: _Inputs, core: _Core, reason: Any) -> None:
+        log.info("{worker} stopped ({how})", worker=core.name, how=describe_exit(reason))
+        core.gone()
+        core.stop_probing()
+        core.on_change()
+        waiting_for_stop, core.stopped = core.stopped, []
+        for d in waiting_for_stop:
+            d.callback(getattr(reason, "exitCode", None))
+
+    @pep614(waiting.upon(_Inputs.stop).to(idle))
+    def cancel_restart(inputs: _Inputs, core: _Core, restart: DelayedCall) -> Deferred[Any]:
+        restart.cancel()
+        core.stop_probing()
+        return succeed(None)
+
+    @pep614(idle.upon(_Inputs.stop).loop())
+    def not_started(inputs: _Inputs, core: _Core) -> Deferred[Any]:
+        return succeed(None)
+
+    return machine.build()
+
+
+_build = _machine()
+
+
+class Worker(service.Service):
+    """
+    One server process under supervision: a child service of the
+    supervisor. C{reactor} provides C{IReactorProcess} and C{IReactorTime};
+    C{http} is a treq-like client for the health probes.
+    """
+
+    #: The TLS problem of the last failed probe, logged once when it appears.
+    _tls_refused: str | None = None
+
+    def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
+                 *, on_change: Callable[[], None] = lambda: None, restarts=None):
+        self.spec = spec
+        self.setName(spec.name)
+        self.policy = policy
+        self._reactor = reactor
+        self._http = http
+        probes = LoopingCall(self._probe)
+        probes.clock = reactor
+        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes)
+        self._machine = _build(self._core)
+
+    @property
+    def url(self) -> str | None:
+        return self._core.url
+
+    @property
+    def healthy(self) -> bool:
+        return self._core.healthy
+
+    @property
+    def health(self) -> dict:
+        return self._core.health
+
+    def startService(self) -> None:
+        super().startService()
+        self._machine.start()
+        if not self._core.probes.running:
+            self._core.probes.start(self.policy.settings.health_interval_seconds, now=False)
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        return self._machine.stop()
 
     # -- probing ------------------------------------------------------------
 
     @inlineCallbacks
     def _probe(self):
-        if self._process is None or self.url is None:
-            if self.state == self.STARTING and self._process is not None:
-                self._judge(False, "it has not started listening")
+        core = self._core
+        if core.process is None:
+            return
+        if core.url is None:
+            self._judge(False, "it has not started listening")
             return
         settings = self.policy.settings
-        ok, why = False, ""
+        ok, serving, why = False, False, ""
         try:
-            response = yield self._http.get(self.url + "/health",
+            response = yield self._http.get(core.url + "/health",
                                             timeout=settings.health_timeout_seconds)
             body = yield response.content()
             health = json.loads(body)
-            self.health = health if isinstance(health, dict) else {}
-            ok = response.code == 200 or (self.state == self.STOPPING and response.code == 503)
-            why = f"/health answered {response.code} ({self.health.get('status')})"
+            core.health = health if isinstance(health, dict) else {}
+            serving = response.code == 200
+            # A draining worker answers 503 while it finishes its runs: it is
+            # alive, though it takes no new work.
+            ok = serving or (response.code == 503 and core.health.get("status") == "draining")
+            why = f"/health answered {response.code} ({core.health.get('status')})"
             self._tls_refused = None
         except Exception as e:
             why = f"health probe failed: {describe_failure(e)}"
@@ -208,29 +354,26 @@ class Worker:
             if tls is not None and tls != self._tls_refused:
                 # A configuration error, not a slow start: say so at once,
                 # not only when the failures finally restart the worker.
-                log.error("{worker} at {url}: {why}", worker=self.name, url=self.url, why=tls)
+                log.error("{worker} at {url}: {why}", worker=self.name, url=core.url, why=tls)
             self._tls_refused = tls
-        self._judge(ok, why)
+        if core.process is not None:  # it may have exited during the probe
+            self._judge(ok, why, serving)
 
-    def _judge(self, ok: bool, why: str) -> None:
-        was = self.healthy
-        self.healthy = ok and self.state != self.STOPPING
-        if ok and self.state == self.STARTING:
-            self.state = self.RUNNING
-            log.info("{worker} is ready at {url}", worker=self.name, url=self.url)
-        if self.policy.probe(ok, self._reactor.seconds()) and self._process is not None:
-            if self.state == self.STOPPING:
-                # A draining worker closes its port before it exits (and
-                # JAX's teardown takes a while): give it the grace first.
-                if self._kill is None:
-                    self._kill = self._reactor.callLater(
-                        self.policy.settings.termination_grace_seconds, self._force_kill)
-            elif self._kill is None:
-                self.restart(f"{self.policy.failures} failed health probes in a row; {why}")
-        if was != self.healthy:
-            self._on_change()
+    def _judge(self, ok: bool, why: str, serving: bool = False) -> None:
+        if serving and self.running:
+            self._machine.answered()
+            if not self._core.healthy:
+                self._core.healthy = True
+                self._core.on_change()
+        else:
+            self._core.unhealthy()
+        if self.policy.probe(ok, self._reactor.seconds()):
+            self._machine.unresponsive(
+                f"{self.policy.failures} failed health probes in a row; {why}")
 
-    def report(self) -> dict:
-        return {"name": self.name, "url": self.url or "", "healthy": self.healthy and self.url is not None,
-                "capacity": int(self.health.get("capacity", 0)) if self.healthy else 0,
-                "active": int(self.health.get("active", 0)) if self.healthy else 0}
+    def report(self, url: str) -> WorkerReport:
+        """This worker as a node reports it, reached at C{url}."""
+        healthy = self.healthy and self.url is not None
+        return WorkerReport(self.spec.name, url, healthy,
+                            int(self.health.get("capacity", 0)) if healthy else 0,
+                            int(self.health.get("active", 0)) if healthy else 0)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 from twisted.logger import Logger
 
-from kcoral.router.report import NodeReport
+from kcoral.router.report import NodeReport, WorkerReport
 
 log = Logger()
 
@@ -40,7 +40,7 @@ MAX_NODES = 10_000
 class Member:
     """One worker endpoint: the unit that receives programs."""
 
-    node: "Node"
+    node: Node
     name: str
     url: str
     capacity: int = 0
@@ -63,17 +63,33 @@ class Member:
 @attrs.define(eq=False)
 class Node:
     node_id: str
-    session: str
+    #: The supervisor's session; None for static members (a gateway's own
+    #: workers), which no supervisor reports over HTTP.
+    session: str | None
     state: str = JOINING
+    #: The last report of a reporting node (None for static members).
     report: NodeReport | None = None
     reported_at: float | None = None
     members: dict = attrs.Factory(dict)
     good: int = 0
     bad: int = 0
     reason: str = ""
-    #: Static members (a gateway's own workers) are never stale.
-    static: bool = False
     last_seen: float = 0.0
+    gpu_target: str | None = None
+    runtime: dict = attrs.Factory(dict)
+
+    @property
+    def static(self) -> bool:
+        """Static members are never stale: their supervisor is this process."""
+        return self.session is None
+
+    @property
+    def healthy(self) -> bool:
+        return any(m.healthy for m in self.members.values())
+
+    @property
+    def draining(self) -> bool:
+        return self.report is not None and self.report.draining
 
     @property
     def active(self) -> int:
@@ -82,14 +98,6 @@ class Node:
     @property
     def capacity(self) -> int:
         return sum(m.capacity for m in self.members.values() if m.healthy)
-
-    @property
-    def gpu_target(self) -> str | None:
-        return self.report.gpu_target if self.report else None
-
-    @property
-    def runtime(self) -> dict:
-        return self.report.runtime if self.report else {}
 
 
 class Pool:
@@ -116,8 +124,8 @@ class Pool:
         return node.reported_at is not None and \
             self._clock.seconds() - node.reported_at <= self.max_status_age
 
-    def report(self, node_id: str, report: NodeReport, *, static: bool = False) -> Node:
-        now = self._clock.seconds()
+    def report(self, node_id: str, report: NodeReport) -> Node:
+        """A supervisor's report (registration or heartbeat) of C{node_id}."""
         node = self.nodes.get(node_id)
         if node is not None and node.session != report.session:
             if node.state != GONE and self._fresh(node):
@@ -129,19 +137,48 @@ class Pool:
                 # members' accounting, start the node over.
                 node.session, node.state, node.good, node.bad = report.session, JOINING, 0, 0
         if node is None:
-            if node_id not in self.nodes and len(self.nodes) >= self.max_nodes:
-                raise PoolFull(f"the Router tracks {len(self.nodes)} nodes, the most it may; "
-                               f"gone ones are forgotten after {self.retention:g} s")
-            node = self.nodes[node_id] = Node(node_id, report.session, static=static)
-            log.info("node {node_id} joined with {workers} worker(s), target {target}",
-                     node_id=node_id, workers=len(report.workers), target=report.gpu_target)
-        node.report, node.reported_at, node.last_seen = report, now, now
-        for gone in set(node.members) - {w.name for w in report.workers}:
+            node = self._join(node_id, report.session, report.workers, report.gpu_target)
+        node.report, node.reported_at = report, self._clock.seconds()
+        self._update(node, report.workers, report.gpu_target, report.runtime)
+        if report.draining and node.state != DRAINING:
+            self._move(node, DRAINING, "it reported that it is draining")
+        self.on_change()
+        return node
+
+    def set_static(self, node_id: str, workers: Sequence[WorkerReport], *,
+                   gpu_target: str | None, runtime: dict) -> Node:
+        """
+        The members of C{node_id} as this process knows them first hand (a
+        gateway's own workers, whose supervisor probes them): never stale,
+        with no session to conflict with.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self._join(node_id, None, workers, gpu_target)
+        self._update(node, workers, gpu_target, runtime)
+        self.on_change()
+        return node
+
+    def _join(self, node_id: str, session: str | None, workers: Sequence[WorkerReport],
+              gpu_target: str | None) -> Node:
+        if node_id not in self.nodes and len(self.nodes) >= self.max_nodes:
+            raise PoolFull(f"the Router tracks {len(self.nodes)} nodes, the most it may; "
+                           f"gone ones are forgotten after {self.retention:g} s")
+        node = self.nodes[node_id] = Node(node_id, session)
+        log.info("node {node_id} joined with {workers} worker(s), target {target}",
+                 node_id=node_id, workers=len(workers), target=gpu_target)
+        return node
+
+    def _update(self, node: Node, workers: Sequence[WorkerReport], gpu_target: str | None,
+                runtime: dict) -> None:
+        node.last_seen = self._clock.seconds()
+        node.gpu_target, node.runtime = gpu_target, runtime
+        for gone in set(node.members) - {w.name for w in workers}:
             if node.members[gone].active == 0:
                 del node.members[gone]
             else:
                 node.members[gone].healthy = False
-        for worker in report.workers:
+        for worker in workers:
             member = node.members.get(worker.name)
             if member is None:
                 member = node.members[worker.name] = Member(node, worker.name, worker.url)
@@ -150,10 +187,6 @@ class Pool:
                 # Member, whose leases still count (and release) its requests.
                 member.url = worker.url
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
-        if report.draining and node.state != DRAINING:
-            self._move(node, DRAINING, "it reported that it is draining")
-        self.on_change()
-        return node
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)
@@ -202,10 +235,10 @@ class Pool:
                          node_id=node.node_id, seconds=now - node.reported_at)
                 continue
             if node.state == DRAINING:
-                if fresh and not node.report.draining:
+                if fresh and not node.draining:
                     self._move(node, JOINING, "it stopped draining")
                 continue
-            if fresh and node.report.healthy:
+            if fresh and node.healthy:
                 node.good, node.bad = node.good + 1, 0
             else:
                 node.good, node.bad = 0, node.bad + 1

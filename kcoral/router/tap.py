@@ -5,7 +5,43 @@ C{makeService}.
 
 from __future__ import annotations
 
-from kcoral.options import LISTEN, KCoralOptions, check_listen, non_negative, port, positive
+from typing import Any
+
+from kcoral.options import (
+    LISTEN,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
+    KCoralOptions,
+    check_listen,
+    config_from,
+    non_negative,
+    parameter,
+    port,
+    positive,
+)
+from kcoral.router.service import RouterConfig, RouterService
+
+#: Each option: its RouterConfig field, help text and value check.
+_OPTIONS: list[tuple[Any, ...]] = [
+    ("host", "Interface to listen on."),
+    ("port", "Port to listen on.", port),
+    ("status_check_interval_seconds", "Interval for checking status freshness.", positive(float)),
+    ("max_status_age_seconds", "Maximum age of a node health report.", positive(float)),
+    ("unhealthy_threshold", "Failed observations before removing a ready node.", positive(int)),
+    ("recovery_threshold", "Successful observations before a failed node returns.",
+     positive(int)),
+    ("queue_wait_timeout_seconds", "Maximum wait for capacity.", non_negative(float)),
+    ("max_queued_requests", "Bound on requests waiting for capacity.", non_negative(int)),
+    ("node_retention_seconds", "Retention of disconnected, unused node records.",
+     non_negative(float)),
+    ("max_request_bytes", "Maximum accepted request body size, in bytes.", positive(int)),
+    ("node_token", "Token nodes must present [env: KCORAL_NODE_TOKEN]."),
+    ("tls_cert", TLS_CERT),
+    ("tls_key", TLS_KEY),
+    ("tls_ca", TLS_CA),
+    ("listen", LISTEN),
+]
 
 
 class Options(KCoralOptions):
@@ -13,51 +49,18 @@ class Options(KCoralOptions):
     longdesc = ("Run a KCoral Router: one stable address that sends each program to a "
                 "healthy node with free capacity, queueing when none is free.")
 
-    optParameters = [
-        ["host", None, "127.0.0.1", "Interface to listen on."],
-        ["port", None, 9000, "Port to listen on.", port],
-        ["status-check-interval-seconds", None, 1.0, "Interval for checking status freshness.", positive(float)],
-        ["max-status-age-seconds", None, 5.0, "Maximum age of a node health report.", positive(float)],
-        ["unhealthy-threshold", None, 3, "Failed observations before removing a ready node.", positive(int)],
-        ["recovery-threshold", None, 2, "Successful observations before a failed node returns.", positive(int)],
-        ["queue-wait-timeout-seconds", None, 1800.0, "Maximum wait for capacity.", non_negative(float)],
-        ["max-queued-requests", None, 1024, "Bound on requests waiting for capacity.", non_negative(int)],
-        ["node-retention-seconds", None, 600.0, "Retention of disconnected, unused node records.", non_negative(float)],
-        ["max-request-bytes", None, 268435456, "Maximum accepted request body size, in bytes.", positive(int)],
-        ["node-token", None, None, "Token nodes must present [env: KCORAL_NODE_TOKEN]."],
-        ["tls-cert", None, None, "PEM certificate (chain): listen with TLS."],
-        ["tls-key", None, None, "PEM private key of --tls-cert (default: inside --tls-cert)."],
-        ["tls-ca", None, None, "PEM CA to verify https peers with (default: the system's roots)."],
-        LISTEN,
-    ]
+    optParameters = [parameter(RouterConfig, *row) for row in _OPTIONS]
     environment = {"node-token": "KCORAL_NODE_TOKEN"}
 
     def postOptions(self):
         super().postOptions()
         check_listen(self)
 
-    def router_config(self):
-        from kcoral.router.service import RouterConfig
-
-        return RouterConfig(
-            host=self["host"], port=self["port"],
-            status_check_interval_seconds=self["status-check-interval-seconds"],
-            max_status_age_seconds=self["max-status-age-seconds"],
-            unhealthy_threshold=self["unhealthy-threshold"],
-            recovery_threshold=self["recovery-threshold"],
-            queue_wait_timeout_seconds=self["queue-wait-timeout-seconds"],
-            max_queued_requests=self["max-queued-requests"],
-            node_retention_seconds=self["node-retention-seconds"],
-            max_request_bytes=self["max-request-bytes"],
-            node_token=self["node-token"],
-            tls_cert=self["tls-cert"], tls_key=self["tls-key"], tls_ca=self["tls-ca"],
-            listen=self["listen"],
-        )
+    def router_config(self) -> RouterConfig:
+        return config_from(RouterConfig, self)
 
 
 def makeService(options: Options, reactor=None):
     if reactor is None:
         from twisted.internet import reactor
-    from kcoral.router.service import RouterService
-
     return RouterService(options.router_config(), reactor)

@@ -15,6 +15,7 @@ from twisted.python.threadpool import ThreadPool
 
 from kcoral.heap import settle
 from kcoral.metrics import HttpMetrics
+from kcoral.node.announce import announce
 from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
@@ -86,6 +87,11 @@ class ServerService(service.MultiService):
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          config.secured)
         self.listener.setServiceParent(self)
+
+    def privilegedStartService(self):
+        super().privilegedStartService()
+        # A supervised server tells its supervisor where it listens.
+        announce(self.listener.url)
 
     def startService(self):
         self._threadpool.start()

@@ -1,0 +1,91 @@
+"""
+The reporter on a fake clock and a scripted Router: registration and
+heartbeats, the draining report, deregistration, and a Router that is away.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+
+from kcoral.node.reporter import Reporter
+from tests.fakes import ScriptedHTTP
+
+ROUTER = "http://127.0.0.1:9000"
+NODE_URL = ROUTER + "/v1/nodes/gpu-a"
+WORKERS = {"workers": [{"name": "worker0", "url": "http://127.0.0.1:8000", "healthy": True,
+                        "capacity": 2, "active": 0}], "gpu_target": "cpu", "runtime": {}}
+
+
+def reporter(http, clock, token=None):
+    return Reporter(http, ROUTER, "gpu-a", token, report=lambda: WORKERS, timeout=1.0,
+                    interval=2.0, reactor=clock)
+
+
+def test_starting_registers_and_then_beats_every_interval():
+    """A started reporter PUTs the node's report at once, then every interval."""
+    http, clock = ScriptedHTTP(), Clock()
+    http.answer(NODE_URL, 200, {"state": "joining"})
+    r = reporter(http, clock)
+    r.startService()
+    assert len(http.sent("PUT")) == 1 and r.connected is True and r.state == "joining"
+    clock.advance(2)
+    clock.advance(2)
+    bodies = http.sent("PUT")
+    assert len(bodies) == 3
+    assert all(b["session"] == r.session and b["draining"] is False for b in bodies)
+    assert bodies[0]["workers"] == WORKERS["workers"]
+
+
+def test_drain_says_draining_now_and_in_every_later_beat():
+    """After drain(), the next report and every heartbeat after it say draining."""
+    http, clock = ScriptedHTTP(), Clock()
+    http.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(http, clock)
+    r.startService()
+    r.drain()
+    clock.advance(2)
+    assert [b["draining"] for b in http.sent("PUT")] == [False, True, True]
+
+
+def test_stopping_stops_the_beats_and_deregisters_the_session():
+    """A stopped reporter sends no more heartbeats and DELETEs its node."""
+    http, clock = ScriptedHTTP(), Clock()
+    http.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(http, clock)
+    r.startService()
+    stopped = []
+    r.stopService().addCallback(stopped.append)
+    assert stopped == [None]
+    assert http.methods() == ["PUT", "DELETE"]
+    clock.advance(10)
+    assert len(http.requests) == 2 and clock.getDelayedCalls() == []
+
+
+def test_a_router_that_is_away_is_retried_without_failing():
+    """An unreachable Router makes send() return False, and the beats go on."""
+    http, clock = ScriptedHTTP(), Clock()
+    r = reporter(http, clock)
+    r.startService()
+    assert r.connected is False
+    http.answer(NODE_URL, 200, {"state": "joining"})
+    clock.advance(2)
+    assert r.connected is True and len(http.sent("PUT")) == 2
+
+
+def test_a_refusal_is_not_a_registration():
+    """A Router that answers with an error leaves the reporter disconnected."""
+    http, clock = ScriptedHTTP(), Clock()
+    http.answer(NODE_URL, 409, {"error": {"type": "conflict", "message": "in use"}})
+    sent = []
+    reporter(http, clock).send().addCallback(sent.append)
+    assert sent == [False]
+
+
+def test_the_token_is_sent_as_a_bearer_header():
+    """With a node token every request carries it as Authorization: Bearer."""
+    http, clock = ScriptedHTTP(), Clock()
+    http.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(http, clock, token="s3cret")
+    r.startService()
+    r.stopService()
+    assert [req.headers[b"Authorization"] for req in http.requests] == [[b"Bearer s3cret"]] * 2
