@@ -80,7 +80,7 @@ def test_a_run_url_may_name_an_ipv6_worker():
 
 
 def test_the_proxy_parses_each_member_url_once():
-    proxy = Proxy(reactor)
+    proxy = Proxy(Outgoing(reactor).client)
     assert proxy.run_url("http://127.0.0.1:8000") is proxy.run_url("http://127.0.0.1:8000")
 
 
@@ -110,7 +110,7 @@ class Peer:
 
     def __init__(self):
         self.outgoing = Outgoing(reactor)
-        self.proxy = Proxy(reactor)
+        self.proxy = Proxy(self.outgoing.client)
         self._ports: list = []
 
     def serve(self, served: resource.Resource, interface: str = "127.0.0.1") -> int:
@@ -120,7 +120,6 @@ class Peer:
 
     async def close(self):
         await self.outgoing.close()
-        await self.proxy.outgoing.close()
         for port in self._ports:
             await port.stopListening()
 
@@ -250,4 +249,4 @@ async def test_a_run_whose_client_left_is_not_sent_again(peer):
         assert len(worker.runs) == 1 and worker.lost == worker.runs
         assert len(app.scheduler.queue) == 0
     finally:
-        await app.proxy.outgoing.close()
+        await app.outgoing.close()
