@@ -52,6 +52,7 @@ from kcoral.router.report import InvalidReport, parse_report
 from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
 from tests.conftest import server_args, server_env
 from tests.harness import LISTENING, SERVER_READY, kcoral_argv, until
+from kcoral.web.site import TWISTED_BAD_REQUEST
 from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
 from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until_ready
 from tests.test_server import run_frame
@@ -995,6 +996,26 @@ def test_unparseable_http_is_a_json_400():
     assert status == 400 and transport.disconnecting
     info = check_error(status, headers, body, "bad-1")
     assert info["type"] == "bad_request" and "malformed HTTP" in info["message"]
+
+
+def test_a_body_refused_from_its_length_gets_no_100_continue():
+    """A client that asks whether to send a body already too large gets only the 413."""
+    channel, transport = connect(fake_site(Clock(), maxRequestBytes=10))
+    channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: big-1\r\n"
+                         b"Expect: 100-continue\r\nContent-Length: 11\r\n\r\n")
+    assert b"100 Continue" not in transport.value()
+    code, headers, body = parse_raw(transport.value())
+    assert code == 413 and check_error(code, headers, body, "big-1")["type"] == "payload_too_large"
+
+
+def test_the_bad_request_wrapper_passes_every_other_write_through():
+    """JSONBadRequest rewrites only Twisted's bare 400; anything else reaches the transport as is."""
+    wrapper, transport = connect(fake_site(Clock()))  # the channel's transport
+    wrapper.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert transport.value() == b"HTTP/1.1 200 OK\r\n\r\n"
+    wrapper.write(TWISTED_BAD_REQUEST)
+    status, headers, body = parse_raw(transport.value()[len(b"HTTP/1.1 200 OK\r\n\r\n"):])
+    assert status == 400 and check_error(status, headers, body)["message"] == "malformed HTTP request"
 
 
 class _Big(Resource):
