@@ -3,12 +3,12 @@ A resource that sends one hot route (C{POST /v1/run}) straight to its
 handler, and every other request through the Klein app behind it.
 
 Why: Klein's per-request work (binding and matching its URL map, adapting
-the request, three maybeDeferreds and its error-handler chain) costs more
-server CPU per trivial run than everything else its handler does outside
-JAX, and as much again in a Router, which receives every run and sends it
-on (doc/benchmarks.rst, "Routing", measured with bench/routing.py). Klein
-still declares the route, so that it lists it and answers its other
-methods with 405.
+the request, its maybeDeferreds and error-handler chain) costs about 30 us
+of CPU per run in each service, two thirds as much again as the rest of a
+Router's resource tree and HTTP server spend on it, and a run pays it in
+both the Router and the server (doc/benchmarks.rst, "Routing", measured
+with bench/routing.py). Klein still declares the route, so that it lists it
+and answers its other methods with 405.
 
 Everything else is as Klein does it: a client that goes away cancels the
 handler's Deferred (the one place a run learns of it), an answer for a
