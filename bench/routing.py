@@ -145,7 +145,7 @@ def main():
         cpu[f"{name} Klein - DirectRoute"] = [
             k - d for k, d in zip(cpu[f"{name} Klein"], cpu[f"{name} DirectRoute"])]
     for way, figures in cpu.items():
-        q1, _, q3 = statistics.quantiles(figures, n=4)
+        q1, _, q3 = statistics.quantiles(figures, n=4, method="inclusive")
         print(f"{way:27} {statistics.median(figures):7.1f} {q1:7.1f} {q3:7.1f} "
               f"{min(figures):7.1f} {max(figures):7.1f}")
 

@@ -17,8 +17,16 @@ from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.logger import Logger
 
 from kcoral._version import __version__
-from kcoral.errors import (BadRequest, KCoralError, NodeConflict, NodeFailure, NotFound,
-                           PayloadTooLarge, ServerBusy, Unauthorized)
+from kcoral.errors import (
+    BadRequest,
+    KCoralError,
+    NodeConflict,
+    NodeFailure,
+    NotFound,
+    PayloadTooLarge,
+    ServerBusy,
+    Unauthorized,
+)
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.forward import Forwarder

@@ -10,7 +10,7 @@ its request to the member, releases its lease, and is tried nowhere else.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger

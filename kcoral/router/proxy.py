@@ -12,6 +12,8 @@ forward (its client went away) is neither.
 
 from __future__ import annotations
 
+from typing import cast
+
 from cachetools import LRUCache
 from hyperlink import EncodedURL
 from twisted.internet import error as netError
@@ -43,8 +45,8 @@ class _RunURL(EncodedURL):
     _text: str
 
     @classmethod
-    def parse(cls, url: str) -> "_RunURL":
-        parsed = cls.from_text(url)
+    def parse(cls, url: str) -> _RunURL:
+        parsed = cast(_RunURL, cls.from_text(url))
         parsed._text = url if url.isascii() else EncodedURL.from_text(url).to_uri().to_text()
         return parsed
 
@@ -66,7 +68,7 @@ class NotSent(Exception):
 
 
 class Answer:
-    __slots__ = ("code", "headers", "body")
+    __slots__ = ("body", "code", "headers")
 
     def __init__(self, code: int, headers: dict, body: bytes):
         self.code, self.headers, self.body = code, headers, body

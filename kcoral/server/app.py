@@ -153,10 +153,9 @@ class ServerApp:
             if debug_enabled() and not isinstance(result, Failure):
                 log.debug("{request_id} ran program {digest} ({size} result bytes)",
                           request_id=rid, digest=digest, size=len(result))
-            if isinstance(result, Failure):
-                if not result.check(KCoralError):
-                    log.failure("{request_id} internal error", result, request_id=rid)
-                    return Failure(ProgramFailed(f"internal error: {result.type.__name__}"))
+            if isinstance(result, Failure) and not result.check(KCoralError):
+                log.failure("{request_id} internal error", result, request_id=rid)
+                return Failure(ProgramFailed(f"internal error: {result.type.__name__}"))
             return result
 
         running = deferToThreadPool(self._reactor, self._threadpool, self.executor.execute, run, rid)

@@ -3,8 +3,8 @@ A resource that sends one hot route (C{POST /v1/run}) straight to its
 handler, and every other request through the Klein app behind it.
 
 Why: Klein's per-request work (binding and matching its URL map, adapting
-the request, its maybeDeferreds and error-handler chain) costs about 30 us
-of CPU per run in each service, two thirds as much again as the rest of a
+the request, its maybeDeferreds and error-handler chain) costs 25-37 us of
+CPU per run in each service, more than half as much again as the rest of a
 Router's resource tree and HTTP server spend on it, and a run pays it in
 both the Router and the server (doc/benchmarks.rst, "Routing", measured
 with bench/routing.py). Klein still declares the route, so that it lists it
@@ -18,7 +18,7 @@ the JSON 500 of Klein's error handler.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger

@@ -16,13 +16,15 @@ arriving, which C{twisted.web} itself does not offer:
 from __future__ import annotations
 
 import io
-from typing import Callable
+import sys
+from collections.abc import Callable
 
-from twisted.internet import reactor as _globalReactor
 from twisted.internet import protocol
-from twisted.protocols import policies
+from twisted.internet import reactor as _globalReactor
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import ITCPTransport
 from twisted.logger import Logger
+from twisted.protocols import policies
 from twisted.web import http, server
 
 from kcoral.errors import BadRequest, KCoralError, PayloadTooLarge, RequestTimeout
@@ -50,6 +52,8 @@ class _Body(io.BytesIO):
 
 
 class KCoralRequest(server.Request):
+    channel: KCoralChannel
+    content: _Body | None  # type: ignore[assignment]
     _refused = False
     _received = 0
     _started = None
@@ -147,6 +151,9 @@ class KCoralRequest(server.Request):
 
 
 class KCoralChannel(http.HTTPChannel):
+    #: Set by the site that built it, as for every Twisted protocol.
+    site: KCoralSite
+    transport: ITCPTransport | None
     _headerDeadline = None
 
     def connectionMade(self):
@@ -188,14 +195,16 @@ class KCoralChannel(http.HTTPChannel):
 
     def refuse(self, response: bytes) -> None:
         """Answer C{response} now, then discard whatever else arrives."""
-        self.rawDataReceived = self.dataReceived = lambda data: None
-        self.transport.write(response)
-        loseWrite = getattr(self.transport, "loseWriteConnection", None)
+        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+        transport = self.transport
+        assert transport is not None  # called from the connection's own dataReceived
+        transport.write(response)
+        loseWrite = getattr(transport, "loseWriteConnection", None)
         if loseWrite is not None:
             loseWrite()
         else:
-            self.transport.loseConnection()
-        self._lingering = self.site.clock.callLater(LINGER_SECONDS, self.transport.abortConnection)
+            transport.loseConnection()
+        self._lingering = self.site.clock.callLater(LINGER_SECONDS, transport.abortConnection)
 
     def connectionLost(self, reason):
         for call in (self._headerDeadline, getattr(self, "_lingering", None)):
@@ -237,7 +246,9 @@ class _Refused(protocol.Protocol):
 
 
 class KCoralSite(server.Site):
-    protocol = KCoralChannel
+    # The channel itself, not Twisted's wrapper that would pick HTTP/2 or
+    # HTTP/1.1 by TLS negotiation: KCoral speaks HTTP/1.1.
+    protocol = KCoralChannel  # type: ignore[assignment]
     requestFactory = KCoralRequest
 
     def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
@@ -275,10 +286,12 @@ class KCoralSite(server.Site):
 
     def _limit(self) -> int:
         limit = self.maxConnections
+        if limit is None:
+            return sys.maxsize
         return limit() if callable(limit) else limit
 
     def buildProtocol(self, addr):
-        if self.maxConnections is not None and len(self.channels) >= self._limit():
+        if len(self.channels) >= self._limit():
             if not self._refused:
                 self.logger.warn("{open} connections are open, the most this service takes: "
                                  "closing new ones until some close", open=len(self.channels))
@@ -320,7 +333,7 @@ class KCoralSite(server.Site):
         """
         if not self.channels:
             return succeed(None)
-        d = Deferred()
+        d: Deferred[None] = Deferred()
         self._closing.append(d)
         for channel in list(self.channels):
             channel.closeWhenIdle()
