@@ -10,9 +10,21 @@ import json
 import pytest
 
 import kcoral
-from kcoral.errors import (ERRORS_BY_STATUS, BadRequest, KCoralError, MissingContent, NodeFailure,
-                           PayloadTooLarge, ProgramExportError, ProgramFailed, ProgramRejected,
-                           ServerBusy, error_body, error_from_answer, error_from_body)
+from kcoral.errors import (
+    ERRORS_BY_STATUS,
+    BadRequest,
+    KCoralError,
+    MissingContent,
+    NodeFailure,
+    PayloadTooLarge,
+    ProgramExportError,
+    ProgramFailed,
+    ProgramRejected,
+    ServerBusy,
+    error_body,
+    error_from_answer,
+    error_from_body,
+)
 
 DOCUMENTED_TABLE = {
     400: BadRequest,

@@ -50,9 +50,9 @@ from kcoral import Program
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
+from kcoral.web.site import TWISTED_BAD_REQUEST
 from tests.conftest import server_args, server_env
 from tests.harness import LISTENING, SERVER_READY, kcoral_argv, until
-from kcoral.web.site import TWISTED_BAD_REQUEST
 from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
 from tests.test_routed import FAST_ROUTER, pool_nodes, start_node, start_router, until_ready
 from tests.test_server import run_frame
@@ -365,7 +365,7 @@ def read_response(sock: socket.socket, timeout: float, *, bodiless: bool = False
             body += chunk
         if length:
             body = body[:int(length.group(1))]  # a second (pipelined) answer may follow
-    except socket.timeout:
+    except TimeoutError:
         if not data:
             return "silent"
         if b"\r\n\r\n" not in data:
@@ -496,7 +496,7 @@ async def test_hostile_frames(target, case):
 @pytest_twisted.ensureDeferred
 async def test_no_client_string_becomes_a_path(server, program):
     """No hostile digest becomes a path: the cache holds only files named by a digest."""
-    p, valid = program
+    p, _ = program
     for d in HOSTILE_DIGESTS:
         body = frame({"program": {"digest": p.digest},
                       "inputs": [{"dtype": "int8", "shape": [4], "digest": d}]})
@@ -545,7 +545,7 @@ def _longer_than_sent(port: int, head: bytes, part: bytes) -> bytes:
         sock.settimeout(1.5)
         try:
             return sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             return b"(silent)"
 
 
@@ -853,9 +853,9 @@ async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processe
     """Past its connection cap the Router closes new ones, logging once, and still reaches nodes."""
     worker = reactor.listenTCP(0, Site(_Worker()), interface="127.0.0.1")
     limited = [sys.executable, "-c",
-               "import os, resource, sys; "
-               f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES})); "
-               "os.execv(sys.argv[1], sys.argv[1:])",
+               ("import os, resource, sys; "
+                f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES})); "
+                "os.execv(sys.argv[1], sys.argv[1:])"),
                *kcoral_argv("router", "--port", "0", *FAST_ROUTER)]
     router = processes.spawn(limited, name="few-files")
     port = int((await router.wait_for_line(LISTENING, 60)).group("url").rsplit(":", 1)[1])

@@ -18,8 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
 from twisted.python.threadpool import ThreadPool
 
-from kcoral.protocol.wire import (ALIGN, MAGIC, PREFIX, PROGRAM_HEADER,
-                                  encode_request, sha256, wire_array)
+from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, encode_request, sha256, wire_array
 from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, OK, ServerApp

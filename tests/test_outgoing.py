@@ -93,8 +93,9 @@ def test_the_proxy_parses_each_member_url_once():
 
 def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):
     """debug_enabled() is false only once the console logs above debug."""
-    import kcoral.logs
     from twisted.logger import LogLevel
+
+    import kcoral.logs
 
     monkeypatch.setattr(kcoral.logs, "_debug", True)
     monkeypatch.setattr(kcoral.logs.globalLogBeginner, "beginLoggingTo", lambda *a, **k: None)
