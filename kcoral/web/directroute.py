@@ -3,7 +3,7 @@ A resource that sends one hot route (C{POST /v1/run}) straight to its
 handler, and every other request through the Klein app behind it.
 
 Why: Klein's per-request work (binding and matching its URL map, adapting
-the request, its maybeDeferreds and error-handler chain) costs 25-37 us of
+the request, its maybeDeferreds and error-handler chain) costs 26-37 us of
 CPU per run in each service, more than half as much again as the rest of a
 Router's resource tree and HTTP server spend on it, and a run pays it in
 both the Router and the server (doc/benchmarks.rst, "Routing", measured
