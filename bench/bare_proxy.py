@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kcoral.heap import settle
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.proxy import Proxy
-from kcoral.web.outgoing import MAX_PER_HOST
+from kcoral.web.outgoing import MAX_PER_HOST, Outgoing
 
 _FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
 
@@ -88,8 +88,8 @@ def main(worker_url: str, plain: bool) -> None:
         pool.maxPersistentPerHost = MAX_PER_HOST  # as the Router's
         proxy = BareProxy(HTTPClient(Agent(reactor, pool=pool)), worker_url + "/v1/run")
     else:
-        router = Proxy(reactor)
-        proxy = BareProxy(router.outgoing.client, router.run_url(worker_url))
+        client = Outgoing(reactor).client
+        proxy = BareProxy(client, Proxy(client).run_url(worker_url))
         reactor.callWhenRunning(settle)
 
     def listening(port):

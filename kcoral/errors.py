@@ -1,8 +1,9 @@
 """
 The errors a KCoral client can see, and the one table that maps them to HTTP.
 
-Servers, the Router and clients all use L{ERRORS_BY_STATUS} so that a status
-code means the same thing everywhere (the table in doc/protocol.rst).
+Every error a KCoral service answers is a class here, listed in L{ERRORS};
+servers, the Router and clients all read it, so that a status code means the
+same thing everywhere (the table in doc/protocol.rst).
 """
 
 from __future__ import annotations
@@ -46,7 +47,30 @@ class BadRequest(KCoralError):
     type = "bad_request"
 
 
+class Unauthorized(BadRequest):
+    """401: a node control request without the Router's bearer token."""
+
+    status = 401
+    type = "unauthorized"
+
+
+class NotFound(BadRequest):
+    """404: no such route, or no such node session."""
+
+    status = 404
+    type = "not_found"
+
+
+class MethodNotAllowed(BadRequest):
+    """405: the route does not take this method."""
+
+    status = 405
+    type = "method_not_allowed"
+
+
 class PayloadTooLarge(BadRequest):
+    """413: the request body is larger than the service takes."""
+
     status = 413
     type = "payload_too_large"
 
@@ -69,6 +93,13 @@ class MissingContent(KCoralError):
         return list(self.details.get("missing", []))
 
 
+class NodeConflict(BadRequest):
+    """409: a node id already held by another live session."""
+
+    status = 409
+    type = "node_conflict"
+
+
 class ProgramRejected(KCoralError):
     """422: wrong inputs, no matching platform, or a compile failure."""
 
@@ -81,6 +112,12 @@ class ProgramFailed(KCoralError):
 
     status = 500
     type = "program_failed"
+
+
+class InternalError(ProgramFailed):
+    """500: an unexpected failure in the service itself, named only by its type."""
+
+    type = "internal_error"
 
 
 class NodeFailure(KCoralError):
@@ -104,15 +141,31 @@ class ProgramExportError(KCoralError, ValueError):
     type = "export_error"
 
 
-ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {
-    400: BadRequest,
-    409: MissingContent,
-    413: PayloadTooLarge,
-    422: ProgramRejected,
-    500: ProgramFailed,
-    502: NodeFailure,
-    503: ServerBusy,
-}
+#: The errors a client raises, one for each status it tells apart; an
+#: answer of any other 4xx status is a L{BadRequest}, any other 5xx a
+#: L{ProgramFailed} (L{error_from_body}).
+CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
+    BadRequest,
+    MissingContent,
+    PayloadTooLarge,
+    ProgramRejected,
+    ProgramFailed,
+    NodeFailure,
+    ServerBusy,
+)
+
+#: Every error a KCoral service answers: the client's, and finer ones that a
+#: client catches as the class they refine.
+ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
+    Unauthorized,
+    NotFound,
+    MethodNotAllowed,
+    RequestTimeout,
+    NodeConflict,
+    InternalError,
+)
+
+ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {cls.status: cls for cls in CLIENT_ERRORS}
 
 
 def error_body(error: KCoralError, request_id: str) -> dict:

@@ -15,7 +15,6 @@ import treq
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred
 from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 from twisted.web.client import HTTPConnectionPool
@@ -32,9 +31,6 @@ class ForwardedRequest:
 
     request_id = "forwarded-1"
     requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
-
-    def notifyFinish(self):
-        return Deferred()
 
 
 @attrs.frozen

@@ -10,9 +10,21 @@ import json
 import pytest
 
 import kcoral
-from kcoral.errors import (ERRORS_BY_STATUS, BadRequest, KCoralError, MissingContent, NodeFailure,
-                           PayloadTooLarge, ProgramExportError, ProgramFailed, ProgramRejected,
-                           ServerBusy, error_body, error_from_answer, error_from_body)
+from kcoral.errors import (
+    ERRORS_BY_STATUS,
+    BadRequest,
+    KCoralError,
+    MissingContent,
+    NodeFailure,
+    PayloadTooLarge,
+    ProgramExportError,
+    ProgramFailed,
+    ProgramRejected,
+    ServerBusy,
+    error_body,
+    error_from_answer,
+    error_from_body,
+)
 
 DOCUMENTED_TABLE = {
     400: BadRequest,
@@ -27,12 +39,14 @@ DOCUMENTED_TABLE = {
 
 @pytest.mark.parametrize("status, cls", sorted(DOCUMENTED_TABLE.items()))
 def test_status_codes_map_to_the_spec_exceptions(status, cls):
+    """Each documented status maps to its client exception class, a KCoralError carrying that status."""
     assert issubclass(ERRORS_BY_STATUS[status], cls)
     assert ERRORS_BY_STATUS[status].status == status
     assert issubclass(ERRORS_BY_STATUS[status], KCoralError)
 
 
 def test_public_exceptions_are_importable_from_kcoral():
+    """The public exceptions are KCoralErrors importable from kcoral; ProgramExportError is a ValueError."""
     for name in ("KCoralError", "ServerBusy", "NodeFailure", "ProgramRejected", "ProgramFailed",
                  "BadRequest", "ProgramExportError"):
         assert issubclass(getattr(kcoral, name), kcoral.KCoralError)
@@ -41,6 +55,7 @@ def test_public_exceptions_are_importable_from_kcoral():
 
 @pytest.mark.parametrize("status", sorted(ERRORS_BY_STATUS))
 def test_error_body_round_trip(status):
+    """An error's JSON body (type, message, request id, reason) rebuilds the same class and fields."""
     cls = ERRORS_BY_STATUS[status]
     error = cls("something went wrong", reason="draining" if status == 503 else None)
     body = json.loads(json.dumps(error_body(error, "rid-1")))
@@ -57,6 +72,7 @@ def test_error_body_round_trip(status):
 
 
 def test_missing_digests_survive_the_round_trip():
+    """A 409's missing digests are in its JSON body and on the MissingContent rebuilt from it."""
     error = MissingContent("gone", details={"missing": ["a" * 64, "b" * 64]})
     body = error_body(error, "r")
     assert body["error"]["missing"] == ["a" * 64, "b" * 64]
@@ -66,6 +82,7 @@ def test_missing_digests_survive_the_round_trip():
 
 
 def test_busy_reason_is_kept():
+    """A 503's reason survives the round trip onto the ServerBusy rebuilt from it."""
     back = error_from_body(503, error_body(ServerBusy("full", reason="queue_full"), "r"), "")
     assert isinstance(back, ServerBusy) and back.reason == "queue_full"
 
@@ -73,11 +90,13 @@ def test_busy_reason_is_kept():
 @pytest.mark.parametrize("status, cls", [(404, BadRequest), (405, BadRequest), (418, BadRequest),
                                          (501, ProgramFailed), (504, ProgramFailed)])
 def test_unknown_statuses_fall_back_by_class(status, cls):
+    """An unknown 4xx rebuilds as BadRequest and an unknown 5xx as ProgramFailed."""
     assert type(error_from_body(status, {"error": {"message": "x"}}, "")) is cls
 
 
 @pytest.mark.parametrize("body", [None, [], "text", {"error": "flat"}, {"other": 1}])
 def test_bodies_without_an_error_object(body):
+    """A body with no error object gives a NodeFailure naming the status and quoting the content."""
     error = error_from_body(502, body, "<html>bad gateway</html>")
     assert isinstance(error, NodeFailure)
     assert "HTTP 502" in error.message and "bad gateway" in error.message
@@ -85,6 +104,7 @@ def test_bodies_without_an_error_object(body):
 
 
 def test_payload_too_large_is_a_bad_request():
+    """PayloadTooLarge is a BadRequest whose JSON type is payload_too_large."""
     error = PayloadTooLarge("too big")
     assert isinstance(error, BadRequest)
     assert error_body(error, "r")["error"]["type"] == "payload_too_large"
@@ -92,5 +112,6 @@ def test_payload_too_large_is_a_bad_request():
 
 @pytest.mark.parametrize("content", [b"<html>busy</html>", b"[" * 100_000, b"\xff\xfe"])
 def test_an_answer_that_is_not_a_kcoral_error_still_maps_to_its_status(content):
+    """Content that is not a KCoral error (HTML, deep JSON, bad UTF-8) still maps by status."""
     error = error_from_answer(503, content)
     assert isinstance(error, ServerBusy) and error.message.startswith("HTTP 503: ")

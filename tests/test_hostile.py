@@ -50,6 +50,7 @@ from kcoral import Program
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
+from kcoral.web.site import TWISTED_BAD_REQUEST
 from tests.conftest import server_args, server_env
 from tests.harness import LISTENING, SERVER_READY, kcoral_argv, until
 from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
@@ -332,6 +333,7 @@ def _fuzz_bodies(target, valid: bytes) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_fuzzed_run_bodies(target, program):
+    """Fuzzed run bodies get a 4xx JSON error with their request id (a valid mutation 200), never a 5xx."""
     _, valid = program
     await deferToThread(_fuzz_bodies, target, valid)
     await assert_healthy(target)
@@ -363,7 +365,7 @@ def read_response(sock: socket.socket, timeout: float, *, bodiless: bool = False
             body += chunk
         if length:
             body = body[:int(length.group(1))]  # a second (pipelined) answer may follow
-    except socket.timeout:
+    except TimeoutError:
         if not data:
             return "silent"
         if b"\r\n\r\n" not in data:
@@ -424,6 +426,7 @@ def _fuzz_framing(target) -> None:
 
 @pytest_twisted.ensureDeferred
 async def test_fuzzed_http_framing(target):
+    """Fuzzed HTTP requests get no 5xx, every 4xx is a JSON error, and the service stays healthy."""
     await deferToThread(_fuzz_framing, target)
     await assert_healthy(target)
 
@@ -479,6 +482,7 @@ HOSTILE.update({
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest_twisted.ensureDeferred
 async def test_hostile_frames(target, case):
+    """Each hostile frame is a 400 bad_request saying what is wrong, and the service stays healthy."""
     body, message = HOSTILE[case]
     assert len(body) < LIMIT
     rid = "hf-" + re.sub(r"[^A-Za-z0-9]+", "-", case)[:100]
@@ -491,7 +495,8 @@ async def test_hostile_frames(target, case):
 
 @pytest_twisted.ensureDeferred
 async def test_no_client_string_becomes_a_path(server, program):
-    p, valid = program
+    """No hostile digest becomes a path: the cache holds only files named by a digest."""
+    p, _ = program
     for d in HOSTILE_DIGESTS:
         body = frame({"program": {"digest": p.digest},
                       "inputs": [{"dtype": "int8", "shape": [4], "digest": d}]})
@@ -518,6 +523,7 @@ def _head(rid: str, *lines: bytes, path=b"/v1/run") -> bytes:
 
 @pytest_twisted.ensureDeferred
 async def test_content_length_shorter_than_the_body(target, program):
+    """A Content-Length shorter than the body is read as announced: half a frame, a 400."""
     _, valid = program
     head = _head("short-cl", b"Content-Length: %d" % (len(valid) // 2))
     # The server reads what the header announced: half a frame, a 400. The
@@ -539,12 +545,13 @@ def _longer_than_sent(port: int, head: bytes, part: bytes) -> bytes:
         sock.settimeout(1.5)
         try:
             return sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             return b"(silent)"
 
 
 @pytest_twisted.ensureDeferred
 async def test_content_length_longer_than_the_body(target, program):
+    """A Content-Length longer than the body sent gets no answer until the rest comes."""
     _, valid = program
     head = _head("long-cl", b"Content-Length: %d" % (len(valid) + 1000))
     # The service waits for the rest (the idle timeout ends it: see
@@ -562,6 +569,7 @@ def _chunked(size: int, count: int):
 
 @pytest_twisted.ensureDeferred
 async def test_chunked_body_past_the_limit(target):
+    """A chunked body is refused with a JSON 413 once it passes the limit, and the refusal logged."""
     head = _head("chunked-413", b"Transfer-Encoding: chunked")
     # 5 MB offered against a 200 kB limit: answered as soon as it passes.
     raw = await deferToThread(raw_exchange, target.port, head, _chunked(50_000, 100), timeout=30)
@@ -575,6 +583,7 @@ async def test_chunked_body_past_the_limit(target):
 
 @pytest_twisted.ensureDeferred
 async def test_a_declared_body_past_the_limit(target):
+    """A Content-Length past the limit is refused with a JSON 413 before any body is read."""
     raw = await deferToThread(raw_exchange, target.port,
                               _head("cl-413", b"Content-Length: %d" % (LIMIT + 1)), timeout=30)
     status, headers, body = parse_raw(raw)
@@ -605,6 +614,7 @@ BAD_HEADS = {
 @pytest.mark.parametrize("case", sorted(BAD_HEADS))
 @pytest_twisted.ensureDeferred
 async def test_malformed_http_is_refused(target, case):
+    """Malformed HTTP heads are dropped or answered 400/431 in JSON, the service left healthy."""
     raw = await deferToThread(raw_exchange, target.port, BAD_HEADS[case], timeout=10)
     if raw:  # some are dropped without a word (a line past Twisted's line limit)
         status, headers, body = parse_raw(raw)
@@ -645,6 +655,7 @@ def _control_attempts(port: int) -> list:
 
 @pytest_twisted.ensureDeferred
 async def test_control_requests_with_wrong_tokens(routed):
+    """Almost-right tokens get a 401 each, logged by node id; the token is in no answer or log."""
     mark = routed.process.mark()
     answers = await deferToThread(_control_attempts, routed.port)
     for status, headers, body in answers:
@@ -669,6 +680,7 @@ FORGED = "2026-01-01T00:00:00+0000 info  [kcoral.router.pool] node forged joined
 @pytest.mark.parametrize("method", ["PUT", "DELETE"])
 @pytest_twisted.ensureDeferred
 async def test_node_ids_cannot_forge_log_lines(routed, method):
+    """A node id holding a newline is refused (400 or 404) and forges no log line."""
     from urllib.parse import quote
 
     path = "/v1/nodes/" + quote("evil\n" + FORGED, safe="")
@@ -709,6 +721,7 @@ FOREIGN = {
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))
 def test_reports_with_foreign_endpoints_are_invalid(case):
+    """Reports with absurd capacities, non-HTTP or odd worker URLs, or 65 workers are invalid."""
     with pytest.raises(InvalidReport):
         parse_report(FOREIGN[case])
 
@@ -720,6 +733,7 @@ def test_reports_with_foreign_endpoints_are_invalid(case):
     ("http://10.1.2.3:08000", "http://10.1.2.3:8000"),
 ])
 def test_worker_urls_are_rebuilt_from_their_checked_parts(url, normal):
+    """A worker URL is rebuilt from its checked parts (lower-case host, no slash, port)."""
     assert parse_report(_report(url=url)).workers[0].url == normal
 
 
@@ -737,6 +751,7 @@ def _put_reports(port: int) -> list:
 async def test_a_node_report_with_absurd_capacity_or_a_foreign_endpoint(routed):
     # With the right token: the token authenticates, the report is still
     # validated field by field.
+    """Foreign reports with the right token are still refused 400, the pool unchanged."""
     answers = await deferToThread(_put_reports, routed.port)
     for case, (status, headers, body) in zip(sorted(FOREIGN), answers):
         assert status == 400, (case, body)
@@ -774,6 +789,7 @@ def _trickle(port: int, stop: threading.Event) -> int:
 
 @pytest_twisted.ensureDeferred
 async def test_many_idle_connections_and_a_slow_client(target):
+    """500 idle connections and a byte-dribbling client do not slow /health down."""
     sockets = await deferToThread(_idle_sockets, target.port, 500)
     stop = threading.Event()
     slow = deferToThread(_trickle, target.port, stop)
@@ -834,11 +850,12 @@ def _exchange(sock, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
 
 @pytest_twisted.ensureDeferred
 async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processes):
+    """Past its connection cap the Router closes new ones, logging once, and still reaches nodes."""
     worker = reactor.listenTCP(0, Site(_Worker()), interface="127.0.0.1")
     limited = [sys.executable, "-c",
-               "import os, resource, sys; "
-               f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES})); "
-               "os.execv(sys.argv[1], sys.argv[1:])",
+               ("import os, resource, sys; "
+                f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FEW_FILES}, {FEW_FILES})); "
+                "os.execv(sys.argv[1], sys.argv[1:])"),
                *kcoral_argv("router", "--port", "0", *FAST_ROUTER)]
     router = processes.spawn(limited, name="few-files")
     port = int((await router.wait_for_line(LISTENING, 60)).group("url").rsplit(":", 1)[1])
@@ -879,6 +896,7 @@ async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processe
 
 
 def test_the_connection_limit_leaves_descriptors_for_the_rest():
+    """connection_limit() raises the file limit and leaves descriptors reserved."""
     before = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         limit = connection_limit()
@@ -892,6 +910,7 @@ def test_the_connection_limit_leaves_descriptors_for_the_rest():
 # -- KCoralSite's deadlines, on a fake clock ------------------------------------------------------
 
 def test_answers_do_not_name_the_server_software():
+    """Answers carry a Date header but no Server header naming Twisted."""
     channel, transport = connect(fake_site(Clock()))
     channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     head = transport.value().split(b"\r\n\r\n", 1)[0].lower()
@@ -916,6 +935,7 @@ def test_a_request_for_star_is_answered_like_any_other(method, status):
 
 
 def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
+    """A client still sending its head at the head deadline is closed, unanswered."""
     clock = Clock()
     channel, transport = connect(fake_site(clock, headerTimeout=10.0))
     head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100
@@ -942,6 +962,7 @@ def _post_slowly(clock, body: bytes, per_second: int, seconds: int):
 
 
 def test_a_body_that_trickles_in_is_refused_with_408():
+    """A body under the least rate is refused with a JSON 408 at its first bytes past the grace."""
     clock = Clock()
     transport = _post_slowly(clock, b"x" * 3000, per_second=100, seconds=30)
     # 100 bytes a second, under the least of 1 KiB/s: refused once the 10 s
@@ -954,6 +975,7 @@ def test_a_body_that_trickles_in_is_refused_with_408():
 
 
 def test_a_slow_but_steady_body_is_served():
+    """A body that arrives slowly but above the least rate is served."""
     clock = Clock()
     transport = _post_slowly(clock, b"x" * 2048 * 30, per_second=2048, seconds=30)
     assert transport.value().endswith(b"got %d" % (2048 * 30))
@@ -961,6 +983,7 @@ def test_a_slow_but_steady_body_is_served():
 
 
 def test_a_head_in_time_is_served_and_the_deadline_rearmed():
+    """A head before the deadline is served, and the deadline rearmed for the next head."""
     clock = Clock()
     channel, transport = connect(fake_site(clock, headerTimeout=10.0))
     clock.advance(9)
@@ -975,6 +998,7 @@ def test_a_head_in_time_is_served_and_the_deadline_rearmed():
 
 
 def test_a_stalled_body_is_cut_by_the_idle_timeout():
+    """A body that stops arriving is closed by the idle timeout, not before."""
     clock = Clock()
     channel, transport = connect(fake_site(clock, headerTimeout=10.0, idleTimeout=60.0))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nabc")
@@ -987,6 +1011,7 @@ def test_a_stalled_body_is_cut_by_the_idle_timeout():
 
 
 def test_unparseable_http_is_a_json_400():
+    """HTTP Twisted cannot parse (600 headers) is a JSON 400 with the request id, then closed."""
     clock = Clock()
     channel, transport = connect(fake_site(clock))
     channel.dataReceived(b"GET / HTTP/1.1\r\nX-Request-ID: bad-1\r\n"
@@ -995,6 +1020,26 @@ def test_unparseable_http_is_a_json_400():
     assert status == 400 and transport.disconnecting
     info = check_error(status, headers, body, "bad-1")
     assert info["type"] == "bad_request" and "malformed HTTP" in info["message"]
+
+
+def test_a_body_refused_from_its_length_gets_no_100_continue():
+    """A client that asks whether to send a body already too large gets only the 413."""
+    channel, transport = connect(fake_site(Clock(), maxRequestBytes=10))
+    channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: big-1\r\n"
+                         b"Expect: 100-continue\r\nContent-Length: 11\r\n\r\n")
+    assert b"100 Continue" not in transport.value()
+    code, headers, body = parse_raw(transport.value())
+    assert code == 413 and check_error(code, headers, body, "big-1")["type"] == "payload_too_large"
+
+
+def test_the_bad_request_wrapper_passes_every_other_write_through():
+    """JSONBadRequest rewrites only Twisted's bare 400; anything else reaches the transport as is."""
+    wrapper, transport = connect(fake_site(Clock()))  # the channel's transport
+    wrapper.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    assert transport.value() == b"HTTP/1.1 200 OK\r\n\r\n"
+    wrapper.write(TWISTED_BAD_REQUEST)
+    status, headers, body = parse_raw(transport.value()[len(b"HTTP/1.1 200 OK\r\n\r\n"):])
+    assert status == 400 and check_error(status, headers, body)["message"] == "malformed HTTP request"
 
 
 class _Big(Resource):
@@ -1035,6 +1080,7 @@ async def test_the_head_deadline_never_truncates_a_response_being_read():
     # Regression: the deadline for the next request head starts when a
     # response is handed to the transport, and used to abort the connection,
     # dropping the part of a large response the client had not read yet.
+    """The head deadline never cuts a large response a slow reader is still reading."""
     site = fake_site(reactor, resource=_Big(), headerTimeout=0.3)
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     try:

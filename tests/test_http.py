@@ -18,8 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
 from twisted.python.threadpool import ThreadPool
 
-from kcoral.protocol.wire import (ALIGN, MAGIC, PREFIX, PROGRAM_HEADER,
-                                  encode_request, sha256, wire_array)
+from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, encode_request, sha256, wire_array
 from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, OK, ServerApp
@@ -99,6 +98,7 @@ def server():
 # -- health and readiness -----------------------------------------------------
 
 def test_health_while_starting():
+    """A starting server answers /health and /readyz with 503, status starting, not ready."""
     harness = Harness()
     response, body = harness.json("GET", "/health")
     assert response.code == 503
@@ -108,6 +108,7 @@ def test_health_while_starting():
 
 
 def test_health_when_ready(server):
+    """A ready server answers /health 200 with its capacity and load, and /readyz 200 ready."""
     response, body = server.json("GET", "/health")
     assert response.code == 200
     assert body["status"] == "ok"
@@ -118,6 +119,7 @@ def test_health_when_ready(server):
 
 
 def test_health_counts_active_and_queued_runs():
+    """/health counts the runs holding a slot and those waiting for one."""
     harness = Harness(capacity=1)
     harness.app.status = OK
     harness.admission.acquire()
@@ -127,6 +129,7 @@ def test_health_counts_active_and_queued_runs():
 
 
 def test_health_while_draining(server):
+    """A draining server answers /health and /readyz with 503, status draining."""
     server.app.status = DRAINING
     response, body = server.json("GET", "/health")
     assert response.code == 503 and body["status"] == "draining"
@@ -135,6 +138,7 @@ def test_health_while_draining(server):
 
 
 def test_metrics_in_prometheus_text_format(server):
+    """/metrics is Prometheus text with the run gauges and every metric family."""
     server.admission.acquire()
     response, content = server.request("GET", "/metrics")
     assert response.code == 200
@@ -150,6 +154,7 @@ def test_metrics_in_prometheus_text_format(server):
 # -- request ids and JSON errors ------------------------------------------------
 
 def test_every_response_carries_a_request_id(server):
+    """Every response carries an X-Request-ID, a new one per request."""
     seen = set()
     for path in ("/health", "/readyz", "/metrics", "/nowhere"):
         response, _ = server.request("GET", path)
@@ -160,6 +165,7 @@ def test_every_response_carries_a_request_id(server):
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/run", "/nowhere"])
 def test_a_sane_request_id_is_echoed(server, path):
+    """A sane client X-Request-ID is echoed on every route, errors included."""
     response, _ = server.request("GET" if path != "/v1/run" else "POST", path,
                                  body=b"junk" if path == "/v1/run" else None,
                                  headers={RID: [b"client-chosen.id:42"]})
@@ -168,6 +174,7 @@ def test_a_sane_request_id_is_echoed(server, path):
 
 @pytest.mark.parametrize("bad", [b"has space", b"x" * 500, b"semi;colon", b"\xff"])
 def test_an_insane_request_id_is_replaced(server, bad):
+    """An unsafe X-Request-ID is replaced by a generated one, also in the error body."""
     response, body = server.json("GET", "/nowhere", headers={RID: [bad]})
     [rid] = response.headers.getRawHeaders(RID)
     assert rid != bad and len(rid) == 32
@@ -175,12 +182,14 @@ def test_an_insane_request_id_is_replaced(server, bad):
 
 
 def test_unknown_route_is_a_json_404(server):
+    """An unknown route is a JSON 404 not_found naming the path, with the request id."""
     response, body = server.json("GET", "/v2/run", headers={RID: [b"r-404"]})
     info = assert_error(response, body, 404, "not_found", request_id="r-404")
     assert "/v2/run" in info["message"]
 
 
 def test_wrong_method_is_a_json_405(server):
+    """A method a route does not take is a JSON 405 method_not_allowed, POST /v1/run's included."""
     response, body = server.json("GET", "/v1/run")
     assert_error(response, body, 405, "method_not_allowed")
     response, body = server.json("POST", "/health")
@@ -194,12 +203,14 @@ def test_wrong_method_is_a_json_405(server):
     (run_body(program=b"p", inputs=[(np.ones(2, np.float32), None, True)])[:-4], "outside the body"),
 ], ids=["empty", "magic", "json", "truncated"])
 def test_malformed_runs_are_400(server, body, message):
+    """A malformed run frame is a JSON 400 bad_request saying what is wrong with it."""
     response, info = server.json("POST", "/v1/run", body=body, headers={RID: [b"r-400"]})
     info = assert_error(response, info, 400, "bad_request", request_id="r-400")
     assert message in info["message"]
 
 
 def test_unknown_dtype_is_400(server):
+    """An input of an unknown dtype is a 400 bad_request naming the dtype."""
     text = json.dumps({"program": {"digest": "a" * 64},
                        "inputs": [{"dtype": "float128", "shape": [], "digest": "b" * 64}]}).encode()
     head = PREFIX.pack(MAGIC, len(text)) + text
@@ -209,6 +220,7 @@ def test_unknown_dtype_is_400(server):
 
 
 def test_program_header_must_match_the_frame(server):
+    """An X-KCoral-Program header unlike the frame's program digest is a 400 naming it."""
     response, body = server.json("POST", "/v1/run", body=run_body(),
                                  headers={PROGRAM_HEADER: ["b" * 64]})
     info = assert_error(response, body, 400, "bad_request")
@@ -218,6 +230,7 @@ def test_program_header_must_match_the_frame(server):
 # -- admission ------------------------------------------------------------------
 
 def test_runs_while_starting_are_503(server):
+    """A run while starting is a 503 server_busy, reason starting, with Retry-After."""
     server.app.status = "starting"
     response, body = server.json("POST", "/v1/run", body=run_body())
     assert_error(response, body, 503, "server_busy", reason="starting")
@@ -225,6 +238,7 @@ def test_runs_while_starting_are_503(server):
 
 
 def test_runs_while_draining_are_503_draining(server):
+    """A run while draining is a 503 server_busy, reason draining, with Retry-After."""
     server.app.status = DRAINING
     response, body = server.json("POST", "/v1/run", body=run_body(), headers={RID: [b"r-drain"]})
     assert_error(response, body, 503, "server_busy", reason="draining", request_id="r-drain")
@@ -232,6 +246,7 @@ def test_runs_while_draining_are_503_draining(server):
 
 
 def test_full_queue_is_503_queue_full():
+    """A run finding every slot taken and no queue room is a 503 queue_full, nothing queued."""
     harness = Harness(capacity=1, waiting=0)
     harness.app.status = OK
     harness.admission.acquire()  # the only slot is taken
@@ -242,6 +257,7 @@ def test_full_queue_is_503_queue_full():
 
 
 def test_expired_wait_is_503_queue_timeout():
+    """A run that waits past the queue timeout is a 503 queue_timeout, its wait not observed."""
     harness = Harness(capacity=1, waiting=1, timeout=5.0)
     harness.app.status = OK
     harness.admission.acquire()
@@ -293,6 +309,7 @@ async def answer(harness, method, path, **kw) -> tuple:
 
 @pytest_twisted.ensureDeferred
 async def test_references_to_unknown_content_are_409_with_the_digests(threaded):
+    """A run citing unknown content by digest is a 409 listing the digests, its slot freed."""
     big = np.ones(1000, np.float32)
     digest = sha256(wire_array(big))
     body = run_body(digest="c" * 64, program=None, inputs=[(big, digest, False)])
@@ -305,6 +322,7 @@ async def test_references_to_unknown_content_are_409_with_the_digests(threaded):
 
 @pytest_twisted.ensureDeferred
 async def test_content_that_does_not_match_its_digest_is_400(threaded):
+    """Content that does not match its digest is a 400, not cached, its slot freed."""
     body = run_body(digest="d" * 64, program=b"program bytes")
     response, info = await answer(threaded, "POST", "/v1/run", data=body)
     info = assert_error(response, info, 400, "bad_request")

@@ -29,6 +29,7 @@ from tests.httputil import ForwardedRequest
 
 
 def test_a_small_body_is_written_at_once():
+    """A small body's producer writes it whole, in one synchronous write."""
     producer = body_producer(b"x" * 300)
     assert isinstance(producer, BytesProducer) and producer.length == 300
     consumer = StringTransport()
@@ -39,11 +40,13 @@ def test_a_small_body_is_written_at_once():
 
 
 def test_large_bodies_and_files_stream_as_treq_would():
+    """Bodies above the inline limit, and files, get treq's FileBodyProducer."""
     assert isinstance(body_producer(b"x" * (INLINE_BODY_BYTES + 1)), FileBodyProducer)
     assert isinstance(body_producer(io.BytesIO(b"abc")), FileBodyProducer)
 
 
 def test_endpoints_are_made_once_per_scheme_host_and_port():
+    """One endpoint per scheme, host and port is made and reused; https ones are wrapped in TLS."""
     endpoints = Endpoints(reactor, BrowserLikePolicyForHTTPS())
     first = endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/v1/run"))
     assert isinstance(first, HostnameEndpoint)
@@ -54,6 +57,7 @@ def test_endpoints_are_made_once_per_scheme_host_and_port():
 
 
 def test_other_schemes_are_refused():
+    """A scheme other than http and https is refused with SchemeNotSupported."""
     with pytest.raises(SchemeNotSupported):
         Endpoints(reactor, BrowserLikePolicyForHTTPS()).endpointForURI(
             URI.fromBytes(b"ftp://127.0.0.1:21/x"))
@@ -61,6 +65,7 @@ def test_other_schemes_are_refused():
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://node-1.example:9443"])
 def test_a_run_url_is_its_own_uri(url):
+    """A parsed run URL is its own URI, with the text, host and port of hyperlink's; a copy is a plain URL."""
     parsed = _RunURL.parse(url + "/v1/run")
     plain = EncodedURL.from_text(url + "/v1/run")
     assert parsed.to_uri() is parsed
@@ -74,19 +79,23 @@ def test_a_run_url_is_its_own_uri(url):
 def test_a_run_url_may_name_an_ipv6_worker():
     # hyperlink's to_uri() IDNA-encodes the host, which fails for '::1':
     # treq could not reach a worker that reported an IPv6 address.
+    """A run URL may name an IPv6 host, which hyperlink's to_uri() would reject."""
     parsed = _RunURL.parse("http://[::1]:8000/v1/run")
     assert parsed.to_uri().to_text() == "http://[::1]:8000/v1/run"
     assert parsed.host == "::1" and parsed.port == 8000
 
 
 def test_the_proxy_parses_each_member_url_once():
-    proxy = Proxy(reactor)
+    """The proxy parses a member's URL once and reuses the result."""
+    proxy = Proxy(Outgoing(reactor).client)
     assert proxy.run_url("http://127.0.0.1:8000") is proxy.run_url("http://127.0.0.1:8000")
 
 
 def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):
-    import kcoral.logs
+    """debug_enabled() is false only once the console logs above debug."""
     from twisted.logger import LogLevel
+
+    import kcoral.logs
 
     monkeypatch.setattr(kcoral.logs, "_debug", True)
     monkeypatch.setattr(kcoral.logs.globalLogBeginner, "beginLoggingTo", lambda *a, **k: None)
@@ -110,7 +119,7 @@ class Peer:
 
     def __init__(self):
         self.outgoing = Outgoing(reactor)
-        self.proxy = Proxy(reactor)
+        self.proxy = Proxy(self.outgoing.client)
         self._ports: list = []
 
     def serve(self, served: resource.Resource, interface: str = "127.0.0.1") -> int:
@@ -120,7 +129,6 @@ class Peer:
 
     async def close(self):
         await self.outgoing.close()
-        await self.proxy.outgoing.close()
         for port in self._ports:
             await port.stopListening()
 
@@ -134,6 +142,7 @@ async def peer():
 
 @pytest_twisted.ensureDeferred
 async def test_outgoing_posts_through_a_reused_connection(peer):
+    """Small and large bodies are posted and answered over one persistent connection."""
     url = f"http://127.0.0.1:{peer.serve(_Echo())}/echo"
     for body in (b"small", b"y" * (INLINE_BODY_BYTES + 10)):
         response = await peer.outgoing.client.post(url, data=body)
@@ -145,6 +154,7 @@ async def test_outgoing_posts_through_a_reused_connection(peer):
 
 @pytest_twisted.ensureDeferred
 async def test_treq_reaches_an_ipv6_worker_through_a_run_url(peer):
+    """treq posts to a worker on IPv6 loopback through a run URL."""
     try:
         port = peer.serve(_Echo(), "::1")
     except CannotListenError:
@@ -175,6 +185,7 @@ class _Busy(resource.Resource):
 ])
 @pytest_twisted.ensureDeferred
 async def test_a_503_from_a_worker_is_not_sent_and_says_why(peer, body, says):
+    """A worker's 503 is NotSent, saying its reason or the start of its body."""
     url = f"http://127.0.0.1:{peer.serve(_Busy(body))}"
     with pytest.raises(NotSent) as caught:
         await peer.proxy.forward(url, ForwardedRequest(), b"run")
@@ -250,4 +261,4 @@ async def test_a_run_whose_client_left_is_not_sent_again(peer):
         assert len(worker.runs) == 1 and worker.lost == worker.runs
         assert len(app.scheduler.queue) == 0
     finally:
-        await app.proxy.outgoing.close()
+        await app.outgoing.close()

@@ -39,6 +39,7 @@ def clock():
 
 
 def test_fifo_order(clock):
+    """Waiters are granted in the order they came, each once, and no timer is left behind."""
     queue = WaitQueue(clock, 10, 60)
     waiters = [Outcome(queue.wait()) for _ in range(3)]
     assert len(queue) == 3
@@ -51,6 +52,7 @@ def test_fifo_order(clock):
 
 
 def test_full_queue_refuses_at_once(clock):
+    """A waiter beyond the queue's length fails at once with QueueFull."""
     queue = WaitQueue(clock, 2, 60)
     queue.wait()
     queue.wait()
@@ -60,12 +62,14 @@ def test_full_queue_refuses_at_once(clock):
 
 
 def test_zero_length_queue_refuses_everyone(clock):
+    """A queue of length 0 refuses every waiter with QueueFull."""
     queue = WaitQueue(clock, 0, 60)
     assert Outcome(queue.wait()).result == ("failed", QueueFull)
     assert len(queue) == 0
 
 
 def test_waiters_time_out_in_order(clock):
+    """Each waiter fails with QueueTimeout its own timeout after it came, not before."""
     queue = WaitQueue(clock, 10, 5)
     first = Outcome(queue.wait())
     clock.advance(2)
@@ -83,6 +87,7 @@ def test_waiters_time_out_in_order(clock):
 
 
 def test_a_granted_waiter_never_times_out(clock):
+    """A granted waiter keeps its grant however long the clock runs on."""
     queue = WaitQueue(clock, 10, 5)
     waiter = Outcome(queue.wait())
     queue.grant_next(1)
@@ -91,6 +96,7 @@ def test_a_granted_waiter_never_times_out(clock):
 
 
 def test_cancelled_waiter_leaves_the_queue(clock):
+    """Cancelling a wait frees its place and timer, and the next grant skips it."""
     queue = WaitQueue(clock, 2, 5)
     first = queue.wait()
     second = Outcome(queue.wait())
@@ -108,6 +114,7 @@ def test_cancelled_waiter_leaves_the_queue(clock):
 
 
 def test_fail_all(clock):
+    """fail_all fails every waiter with the given error and leaves no timer."""
     queue = WaitQueue(clock, 10, 5)
     waiters = [Outcome(queue.wait()) for _ in range(3)]
     queue.fail_all(RuntimeError("shutting down"))
@@ -123,6 +130,7 @@ def admission(clock, capacity=2, waiting=2, timeout=10):
 
 
 def test_admission_runs_up_to_capacity_then_queues(clock):
+    """Admission lets capacity runs in, queues the next, refuses beyond; a release admits the oldest."""
     gate = admission(clock)
     first, second = Outcome(gate.acquire()), Outcome(gate.acquire())
     assert first.fired and second.fired
@@ -141,6 +149,7 @@ def test_admission_runs_up_to_capacity_then_queues(clock):
 
 
 def test_admission_queue_timeout(clock):
+    """A run waiting for a slot fails with QueueTimeout and takes no slot."""
     gate = admission(clock, capacity=1, timeout=3)
     gate.acquire()
     waiting = Outcome(gate.acquire())
@@ -152,6 +161,7 @@ def test_admission_queue_timeout(clock):
 
 
 def test_a_newcomer_does_not_overtake_waiters(clock):
+    """A released slot goes to a waiter (a cancelled one skipped), not to a later arrival."""
     gate = admission(clock, capacity=1)
     gate.acquire()
     waiter = Outcome(gate.acquire())
@@ -166,6 +176,7 @@ def test_a_newcomer_does_not_overtake_waiters(clock):
 
 
 def test_idle_fires_when_nothing_runs_or_waits(clock):
+    """idle() fires once no run holds a slot and none waits, not before."""
     gate = admission(clock, capacity=1)
     assert Outcome(gate.idle()).fired
     gate.acquire()

@@ -1,8 +1,8 @@
 """
 The Router's HTTP resource in process, through C{treq.testing.StubTreq} on a
 fake clock: health and readiness, the node list, node registration,
-heartbeats and deregistration, report validation and node tokens. Proxying
-C{POST /v1/run} needs real sockets and is left to the integration tests.
+heartbeats and deregistration, report validation and node tokens. Its
+forward-and-retry loop is tested in L{tests.test_forward}.
 """
 
 from __future__ import annotations
@@ -14,18 +14,10 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
 from kcoral.router.service import RouterConfig, build_router
+from tests.fakes import RUNTIME, node_report
 
 RID = b"X-Request-ID"
-RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
 TOKEN = "s3cret-token"
-
-
-def node_report(session="s1", *, capacities=(2,), host="10.0.0.1", healthy=True,
-                gpu_target="sm_90", draining=False):
-    return {"session": session, "gpu_target": gpu_target, "runtime": RUNTIME, "draining": draining,
-            "workers": [{"name": f"worker{i}", "url": f"http://{host}:{8000 + i}",
-                         "healthy": healthy, "capacity": c, "active": 0}
-                        for i, c in enumerate(capacities)]}
 
 
 class Router:
@@ -90,6 +82,7 @@ def router():
 # -- health and readiness ------------------------------------------------------------
 
 def test_health_is_unavailable_without_a_node(router):
+    """With no node, /health and /readyz answer 503 unavailable, nothing counted."""
     response, body = router.json("GET", "/health")
     assert response.code == 503
     assert body["status"] == "unavailable"
@@ -102,6 +95,7 @@ def test_health_is_unavailable_without_a_node(router):
 
 
 def test_health_is_unavailable_while_the_only_node_joins(router):
+    """While its only node joins, /health is 503 unavailable, counting it joining."""
     router.put("gpu-a")
     response, body = router.json("GET", "/health")
     assert response.code == 503 and body["status"] == "unavailable"
@@ -109,6 +103,7 @@ def test_health_is_unavailable_while_the_only_node_joins(router):
 
 
 def test_health_is_ok_with_a_ready_node_and_sums_capacity(router):
+    """With ready nodes, /health is 200 ok with their target, runtime and summed capacity."""
     router.ready("gpu-a", node_report(capacities=(2, 3)))
     router.ready("gpu-b", node_report(capacities=(4,), host="10.0.0.2"))
     response, body = router.json("GET", "/health")
@@ -123,6 +118,7 @@ def test_health_is_ok_with_a_ready_node_and_sums_capacity(router):
 
 
 def test_health_counts_only_ready_nodes(router):
+    """/health sums the capacity of ready nodes only, counting joining ones apart."""
     router.ready("gpu-a", node_report(capacities=(2,)))
     router.put("gpu-b", node_report(capacities=(8,), host="10.0.0.2"))  # still joining
     _, body = router.json("GET", "/health")
@@ -131,6 +127,7 @@ def test_health_counts_only_ready_nodes(router):
 
 
 def test_health_after_the_last_node_goes_stale(router):
+    """Once its last node stops reporting, /health is 503 unavailable, the node unhealthy."""
     router.ready()
     for _ in range(10):
         router.clock.advance(1)
@@ -141,6 +138,7 @@ def test_health_after_the_last_node_goes_stale(router):
 
 
 def test_health_while_draining(router):
+    """A draining Router answers /health with 503 draining, even with a ready node."""
     router.ready()
     router.app.scheduler.drain()
     response, body = router.json("GET", "/health")
@@ -148,6 +146,7 @@ def test_health_while_draining(router):
 
 
 def test_every_answer_carries_the_request_id(router):
+    """The client's request id is echoed on answers and in error bodies."""
     response, _ = router.json("GET", "/health", headers={"X-Request-ID": "trace-42"})
     assert response.headers.getRawHeaders(RID) == [b"trace-42"]
     response, body = router.put("gpu-a", raw=b"not json", headers={"X-Request-ID": "trace-43"})
@@ -155,6 +154,7 @@ def test_every_answer_carries_the_request_id(router):
 
 
 def test_unknown_routes_answer_json_errors(router):
+    """An unknown route is a JSON 404 not_found, a wrong method a JSON 405."""
     response, body = router.json("GET", "/v1/nope")
     assert_error(response, body, 404, "not_found")
     response, body = router.json("POST", "/health")
@@ -164,11 +164,13 @@ def test_unknown_routes_answer_json_errors(router):
 # -- the node list -----------------------------------------------------------------
 
 def test_node_list_is_empty_at_first(router):
+    """GET /v1/nodes lists no node before any reports."""
     response, body = router.json("GET", "/v1/nodes")
     assert response.code == 200 and body == {"nodes": []}
 
 
 def test_node_list(router):
+    """GET /v1/nodes lists each node's state, target, runtime, capacity, report age and worker URLs."""
     router.ready("gpu-a", node_report(capacities=(2, 3)))
     router.clock.advance(1.5)
     router.put("gpu-b", node_report(host="10.0.0.2", healthy=False))
@@ -194,6 +196,7 @@ def test_node_list(router):
 # -- registration and heartbeats --------------------------------------------------------
 
 def test_registration(router):
+    """A first report registers a joining node with its session, and tells it the report interval."""
     response, body = router.put("gpu-a")
     assert response.code == 200
     assert body["node_id"] == "gpu-a" and body["state"] == "joining"
@@ -202,6 +205,7 @@ def test_registration(router):
 
 
 def test_heartbeats_bring_a_node_to_ready(router):
+    """Enough healthy reports bring a joining node to ready."""
     router.put("gpu-a")
     router.clock.advance(1)
     router.pool.observe()
@@ -213,6 +217,7 @@ def test_heartbeats_bring_a_node_to_ready(router):
 
 
 def test_a_draining_heartbeat(router):
+    """A report that says draining makes a ready node draining, and the Router unavailable."""
     router.ready()
     response, body = router.put("gpu-a", node_report(draining=True))
     assert response.code == 200 and body["state"] == "draining"
@@ -228,6 +233,7 @@ def test_a_draining_heartbeat(router):
     ("empty", b""),
 ])
 def test_unparseable_reports_are_refused(router, why, raw):
+    """A report that is not a JSON object is a 400, and registers no node."""
     response, body = router.put("gpu-a", raw=raw)
     assert_error(response, body, 400)
     assert router.pool.nodes == {}
@@ -267,6 +273,7 @@ def _with(**changes):
     ("runtime with numbers", _with(runtime={"jax": 4})),
 ])
 def test_invalid_reports_are_refused(router, why, report):
+    """A report with an invalid field is a 400 naming the report, and registers no node."""
     response, body = router.put("gpu-a", report)
     info = assert_error(response, body, 400)
     assert "report" in info["message"]
@@ -274,6 +281,7 @@ def test_invalid_reports_are_refused(router, why, report):
 
 
 def test_a_bad_node_id_is_refused(router):
+    """A node id outside 1-64 of [A-Za-z0-9._-] is a 400, and registers no node."""
     response, body = router.put("bad%20id")
     assert_error(response, body, 400)
     response, body = router.put("x" * 65)
@@ -282,6 +290,7 @@ def test_a_bad_node_id_is_refused(router):
 
 
 def test_an_oversized_report_is_refused(router):
+    """A report over 64 KiB is a 413, and registers no node."""
     report = node_report()
     report["padding"] = "x" * (65 * 1024)
     response, body = router.put("gpu-a", report)
@@ -290,6 +299,7 @@ def test_an_oversized_report_is_refused(router):
 
 
 def test_a_node_beyond_the_pools_bound_is_refused_with_503(router):
+    """A node past the pool's bound is a 503 too_many_nodes; the pool and health stay."""
     router.pool.max_nodes = 1
     router.ready()
     response, body = router.put("gpu-b", node_report(session="s2", host="10.0.0.9"))
@@ -301,6 +311,7 @@ def test_a_node_beyond_the_pools_bound_is_refused_with_503(router):
 
 
 def test_a_second_live_session_is_refused_with_409(router):
+    """A second live session for a node id is a 409 naming it; the first keeps it."""
     router.ready()
     response, body = router.put("gpu-a", node_report(session="s2", host="10.0.0.9"))
     info = assert_error(response, body, 409)
@@ -311,6 +322,7 @@ def test_a_second_live_session_is_refused_with_409(router):
 
 
 def test_a_stale_session_is_taken_over(router):
+    """A new session takes over a node id whose session went stale, as a joining node."""
     router.ready()
     router.clock.advance(6)
     response, body = router.put("gpu-a", node_report(session="s2"))
@@ -321,6 +333,7 @@ def test_a_stale_session_is_taken_over(router):
 # -- deregistration ------------------------------------------------------------------------
 
 def test_deregistration(router):
+    """DELETE with the node's session makes it gone, and the Router unavailable without it."""
     router.ready()
     response, body = router.json("DELETE", "/v1/nodes/gpu-a?session=s1")
     assert response.code == 200 and body["left"] is True
@@ -330,6 +343,7 @@ def test_deregistration(router):
 
 
 def test_deregistration_of_another_session_is_ignored(router):
+    """DELETE with another session, or of an unknown node, is a 404 and changes nothing."""
     router.ready()
     response, body = router.json("DELETE", "/v1/nodes/gpu-a?session=s2")
     assert_error(response, body, 404)
@@ -359,6 +373,7 @@ def secured():
     f"Bearer{TOKEN}",
 ])
 def test_control_requests_need_the_token(secured, authorization):
+    """A report without the right bearer token is a 401 asking for Bearer, never quoting it."""
     headers = {} if authorization is None else {"Authorization": authorization}
     response, body = secured.put("gpu-a", headers=headers)
     info = assert_error(response, body, 401, "unauthorized")
@@ -369,6 +384,7 @@ def test_control_requests_need_the_token(secured, authorization):
 
 
 def test_the_right_token_is_accepted(secured):
+    """A report with the right bearer token, the scheme in any case, is accepted."""
     response, body = secured.put("gpu-a", token=TOKEN)
     assert response.code == 200 and body["state"] == "joining"
     response, _ = secured.put("gpu-a", headers={"Authorization": f"bearer {TOKEN}"})
@@ -376,6 +392,7 @@ def test_the_right_token_is_accepted(secured):
 
 
 def test_deregistration_needs_the_token(secured):
+    """DELETE without the right token is a 401 and leaves the node; with it, the node leaves."""
     secured.ready(token=TOKEN)
     response, body = secured.json("DELETE", "/v1/nodes/gpu-a?session=s1")
     assert_error(response, body, 401)
@@ -389,6 +406,7 @@ def test_deregistration_needs_the_token(secured):
 
 
 def test_the_token_does_not_guard_client_routes(secured):
+    """The node token guards no client route: /health and /v1/nodes answer without it."""
     response, _ = secured.json("GET", "/health")
     assert response.code == 503
     response, body = secured.json("GET", "/v1/nodes")
@@ -396,6 +414,7 @@ def test_the_token_does_not_guard_client_routes(secured):
 
 
 def test_a_refusal_log_names_the_node_and_never_the_token(secured):
+    """A refused control request is logged with its node id, and no line holds the token."""
     from twisted.logger import formatEvent, globalLogPublisher
 
     events = []
@@ -413,6 +432,7 @@ def test_a_refusal_log_names_the_node_and_never_the_token(secured):
 # -- metrics ---------------------------------------------------------------------------------------
 
 def test_metrics_list_nodes_by_state(router):
+    """/metrics counts nodes by state, each node's active requests and the queue."""
     router.ready()
     response, content = router.request("GET", "/metrics")
     assert response.code == 200
@@ -424,6 +444,7 @@ def test_metrics_list_nodes_by_state(router):
 
 def test_the_router_takes_fewer_client_connections_as_its_pool_grows(router):
     # One descriptor kept for each run it may send to a worker.
+    """The client connection cap drops by the capacity of each node that joins."""
     before = router.site._limit()
     router.ready(report=node_report(capacities=(2, 3)))
     assert router.site._limit() == before - 5

@@ -15,16 +15,11 @@ from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
+from tests.fakes import node_report
 
-RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
 
-
-def report(*capacities, session="s1", host="10.0.0.1", draining=False, healthy=True):
-    return parse_report({
-        "session": session, "gpu_target": "sm_90", "runtime": RUNTIME, "draining": draining,
-        "workers": [{"name": f"worker{i}", "url": f"http://{host}:{8000 + i}", "healthy": healthy,
-                     "capacity": c, "active": 0} for i, c in enumerate(capacities)],
-    })
+def report(*capacities, host="10.0.0.1"):
+    return parse_report(node_report(capacities=capacities, host=host))
 
 
 class Outcome:
@@ -86,6 +81,7 @@ class World:
 # -- capacity ------------------------------------------------------------------------
 
 def test_a_burst_of_2000_never_exceeds_capacity():
+    """A burst leases 4, queues 1024 and refuses the rest (queue_full); releases serve every waiter."""
     world = World(max_queued=1024)
     world.node("gpu-a", 4)
     outcomes = [world.acquire() for _ in range(2000)]
@@ -114,6 +110,7 @@ def test_a_burst_of_2000_never_exceeds_capacity():
 
 
 def test_a_burst_is_spread_over_nodes_and_members_within_capacity():
+    """A burst fills every member of every ready node to its capacity and queues the rest."""
     world = World()
     world.node("gpu-a", 2, 3)
     world.node("gpu-b", 1, host="10.0.0.2")
@@ -125,6 +122,7 @@ def test_a_burst_is_spread_over_nodes_and_members_within_capacity():
 
 
 def test_capacity_freed_by_a_report_goes_to_waiters():
+    """Capacity added by a node's report goes at once to the requests waiting."""
     world = World()
     world.node("gpu-a", 1)
     first, second, third = world.acquire(), world.acquire(), world.acquire()
@@ -135,6 +133,7 @@ def test_capacity_freed_by_a_report_goes_to_waiters():
 
 
 def test_capacity_that_shrinks_below_the_load_is_not_refilled():
+    """A member whose capacity shrank under its load gets no lease until its load is below it."""
     world = World()
     world.node("gpu-a", 4)
     leases = [world.acquire().lease for _ in range(3)]
@@ -150,6 +149,7 @@ def test_capacity_that_shrinks_below_the_load_is_not_refilled():
 
 
 def test_a_node_that_becomes_ready_serves_the_queue():
+    """Waiters are served by a node as soon as it becomes ready, not while it joins."""
     world = World(recovery_threshold=2)
     waiting = [world.acquire() for _ in range(3)]
     world.pool.report("gpu-a", report(2))
@@ -160,6 +160,7 @@ def test_a_node_that_becomes_ready_serves_the_queue():
 
 
 def test_a_release_is_counted_once():
+    """Releasing a lease twice frees one slot, not two."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -173,6 +174,7 @@ def test_a_release_is_counted_once():
 # -- FIFO -------------------------------------------------------------------------------
 
 def test_waiters_are_served_in_arrival_order():
+    """Waiters get freed slots one at a time, in the order they arrived."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -192,6 +194,7 @@ def test_waiters_are_served_in_arrival_order():
 
 
 def test_a_newcomer_does_not_overtake_the_queue():
+    """New capacity goes to a waiter first; a newcomer then waits for the next slot."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -208,6 +211,7 @@ def test_a_newcomer_does_not_overtake_the_queue():
 # -- refusals -----------------------------------------------------------------------------
 
 def test_queue_full_is_refused_at_once():
+    """A request beyond the queue's length is refused at once (queue_full), the waiters untouched."""
     world = World(max_queued=2)
     world.node("gpu-a", 1)
     world.acquire()
@@ -218,6 +222,7 @@ def test_queue_full_is_refused_at_once():
 
 
 def test_no_queue_at_all():
+    """With no queue, a request beyond capacity is refused at once (queue_full)."""
     world = World(max_queued=0)
     world.node("gpu-a", 1)
     assert world.acquire().lease
@@ -225,6 +230,7 @@ def test_no_queue_at_all():
 
 
 def test_queue_timeout_when_nodes_are_ready_but_busy():
+    """A waiter with ready but busy nodes is refused queue_timeout at the timeout, not before."""
     world = World(timeout=30)
     world.node("gpu-a", 1)
     world.acquire()
@@ -237,6 +243,7 @@ def test_queue_timeout_when_nodes_are_ready_but_busy():
 
 
 def test_no_ready_node_after_the_wait():
+    """A waiter with no ready node is refused no_ready_node at the timeout, leaving no timer."""
     world = World(timeout=30)
     waiter = world.acquire()
     assert not waiter.fired
@@ -246,6 +253,7 @@ def test_no_ready_node_after_the_wait():
 
 
 def test_no_ready_node_when_the_only_node_left_during_the_wait():
+    """A waiter whose only node left while it waited is refused no_ready_node."""
     world = World(timeout=30)
     world.node("gpu-a", 1)
     world.acquire()
@@ -256,6 +264,7 @@ def test_no_ready_node_when_the_only_node_left_during_the_wait():
 
 
 def test_a_timed_out_slot_is_free_for_the_next_request():
+    """The queue place of a waiter that timed out takes the next request, which a release serves."""
     world = World(max_queued=1, timeout=10)
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -271,6 +280,7 @@ def test_a_timed_out_slot_is_free_for_the_next_request():
 # -- cancellation -------------------------------------------------------------------------
 
 def test_cancellation_frees_the_queue_slot():
+    """A cancelled waiter fails with CancelledError, frees its queue place and leaves no timer."""
     world = World(max_queued=2)
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -292,6 +302,7 @@ def test_cancellation_frees_the_queue_slot():
 
 
 def test_a_cancelled_waiter_never_gets_a_lease():
+    """A slot freed after a waiter was cancelled is not leased to it."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -305,6 +316,7 @@ def test_a_cancelled_waiter_never_gets_a_lease():
 # -- draining ---------------------------------------------------------------------------------
 
 def test_drain_fires_at_once_when_idle():
+    """drain() fires at once when nothing runs or waits."""
     world = World()
     world.node("gpu-a", 1)
     drained = Outcome(world.scheduler.drain())
@@ -312,6 +324,7 @@ def test_drain_fires_at_once_when_idle():
 
 
 def test_drain_waits_for_running_and_queued_requests():
+    """drain() fires only once the running and the queued requests are done."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -325,6 +338,7 @@ def test_drain_waits_for_running_and_queued_requests():
 
 
 def test_drain_fires_when_the_last_waiter_times_out():
+    """drain() fires when its last waiter times out."""
     world = World(timeout=5)
     waiter = world.acquire()
     drained = Outcome(world.scheduler.drain())
@@ -335,6 +349,7 @@ def test_drain_fires_when_the_last_waiter_times_out():
 
 
 def test_drain_fires_when_the_last_waiter_is_cancelled():
+    """drain() fires when its last waiter is cancelled."""
     world = World()
     d = world.scheduler.acquire()
     d.addErrback(lambda f: f.trap(CancelledError))
@@ -345,6 +360,7 @@ def test_drain_fires_when_the_last_waiter_is_cancelled():
 
 
 def test_draining_refuses_new_work():
+    """While draining, a new request is refused (draining) and running leases are kept."""
     world = World()
     world.node("gpu-a", 4)
     lease = world.acquire().lease
@@ -358,6 +374,7 @@ def test_draining_refuses_new_work():
 def test_a_router_drain_serves_what_still_arrives():
     # The Router closes its port before it drains: a request that arrives on
     # a connection already open was sent before it stopped accepting.
+    """drain(refuse=False) queues and serves late requests, and fires once they are done."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease
@@ -373,6 +390,7 @@ def test_a_router_drain_serves_what_still_arrives():
 
 @pytest.mark.parametrize("count", [1, 3])
 def test_every_drain_caller_is_told(count):
+    """Every caller of drain() is told when the scheduler is idle."""
     world = World()
     world.node("gpu-a", 1)
     lease = world.acquire().lease

@@ -393,7 +393,10 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
     issued = pki[certificate]
     port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(
         Site(_Hello()))
-    proxy = Proxy(reactor, ca_path=pki["ca"].path)
+    from kcoral.web.outgoing import Outgoing
+
+    outgoing = Outgoing(reactor, ca_path=pki["ca"].path)
+    proxy = Proxy(outgoing.client)
     try:
         with pytest.raises(NotSent, match="TLS with"):
             await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", ForwardedRequest(), b"x")
@@ -407,7 +410,7 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
         finally:
             await good.stopListening()
     finally:
-        await proxy.outgoing.close()
+        await outgoing.close()
         await port.stopListening()
 
 

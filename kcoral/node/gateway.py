@@ -63,7 +63,7 @@ class Gateway(service.MultiService):
     def _metrics(self):
         workers = {m.name: m.url for n in self.app.pool.nodes.values()
                    for m in n.members.values() if m.healthy}
-        texts = yield scrape_workers(self.app.proxy.outgoing.client, workers)
+        texts = yield scrape_workers(self.app.outgoing.client, workers)
         return merge(generate_latest(self.registry), texts)
 
     def _drain(self) -> Deferred:

@@ -17,24 +17,32 @@ from twisted.internet.defer import CancelledError, inlineCallbacks
 from twisted.logger import Logger
 
 from kcoral._version import __version__
-from kcoral.errors import BadRequest, KCoralError, NodeFailure, PayloadTooLarge, ServerBusy, error_body
-from kcoral.logs import debug_enabled
+from kcoral.errors import (
+    BadRequest,
+    KCoralError,
+    NodeConflict,
+    NodeFailure,
+    NotFound,
+    PayloadTooLarge,
+    ServerBusy,
+    Unauthorized,
+)
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
-from kcoral.router.pool import NodeConflict, Pool, PoolFull
-from kcoral.router.proxy import NotSent, Proxy
+from kcoral.router.forward import Forwarder
+from kcoral.router.pool import NodeConflict as SessionConflict
+from kcoral.router.pool import Pool, PoolFull
+from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.web import errors
 from kcoral.web.directroute import DirectRoute
+from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
 log = Logger()
 
-#: Tries of a request that members did not take (refused connections, 503s)
-#: before the Router gives up on it.
-MAX_NOT_SENT = 8
 MAX_CONTROL_BYTES = 64 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
@@ -64,13 +72,15 @@ class RouterApp:
     app = Klein()
     errors.install(app)
 
-    def __init__(self, *, pool: Pool, scheduler: Scheduler, proxy: Proxy, reactor,
+    def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
                  metrics_source=None):
         self.pool = pool
         self.scheduler = scheduler
-        self.proxy = proxy
+        #: The HTTP client runs are forwarded with; other outgoing requests
+        #: (a gateway's scrapes of its workers) share its connection pool.
+        self.outgoing = outgoing
         self._reactor = reactor
         self.registry = registry
         self._token = node_token
@@ -84,6 +94,8 @@ class RouterApp:
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
+        self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
+                                   observe_wait=self._queue_wait.observe)
 
     def resource(self):
         return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
@@ -131,57 +143,15 @@ class RouterApp:
         return self.metrics_source()
 
     # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through DirectRoute, without Klein.
+    # 405; POST requests reach post_run through DirectRoute, which cancels
+    # the forward when its client goes away.
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks
     def post_run(self, request):
         rid = request.request_id
-        body = request.content.getvalue()
         program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
-        arrived = self._reactor.seconds()
-        refusals = 0
-        # A client that goes away cancels its wait for capacity (the proxy
-        # cancels a forwarded request itself), and a run a node turned away
-        # is not tried again for nobody. Asked once: notifyFinish fires once,
-        # and never for a request that has already finished.
-        acquiring = None
-        left: list = []
-
-        def client_left(_):
-            left.append(True)
-            if acquiring is not None:
-                acquiring.cancel()
-
-        request.notifyFinish().addErrback(client_left)
         try:
-            while True:
-                if left:
-                    raise CancelledError()
-                acquiring = self.scheduler.acquire(program)
-                lease = yield acquiring
-                acquiring = None
-                self._queue_wait.observe(self._reactor.seconds() - arrived)
-                member = lease.member
-                if debug_enabled():
-                    log.debug("{request_id} -> {node}/{worker}", request_id=rid,
-                              node=member.node.node_id, worker=member.name)
-                try:
-                    answer = yield self.proxy.forward(member.url, request, body)
-                except NotSent as e:
-                    member.suspect = True
-                    refusals += 1
-                    log.info("{request_id} not taken by {node}/{worker}: {why}", request_id=rid,
-                             node=member.node.node_id, worker=member.name, why=e)
-                    if refusals >= MAX_NOT_SENT:
-                        raise ServerBusy("no node took the request", reason="no_ready_node") from None
-                    continue
-                except NodeFailure as e:
-                    log.warn("{request_id} failed on {node}/{worker}: {why}", request_id=rid,
-                             node=member.node.node_id, worker=member.name, why=e.message)
-                    raise
-                finally:
-                    lease.release()
-                break
+            answer = yield self.forwarder.forward(request, request.content.getvalue(), program)
         except KCoralError as e:
             if not isinstance(e, NodeFailure):
                 log.info("{request_id} answered {status} {reason}", request_id=rid,
@@ -189,12 +159,7 @@ class RouterApp:
             return error_response(request, e)
         except CancelledError:
             log.info("{request_id} cancelled: the client went away", request_id=rid)
-            return b""
-        if answer.code >= 400:
-            # Successes stay at debug (cost per run); an error answer names the
-            # node, so the request can be followed into that node's log.
-            log.info("{request_id} answered {status} from {node}/{worker}", request_id=rid,
-                     status=answer.code, node=member.node.node_id, worker=member.name)
+            raise
         request.setResponseCode(answer.code)
         for name, value in answer.headers.items():
             request.setHeader(name, value)
@@ -231,10 +196,9 @@ class RouterApp:
             return None
         why = "no token" if not header else "a wrong token"
         log.warn("refused a control request for node {node_id} with {why}", node_id=node_id, why=why)
-        error = BadRequest(f"node control requests need a valid bearer token ({why} given)")
-        error.type = "unauthorized"
         request.setHeader(b"WWW-Authenticate", b"Bearer")
-        return json_response(request, 401, error_body(error, request.request_id))
+        return error_response(request, Unauthorized(
+            f"node control requests need a valid bearer token ({why} given)"))
 
     def _control_body(self, request) -> dict:
         data = request.content.getvalue()
@@ -260,11 +224,9 @@ class RouterApp:
         except InvalidReport as e:
             log.warn("refused a report from node {node_id}: {why}", node_id=node_id, why=e)
             return error_response(request, BadRequest(f"invalid node report: {e}"))
-        except NodeConflict as e:
+        except SessionConflict as e:
             log.warn("refused node {node_id}: {why}", node_id=node_id, why=e)
-            error = BadRequest(str(e))
-            error.type = "node_conflict"
-            return json_response(request, 409, error_body(error, request.request_id))
+            return error_response(request, NodeConflict(str(e)))
         except PoolFull as e:
             log.warn("refused node {node_id}: {why}", node_id=node_id, why=e)
             return error_response(request, ServerBusy(str(e), reason="too_many_nodes"))
@@ -282,7 +244,6 @@ class RouterApp:
             return refused
         session = (request.args.get(b"session") or [b""])[0].decode("utf-8", "replace")
         if not self.pool.leave(node_id, session):
-            error = BadRequest(f"node {node_id} has no live session {session[:100]!r}")
-            error.type = "not_found"
-            return json_response(request, 404, error_body(error, request.request_id))
+            return error_response(request, NotFound(
+                f"node {node_id} has no live session {session[:100]!r}"))
         return json_response(request, 200, {"node_id": node_id, "left": True})

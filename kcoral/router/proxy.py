@@ -1,26 +1,30 @@
 """
-The proxy: forwards one C{POST /v1/run} to the member a lease names, with
-treq over a persistent connection pool.
+The proxy: forwards one C{POST /v1/run} to the member a lease names, with a
+treq client (in a service, over L{kcoral.web.outgoing}'s persistent pool).
 
 What a failure means depends on whether the node may have started the work:
 a connection that could not be made, or a 503 from the node (its own queue,
-or draining), means the request never ran and may go to another member; a connection lost after the request was sent
-means it may have run, and is a 502 that is never retried.
+or draining), means the request never ran and may go to another member
+(L{NotSent}); a connection lost after the request was sent means it may have
+run, and is a 502 that is never retried (L{NodeFailure}). A cancelled
+forward (its client went away) is neither.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 from cachetools import LRUCache
 from hyperlink import EncodedURL
 from twisted.internet import error as netError
-from twisted.internet.defer import CancelledError, inlineCallbacks
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.logger import Logger
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
-from kcoral.web.outgoing import Outgoing, tls_problem
+from kcoral.web.outgoing import tls_problem
 
 log = Logger()
 
@@ -41,8 +45,8 @@ class _RunURL(EncodedURL):
     _text: str
 
     @classmethod
-    def parse(cls, url: str) -> "_RunURL":
-        parsed = cls.from_text(url)
+    def parse(cls, url: str) -> _RunURL:
+        parsed = cast(_RunURL, cls.from_text(url))
         parsed._text = url if url.isascii() else EncodedURL.from_text(url).to_uri().to_text()
         return parsed
 
@@ -64,16 +68,18 @@ class NotSent(Exception):
 
 
 class Answer:
-    __slots__ = ("code", "headers", "body")
+    __slots__ = ("body", "code", "headers")
 
     def __init__(self, code: int, headers: dict, body: bytes):
         self.code, self.headers, self.body = code, headers, body
 
 
 class Proxy:
-    def __init__(self, reactor, *, ca_path: str | None = None):
-        self._reactor = reactor
-        self.outgoing = Outgoing(reactor, ca_path=ca_path)
+    """Forwards runs with C{client}, a treq C{HTTPClient} (or anything with
+    its C{post}, such as C{treq.testing.StubTreq})."""
+
+    def __init__(self, client):
+        self._client = client
         self._urls: LRUCache = LRUCache(_MAX_URLS)
 
     def run_url(self, url: str) -> _RunURL:
@@ -85,6 +91,12 @@ class Proxy:
 
     @inlineCallbacks
     def forward(self, url: str, request, body: bytes):
+        """
+        The L{Answer} of the member at C{url} to C{body}, sent with
+        C{request}'s id and headers; fails with L{NotSent} or L{NodeFailure}.
+        Cancelling it closes the request to the member (or stops reading its
+        answer) and fails it with C{CancelledError}.
+        """
         headers = Headers({b"X-Request-ID": [request.request_id.encode()]})
         for name in _FORWARDED:
             value = request.requestHeaders.getRawHeaders(name)
@@ -92,29 +104,16 @@ class Proxy:
                 headers.setRawHeaders(name, value[:1])
         if not headers.hasHeader(b"Content-Type"):
             headers.setRawHeaders(b"Content-Type", [REQUEST_CONTENT_TYPE.encode()])
-        # A node's answer goes back as it is: never follow a redirect with a
-        # program (and the body is read once, right here: no buffering).
-        outgoing = self.outgoing.client.post(self.run_url(url), data=body, headers=headers,
-                                             allow_redirects=False, unbuffered=True)
-        # A client that goes away cancels the outgoing request, or the
-        # reading of its answer. Twisted's client reports the first as the
-        # connection it aborted (a failed response), not as a cancellation:
-        # remember who cancelled.
-        left: list = []
-        pending = [outgoing]
-
-        def client_left(_):
-            left.append(True)
-            pending[0].cancel()
-
-        request.notifyFinish().addErrback(client_left)
         try:
-            response = yield outgoing
-            pending[0] = response.content()
-            content = yield pending[0]
+            # A node's answer goes back as it is: never follow a redirect with
+            # a program (and the body is read once, right here: no buffering).
+            response = yield _cancelled_as_such(self._client.post(
+                self.run_url(url), data=body, headers=headers, allow_redirects=False,
+                unbuffered=True))
+            content = yield _cancelled_as_such(response.content())
+        except CancelledError:
+            raise
         except Exception as e:
-            if left or isinstance(e, CancelledError):
-                raise CancelledError() from None
             problem = _failure(e, url)
             if problem is e:
                 raise
@@ -125,6 +124,29 @@ class Proxy:
         returned = {name: response.headers.getRawHeaders(name)[0]
                     for name in _RETURNED if response.headers.hasHeader(name)}
         return Answer(response.code, returned, content)
+
+
+def _cancelled_as_such(d: Deferred) -> Deferred:
+    """
+    C{d}, which fails with C{CancelledError} when cancelled, whatever C{d}
+    itself then fails with: Twisted's HTTP client reports a request it was
+    told to cancel as the connection it aborted (a failed response), which
+    would otherwise read as a node lost after the request was sent.
+    """
+
+    def cancel(outer: Deferred) -> None:
+        outer.errback(CancelledError())
+        d.cancel()
+
+    outer: Deferred = Deferred(cancel)
+
+    def settle(result) -> None:
+        # Once cancelled, whatever the request ends with goes nowhere.
+        if not outer.called:
+            outer.callback(result)  # a Failure errbacks
+
+    d.addBoth(settle)
+    return outer
 
 
 def _failure(e: Exception, url: str) -> Exception:

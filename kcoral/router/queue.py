@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, fail
 
 
@@ -24,6 +25,8 @@ class QueueTimeout(Exception):
 
 class _Waiter:
     __slots__ = ("deferred", "timer")
+    deferred: Deferred
+    timer: DelayedCall
 
 
 class WaitQueue:

@@ -16,11 +16,11 @@ from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
 class Lease:
     """One request's hold on one member's capacity; release it exactly once."""
 
-    __slots__ = ("member", "_scheduler")
+    __slots__ = ("_scheduler", "member")
 
-    def __init__(self, member: Member, scheduler: "Scheduler"):
+    def __init__(self, member: Member, scheduler: Scheduler):
         self.member = member
-        self._scheduler = scheduler
+        self._scheduler: Scheduler | None = scheduler
         member.active += 1
 
     def release(self) -> None:
@@ -81,7 +81,7 @@ class Scheduler:
         """
         self.draining = True
         self._refusing = self._refusing or refuse
-        d = Deferred()
+        d: Deferred[None] = Deferred()
         self._idle.append(d)
         self._check_idle()
         return d
@@ -94,6 +94,6 @@ class Scheduler:
 
 
 def _busy(message: str, reason: str) -> Deferred:
-    d = Deferred()
+    d: Deferred = Deferred()
     d.errback(ServerBusy(message, reason=reason))
     return d

@@ -16,12 +16,12 @@ from kcoral.heap import SettledHeap
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
-from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
+from kcoral.web.outgoing import Outgoing
 from kcoral.web.site import KCoralSite
 
 log = Logger()
@@ -59,8 +59,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     scheduler = Scheduler(pool, WaitQueue(reactor, config.max_queued_requests,
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()
-    app = RouterApp(pool=pool, scheduler=scheduler, proxy=Proxy(reactor, ca_path=config.tls_ca), reactor=reactor,
-                    registry=registry, node_token=config.node_token, name=name,
+    app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
+                    reactor=reactor, registry=registry, node_token=config.node_token, name=name,
                     status_check_interval=config.status_check_interval_seconds)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
@@ -100,5 +100,5 @@ class RouterService(service.MultiService):
     @inlineCallbacks
     def stopService(self):
         yield super().stopService()
-        yield self.app.proxy.outgoing.close()
+        yield self.app.outgoing.close()
         log.info("kcoral router stopped")

@@ -36,6 +36,6 @@ class Admission:
         """Fires once nothing runs and nothing waits."""
         if self.active == 0 and not len(self.queue):
             return succeed(None)
-        d = Deferred()
+        d: Deferred[None] = Deferred()
         self._idle.append(d)
         return d

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from klein import Klein
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from twisted.internet.defer import CancelledError, inlineCallbacks
+from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
@@ -88,7 +89,8 @@ class ServerApp:
     # -- runs -------------------------------------------------------------
 
     # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through DirectRoute, without Klein.
+    # 405; POST requests reach post_run through DirectRoute, which cancels
+    # the run when its client goes away.
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks
     def post_run(self, request):
@@ -105,47 +107,57 @@ class ServerApp:
             announced = request.getHeader(PROGRAM_HEADER)
             if announced is not None and announced != run.program.digest:
                 raise BadRequest(f"{PROGRAM_HEADER} does not match the frame's program digest")
-            result = yield self._admitted(request, run)
+            yield self._admitted(rid)
+            result = yield self._run(run, rid)
         except KCoralError as e:
             log.info("{request_id} answered {status} {type}: {message}", request_id=rid,
                      status=e.status, type=e.type, message=e.message)
             return error_response(request, e)
-        except CancelledError:
-            log.info("{request_id} dropped: the client went away before it ran", request_id=rid)
-            return b""
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, result)
 
     @inlineCallbacks
-    def _admitted(self, request, run):
-        rid = request.request_id
+    def _admitted(self, rid: str):
+        """Fires once this run holds an admission slot."""
         arrived = self._reactor.seconds()
-        waiting = self.admission.acquire()
-        if not waiting.called:
-            # A waiter leaves the queue when its client goes away.
-            request.notifyFinish().addErrback(lambda _: waiting.cancel())
         try:
-            yield waiting
+            yield self.admission.acquire()
         except QueueFull:
             raise ServerBusy("the server's queue is full", reason="queue_full") from None
         except QueueTimeout:
             raise ServerBusy("no slot freed up in time", reason="queue_timeout") from None
-        self._queue_wait.observe(self._reactor.seconds() - arrived)
-        try:
-            result = yield deferToThreadPool(self._reactor, self._threadpool,
-                                             self.executor.execute, run, rid)
-        except KCoralError:
+        except CancelledError:
+            log.info("{request_id} dropped: the client went away before it ran", request_id=rid)
             raise
-        except Exception as e:
-            log.failure("{request_id} internal error", request_id=rid)
-            raise ProgramFailed(f"internal error: {type(e).__name__}") from None
-        finally:
+        self._queue_wait.observe(self._reactor.seconds() - arrived)
+
+    def _run(self, run, rid: str) -> Deferred:
+        """
+        The result of C{run} on a worker thread, holding its admission slot
+        until the thread is done. Cancelling the result (the client went
+        away) does not stop the run, which a device cannot interrupt: the slot
+        stays taken until it ends, and its answer is dropped.
+        """
+        answer: Deferred = Deferred()
+        digest = run.program.digest[:12]
+
+        def ran(result):
             self.admission.release()
-        # Debug, not info: formatting and writing this line cost ~13% of the
-        # server's CPU per trivial run, and even a dropped debug event costs
-        # ~10 us to build and filter. Errors, compiles and refusals are still
-        # logged at info with their request ids.
-        if debug_enabled():
-            log.debug("{request_id} ran program {digest} ({size} result bytes)", request_id=rid,
-                      digest=run.program.digest[:12], size=len(result))
-        return result
+            if answer.called:
+                log.info("{request_id} answer dropped: the client went away", request_id=rid)
+                return None
+            # Debug, not info: formatting and writing this line cost ~13% of
+            # the server's CPU per trivial run, and even a dropped debug event
+            # costs ~10 us to build and filter. Errors, compiles and refusals
+            # are still logged at info with their request ids.
+            if debug_enabled() and not isinstance(result, Failure):
+                log.debug("{request_id} ran program {digest} ({size} result bytes)",
+                          request_id=rid, digest=digest, size=len(result))
+            if isinstance(result, Failure) and not result.check(KCoralError):
+                log.failure("{request_id} internal error", result, request_id=rid)
+                return Failure(ProgramFailed(f"internal error: {result.type.__name__}"))
+            return result
+
+        running = deferToThreadPool(self._reactor, self._threadpool, self.executor.execute, run, rid)
+        running.addBoth(ran).chainDeferred(answer)
+        return answer

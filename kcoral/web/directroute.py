@@ -3,26 +3,26 @@ A resource that sends one hot route (C{POST /v1/run}) straight to its
 handler, and every other request through the Klein app behind it.
 
 Why: Klein's per-request work (binding and matching its URL map, adapting
-the request, two maybeDeferreds and its error-handler chain) measured about
-140 us of server CPU per trivial run, over a tenth of the round trip, and as
-much again in a Router, which receives every run and sends it on. The answers
-are the same: the handler answers every error it expects in JSON, and
-anything else gets the JSON 500 that Klein's error handler gives. Klein still
-declares the route, so that it lists it and answers its other methods with
-405.
+the request, its maybeDeferreds and error-handler chain) costs 26-37 us of
+CPU per run in each service, more than half as much again as the rest of a
+Router's resource tree and HTTP server spend on it, and a run pays it in
+both the Router and the server (doc/benchmarks.rst, "Routing", measured
+with bench/routing.py). Klein still declares the route, so that it lists it
+and answers its other methods with 405.
 
-Unlike Klein, this does not cancel the handler's Deferred when the client
-goes away: each handler watches C{request.notifyFinish()} itself where it
-waits (a queue slot, an outgoing request, the reading of its answer), and
-an answer that comes after the client left is dropped here.
+Everything else is as Klein does it: a client that goes away cancels the
+handler's Deferred (the one place a run learns of it), an answer for a
+client that left is dropped, and a failure the handler did not expect gets
+the JSON 500 of Klein's error handler.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
@@ -46,19 +46,21 @@ class DirectRoute(Resource):
     def render(self, request):
         if request.method != b"POST" or request.path != self._path:
             return self._fallback.render(request)
-        gone: list = []
-        request.notifyFinish().addBoth(gone.append)
         d = self._handler(request)
-        d.addErrback(lambda failure: internal_error(request, failure))
-        d.addCallback(_write, request, gone)
+        left = request.notifyFinish()
+        left.addErrback(lambda _: d.cancel())
+        d.addBoth(_answer, request, left)
         d.addErrback(lambda failure: log.failure("{request_id} could not answer", failure,
                                                  request_id=request.request_id))
         return NOT_DONE_YET
 
 
-def _write(body: bytes, request, gone: list) -> None:
-    if not gone:
-        request.write(body)
-        request.finish()
-    elif body:
-        log.info("{request_id} answer dropped: the client went away", request_id=request.request_id)
+def _answer(result: bytes | Failure, request, left: Deferred) -> None:
+    if left.called:
+        # The client went away: nobody to answer, and a cancellation is no error.
+        if isinstance(result, Failure) and not result.check(CancelledError):
+            log.failure("{request_id} failed after the client went away", result,
+                        request_id=request.request_id)
+        return
+    request.write(internal_error(request, result) if isinstance(result, Failure) else result)
+    request.finish()

@@ -7,8 +7,12 @@ import os
 import re
 
 import attrs
-from twisted.internet.endpoints import (SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint,
-                                       serverFromString)
+from twisted.internet.endpoints import (
+    SSL4ServerEndpoint,
+    TCP4ServerEndpoint,
+    TCP6ServerEndpoint,
+    serverFromString,
+)
 
 
 def url_of(host: str, port: int, scheme: str = "http") -> str:
@@ -21,7 +25,7 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
 
 
 def pem_certificates(path: str) -> list:
@@ -48,7 +52,7 @@ class ListenAddress:
     description: str | None = None
 
     @classmethod
-    def of(cls, config) -> "ListenAddress":
+    def of(cls, config) -> ListenAddress:
         """Where a service with C{config} (a Router's, a server's) listens."""
         return cls(config.host, config.port, config.tls_cert, config.tls_key, config.listen)
 

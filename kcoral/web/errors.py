@@ -4,10 +4,12 @@ every KCoral service (Klein would answer both in HTML)."""
 from __future__ import annotations
 
 from twisted.logger import Logger
-from werkzeug.exceptions import MethodNotAllowed, NotFound
+from twisted.python.failure import Failure
+from werkzeug.exceptions import MethodNotAllowed as NoSuchMethod
+from werkzeug.exceptions import NotFound as NoSuchRoute
 
-from kcoral.errors import BadRequest, ProgramFailed, error_body
-from kcoral.web.responses import json_response
+from kcoral.errors import InternalError, MethodNotAllowed, NotFound
+from kcoral.web.responses import error_response
 
 log = Logger()
 
@@ -15,13 +17,12 @@ log = Logger()
 def install(app) -> None:
     """Make C{app} (a Klein app) answer unknown routes and methods in JSON."""
 
-    @app.handle_errors(NotFound)
+    @app.handle_errors(NoSuchRoute)
     def not_found(self, request, failure):
-        error = BadRequest(f"no route {request.path.decode('ascii', 'replace')[:100]}")
-        error.type = "not_found"
-        return json_response(request, 404, error_body(error, request.request_id))
+        path = request.path.decode("ascii", "replace")[:100]
+        return error_response(request, NotFound(f"no route {path}"))
 
-    @app.handle_errors(MethodNotAllowed)
+    @app.handle_errors(NoSuchMethod)
     def not_allowed(self, request, failure):
         return method_not_allowed(request)
 
@@ -32,14 +33,11 @@ def install(app) -> None:
 
 def method_not_allowed(request) -> bytes:
     """A JSON 405 for a method the request's target does not take."""
-    error = BadRequest(f"{request.method.decode('ascii', 'replace')[:20]} is not allowed here")
-    error.type = "method_not_allowed"
-    return json_response(request, 405, error_body(error, request.request_id))
+    method = request.method.decode("ascii", "replace")[:20]
+    return error_response(request, MethodNotAllowed(f"{method} is not allowed here"))
 
 
-def internal_error(request, failure) -> bytes:
+def internal_error(request, failure: Failure) -> bytes:
     """Log an unexpected failure and answer a JSON 500 that names only its type."""
     log.failure("{request_id} internal error", failure, request_id=request.request_id)
-    error = ProgramFailed(f"internal error: {failure.type.__name__}")
-    error.type = "internal_error"
-    return json_response(request, 500, error_body(error, request.request_id))
+    return error_response(request, InternalError(f"internal error: {failure.type.__name__}"))

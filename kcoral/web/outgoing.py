@@ -163,7 +163,7 @@ class _NoCookies(IndexableCookieJar):
 
 class Outgoing:
     def __init__(self, reactor, *, ca_path: str | None = None, max_per_host: int = MAX_PER_HOST,
-                 idle_seconds: float = 30.0):
+                 idle_seconds: int = 30):
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         # Below the servers' 60 s idle timeout, so a pooled connection is

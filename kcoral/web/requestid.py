@@ -7,6 +7,9 @@ import uuid
 
 from twisted.web.resource import Resource
 
+from kcoral.errors import BadRequest
+from kcoral.web.responses import error_response
+
 HEADER = b"X-Request-ID"
 _SANE = re.compile(rb"\A[A-Za-z0-9._:-]{1,128}\Z")
 
@@ -41,11 +44,7 @@ class RequestIdResource(Resource):
         if not _decodable(request):
             # Klein answers a path or Host that is not UTF-8 with an HTML 400
             # (and logs a traceback for each one): answer in JSON, as always.
-            from kcoral.errors import BadRequest, error_body
-            from kcoral.web.responses import json_response
-
-            error = BadRequest("the request's path or Host header is not UTF-8")
-            return json_response(request, 400, error_body(error, rid))
+            return error_response(request, BadRequest("the request's path or Host header is not UTF-8"))
         return self._wrapped.render(request)
 
 

@@ -16,12 +16,15 @@ arriving, which C{twisted.web} itself does not offer:
 from __future__ import annotations
 
 import io
-from typing import Callable
+import sys
+from collections.abc import Callable
 
-from twisted.internet import reactor as _globalReactor
 from twisted.internet import protocol
+from twisted.internet import reactor as _globalReactor
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import ITCPTransport
 from twisted.logger import Logger
+from twisted.protocols import policies
 from twisted.web import http, server
 
 from kcoral.errors import BadRequest, KCoralError, PayloadTooLarge, RequestTimeout
@@ -49,6 +52,8 @@ class _Body(io.BytesIO):
 
 
 class KCoralRequest(server.Request):
+    channel: KCoralChannel
+    content: _Body | None  # type: ignore[assignment]
     _refused = False
     _received = 0
     _started = None
@@ -65,6 +70,9 @@ class KCoralRequest(server.Request):
         self.channel.headersComplete()
         limit = self.channel.site.maxRequestBytes
         if length is not None and length > limit:
+            # Read by the channel once this returns: a client told to go on
+            # with a body already refused would send it for nothing.
+            self.requestHeaders.removeHeader(b"Expect")
             self._refuse(PayloadTooLarge(f"request body of {length} bytes exceeds the limit of "
                                          f"{limit} bytes"))
             return
@@ -103,23 +111,26 @@ class KCoralRequest(server.Request):
         self.setHeader(HEADER, self.request_id.encode())
         if self.channel.site.closing:
             self.closeAfterResponse()
+        if self.path == b"*":
+            # Twisted would answer it itself, with an empty 405 unless it is
+            # OPTIONS: KCoral's errors are JSON with a request id.
+            self._answer_star()
+            return
         super().process()
 
-    def _handleStar(self):
-        # Twisted's process() answers a request for "*" here, with an empty
-        # 405 unless it is OPTIONS: KCoral's errors are JSON with a request id.
-        self.responseHeaders.removeHeader(b"Server")
+    def _answer_star(self) -> None:
+        """An empty 200 for C{OPTIONS *} (a probe of the server), else a 405."""
+        self.setHeader(b"Date", http.datetimeToString())
         if self.method == b"OPTIONS":
-            super()._handleStar()
-            return
-        self.setHeader(b"Allow", b"OPTIONS")
-        self.write(method_not_allowed(self))
+            self.setHeader(b"Content-Length", b"0")
+        else:
+            self.setHeader(b"Allow", b"OPTIONS")
+            self.write(method_not_allowed(self))
         self.finish()
 
     def render(self, resrc):
         # Twisted's process() names itself and its version in a Server
-        # header: nothing a client needs, and something an attacker would
-        # (removed in _handleStar too).
+        # header: nothing a client needs, and something an attacker would.
         self.responseHeaders.removeHeader(b"Server")
         super().render(resrc)
 
@@ -140,7 +151,9 @@ class KCoralRequest(server.Request):
 
 
 class KCoralChannel(http.HTTPChannel):
-    _refusing = False
+    #: Set by the site that built it, as for every Twisted protocol.
+    site: KCoralSite
+    transport: ITCPTransport | None
     _headerDeadline = None
 
     def connectionMade(self):
@@ -170,16 +183,6 @@ class KCoralChannel(http.HTTPChannel):
         # that never reads is aborted by Twisted's own idle timeout.
         self.transport.loseConnection()
 
-    def _respondToBadRequestAndDisconnect(self):
-        # Twisted answers HTTP it cannot parse (request line, header count or
-        # size, chunk framing) with a bare 400; KCoral's errors are JSON with
-        # a request id, always.
-        request = self.requests[-1] if self.requests else None
-        rid = request.request_id if isinstance(request, KCoralRequest) else request_id_from(None)
-        self.site.metrics.observe(b"other", 400, 0.0)
-        self.transport.write(raw_error_response(BadRequest("malformed HTTP request"), rid))
-        self.loseConnection()
-
     def headersComplete(self):
         if self._headerDeadline is not None:
             self._headerDeadline.cancel()
@@ -192,19 +195,16 @@ class KCoralChannel(http.HTTPChannel):
 
     def refuse(self, response: bytes) -> None:
         """Answer C{response} now, then discard whatever else arrives."""
-        self._refusing = True
-        self.rawDataReceived = self.dataReceived = lambda data: None
-        self.transport.write(response)
-        loseWrite = getattr(self.transport, "loseWriteConnection", None)
+        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+        transport = self.transport
+        assert transport is not None  # called from the connection's own dataReceived
+        transport.write(response)
+        loseWrite = getattr(transport, "loseWriteConnection", None)
         if loseWrite is not None:
             loseWrite()
         else:
-            self.transport.loseConnection()
-        self._lingering = self.site.clock.callLater(LINGER_SECONDS, self.transport.abortConnection)
-
-    def _send100Continue(self):
-        if not self._refusing:
-            super()._send100Continue()
+            transport.loseConnection()
+        self._lingering = self.site.clock.callLater(LINGER_SECONDS, transport.abortConnection)
 
     def connectionLost(self, reason):
         for call in (self._headerDeadline, getattr(self, "_lingering", None)):
@@ -215,6 +215,29 @@ class KCoralChannel(http.HTTPChannel):
         self.site.channelLost(self)
 
 
+#: What Twisted's channel answers to HTTP it cannot parse (request line,
+#: header count or size, chunk framing), just before it closes the connection.
+TWISTED_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\n\r\n"
+
+
+class JSONBadRequest(policies.ProtocolWrapper):
+    """
+    The transport of a L{KCoralChannel}, which answers HTTP that Twisted
+    cannot parse with KCoral's JSON 400 and its request id in place of
+    Twisted's bare one: KCoral's errors are JSON with a request id, always.
+    """
+
+    def write(self, data):
+        if data == TWISTED_BAD_REQUEST:
+            channel = self.wrappedProtocol
+            requests = channel.requests
+            request = requests[-1] if requests else None
+            rid = request.request_id if isinstance(request, KCoralRequest) else request_id_from(None)
+            channel.site.metrics.observe(b"other", 400, 0.0)
+            data = raw_error_response(BadRequest("malformed HTTP request"), rid)
+        super().write(data)
+
+
 class _Refused(protocol.Protocol):
     """A connection beyond the cap: closed as soon as it is made."""
 
@@ -223,7 +246,9 @@ class _Refused(protocol.Protocol):
 
 
 class KCoralSite(server.Site):
-    protocol = KCoralChannel
+    # The channel itself, not Twisted's wrapper that would pick HTTP/2 or
+    # HTTP/1.1 by TLS negotiation: KCoral speaks HTTP/1.1.
+    protocol = KCoralChannel  # type: ignore[assignment]
     requestFactory = KCoralRequest
 
     def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
@@ -256,13 +281,17 @@ class KCoralSite(server.Site):
         #: None: no cap.
         self.maxConnections = maxConnections
         self._refused = 0
+        #: Keeps the L{JSONBadRequest} wrapper of each open connection.
+        self._wrappers = policies.WrappingFactory(self)
 
     def _limit(self) -> int:
         limit = self.maxConnections
+        if limit is None:
+            return sys.maxsize
         return limit() if callable(limit) else limit
 
     def buildProtocol(self, addr):
-        if self.maxConnections is not None and len(self.channels) >= self._limit():
+        if len(self.channels) >= self._limit():
             if not self._refused:
                 self.logger.warn("{open} connections are open, the most this service takes: "
                                  "closing new ones until some close", open=len(self.channels))
@@ -270,7 +299,7 @@ class KCoralSite(server.Site):
             # Not None, which a plain TCP port closes but a TLS wrapper
             # would wrap and then leave open, with no timeout on it.
             return _Refused()
-        return super().buildProtocol(addr)
+        return JSONBadRequest(self._wrappers, super().buildProtocol(addr))
 
     #: Set by L{stopKeepAlive}: every answer from then on closes its connection.
     closing = False
@@ -304,7 +333,7 @@ class KCoralSite(server.Site):
         """
         if not self.channels:
             return succeed(None)
-        d = Deferred()
+        d: Deferred[None] = Deferred()
         self._closing.append(d)
         for channel in list(self.channels):
             channel.closeWhenIdle()

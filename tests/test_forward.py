@@ -1,0 +1,129 @@
+"""
+The Router's forward-and-retry loop (L{kcoral.router.forward}) in process: a
+pool of fake workers behind C{treq.testing.StubTreq}, on a fake clock.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.task import Clock
+
+from kcoral.errors import NodeFailure, ServerBusy
+from kcoral.router.forward import MAX_NOT_SENT, Forwarder
+from kcoral.router.pool import Pool
+from kcoral.router.proxy import Proxy
+from kcoral.router.queue import WaitQueue
+from kcoral.router.report import parse_report
+from kcoral.router.scheduler import Scheduler
+from tests.fakes import Client, Worker, Workers, node_report
+from tests.httputil import ForwardedRequest
+
+
+class Routed:
+    """A pool of one-worker nodes, one per host, and a Forwarder to them."""
+
+    def __init__(self, *hosts: str, **client):
+        self.clock = Clock()
+        self.pool = Pool(self.clock, max_status_age_seconds=5.0, unhealthy_threshold=3,
+                         recovery_threshold=1, node_retention_seconds=600.0)
+        for host in hosts:
+            self.pool.report(host, parse_report(node_report(host=host, capacities=(1,))))
+        self.pool.observe()
+        self.scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
+        self.waits: list = []
+        self.workers: Workers | None = None
+        self.client_options = client
+
+    def serve(self, **workers: Worker) -> Forwarder:
+        self.workers = Workers(**workers)
+        self.client = Client(self.workers, **self.client_options)
+        return Forwarder(self.scheduler, Proxy(self.client), self.clock,
+                         observe_wait=self.waits.append)
+
+    def forward(self, forwarder: Forwarder):
+        """The outcome of one forward, settled: ('ok', answer) or ('failed', exception)."""
+        done: list = []
+        d = forwarder.forward(ForwardedRequest(), b"run", None)
+        d.addCallbacks(lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
+        self.client.flush()
+        return d, done
+
+
+def test_a_run_is_answered_by_the_member_it_was_leased():
+    """A worker's answer comes back as it is, and its lease is released."""
+    routed = Routed("10.0.0.1")
+    worker = Worker(200, b"result")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": worker}))
+    kind, answer = done[0]
+    assert kind == "ok" and answer.code == 200 and answer.body == b"result"
+    assert len(worker.runs) == 1 and routed.pool.active() == 0 and routed.waits == [0.0]
+
+
+def test_a_503_from_a_worker_is_tried_on_another():
+    """A member that turns a run away with 503 did not run it: another one does."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    busy, free = Worker(503, b"{}"), Worker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": busy, "10.0.0.2": free}))
+    assert done[0][0] == "ok" and done[0][1].body == b"ran"
+    assert len(free.runs) == 1 and len(busy.runs) <= 1
+    assert routed.pool.active() == 0
+
+
+def test_tries_of_runs_nobody_takes_are_bounded():
+    """When every member turns the run away, it is a 503 no_ready_node after MAX_NOT_SENT tries."""
+    hosts = [f"10.0.0.{i}" for i in range(1, MAX_NOT_SENT + 2)]
+    routed = Routed(*hosts)
+    busy = {host: Worker(503, b"{}") for host in hosts}
+    _, done = routed.forward(routed.serve(**busy))
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, ServerBusy) and error.reason == "no_ready_node"
+    assert sum(len(w.runs) for w in busy.values()) == MAX_NOT_SENT and routed.pool.active() == 0
+
+
+def test_a_refused_connection_is_tried_on_another_member():
+    """A connection that could not be made sent nothing: another member runs it."""
+    routed = Routed("10.0.0.1", "10.0.0.2", refused={"10.0.0.1"})
+    free = Worker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.2": free}))
+    assert done[0][0] == "ok" and len(free.runs) == 1
+    assert routed.pool.active() == 0
+
+
+def test_a_connection_lost_after_sending_is_a_502_never_retried():
+    """A run that may have started is a NodeFailure, and goes to no other member."""
+    routed = Routed("10.0.0.1", "10.0.0.2", lost={"10.0.0.1", "10.0.0.2"})
+    _, done = routed.forward(routed.serve())
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, NodeFailure)
+    assert routed.pool.active() == 0
+
+
+def test_a_cancelled_forward_is_not_retried_nor_a_502():
+    """A client that leaves cancels its forward: CancelledError, lease released, no other try."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    held, other = Worker(hold=True), Worker(200, b"ran")
+    d, done = routed.forward(routed.serve(**{"10.0.0.1": held, "10.0.0.2": other}))
+    if not held.runs:  # the pool's pick went to the other host: hold both
+        other.hold = True
+        held, other = other, held
+        d, done = routed.forward(routed.serve(**{"10.0.0.1": other, "10.0.0.2": held}))
+    assert held.runs and not done
+    d.cancel()
+    routed.client.flush()
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, CancelledError)
+    assert len(held.runs) == 1 and not other.runs
+    assert routed.pool.active() == 0 and len(routed.scheduler.queue) == 0
+
+
+def test_a_cancelled_wait_for_capacity_leaves_the_queue():
+    """A client that leaves while its run waits for a lease leaves the queue, sending nothing."""
+    routed = Routed("10.0.0.1")
+    held = Worker(hold=True)
+    forwarder = routed.serve(**{"10.0.0.1": held})
+    routed.forward(forwarder)
+    waiting, done = routed.forward(forwarder)
+    assert len(routed.scheduler.queue) == 1 and not done
+    waiting.cancel()
+    assert isinstance(done[0][1], CancelledError) and len(routed.scheduler.queue) == 0
+    assert len(held.runs) == 1
