@@ -17,8 +17,8 @@ from twisted.internet.error import CannotListenError
 from twisted.python import usage
 
 from kcoral import status
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral._version import __version__
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral.node import tap as node_tap
 from kcoral.router import tap as router_tap
 
@@ -69,7 +69,7 @@ def run_service(tap, options) -> int:
 def _stop_once_on_signals(reactor) -> None:
     """SIGTERM and Ctrl+C start one draining shutdown; repeats are ignored
     (the reactor's own handler would raise on them)."""
-    stopping = []
+    stopping: list[int] = []
 
     def handler(signum, frame):
         if not stopping:
@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: error: {e}", file=sys.stderr)
         print(f"Try '{command} --help'.", file=sys.stderr)
         return 2
-    if config.subCommand == "router":
+    subcommand = config.subCommand
+    assert subcommand is not None  # postOptions refuses a missing command
+    if subcommand == "router":
         return run_service(router_tap, config.subOptions)
-    if config.subCommand == "server":
+    if subcommand == "server":
         return run_service(node_tap, config.subOptions)
-    return status.run(config.subCommand, config.subOptions)
+    return status.run(subcommand, config.subOptions)
 
 
 def entry() -> None:

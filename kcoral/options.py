@@ -17,24 +17,37 @@ from twisted.python import usage
 C = TypeVar("C")
 
 
-def non_negative(kind):
-    def coerce(text: str):
-        value = kind(text)
-        if not value >= 0:  # also refuses nan
+@attrs.frozen
+class Bounded:
+    """
+    The value check of a number option: a C{kind} (C{int}, C{float}) above
+    zero or, with C{zero}, at least zero. C{coerceDoc} is the line that
+    C{usage.Options} shows in C{--help}.
+    """
+
+    kind: type
+    zero: bool
+
+    @property
+    def coerceDoc(self) -> str:
+        return f"A {'non-negative' if self.zero else 'positive'} {self.kind.__name__}."
+
+    def __call__(self, text: str) -> Any:
+        value = self.kind(text)
+        # The comparisons are written so that nan fails them too.
+        if self.zero and not value >= 0:
             raise ValueError(f"must not be negative, got {text}")
-        return value
-    coerce.coerceDoc = f"A non-negative {kind.__name__}."
-    return coerce
-
-
-def positive(kind):
-    def coerce(text: str):
-        value = kind(text)
-        if not value > 0:  # also refuses nan
+        if not self.zero and not value > 0:
             raise ValueError(f"must be positive, got {text}")
         return value
-    coerce.coerceDoc = f"A positive {kind.__name__}."
-    return coerce
+
+
+def non_negative(kind: type) -> Bounded:
+    return Bounded(kind, zero=True)
+
+
+def positive(kind: type) -> Bounded:
+    return Bounded(kind, zero=False)
 
 
 def port(text: str) -> int:
@@ -85,16 +98,23 @@ def config_from(config: type[C], options: usage.Options, **overrides: Any) -> C:
     return config(**values)
 
 
-def _naming(name: str, coerce: Callable[[str], Any]) -> Callable[[str], Any]:
+@attrs.frozen
+class _Naming:
     """C{coerce}, naming the option when it refuses a value (Twisted's
     message does not: it catches only C{ValueError}, so this one passes)."""
-    def named(text: str) -> Any:
+
+    name: str
+    coerce: Callable[[str], Any]
+
+    @property
+    def coerceDoc(self) -> str:
+        return getattr(self.coerce, "coerceDoc", "")
+
+    def __call__(self, text: str) -> Any:
         try:
-            return coerce(text)
+            return self.coerce(text)
         except ValueError as e:
-            raise usage.UsageError(f"--{name}: {e}") from None
-    named.coerceDoc = getattr(coerce, "coerceDoc", "")  # type: ignore[attr-defined]
-    return named
+            raise usage.UsageError(f"--{self.name}: {e}") from None
 
 
 class KCoralOptions(usage.Options):
@@ -115,7 +135,7 @@ class KCoralOptions(usage.Options):
         super().__init_subclass__(**kwargs)
         if "optParameters" in cls.__dict__:
             cls.coercions = {row[0]: row[4] for row in cls.optParameters if len(row) > 4}
-            cls.optParameters = [row[:4] + [_naming(row[0], row[4])] if len(row) > 4 else row
+            cls.optParameters = [row[:4] + [_Naming(row[0], row[4])] if len(row) > 4 else row
                                  for row in cls.optParameters]
 
     def getUsage(self, width=None):

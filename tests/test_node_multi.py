@@ -369,7 +369,7 @@ async def test_gateway_metrics_merge_every_worker(node, quick):
     assert len(families) == len(types)
 
     by_worker = {}
-    for (name, labels), value in samples.items():
+    for name, labels in samples:
         worker = dict(labels).get("worker")
         by_worker.setdefault(worker, set()).add(name)
     assert {"worker0", "worker1"} <= set(by_worker), set(by_worker)
@@ -416,7 +416,7 @@ async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
             assert line.count("[kcoral.node.worker] [worker") == 1, line
     assert set(seen) == {"worker0", "worker1"}
     level = re.compile(r"\A(debug|info|warn|error|critical) +\[[\w.]+\] ")
-    for worker, texts in seen.items():
+    for texts in seen.values():
         assert all(level.match(t) for t in texts), [t for t in texts if not level.match(t)]
         assert any(re.fullmatch(r"info +\[kcoral\.web\.listener\] kcoral server listening on "
                                 r"http://127\.0\.0\.1:\d+", t) for t in texts), texts

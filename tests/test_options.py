@@ -1,6 +1,7 @@
 """
-The command-line options of the Router and of a server or node: defaults, environment fallbacks, precedence, hidden
-supervisor options, and the C{kcoral} command's answer to bad options.
+The command-line options of the Router and of a server or node: defaults,
+environment fallbacks, precedence, hidden supervisor options, and the
+C{kcoral} command's answer to bad options.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ class World:
 
     def __init__(self, **settings):
         self.clock = Clock()
-        defaults = dict(max_status_age_seconds=5.0, unhealthy_threshold=3, recovery_threshold=2,
-                        node_retention_seconds=600.0)
+        defaults = {"max_status_age_seconds": 5.0, "unhealthy_threshold": 3, "recovery_threshold": 2,
+                    "node_retention_seconds": 600.0}
         defaults.update(settings)
         self.pool = Pool(self.clock, **defaults)
 

@@ -234,7 +234,7 @@ async def test_client_gets_bad_request_for_a_body_over_the_limit(small_server):
 
 @pytest_twisted.ensureDeferred
 async def test_queue_full_retries_and_fast_health_while_a_program_runs(small_server, spin):
-    """A full queue refuses at once (queue_full), a patient client gets in later, a queued run whose client left is dropped; /health stays fast."""
+    """A full queue refuses at once, a patient client gets in later, a left run is dropped, health is fast."""
     program, n, x = spin
     quick = Program.from_function(lambda v: v * 2, np.float32(1))
     slow_client = AsyncClient(small_server.url, busy_timeout=0)

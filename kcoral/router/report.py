@@ -49,9 +49,7 @@ class NodeReport:
                 "gpu_target": self.gpu_target, "runtime": self.runtime, "draining": self.draining}
 
 
-def _text(value: object, what: str, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
+def _text(value: object, what: str) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
         raise InvalidReport(f"{what} must be a string of 1 to {MAX_TEXT} characters")
     return value
@@ -125,7 +123,7 @@ def parse_report(body: object) -> NodeReport:
     return NodeReport(
         session=_text(body.get("session"), "session"),
         workers=tuple(parsed),
-        gpu_target=_text(body.get("gpu_target"), "gpu_target", optional=True),
+        gpu_target=None if body.get("gpu_target") is None else _text(body["gpu_target"], "gpu_target"),
         runtime=dict(runtime),
         draining=body.get("draining") is True,
     )

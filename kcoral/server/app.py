@@ -155,7 +155,7 @@ class ServerApp:
                           request_id=rid, digest=digest, size=len(result))
             if isinstance(result, Failure) and not result.check(KCoralError):
                 log.failure("{request_id} internal error", result, request_id=rid)
-                return Failure(ProgramFailed(f"internal error: {result.type.__name__}"))
+                return Failure(ProgramFailed(f"internal error: {type(result.value).__name__}"))
             return result
 
         running = deferToThreadPool(self._reactor, self._threadpool, self.executor.execute, run, rid)

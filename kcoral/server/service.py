@@ -90,8 +90,10 @@ class ServerService(service.MultiService):
 
     def privilegedStartService(self):
         super().privilegedStartService()
-        # A supervised server tells its supervisor where it listens.
-        announce(self.listener.url)
+        # A supervised server tells its supervisor where it listens (the
+        # endpoints KCoral builds all listen at once, so the URL is known).
+        if self.listener.url is not None:
+            announce(self.listener.url)
 
     def startService(self):
         self._threadpool.start()

@@ -75,33 +75,35 @@ class ListenAddress:
         if self.description is not None:
             try:
                 return serverFromString(reactor, self.description)
-            except Exception as e:  # noqa: BLE001 - parsers raise anything: ValueError, KeyError, SSL.Error
+            except Exception as e:  # parsers raise anything: ValueError, KeyError, SSL.Error
                 raise ValueError(f"--listen {self.description}: {type(e).__name__}: {e}") from None
         if self.tls_cert:
-            return SSL4ServerEndpoint(reactor, self.port, self.tls_options(), interface=self.host)
+            return SSL4ServerEndpoint(reactor, self.port, tls_options(self.tls_cert, self.tls_key),
+                                       interface=self.host)
         if ":" in self.host:
             return TCP6ServerEndpoint(reactor, self.port, interface=self.host)
         return TCP4ServerEndpoint(reactor, self.port, interface=self.host)
 
-    def tls_options(self):
-        """
-        The server side of TLS: the first certificate of C{tls_cert} is this
-        service's, the ones after it (intermediate CAs) are sent with it as its
-        chain, and the key must match (checked now, so that a wrong key is a
-        one-line error at start and not a failed handshake later).
-        """
-        from OpenSSL import SSL, crypto
-        from twisted.internet.error import VerifyError
-        from twisted.internet.ssl import CertificateOptions, KeyPair
 
-        try:
-            chain = pem_certificates(self.tls_cert)
-            with open(self.tls_key or self.tls_cert, "rb") as f:
-                key = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
-            options = CertificateOptions(privateKey=key.original, certificate=chain[0].original,
-                                         extraCertChain=[c.original for c in chain[1:]])
-            options.getContext()
-        except (SSL.Error, crypto.Error, VerifyError) as e:
-            raise ValueError(f"--tls-cert {self.tls_cert} with --tls-key "
-                             f"{self.tls_key or self.tls_cert}: {e}") from None
-        return options
+def tls_options(cert: str, key: str | None = None):
+    """
+    The server side of TLS: the first certificate of C{cert} is this
+    service's, the ones after it (intermediate CAs) are sent with it as its
+    chain, and C{key} (default: inside C{cert}) must match (checked now, so
+    that a wrong key is a one-line error at start and not a failed handshake
+    later).
+    """
+    from OpenSSL import SSL, crypto
+    from twisted.internet.error import VerifyError
+    from twisted.internet.ssl import CertificateOptions, KeyPair
+
+    try:
+        chain = pem_certificates(cert)
+        with open(key or cert, "rb") as f:
+            pair = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
+        options = CertificateOptions(privateKey=pair.original, certificate=chain[0].original,
+                                     extraCertChain=[c.original for c in chain[1:]])
+        options.getContext()
+    except (SSL.Error, crypto.Error, VerifyError) as e:
+        raise ValueError(f"--tls-cert {cert} with --tls-key {key or cert}: {e}") from None
+    return options

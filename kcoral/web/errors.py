@@ -40,4 +40,4 @@ def method_not_allowed(request) -> bytes:
 def internal_error(request, failure: Failure) -> bytes:
     """Log an unexpected failure and answer a JSON 500 that names only its type."""
     log.failure("{request_id} internal error", failure, request_id=request.request_id)
-    return error_response(request, InternalError(f"internal error: {failure.type.__name__}"))
+    return error_response(request, InternalError(f"internal error: {type(failure.value).__name__}"))

@@ -4,11 +4,13 @@ A listening HTTP service that drains before it stops listening.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from kcoral.web.endpoint import ListenAddress, is_loopback
 
@@ -39,13 +41,13 @@ class DrainingListener(service.Service):
         self._drain = drain
         self._secured = secured
         self._close_port_first = close_port_first
-        self.port = None
-        self.url = None
+        self.port: IListeningPort | None = None
+        self.url: str | None = None
 
     def privilegedStartService(self):
         # Listening here, synchronously, lets a command report "port in use"
         # and exit 1 before the reactor runs (TCP endpoints fire at once).
-        failures = []
+        failures: list[Failure] = []
         d = self._endpoint.listen(self._factory)
         d.addCallbacks(self._listening, failures.append)
         if failures:

@@ -22,9 +22,11 @@ from collections.abc import Callable
 from twisted.internet import protocol
 from twisted.internet import reactor as _globalReactor
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import ITCPTransport
+from twisted.internet.interfaces import IDelayedCall, ITCPTransport
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.protocols import policies
+from twisted.python.failure import Failure
 from twisted.web import http, server
 
 from kcoral.errors import BadRequest, KCoralError, PayloadTooLarge, RequestTimeout
@@ -53,7 +55,7 @@ class _Body(io.BytesIO):
 
 class KCoralRequest(server.Request):
     channel: KCoralChannel
-    content: _Body | None  # type: ignore[assignment]
+    content: _Body | None
     _refused = False
     _received = 0
     _started = None
@@ -92,6 +94,7 @@ class KCoralRequest(server.Request):
             self._refuse(RequestTimeout(f"request body arrives at {self._received / elapsed:.0f} "
                                         f"bytes/s, under the least of {MIN_BODY_BYTES_PER_SECOND}"))
             return
+        assert self.content is not None  # set by gotLength, which refused if not
         self.content.write(data)
 
     def _refuse(self, error: KCoralError) -> None:
@@ -154,7 +157,8 @@ class KCoralChannel(http.HTTPChannel):
     #: Set by the site that built it, as for every Twisted protocol.
     site: KCoralSite
     transport: ITCPTransport | None
-    _headerDeadline = None
+    _headerDeadline: IDelayedCall | None = None
+    _lingering: IDelayedCall | None = None
 
     def connectionMade(self):
         super().connectionMade()
@@ -181,6 +185,7 @@ class KCoralChannel(http.HTTPChannel):
         # a response is handed to the transport, and a client still reading a
         # large result must get all of it. Nothing is read after this; a peer
         # that never reads is aborted by Twisted's own idle timeout.
+        assert self.transport is not None  # connectionLost cancels the deadline
         self.transport.loseConnection()
 
     def headersComplete(self):
@@ -190,7 +195,7 @@ class KCoralChannel(http.HTTPChannel):
 
     def requestDone(self, request):
         super().requestDone(request)
-        if self.persistent and self.transport is not None and self.transport.connected:
+        if self.persistent and self.transport is not None:
             self._armHeaderDeadline()
 
     def refuse(self, response: bytes) -> None:
@@ -206,8 +211,8 @@ class KCoralChannel(http.HTTPChannel):
             transport.loseConnection()
         self._lingering = self.site.clock.callLater(LINGER_SECONDS, transport.abortConnection)
 
-    def connectionLost(self, reason):
-        for call in (self._headerDeadline, getattr(self, "_lingering", None)):
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        for call in (self._headerDeadline, self._lingering):
             if call is not None and call.active():
                 call.cancel()
         self._headerDeadline = None
@@ -227,6 +232,8 @@ class JSONBadRequest(policies.ProtocolWrapper):
     Twisted's bare one: KCoral's errors are JSON with a request id, always.
     """
 
+    wrappedProtocol: KCoralChannel
+
     def write(self, data):
         if data == TWISTED_BAD_REQUEST:
             channel = self.wrappedProtocol
@@ -241,7 +248,10 @@ class JSONBadRequest(policies.ProtocolWrapper):
 class _Refused(protocol.Protocol):
     """A connection beyond the cap: closed as soon as it is made."""
 
+    transport: ITCPTransport | None
+
     def connectionMade(self):
+        assert self.transport is not None  # set by makeConnection
         self.transport.abortConnection()
 
 
@@ -282,7 +292,7 @@ class KCoralSite(server.Site):
         self.maxConnections = maxConnections
         self._refused = 0
         #: Keeps the L{JSONBadRequest} wrapper of each open connection.
-        self._wrappers = policies.WrappingFactory(self)
+        self._wrappers: policies.WrappingFactory[JSONBadRequest] = policies.WrappingFactory(self)
 
     def _limit(self) -> int:
         limit = self.maxConnections
