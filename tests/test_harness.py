@@ -12,6 +12,10 @@ import pytest_twisted
 
 from tests.harness import ChildExited, LineTimeout
 
+# Real child processes, their timeouts and signals: as timing-sensitive as
+# the kcoral ones.
+pytestmark = pytest.mark.integration
+
 SCRIPT = r"""
 import signal, sys, time
 mode = sys.argv[1]

@@ -331,6 +331,7 @@ def _fuzz_bodies(target, valid: bytes) -> None:
         poster.close()
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_fuzzed_run_bodies(target, program):
     """Fuzzed run bodies get a 4xx JSON error with their request id (a valid mutation 200), never a 5xx."""
@@ -424,6 +425,7 @@ def _fuzz_framing(target) -> None:
     fuzz(garbage_requests, examples(200 if target.name == "server" else 120), send)
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_fuzzed_http_framing(target):
     """Fuzzed HTTP requests get no 5xx, every 4xx is a JSON error, and the service stays healthy."""
@@ -479,6 +481,7 @@ HOSTILE.update({
     for d in ("../../etc/passwd", "/tmp/" + "a" * 59, "F" * 64)})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 @pytest_twisted.ensureDeferred
 async def test_hostile_frames(target, case):
@@ -493,6 +496,7 @@ async def test_hostile_frames(target, case):
     await assert_healthy(target)
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_no_client_string_becomes_a_path(server, program):
     """No hostile digest becomes a path: the cache holds only files named by a digest."""
@@ -521,6 +525,7 @@ def _head(rid: str, *lines: bytes, path=b"/v1/run") -> bytes:
                          b"X-Request-ID: " + rid.encode(), *lines]) + b"\r\n\r\n"
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_content_length_shorter_than_the_body(target, program):
     """A Content-Length shorter than the body is read as announced: half a frame, a 400."""
@@ -549,6 +554,7 @@ def _longer_than_sent(port: int, head: bytes, part: bytes) -> bytes:
             return b"(silent)"
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_content_length_longer_than_the_body(target, program):
     """A Content-Length longer than the body sent gets no answer until the rest comes."""
@@ -567,6 +573,7 @@ def _chunked(size: int, count: int):
     return [chunk] * count + [b"0\r\n\r\n"]
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_chunked_body_past_the_limit(target):
     """A chunked body is refused with a JSON 413 once it passes the limit, and the refusal logged."""
@@ -581,6 +588,7 @@ async def test_chunked_body_past_the_limit(target):
     await assert_healthy(target)
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_declared_body_past_the_limit(target):
     """A Content-Length past the limit is refused with a JSON 413 before any body is read."""
@@ -611,6 +619,7 @@ BAD_HEADS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(BAD_HEADS))
 @pytest_twisted.ensureDeferred
 async def test_malformed_http_is_refused(target, case):
@@ -653,6 +662,7 @@ def _control_attempts(port: int) -> list:
     return answers
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_control_requests_with_wrong_tokens(routed):
     """Almost-right tokens get a 401 each, logged by node id; the token is in no answer or log."""
@@ -677,6 +687,7 @@ async def test_control_requests_with_wrong_tokens(routed):
 FORGED = "2026-01-01T00:00:00+0000 info  [kcoral.router.pool] node forged joined"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["PUT", "DELETE"])
 @pytest_twisted.ensureDeferred
 async def test_node_ids_cannot_forge_log_lines(routed, method):
@@ -747,6 +758,7 @@ def _put_reports(port: int) -> list:
         poster.close()
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_node_report_with_absurd_capacity_or_a_foreign_endpoint(routed):
     # With the right token: the token authenticates, the report is still
@@ -787,6 +799,7 @@ def _trickle(port: int, stop: threading.Event) -> int:
     return sent
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_many_idle_connections_and_a_slow_client(target):
     """500 idle connections and a byte-dribbling client do not slow /health down."""
@@ -848,6 +861,7 @@ def _exchange(sock, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
     return response.status, response.read()
 
 
+@pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_at_the_connection_cap_the_router_still_reaches_its_nodes(processes):
     """Past its connection cap the Router closes new ones, logging once, and still reaches nodes."""
