@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
@@ -1065,11 +1066,12 @@ class _Big(Resource):
         return b"x" * self.size
 
 
-def _slow_read(port: int, pause: float) -> int:
-    """The body bytes received by a client that reads only after C{pause}."""
+def _slow_read(port: int, ready: threading.Event) -> int:
+    """The body bytes received by a client that reads only once C{ready} is set."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(pause)  # the response sits in the server's buffers
+        # Meanwhile the response sits in the server's buffers.
+        assert ready.wait(30), "the head deadline never passed"
         head, received = b"", 0
         while True:
             try:
@@ -1095,10 +1097,17 @@ async def test_the_head_deadline_never_truncates_a_response_being_read():
     # response is handed to the transport, and used to abort the connection,
     # dropping the part of a large response the client had not read yet.
     """The head deadline never cuts a large response a slow reader is still reading."""
-    site = fake_site(reactor, resource=_Big(), headerTimeout=0.3)
+    passed = threading.Event()
+
+    def observe(event):
+        if event.get("log_format", "").startswith("closing a connection that sent no complete"):
+            passed.set()
+
+    site = fake_site(reactor, resource=_Big(), headerTimeout=0.3, log=Logger(observer=observe))
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     try:
-        got = await deferToThread(_slow_read, port.getHost().port, 1.5)
+        # The client reads only once the deadline has passed.
+        got = await deferToThread(_slow_read, port.getHost().port, passed)
     finally:
         await port.stopListening()
     assert got == _Big.size

@@ -15,8 +15,9 @@ import pytest_twisted
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
-from twisted.internet.task import Clock, deferLater
+from twisted.internet.task import Clock
 from twisted.python.threadpool import ThreadPool
+from twisted.web.resource import Resource
 
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, encode_request, sha256, wire_array
 from kcoral.router.queue import WaitQueue
@@ -26,8 +27,29 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
+from kcoral.web.site import RequestBody
 
 RID = b"X-Request-ID"
+
+
+class AsKCoralSite(Resource):
+    """
+    C{wrapped}, its requests' bodies kept as L{kcoral.web.site.KCoralSite}
+    keeps them (handlers view them without copying); the C{notifyFinish()}
+    of each request it renders is in C{finishing}.
+    """
+
+    isLeaf = True
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self.wrapped = wrapped
+        self.finishing: list[Deferred] = []
+
+    def render(self, request):
+        request.content = RequestBody(request.content.getvalue())
+        self.finishing.append(request.notifyFinish())
+        return self.wrapped.render(request)
 
 
 class Harness:
@@ -45,7 +67,8 @@ class Harness:
         self.app = ServerApp(executor=executor, admission=self.admission,
                              threadpool=threadpool or ThreadPool(), reactor=self.clock,
                              registry=self.registry)
-        self.treq = StubTreq(self.app.resource())
+        self.resource = AsKCoralSite(self.app.resource())
+        self.treq = StubTreq(self.resource)
 
     def request(self, method, path, *, body=None, headers=None):
         """The response (content read) of a request answered synchronously."""
@@ -290,18 +313,19 @@ def threaded(reactor):
 
 
 async def answer(harness, method, path, **kw) -> tuple:
-    """Pump StubTreq's in-memory connection until the worker thread answers."""
+    """The response (JSON read) of a request that a worker thread answers."""
     from twisted.internet import reactor
 
     done: list = []
     d: Deferred = harness.treq.request(method, "http://kcoral.test" + path, **kw)
     d.addCallback(lambda r: harness.treq.json_content(r).addCallback(lambda b: (r, b)))
     d.addBoth(done.append)
-    deadline = reactor.seconds() + 30
-    while not done:
-        assert reactor.seconds() < deadline, "no answer from the worker thread"
-        harness.treq.flush()
-        await deferLater(reactor, 0.01, lambda: None)
+    harness.treq.flush()
+    # The response is whole once the worker thread's answer reached the
+    # reactor; one more flush hands it to the client.
+    await harness.resource.finishing[-1].addTimeout(30, reactor)
+    harness.treq.flush()
+    assert done, "StubTreq did not deliver the finished response"
     if not isinstance(done[0], tuple):
         done[0].raiseException()
     return done[0]

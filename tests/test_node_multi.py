@@ -35,14 +35,12 @@ import pytest
 import pytest_twisted
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from twisted.internet import reactor
 from twisted.internet.defer import DeferredList, ensureDeferred
-from twisted.internet.task import deferLater
 
 from kcoral import AsyncClient, KCoralError, NodeFailure, Program
 from procstat import OutsideLoad  # bench/procstat.py (tests/conftest.py)
 from tests import programs
-from tests.harness import ChildProcess, ProcessGroup, kcoral_argv
+from tests.harness import ChildProcess, ProcessGroup, kcoral_argv, until
 from tests.httputil import request
 
 pytestmark = pytest.mark.integration
@@ -93,13 +91,10 @@ class Node:
 
     async def until_health(self, check, what: str, timeout: float = 60.0) -> dict:
         """Poll the gateway's /health until C{check(body)} holds."""
-        deadline = reactor.seconds() + timeout
-        while True:
+        async def reported():
             body = await self.health()
-            if check(body):
-                return body
-            assert reactor.seconds() < deadline, f"the gateway never reported {what}: {body}"
-            await deferLater(reactor, 0.05, lambda: None)
+            return body if check(body) else None
+        return await until(reported, f"the gateway reporting {what}", timeout)
 
     async def until_full(self, capacity_each: int = 2) -> dict:
         full = capacity_each * self.workers
@@ -147,16 +142,19 @@ async def start_node(group: ProcessGroup, args: list[str], *, name: str = "node"
 async def assert_reaped(nodes: list[Node], timeout: float = 15.0) -> None:
     """Every worker process a stopped node ever started is gone; any left
     over is killed (by its pid) and fails the test."""
-    pids = set().union(*(node.all_pids() for node in nodes)) if nodes else set()
-    deadline = time.monotonic() + timeout
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = {pid for pid in alive if _alive(pid)}
-        if alive:
-            await deferLater(reactor, 0.1, lambda: None)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, f"worker processes outlived their supervisor: {sorted(alive)}"
+    alive = set().union(*(node.all_pids() for node in nodes)) if nodes else set()
+
+    def all_gone() -> bool:
+        alive.intersection_update([pid for pid in alive if _alive(pid)])
+        return not alive
+
+    try:
+        await until(all_gone, "every worker process gone", timeout, interval=0.1)
+    except AssertionError:
+        raise AssertionError(f"worker processes outlived their supervisor: {sorted(alive)}") from None
+    finally:
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -538,15 +536,13 @@ async def test_node_under_a_router_reports_both_workers(nodes, processes, spin):
     ready_at = {m.group("worker"): m.group("url")
                 for m in map(READY.search, node.process.matching(READY))}
 
-    deadline = reactor.seconds() + 60
-    while True:
+    async def ready_in_the_pool():
         listed = (await request("GET", router_url + "/v1/nodes")).json["nodes"]
         mine = [n for n in listed if n["node_id"] == "n1"]
-        if mine and mine[0]["state"] == "ready" and mine[0]["capacity"] == 4:
-            break
-        assert reactor.seconds() < deadline, listed
-        await deferLater(reactor, 0.1, lambda: None)
-    entry = mine[0]
+        return mine[0] if mine and mine[0]["state"] == "ready" and mine[0]["capacity"] == 4 else None
+
+    entry = await until(ready_in_the_pool, "n1 ready with capacity 4 in the Router's pool", 60,
+                        interval=0.1)
     assert entry["gpu_target"] == "cpu" and entry["draining"] is False
     workers = {w["name"]: w for w in entry["workers"]}
     assert set(workers) == {"worker0", "worker1"}

@@ -16,7 +16,6 @@ import pytest
 import pytest_twisted
 import treq
 from twisted.internet import reactor
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool
 
@@ -24,7 +23,7 @@ from kcoral import AsyncClient, BadRequest, Client, Program, ServerBusy
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
 from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY, kcoral_argv
+from tests.harness import SERVER_READY, kcoral_argv, until
 from tests.httputil import parse_raw, raw_exchange, request
 from tests.test_server import assert_tree_close, metrics, run_frame, sample
 
@@ -66,13 +65,10 @@ async def health(server) -> tuple[dict, float]:
 async def until_health(server, what: str, count: int, timeout: float = 60.0) -> dict:
     """Poll /health (a real process: there is no event to wait on) until its
     C{what} ("active" or "queued") reaches C{count}."""
-    deadline = reactor.seconds() + timeout
-    while True:
+    async def reached():
         body, _ = await health(server)
-        if body[what] >= count:
-            return body
-        assert reactor.seconds() < deadline, f"{what} never reached {count}: {body}"
-        await deferLater(reactor, 0.02, lambda: None)
+        return body if body[what] >= count else None
+    return await until(reached, f"/health's {what} reaching {count}", timeout, interval=0.02)
 
 
 def check_spun(result, x):

@@ -45,7 +45,7 @@ MIN_BODY_BYTES_PER_SECOND = 1024
 BODY_GRACE_SECONDS = 10.0
 
 
-class _Body(io.BytesIO):
+class RequestBody(io.BytesIO):
     """A request body that handlers may view without copying (getbuffer):
     closing it would fail while such views exist, and the GC frees it."""
 
@@ -55,7 +55,7 @@ class _Body(io.BytesIO):
 
 class KCoralRequest(server.Request):
     channel: KCoralChannel
-    content: _Body | None
+    content: RequestBody | None
     _refused = False
     _received = 0
     _started = None
@@ -78,7 +78,7 @@ class KCoralRequest(server.Request):
             self._refuse(PayloadTooLarge(f"request body of {length} bytes exceeds the limit of "
                                          f"{limit} bytes"))
             return
-        self.content = _Body()
+        self.content = RequestBody()
 
     def handleContentChunk(self, data):
         if self._refused:
@@ -99,7 +99,7 @@ class KCoralRequest(server.Request):
 
     def _refuse(self, error: KCoralError) -> None:
         self._refused = True
-        self.content = _Body()
+        self.content = RequestBody()
         site = self.channel.site
         site.logger.warn("{request_id} refused: {message}", request_id=self.request_id,
                          message=error.message)
