@@ -1,12 +1,13 @@
 """
 Fakes that implement the real interfaces, for in-process tests: node report
-builders, a C{treq.testing.StubTreq} harness over fake worker resources, a
-fake process reactor, and a scripted treq-like client.
+builders, C{treq.testing.StubTreq} over fake worker resources and over
+servers whose answers a test sets, and a fake process reactor.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -26,16 +27,20 @@ from zope.interface import implementer
 RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
 
 
-def node_report(session="s1", *, capacities=(2,), host="10.0.0.1", healthy=True,
-                gpu_target="sm_90", draining=False) -> dict:
-    """A node report with one worker per capacity, on ports 8000 and up of C{host}."""
-    return {"session": session, "gpu_target": gpu_target, "runtime": RUNTIME, "draining": draining,
-            "workers": [{"name": f"worker{i}", "url": f"http://{host}:{8000 + i}",
-                         "healthy": healthy, "capacity": c, "active": 0}
-                        for i, c in enumerate(capacities)]}
+def node_report(session="s1", *, capacities=(2,), host="10.0.0.1", port=8000,
+                healthy: bool | tuple[bool, ...] = True, gpu_target="sm_90", runtime=RUNTIME,
+                draining=False) -> dict:
+    """A node report with one worker per capacity, on ports C{port} and up of
+    C{host}; C{healthy} is every worker's health, or each one's in turn."""
+    each = healthy if isinstance(healthy, tuple) else (healthy,) * len(capacities)
+    return {"session": session, "gpu_target": gpu_target, "runtime": dict(runtime),
+            "draining": draining,
+            "workers": [{"name": f"worker{i}", "url": f"http://{host}:{port + i}",
+                         "healthy": h, "capacity": c, "active": 0}
+                        for i, (c, h) in enumerate(zip(capacities, each))]}
 
 
-# -- fake workers, reached through StubTreq --------------------------------------------------------
+# -- HTTP servers, reached through StubTreq --------------------------------------------------------
 
 class Worker(Resource):
     """A worker's C{/v1/run} that answers C{code} and C{body}, and keeps the
@@ -73,22 +78,95 @@ class Workers(Resource):
         return self.getChild(b"", request).render(request)
 
 
+    def client(self, *, refused=(), lost=()) -> Client:
+        """A L{Client} of these workers, but for the hosts in C{refused}
+        (nothing sent) and in C{lost} (the connection lost once sent)."""
+        return Client(self.treq, refuses=lambda url: _host(url) in refused,
+                      loses=lambda url: _host(url) in lost)
+
+
+def _host(url) -> str:
+    return url.host if hasattr(url, "host") else url.split("/")[2].split(":")[0]
+
+
+class Servers(Resource):
+    """
+    HTTP servers that answer what the test sets per URL, a status and a JSON
+    body, reached through C{client} (a L{Client} over a StubTreq); a URL
+    with no answer refuses the connection, as a server that does not listen.
+    """
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: dict[str, tuple[int, Any]] = {}
+        self.client = Client(StubTreq(self), refuses=lambda url: str(url) not in self.answers)
+
+    def answer(self, url: str, code: int, body: Any = None) -> None:
+        self.answers[url] = (code, body)
+
+    def render(self, request):
+        url = f"http://{request.getHeader(b'host').decode()}{request.path.decode()}"
+        code, body = self.answers[url]
+        request.setResponseCode(code)
+        return json.dumps(body).encode()
+
+
+@attrs.frozen
+class SentRequest:
+    method: str
+    url: str
+    data: Any = None
+    headers: Any = None
+
+
+def _never(url) -> bool:
+    return False
+
+
 class Client:
-    """A treq client over C{workers}' StubTreq, but for hosts that refuse
-    connections (nothing sent) and hosts that lose them once sent."""
+    """
+    A treq client over C{treq} (a StubTreq) that keeps every request asked
+    of it, but for URLs whose server refuses the connection (nothing is
+    sent) or loses it once the request is sent: C{refuses(url)} and
+    C{loses(url)} say which.
+    """
 
-    def __init__(self, workers: Workers, *, refused=(), lost=()):
-        self._treq = workers.treq
-        self._refused, self._lost = frozenset(refused), frozenset(lost)
-        self.flush = self._treq.flush
+    def __init__(self, treq: StubTreq, *, refuses: Callable[[Any], bool] = _never,
+                 loses: Callable[[Any], bool] = _never):
+        self._treq = treq
+        self._refuses, self._loses = refuses, loses
+        self.requests: list[SentRequest] = []
+        self.flush = treq.flush
 
-    def post(self, url, **kw):
-        host = url.host if hasattr(url, "host") else url.split("/")[2].split(":")[0]
-        if host in self._refused:
+    def request(self, method: str, url, *, data: Any = None, headers: Any = None,
+                **kw: Any) -> Deferred[Any]:
+        self.requests.append(SentRequest(method, str(url), data, headers))
+        if self._refuses(url):
             return fail(ConnectionRefusedError())
-        if host in self._lost:
+        if self._loses(url):
             return fail(ResponseFailed([Failure(ConnectionLost())]))
-        return self._treq.post(url, **kw)
+        return self._treq.request(method, url, data=data, headers=headers, **kw)
+
+    def get(self, url, **kw: Any) -> Deferred[Any]:
+        return self.request("GET", url, **kw)
+
+    def post(self, url, **kw: Any) -> Deferred[Any]:
+        return self.request("POST", url, **kw)
+
+    def put(self, url, **kw: Any) -> Deferred[Any]:
+        return self.request("PUT", url, **kw)
+
+    def delete(self, url, **kw: Any) -> Deferred[Any]:
+        return self.request("DELETE", url, **kw)
+
+    def sent(self, method: str) -> list[Any]:
+        """The bodies (JSON, decoded) of the C{method} requests so far."""
+        return [json.loads(r.data) if r.data else None for r in self.requests if r.method == method]
+
+    def methods(self) -> list[str]:
+        return [r.method for r in self.requests]
 
 
 # -- processes: a fake process reactor --------------------------------------------------------
@@ -183,76 +261,18 @@ class ProcessReactor(MemoryReactorClock):
             self.advance(min(step, when - self.seconds()))
 
 
-# -- HTTP: a scripted treq-like client ---------------------------------------------------------
-
-@attrs.define
-class FakeResponse:
-    code: int
-    body: bytes = b""
-
-    def content(self) -> Deferred[bytes]:
-        return succeed(self.body)
-
-
-@attrs.frozen
-class SentRequest:
-    method: str
-    url: str
-    data: Any = None
-    headers: Any = None
-
-
-@attrs.define
-class ScriptedHTTP:
-    """
-    A treq-like client whose answers the test sets per URL: a status and a
-    JSON body, or None (connection refused, as from a worker that does not
-    listen). Every request is recorded as a L{SentRequest}.
-    """
-
-    answers: dict[str, tuple[int, Any] | None] = attrs.Factory(dict)
-    requests: list[SentRequest] = attrs.Factory(list)
-    #: When set, requests wait on these Deferreds instead of answering at once.
-    held: list[Deferred[Any]] | None = None
-
-    def answer(self, url: str, code: int | None, body: Any = None) -> None:
-        self.answers[url] = None if code is None else (code, body)
-
-    def _request(self, method: str, url: str, data: Any = None, headers: Any = None
-                 ) -> Deferred[Any]:
-        self.requests.append(SentRequest(method, url, data, headers))
-        if self.held is not None:
-            self.held.append(Deferred())
-            return self.held[-1]
-        answer = self.answers.get(url)
-        if answer is None:
-            return fail(ConnectionRefusedError())
-        code, body = answer
-        return succeed(FakeResponse(code, json.dumps(body).encode()))
-
-    def get(self, url: str, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
-        return self._request("GET", url, None, headers)
-
-    def put(self, url: str, data: Any = None, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
-        return self._request("PUT", url, data, headers)
-
-    def delete(self, url: str, headers: Any = None, **kwargs: Any) -> Deferred[Any]:
-        return self._request("DELETE", url, None, headers)
-
-    def sent(self, method: str) -> list[Any]:
-        """The bodies (JSON, decoded) of the C{method} requests so far."""
-        return [json.loads(r.data) if r.data else None for r in self.requests if r.method == method]
-
-    def methods(self) -> list[str]:
-        return [r.method for r in self.requests]
-
+# -- the supervisor's outgoing HTTP ----------------------------------------------------------
 
 @attrs.define
 class FakeOutgoing:
-    """Stands in for L{kcoral.web.outgoing.Outgoing}: its C{client} is scripted."""
+    """Stands in for L{kcoral.web.outgoing.Outgoing}: its C{client} reaches C{servers}."""
 
-    client: ScriptedHTTP = attrs.Factory(ScriptedHTTP)
+    servers: Servers = attrs.Factory(Servers)
     closed: bool = False
+
+    @property
+    def client(self) -> Client:
+        return self.servers.client
 
     def close(self) -> Deferred[None]:
         self.closed = True

@@ -15,7 +15,7 @@ from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
-from tests.fakes import Client, Worker, Workers, node_report
+from tests.fakes import Worker, Workers, node_report
 from tests.httputil import ForwardedRequest
 
 
@@ -36,7 +36,7 @@ class Routed:
 
     def serve(self, **workers: Worker) -> Forwarder:
         self.workers = Workers(**workers)
-        self.client = Client(self.workers, **self.client_options)
+        self.client = self.workers.client(**self.client_options)
         return Forwarder(self.scheduler, Proxy(self.client), self.clock,
                          observe_wait=self.waits.append)
 

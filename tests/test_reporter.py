@@ -1,5 +1,5 @@
 """
-The reporter on a fake clock and a scripted Router: registration and
+The reporter on a fake clock and a fake Router through StubTreq: registration and
 heartbeats, the draining report, deregistration, and a Router that is away.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from kcoral.node.reporter import Reporter
-from tests.fakes import ScriptedHTTP
+from tests.fakes import Servers
 
 ROUTER = "http://127.0.0.1:9000"
 NODE_URL = ROUTER + "/v1/nodes/gpu-a"
@@ -16,16 +16,17 @@ WORKERS = {"workers": [{"name": "worker0", "url": "http://127.0.0.1:8000", "heal
                         "capacity": 2, "active": 0}], "gpu_target": "cpu", "runtime": {}}
 
 
-def reporter(http, clock, token=None):
-    return Reporter(http, ROUTER, "gpu-a", token, report=lambda: WORKERS, timeout=1.0,
+def reporter(router, clock, token=None):
+    return Reporter(router.client, ROUTER, "gpu-a", token, report=lambda: WORKERS, timeout=1.0,
                     interval=2.0, reactor=clock)
 
 
 def test_starting_registers_and_then_beats_every_interval():
     """A started reporter PUTs the node's report at once, then every interval."""
-    http, clock = ScriptedHTTP(), Clock()
-    http.answer(NODE_URL, 200, {"state": "joining"})
-    r = reporter(http, clock)
+    router, clock = Servers(), Clock()
+    http = router.client
+    router.answer(NODE_URL, 200, {"state": "joining"})
+    r = reporter(router, clock)
     r.startService()
     assert len(http.sent("PUT")) == 1 and r.connected is True and r.state == "joining"
     clock.advance(2)
@@ -38,9 +39,10 @@ def test_starting_registers_and_then_beats_every_interval():
 
 def test_drain_says_draining_now_and_in_every_later_beat():
     """After drain(), the next report and every heartbeat after it say draining."""
-    http, clock = ScriptedHTTP(), Clock()
-    http.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(http, clock)
+    router, clock = Servers(), Clock()
+    http = router.client
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(router, clock)
     r.startService()
     r.drain()
     clock.advance(2)
@@ -49,9 +51,10 @@ def test_drain_says_draining_now_and_in_every_later_beat():
 
 def test_stopping_stops_the_beats_and_deregisters_the_session():
     """A stopped reporter sends no more heartbeats and DELETEs its node."""
-    http, clock = ScriptedHTTP(), Clock()
-    http.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(http, clock)
+    router, clock = Servers(), Clock()
+    http = router.client
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(router, clock)
     r.startService()
     stopped = []
     r.stopService().addCallback(stopped.append)
@@ -63,29 +66,31 @@ def test_stopping_stops_the_beats_and_deregisters_the_session():
 
 def test_a_router_that_is_away_is_retried_without_failing():
     """An unreachable Router makes send() return False, and the beats go on."""
-    http, clock = ScriptedHTTP(), Clock()
-    r = reporter(http, clock)
+    router, clock = Servers(), Clock()
+    http = router.client
+    r = reporter(router, clock)
     r.startService()
     assert r.connected is False
-    http.answer(NODE_URL, 200, {"state": "joining"})
+    router.answer(NODE_URL, 200, {"state": "joining"})
     clock.advance(2)
     assert r.connected is True and len(http.sent("PUT")) == 2
 
 
 def test_a_refusal_is_not_a_registration():
     """A Router that answers with an error leaves the reporter disconnected."""
-    http, clock = ScriptedHTTP(), Clock()
-    http.answer(NODE_URL, 409, {"error": {"type": "conflict", "message": "in use"}})
+    router, clock = Servers(), Clock()
+    router.answer(NODE_URL, 409, {"error": {"type": "conflict", "message": "in use"}})
     sent = []
-    reporter(http, clock).send().addCallback(sent.append)
+    reporter(router, clock).send().addCallback(sent.append)
     assert sent == [False]
 
 
 def test_the_token_is_sent_as_a_bearer_header():
     """With a node token every request carries it as Authorization: Bearer."""
-    http, clock = ScriptedHTTP(), Clock()
-    http.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(http, clock, token="s3cret")
+    router, clock = Servers(), Clock()
+    http = router.client
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(router, clock, token="s3cret")
     r.startService()
     r.stopService()
     assert [req.headers[b"Authorization"] for req in http.requests] == [[b"Bearer s3cret"]] * 2

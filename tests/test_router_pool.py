@@ -23,23 +23,12 @@ from kcoral.router.pool import (
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Lease, Scheduler
-
-RUNTIME = {"kcoral": "0.1.0", "jax": "0.4.30", "jaxlib": "0.4.30"}
-
-
-def report(session="s1", workers=None, *, capacity=2, healthy=True, url="http://10.0.0.1:8000",
-           gpu_target="sm_90", runtime=RUNTIME, draining=False):
-    """A node report as a supervisor sends it, parsed as the Router parses it."""
-    if workers is None:
-        workers = [{"name": "worker0", "url": url, "healthy": healthy, "capacity": capacity,
-                    "active": 0}]
-    return parse_report({"session": session, "workers": workers, "gpu_target": gpu_target,
-                         "runtime": dict(runtime), "draining": draining})
+from tests.fakes import RUNTIME, node_report
 
 
-def worker(name, port, capacity=2, healthy=True):
-    return {"name": name, "url": f"http://10.0.0.1:{port}", "healthy": healthy,
-            "capacity": capacity, "active": 0}
+def report(*args, **kw):
+    """A node report (L{node_report}'s arguments) parsed as the Router parses it."""
+    return parse_report(node_report(*args, **kw))
 
 
 class World:
@@ -295,7 +284,7 @@ def test_a_gone_node_with_requests_in_flight_is_kept_until_they_end():
 def test_a_node_with_another_gpu_target_is_incompatible(world):
     """A node with another GPU target than the pool's is incompatible."""
     world.ready("gpu-a")
-    other = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
+    other = report(gpu_target="sm_80", host="10.0.0.2")
     world.pool.report("gpu-b", other)
     world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
     world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
@@ -312,7 +301,7 @@ def test_a_node_with_another_gpu_target_is_incompatible(world):
 def test_a_node_with_another_runtime_is_incompatible(world):
     """A node with another runtime than the pool's is incompatible."""
     world.ready("gpu-a")
-    other = report(runtime=dict(RUNTIME, jax="0.4.31"), url="http://10.0.0.2:8000")
+    other = report(runtime=dict(RUNTIME, jax="0.4.31"), host="10.0.0.2")
     world.pool.report("gpu-b", other)
     world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
     world.tick(reports=[("gpu-a", report()), ("gpu-b", other)])
@@ -324,14 +313,14 @@ def test_a_node_with_another_runtime_is_incompatible(world):
 def test_a_compatible_second_node_becomes_ready(world):
     """A second node that matches the pool becomes ready."""
     world.ready("gpu-a")
-    world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
+    world.ready("gpu-b", report(host="10.0.0.2"))
     assert world.pool.capacity() == 4
     assert len(world.pool.ready_nodes()) == 2
 
 
 def test_the_pool_target_comes_from_the_first_ready_node(world):
     """The pool's target is its first ready node's, and resets when none is left."""
-    first = report(gpu_target="sm_80", url="http://10.0.0.2:8000")
+    first = report(gpu_target="sm_80", host="10.0.0.2")
     world.ready("gpu-b", first)
     assert world.pool.target[0] == "sm_80"
     second = report()
@@ -356,7 +345,7 @@ def test_a_stale_session_can_be_taken_over(world):
     """A stale session's node id can be taken over."""
     world.ready()
     world.clock.advance(5.01)
-    node = world.pool.report("gpu-a", report(session="s2", url="http://10.0.0.9:8000"))
+    node = world.pool.report("gpu-a", report(session="s2", host="10.0.0.9"))
     assert node.session == "s2"
     assert node.state == JOINING
     assert [m.url for m in node.members.values()] == ["http://10.0.0.9:8000"]
@@ -386,8 +375,7 @@ def test_a_takeover_keeps_the_accounting_of_requests_in_flight(world):
 
 def test_pick_is_least_loaded_and_never_beyond_capacity(world):
     """pick() takes the least loaded member and never goes beyond capacity."""
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=2),
-                                         worker("worker1", 8001, capacity=4)]))
+    world.ready("gpu-a", report(capacities=(2, 4)))
     for _ in range(6):
         member = _take(world.pool)
         assert member.active <= member.capacity
@@ -398,8 +386,7 @@ def test_pick_is_least_loaded_and_never_beyond_capacity(world):
 
 def test_pick_prefers_the_member_with_the_lowest_load(world):
     """pick() prefers the member with the lowest load relative to its capacity."""
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=4),
-                                         worker("worker1", 8001, capacity=4)]))
+    world.ready("gpu-a", report(capacities=(4, 4)))
     members = world.pool.nodes["gpu-a"].members
     members["worker0"].active = 3
     members["worker1"].active = 1
@@ -412,7 +399,7 @@ def test_pick_prefers_the_member_with_the_lowest_load(world):
 def test_pick_spreads_ties(world):
     """pick() spreads ties among equally loaded members."""
     world.ready("gpu-a")
-    world.ready("gpu-b", report(url="http://10.0.0.2:8000"))
+    world.ready("gpu-b", report(host="10.0.0.2"))
     first, second = world.pool.pick(), world.pool.pick()
     assert {first.node.node_id, second.node.node_id} == {"gpu-a", "gpu-b"}
 
@@ -422,8 +409,7 @@ def test_ties_go_where_the_program_is_while_the_pool_is_idle(world):
     # One client's sequential runs of one program stay on one member (its
     # caches hold the program), rather than alternating and missing: a 409
     # and a resend on every other run. Another program may prefer another.
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
-                                         worker("worker2", 8002)]))
+    world.ready("gpu-a", report(capacities=(2, 2, 2)))
     members = world.pool.nodes["gpu-a"].members
     for program in ("a" * 64, "b" * 64, "c" * 64):
         chosen = {world.pool.pick(program).name for _ in range(10)}
@@ -438,15 +424,13 @@ def test_ties_go_where_the_program_is_while_the_pool_is_idle(world):
 
 def test_pick_skips_suspect_and_unhealthy_members(world):
     """pick() skips suspect and unhealthy members."""
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
-                                         worker("worker2", 8002, healthy=False)]))
+    world.ready("gpu-a", report(capacities=(2, 2, 2), healthy=(True, True, False)))
     members = world.pool.nodes["gpu-a"].members
     members["worker0"].suspect = True
     for _ in range(5):
         assert world.pool.pick() is members["worker1"]
     # The next report clears the suspicion.
-    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001),
-                                               worker("worker2", 8002, healthy=False)]))
+    world.pool.report("gpu-a", report(capacities=(2, 2, 2), healthy=(True, True, False)))
     assert not members["worker0"].suspect
     assert world.pool.pick() is members["worker0"]
 
@@ -454,15 +438,14 @@ def test_pick_skips_suspect_and_unhealthy_members(world):
 def test_pick_skips_nodes_that_are_not_ready(world):
     """pick() skips members of nodes that are not ready."""
     world.ready("gpu-a")
-    world.pool.report("gpu-b", report(url="http://10.0.0.2:8000"))  # joining
+    world.pool.report("gpu-b", report(host="10.0.0.2"))  # joining
     world.pool.report("gpu-a", report(draining=True))
     assert world.pool.pick() is None
 
 
 def test_a_member_with_zero_capacity_gets_no_work(world):
     """A member with zero capacity gets no work."""
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=0),
-                                         worker("worker1", 8001, capacity=1)]))
+    world.ready("gpu-a", report(capacities=(0, 1)))
     assert _take(world.pool).name == "worker1"
     assert world.pool.pick() is None
 
@@ -471,18 +454,17 @@ def test_a_member_with_zero_capacity_gets_no_work(world):
 
 def test_a_worker_that_disappears_from_the_report_is_dropped(world):
     """A worker missing from a report is dropped."""
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000), worker("worker1", 8001)]))
-    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000)]))
+    world.ready("gpu-a", report(capacities=(2, 2)))
+    world.pool.report("gpu-a", report())
     assert list(world.pool.nodes["gpu-a"].members) == ["worker0"]
 
 
 def test_a_departed_worker_with_requests_in_flight_keeps_its_accounting(world):
     """A departed worker with requests in flight keeps their accounting."""
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
-    world.ready("gpu-a", report(workers=[worker("worker0", 8000, capacity=1),
-                                         worker("worker1", 8001, capacity=1)]))
+    world.ready("gpu-a", report(capacities=(1, 1)))
     leases = [_lease(scheduler), _lease(scheduler)]
-    world.pool.report("gpu-a", report(workers=[worker("worker0", 8000, capacity=1)]))
+    world.pool.report("gpu-a", report(capacities=(1,)))
     node = world.pool.nodes["gpu-a"]
     assert node.active == 2
     assert not node.members["worker1"].healthy
@@ -496,9 +478,9 @@ def test_a_worker_that_moves_to_another_url_keeps_its_accounting(world):
     flight on its old address must still be counted, and their release must
     free the capacity again."""
     scheduler = Scheduler(world.pool, WaitQueue(world.clock, 10, 1800))
-    world.ready("gpu-a", report(capacity=1))
+    world.ready("gpu-a", report(capacities=(1,)))
     lease = _lease(scheduler)
-    node = world.pool.report("gpu-a", report(capacity=1, url="http://10.0.0.1:8100"))
+    node = world.pool.report("gpu-a", report(capacities=(1,), port=8100))
     assert node.members["worker0"].url == "http://10.0.0.1:8100"
     assert node.active == 1
     assert world.pool.pick() is None  # still full

@@ -27,20 +27,20 @@ def supervisor(**settings):
     node = SupervisorService(NodeConfig(cpu_workers=2, **settings),
                              ServerConfig(port=0, gpus="none"), reactor, SPECS, [0, 0],
                              "2 CPU worker(s)", outgoing=outgoing)
-    return node, reactor, outgoing.client, outgoing
+    return node, reactor, outgoing.servers, outgoing
 
 
 UNDER_A_ROUTER = {"router": ROUTER, "node_id": "gpu-a"}
 
 
-def serve(node, reactor, http):
+def serve(node, reactor, servers):
     """Start the node; each worker announces its URL and answers healthy."""
     node.privilegedStartService()
     node.startService()
     for i, process in enumerate(reactor.processes):
         url = f"http://127.0.0.1:{8001 + i}"
         process.write_to(URL_FD, url.encode() + b"\n")
-        http.answer(url + "/health", 200, HEALTHY)
+        servers.answer(url + "/health", 200, HEALTHY)
     reactor.advance(2)
 
 
@@ -54,15 +54,15 @@ def test_children_start_reporter_or_workers_then_gateway():
 
 def test_the_gateway_serves_the_healthy_workers():
     """Once the workers answer, the gateway's pool holds both, ready."""
-    node, reactor, http, _ = supervisor()
-    serve(node, reactor, http)
+    node, reactor, servers, _ = supervisor()
+    serve(node, reactor, servers)
     assert node.gateway.app.pool.capacity() == 4
 
 
 def test_the_workers_get_sigterm_only_after_the_gateway_drained():
     """A run in flight through the gateway holds the workers' SIGTERM until it ends."""
-    node, reactor, http, outgoing = supervisor()
-    serve(node, reactor, http)
+    node, reactor, servers, outgoing = supervisor()
+    serve(node, reactor, servers)
     leases = []
     node.gateway.app.scheduler.acquire().addCallback(leases.append)
     stopped = []
@@ -78,27 +78,27 @@ def test_the_workers_get_sigterm_only_after_the_gateway_drained():
 
 def test_under_a_router_draining_is_said_first_and_leaving_last():
     """The Router hears 'draining' before any SIGTERM and the DELETE after the workers exit."""
-    node, reactor, http, _ = supervisor(**UNDER_A_ROUTER)
-    http.answer(NODE_URL, 200, {"state": "ready"})
-    serve(node, reactor, http)
+    node, reactor, servers, _ = supervisor(**UNDER_A_ROUTER)
+    servers.answer(NODE_URL, 200, {"state": "ready"})
+    serve(node, reactor, servers)
     node.stopService()
-    puts = http.sent("PUT")
+    puts = servers.client.sent("PUT")
     assert puts[-1]["draining"] is True
     assert all(p.signals == ["TERM"] for p in reactor.processes)
-    assert "DELETE" not in http.methods()
+    assert "DELETE" not in servers.client.methods()
     reactor.processes[0].end(status=0)
-    assert "DELETE" not in http.methods()
+    assert "DELETE" not in servers.client.methods()
     reactor.processes[1].end(status=0)
-    assert http.methods()[-1] == "DELETE"
-    assert all(body["draining"] for body in http.sent("PUT")[len(puts) - 1:])
+    assert servers.client.methods()[-1] == "DELETE"
+    assert all(body["draining"] for body in servers.client.sent("PUT")[len(puts) - 1:])
 
 
 def test_a_worker_change_is_reported_without_waiting_for_the_heartbeat():
     """A worker that turns healthy is reported to the Router at once."""
-    node, reactor, http, _ = supervisor(**UNDER_A_ROUTER)
-    http.answer(NODE_URL, 200, {"state": "joining"})
-    serve(node, reactor, http)
-    healthy = [sum(w["healthy"] for w in body["workers"]) for body in http.sent("PUT")]
+    node, reactor, servers, _ = supervisor(**UNDER_A_ROUTER)
+    servers.answer(NODE_URL, 200, {"state": "joining"})
+    serve(node, reactor, servers)
+    healthy = [sum(w["healthy"] for w in body["workers"]) for body in servers.client.sent("PUT")]
     # Heartbeats alone would have sent two by now (at 0 and 2 s).
     assert healthy[-1] == 2 and len(healthy) > 2
 

@@ -15,28 +15,28 @@ from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
-from tests.fakes import ProcessReactor, ScriptedHTTP
+from tests.fakes import ProcessReactor, Servers
 
 URL = "http://127.0.0.1:8123"
 HEALTHY = {"status": "ok", "capacity": 2, "active": 1, "gpu_target": "cpu"}
 
 
 class Supervised:
-    """One worker on a fake reactor, with a scripted /health."""
+    """One worker on a fake reactor, its /health answered through StubTreq."""
 
     def __init__(self, *, spec=None, **settings):
         settings = {"failure_threshold": 3, "startup_grace_seconds": 30,
                     "termination_grace_seconds": 5, "health_interval_seconds": 2,
                     "restart_jitter": 0.0, **settings}
         self.reactor = ProcessReactor()
-        self.http = ScriptedHTTP()
+        self.http = Servers()
         self.restarts = Counter("kcoral_worker_restarts", "restarts", ["worker"],
                                 registry=CollectorRegistry())
         self.changes = 0
         self.worker = Worker(spec or WorkerSpec("worker0", 0, None),
                              ["-m", "kcoral", "server", "--port", "8000"],
                              RestartPolicy(RestartSettings(**settings), random=random.Random(0)),
-                             self.reactor, self.http, on_change=self._changed,
+                             self.reactor, self.http.client, on_change=self._changed,
                              restarts=self.restarts)
 
     def _changed(self):
