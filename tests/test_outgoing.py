@@ -24,6 +24,7 @@ from twisted.web.error import SchemeNotSupported
 from kcoral.logs import debug_enabled, start_console_logging
 from kcoral.router.proxy import NotSent, Proxy, _RunURL
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
+from tests.fakes import Worker
 from tests.harness import until
 from tests.httputil import ForwardedRequest
 
@@ -215,22 +216,6 @@ async def test_outgoing_keeps_no_cookies(peer):
     assert list(peer.outgoing.client._cookiejar) == []
 
 
-class _Held(resource.Resource):
-    """A worker that holds each run, and notes the ones whose sender left."""
-
-    isLeaf = True
-
-    def __init__(self):
-        super().__init__()
-        self.runs: list = []
-        self.lost: list = []
-
-    def render_POST(self, request):
-        self.runs.append(request)
-        request.notifyFinish().addErrback(lambda _: self.lost.append(request))
-        return server.NOT_DONE_YET
-
-
 @pytest_twisted.ensureDeferred
 async def test_a_run_whose_client_left_is_not_sent_again(peer):
     """A client leaves while its run waits at a worker: the Router closes its
@@ -238,7 +223,7 @@ async def test_a_run_whose_client_left_is_not_sent_again(peer):
     from kcoral.router.report import parse_report
     from kcoral.router.service import RouterConfig, build_router
 
-    worker = _Held()
+    worker = Worker(hold=True)
     worker_url = f"http://127.0.0.1:{peer.serve(worker)}"
     app, site = build_router(RouterConfig(recovery_threshold=1), reactor)
     try:

@@ -21,13 +21,18 @@ def reporter(router, clock, token=None):
                     interval=2.0, reactor=clock)
 
 
+def started(state: str, token=None):
+    """A started reporter whose Router answers 200 with C{state}: (reporter, its client, clock)."""
+    router, clock = Servers(), Clock()
+    router.answer(NODE_URL, 200, {"state": state})
+    r = reporter(router, clock, token)
+    r.startService()
+    return r, router.client, clock
+
+
 def test_starting_registers_and_then_beats_every_interval():
     """A started reporter PUTs the node's report at once, then every interval."""
-    router, clock = Servers(), Clock()
-    http = router.client
-    router.answer(NODE_URL, 200, {"state": "joining"})
-    r = reporter(router, clock)
-    r.startService()
+    r, http, clock = started("joining")
     assert len(http.sent("PUT")) == 1 and r.connected is True and r.state == "joining"
     clock.advance(2)
     clock.advance(2)
@@ -39,11 +44,7 @@ def test_starting_registers_and_then_beats_every_interval():
 
 def test_drain_says_draining_now_and_in_every_later_beat():
     """After drain(), the next report and every heartbeat after it say draining."""
-    router, clock = Servers(), Clock()
-    http = router.client
-    router.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(router, clock)
-    r.startService()
+    r, http, clock = started("ready")
     r.drain()
     clock.advance(2)
     assert [b["draining"] for b in http.sent("PUT")] == [False, True, True]
@@ -51,11 +52,7 @@ def test_drain_says_draining_now_and_in_every_later_beat():
 
 def test_stopping_stops_the_beats_and_deregisters_the_session():
     """A stopped reporter sends no more heartbeats and DELETEs its node."""
-    router, clock = Servers(), Clock()
-    http = router.client
-    router.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(router, clock)
-    r.startService()
+    r, http, clock = started("ready")
     stopped = []
     r.stopService().addCallback(stopped.append)
     assert stopped == [None]
@@ -87,10 +84,6 @@ def test_a_refusal_is_not_a_registration():
 
 def test_the_token_is_sent_as_a_bearer_header():
     """With a node token every request carries it as Authorization: Bearer."""
-    router, clock = Servers(), Clock()
-    http = router.client
-    router.answer(NODE_URL, 200, {"state": "ready"})
-    r = reporter(router, clock, token="s3cret")
-    r.startService()
+    r, http, _ = started("ready", token="s3cret")
     r.stopService()
     assert [req.headers[b"Authorization"] for req in http.requests] == [[b"Bearer s3cret"]] * 2
