@@ -2,6 +2,7 @@
 Benchmark of one standalone KCoral server against calling JAX in-process.
 
     .venv/bin/python bench/server.py            # or: make bench
+    .venv/bin/python bench/server.py --baseline DIR   # A/B against another version
 
 Starts real ``kcoral server`` child processes on ephemeral loopback ports and
 measures, in one run:
@@ -51,11 +52,14 @@ class ServerProcess(KCoralChild):
     """A ``kcoral server`` child on an ephemeral port, optionally pinned to
     some cores."""
 
-    def __init__(self, gpus: str, cores: set[int] | None = None):
+    def __init__(self, gpus: str, cores: set[int] | None = None, tree: str | None = None):
+        # With C{tree}, the kcoral package of another version (a directory
+        # holding it, e.g. from C{git archive REV kcoral}) runs the server.
+        where = {"env": {"PYTHONPATH": tree}, "cwd": tree} if tree else {}
         super().__init__(["server", "--port", "0", "--gpus", gpus],
                          {"url": r"kcoral server listening on (http://\S+)",
                           "ready": r"(kcoral server ready)"},
-                         cores=cores, timeout=120.0)  # JAX_PLATFORMS: see start_jax
+                         cores=cores, timeout=120.0, **where)  # JAX_PLATFORMS: see start_jax
         self.url = self.found["url"]
 
     def cpu_seconds(self) -> float:
@@ -78,17 +82,17 @@ def timings(call, count: int, warmup: int) -> list[float]:
     return times
 
 
-def interleaved(local, remote, count: int, warmup: int, rounds: int = 10):
+def interleaved(calls, count: int, warmup: int, rounds: int = 10) -> list[list[float]]:
     """
-    Timings of C{local()} and C{remote()}, taken in alternating rounds so
-    that a change in the machine's load during the run affects both alike.
+    Timings of each of C{calls}, taken in alternating rounds so that a
+    change in the machine's load during the run affects them all alike.
     """
     per_round = max(1, count // rounds)
-    a, b = timings(local, 0, warmup), timings(remote, 0, warmup)
+    times = [timings(call, 0, warmup) for call in calls]
     for _ in range(rounds):
-        a += timings(local, per_round, 0)
-        b += timings(remote, per_round, 0)
-    return a, b
+        for call, kept in zip(calls, times):
+            kept += timings(call, per_round, 0)
+    return times
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -186,6 +190,11 @@ def throughput(server: ServerProcess, program, seconds: float, clients: int,
             "clients": clients}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The throughput run of median rate among C{runs}."""
+    return sorted(runs, key=lambda r: r["runs_per_second"])[len(runs) // 2]
+
+
 # -- reporting -----------------------------------------------------------------
 
 def _cpu_model() -> str:
@@ -211,6 +220,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="length of the throughput window")
     parser.add_argument("--clients", type=int, default=4, help="client processes for the throughput test")
     parser.add_argument("--server-core", type=int, default=0, help="the one core of the throughput server")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also time a server run from another version's kcoral package in "
+                             "DIR (e.g. git archive REV kcoral | tar -x -C DIR), in the same "
+                             "rounds, and its throughput beside this version's")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -230,24 +243,34 @@ def main() -> int:
         print(f"device: {device}; starting a server ...", flush=True)
         server = ServerProcess(args.gpus)
         servers.append(server)
+        tree = str(Path(args.baseline).resolve()) if args.baseline else None
+        baseline = None
+        if tree:
+            baseline = ServerProcess(args.gpus, tree=tree)
+            servers.append(baseline)
         for name, function, inputs, again in programs(rng):
             jitted = jax.jit(function)
             program = Program.from_function(function, *inputs)
             big = any(np.asarray(a).nbytes > 1 << 20 for a in inputs)
             count = max(20, args.count // (50 if big else 1) // (10 if "5 ms" in name else 1))
             warmup = max(3, count // 20)
-            with Client(server.url) as client:
+            with Client(server.url) as client, Client((baseline or server).url) as before:
                 client.run(program, *inputs)
                 first = client.bytes_sent
                 client.run(program, *again)
                 repeated = client.bytes_sent - first
-                local, remote = interleaved(
-                    lambda: jax.tree.map(np.asarray, jitted(*inputs)),
-                    lambda: client.run(program, *inputs), count, warmup)
+                calls = [lambda: jax.tree.map(np.asarray, jitted(*inputs)),
+                         lambda: client.run(program, *inputs)]
+                if baseline is not None:
+                    calls.append(lambda: before.run(program, *inputs))
+                local, remote, *old = interleaved(calls, count, warmup)
             row = {"program": name, "count": count,
                    "local_median": percentile(local, 50), "local_p99": percentile(local, 99),
                    "remote_median": percentile(remote, 50), "remote_p99": percentile(remote, 99),
                    "first_bytes": first, "repeated_bytes": repeated}
+            if old:
+                row["baseline_median"] = percentile(old[0], 50)
+                row["baseline_p99"] = percentile(old[0], 99)
             row["added_median"] = row["remote_median"] - row["local_median"]
             row["ratio"] = row["remote_median"] / row["local_median"]
             results["latency"].append(row)
@@ -261,7 +284,21 @@ def main() -> int:
         pinned = ServerProcess(args.gpus, cores={server_core})
         servers.append(pinned)
         trivial = Program.from_function(lambda x: x + 1, np.float32(1.0))
-        results["throughput"] = throughput(pinned, trivial, args.seconds, args.clients, client_cores)
+        if baseline is None:
+            results["throughput"] = throughput(pinned, trivial, args.seconds, args.clients,
+                                               client_cores)
+        else:
+            # One pinned server at a time, alternating, so that neither
+            # takes the other's core and drift hits both alike.
+            pinned_before = ServerProcess(args.gpus, cores={server_core}, tree=tree)
+            servers.append(pinned_before)
+            rounds = {"this": [], "baseline": []}
+            for _ in range(3):
+                for key, which in (("this", pinned), ("baseline", pinned_before)):
+                    rounds[key].append(throughput(which, trivial, args.seconds, args.clients,
+                                                  client_cores))
+            results["throughput"] = _median_run(rounds["this"])
+            results["baseline_throughput"] = _median_run(rounds["baseline"])
         results["throughput"]["server_command"] = " ".join(
             [Path(c).name if c == sys.executable else c for c in pinned.command])
     finally:
@@ -296,7 +333,23 @@ def report(results: dict) -> None:
     for row in results["latency"]:
         print(f"{row['program']:<48} {row['first_bytes']:>14,} {row['repeated_bytes']:>12,} "
               f"{100 * row['repeated_bytes'] / row['first_bytes']:>14.3f}%")
+    if "baseline_median" in results["latency"][0]:
+        print()
+        print(f"{'program':<48} {'baseline ms':>15} {'this ms':>15} {'change':>8}")
+        print(f"{'':<48} {'median / p99':>15} {'median / p99':>15} {'median':>8}")
+        for row in results["latency"]:
+            change = 100 * (row["remote_median"] / row["baseline_median"] - 1)
+            print(f"{row['program']:<48} "
+                  f"{ms(row['baseline_median']) + ' / ' + ms(row['baseline_p99']):>15} "
+                  f"{ms(row['remote_median']) + ' / ' + ms(row['remote_p99']):>15} "
+                  f"{change:>+7.1f}%")
     t = results["throughput"]
+    if "baseline_throughput" in results:
+        b = results["baseline_throughput"]
+        print()
+        print(f"throughput, median of 3 alternating windows: this {t['runs_per_second']:,.0f} runs/s "
+              f"({t['server_cpu_ms_per_run']:.3f} ms CPU per run), baseline "
+              f"{b['runs_per_second']:,.0f} runs/s ({b['server_cpu_ms_per_run']:.3f} ms CPU per run)")
     print()
     print(f"throughput, trivial program, server on one core, {t['clients']} client processes: "
           f"{t['runs_per_second']:,.0f} runs/s ({t['runs']} runs in {t['seconds']:.1f} s; "

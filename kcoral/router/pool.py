@@ -7,13 +7,12 @@ an injected clock.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 from twisted.logger import Logger
 
+from kcoral.router.placement import LeastLoaded
 from kcoral.router.report import NodeReport, WorkerReport
 
 log = Logger()
@@ -49,6 +48,7 @@ class Member:
     active: int = 0
     #: Set when a connection failed; cleared by the node's next report.
     suspect: bool = False
+    #: When the placement rule last picked this member (its own count).
     picked: int = 0
 
     @property
@@ -114,7 +114,8 @@ class Pool:
         self.nodes: dict[str, Node] = {}
         #: (gpu_target, runtime) of the pool, from its first ready node.
         self.target: tuple | None = None
-        self._picks = itertools.count(1)
+        #: Which member with free capacity runs what.
+        self.placement = LeastLoaded()
 
     # -- reports ------------------------------------------------------------
 
@@ -259,32 +260,17 @@ class Pool:
     # -- scheduling ---------------------------------------------------------
 
     def pick(self, program: str | None = None) -> Member | None:
-        """
-        The least loaded usable member with free capacity, or None. Ties go
-        to the member that C{program} (a program digest) hashes highest on,
-        so that while there is no load to spread, one program's runs stay
-        where its upload and compile caches are (round-robin would send a
-        client's references to a member that lacks them: a 409 and a resend
-        on every other run); without a program, to the one picked longest ago.
-        """
-        least, tied = None, []
+        """The member that runs C{program} (a digest, if known) next, by the
+        pool's placement rule (L{kcoral.router.placement}), or None when no
+        usable member has free capacity."""
+        return self.placement.pick(self._free(), program)
+
+    def _free(self) -> Iterator[Member]:
         for node in self.nodes.values():
-            if node.state != READY:
-                continue
-            for member in node.members.values():
-                if member.free <= 0:
-                    continue
-                load = member.active / member.capacity
-                if least is None or load < least:
-                    least, tied = load, [member]
-                elif load == least:
-                    tied.append(member)
-        if not tied:
-            return None
-        # Hashed only among the least loaded: this runs for every request.
-        best = min(tied, key=lambda m: (-_affinity(program, m) if program else 0, m.picked))
-        best.picked = next(self._picks)
-        return best
+            if node.state == READY:
+                for member in node.members.values():
+                    if member.free > 0:
+                        yield member
 
     def ready_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.state == READY]
@@ -300,10 +286,3 @@ class Pool:
         for node in self.nodes.values():
             counts[node.state] += 1
         return counts
-
-
-def _affinity(program: str, member: Member) -> int:
-    """Rendezvous hashing: a stable, evenly spread preference of each
-    program for each member."""
-    text = f"{program}\0{member.node.node_id}\0{member.name}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")

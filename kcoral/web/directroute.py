@@ -10,25 +10,21 @@ both the Router and the server (doc/benchmarks.rst, "Routing", measured
 with bench/routing.py). Klein still declares the route, so that it lists it
 and answers its other methods with 405.
 
-Everything else is as Klein does it: a client that goes away cancels the
-handler's Deferred (the one place a run learns of it), an answer for a
-client that left is dropped, and a failure the handler did not expect gets
-the JSON 500 of Klein's error handler.
+Everything else is as Klein does it (L{kcoral.web.cancellation}): a client
+that goes away cancels the handler's Deferred, an answer for a client that
+left is dropped, and a failure the handler did not expect gets the JSON 500
+of Klein's error handler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.logger import Logger
-from twisted.python.failure import Failure
+from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from kcoral.web.errors import internal_error
-
-log = Logger()
+from kcoral.web.cancellation import answer_with
 
 
 class DirectRoute(Resource):
@@ -46,21 +42,6 @@ class DirectRoute(Resource):
     def render(self, request):
         if request.method != b"POST" or request.path != self._path:
             return self._fallback.render(request)
-        d = self._handler(request)
-        left = request.notifyFinish()
-        left.addErrback(lambda _: d.cancel())
-        d.addBoth(_answer, request, left)
-        d.addErrback(lambda failure: log.failure("{request_id} could not answer", failure,
-                                                 request_id=request.request_id))
+        answer_with(request, self._handler(request))
         return NOT_DONE_YET
 
-
-def _answer(result: bytes | Failure, request, left: Deferred) -> None:
-    if left.called:
-        # The client went away: nobody to answer, and a cancellation is no error.
-        if isinstance(result, Failure) and not result.check(CancelledError):
-            log.failure("{request_id} failed after the client went away", result,
-                        request_id=request.request_id)
-        return
-    request.write(internal_error(request, result) if isinstance(result, Failure) else result)
-    request.finish()
