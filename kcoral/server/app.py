@@ -12,9 +12,7 @@ from __future__ import annotations
 from klein import Klein
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
-from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
@@ -141,23 +139,29 @@ class ServerApp:
         answer: Deferred = Deferred()
         digest = run.program.digest[:12]
 
-        def ran(result):
+        def ran(ok: bool, result) -> None:
+            # On the reactor, once the worker thread is done (result: a Failure if not ok).
             self.admission.release()
             if answer.called:
                 log.info("{request_id} answer dropped: the client went away", request_id=rid)
-                return None
-            # Debug, not info: formatting and writing this line cost ~13% of
-            # the server's CPU per trivial run, and even a dropped debug event
-            # costs ~10 us to build and filter. Errors, compiles and refusals
-            # are still logged at info with their request ids.
-            if debug_enabled() and not isinstance(result, Failure):
-                log.debug("{request_id} ran program {digest} ({size} result bytes)",
-                          request_id=rid, digest=digest, size=len(result))
-            if isinstance(result, Failure) and not result.check(KCoralError):
+            elif ok:
+                # Debug, not info: formatting and writing this line cost ~13% of
+                # the server's CPU per trivial run, and even a dropped debug event
+                # costs ~10 us to build and filter. Errors, compiles and refusals
+                # are still logged at info with their request ids.
+                if debug_enabled():
+                    log.debug("{request_id} ran program {digest} ({size} result bytes)",
+                              request_id=rid, digest=digest, size=len(result))
+                answer.callback(result)
+            elif result.check(KCoralError):
+                answer.errback(result)
+            else:
                 log.failure("{request_id} internal error", result, request_id=rid)
-                return Failure(ProgramFailed(f"internal error: {type(result.value).__name__}"))
-            return result
+                answer.errback(ProgramFailed(f"internal error: {type(result.value).__name__}"))
 
-        running = deferToThreadPool(self._reactor, self._threadpool, self.executor.execute, run, rid)
-        running.addBoth(ran).chainDeferred(answer)
+        # Not deferToThreadPool: its Deferred, cancelled, would fire at once,
+        # and the slot of a run still on the device would be freed with it.
+        self._threadpool.callInThreadWithCallback(
+            lambda ok, result: self._reactor.callFromThread(ran, ok, result),
+            self.executor.execute, run, rid)
         return answer
