@@ -84,7 +84,7 @@ def server():
                     threadpool=threads, reactor=threads, registry=CollectorRegistry())
     app.status = OK
     site = KCoralSite(app.resource(), metrics=HttpMetrics(app.registry, ROUTES),
-                      maxRequestBytes=1 << 20, log=Logger(), clock=threads)
+                      max_request_bytes=1 << 20, log=Logger(), clock=threads)
     return app, site
 
 

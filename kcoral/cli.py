@@ -23,12 +23,12 @@ from kcoral.node import tap as node_tap
 from kcoral.router import tap as router_tap
 
 
-class Options(usage.Options):
+class CommandOptions(usage.Options):
     synopsis = "kcoral <command> [options]"
     longdesc = "Run JAX programs on a pool of GPU machines through one stable address."
     subCommands = [
-        ["router", None, router_tap.Options, "Run a Router."],
-        ["server", None, node_tap.Options, "Run a server, or with --router a node."],
+        ["router", None, router_tap.RouterOptions, "Run a Router."],
+        ["server", None, node_tap.NodeOptions, "Run a server, or with --router a node."],
         ["status", None, status.StatusOptions, "Print a Router's pool and queue."],
         ["health", None, status.HealthOptions, "Print one service's /health."],
     ]
@@ -110,7 +110,7 @@ def _drain_when_the_supervisor_dies(handler) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = Options()
+    config = CommandOptions()
     try:
         config.parseOptions(sys.argv[1:] if argv is None else argv)
     except usage.UsageError as e:

@@ -42,7 +42,7 @@ def node_report(session="s1", *, capacities=(2,), host="10.0.0.1", port=8000,
 
 # -- HTTP servers, reached through StubTreq --------------------------------------------------------
 
-class Worker(Resource):
+class FakeWorker(Resource):
     """A worker's C{/v1/run} that answers C{code} and C{body}, and keeps the
     requests it got; with C{hold}, it answers none of them."""
 
@@ -63,10 +63,10 @@ class Worker(Resource):
         return self.body
 
 
-class Workers(Resource):
+class FakeWorkers(Resource):
     """Fake workers by host name (C{http://<name>/v1/run}), one StubTreq for all."""
 
-    def __init__(self, **workers: Worker):
+    def __init__(self, **workers: FakeWorker):
         super().__init__()
         self.workers = workers
         self.treq = StubTreq(self)
@@ -78,10 +78,10 @@ class Workers(Resource):
         return self.getChild(b"", request).render(request)
 
 
-    def client(self, *, refused=(), lost=()) -> Client:
-        """A L{Client} of these workers, but for the hosts in C{refused}
+    def client(self, *, refused=(), lost=()) -> FakeClient:
+        """A L{FakeClient} of these workers, but for the hosts in C{refused}
         (nothing sent) and in C{lost} (the connection lost once sent)."""
-        return Client(self.treq, refuses=lambda url: _host(url) in refused,
+        return FakeClient(self.treq, refuses=lambda url: _host(url) in refused,
                       loses=lambda url: _host(url) in lost)
 
 
@@ -89,10 +89,10 @@ def _host(url) -> str:
     return url.host if hasattr(url, "host") else url.split("/")[2].split(":")[0]
 
 
-class Servers(Resource):
+class FakeServers(Resource):
     """
     HTTP servers that answer what the test sets per URL, a status and a JSON
-    body, reached through C{client} (a L{Client} over a StubTreq); a URL
+    body, reached through C{client} (a L{FakeClient} over a StubTreq); a URL
     with no answer refuses the connection, as a server that does not listen.
     """
 
@@ -101,7 +101,7 @@ class Servers(Resource):
     def __init__(self) -> None:
         super().__init__()
         self.answers: dict[str, tuple[int, Any]] = {}
-        self.client = Client(StubTreq(self), refuses=lambda url: str(url) not in self.answers)
+        self.client = FakeClient(StubTreq(self), refuses=lambda url: str(url) not in self.answers)
 
     def answer(self, url: str, code: int, body: Any = None) -> None:
         self.answers[url] = (code, body)
@@ -125,7 +125,7 @@ def _never(url) -> bool:
     return False
 
 
-class Client:
+class FakeClient:
     """
     A treq client over C{treq} (a StubTreq) that keeps every request asked
     of it, but for URLs whose server refuses the connection (nothing is
@@ -267,11 +267,11 @@ class ProcessReactor(MemoryReactorClock):
 class FakeOutgoing:
     """Stands in for L{kcoral.web.outgoing.Outgoing}: its C{client} reaches C{servers}."""
 
-    servers: Servers = attrs.Factory(Servers)
+    servers: FakeServers = attrs.Factory(FakeServers)
     closed: bool = False
 
     @property
-    def client(self) -> Client:
+    def client(self) -> FakeClient:
         return self.servers.client
 
     def close(self) -> Deferred[None]:

@@ -149,11 +149,11 @@ class Hello(Resource):
         return b"got %d" % len(request.content.getvalue())
 
 
-def fake_site(clock, maxRequestBytes: int = 1000, resource=None, log: Logger | None = None,
+def fake_site(clock, max_request_bytes: int = 1000, resource=None, log: Logger | None = None,
               **kw) -> KCoralSite:
     """A L{KCoralSite} of C{resource} (default: L{Hello}) on C{clock}, logging to C{log}."""
     metrics = HttpMetrics(CollectorRegistry(), frozenset({"/"}))
-    return KCoralSite(resource or Hello(), metrics=metrics, maxRequestBytes=maxRequestBytes,
+    return KCoralSite(resource or Hello(), metrics=metrics, max_request_bytes=max_request_bytes,
                       log=log or Logger(), clock=clock, **kw)
 
 

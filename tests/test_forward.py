@@ -15,7 +15,7 @@ from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
-from tests.fakes import Worker, Workers, node_report
+from tests.fakes import FakeWorker, FakeWorkers, node_report
 from tests.httputil import ForwardedRequest
 
 
@@ -31,11 +31,11 @@ class Routed:
         self.pool.observe()
         self.scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
         self.waits: list = []
-        self.workers: Workers | None = None
+        self.workers: FakeWorkers | None = None
         self.client_options = client
 
-    def serve(self, **workers: Worker) -> Forwarder:
-        self.workers = Workers(**workers)
+    def serve(self, **workers: FakeWorker) -> Forwarder:
+        self.workers = FakeWorkers(**workers)
         self.client = self.workers.client(**self.client_options)
         return Forwarder(self.scheduler, Proxy(self.client), self.clock,
                          observe_wait=self.waits.append)
@@ -52,7 +52,7 @@ class Routed:
 def test_a_run_is_answered_by_the_member_it_was_leased():
     """A worker's answer comes back as it is, and its lease is released."""
     routed = Routed("10.0.0.1")
-    worker = Worker(200, b"result")
+    worker = FakeWorker(200, b"result")
     _, done = routed.forward(routed.serve(**{"10.0.0.1": worker}))
     kind, answer = done[0]
     assert kind == "ok" and answer.code == 200 and answer.body == b"result"
@@ -62,7 +62,7 @@ def test_a_run_is_answered_by_the_member_it_was_leased():
 def test_a_503_from_a_worker_is_tried_on_another():
     """A member that turns a run away with 503 did not run it: another one does."""
     routed = Routed("10.0.0.1", "10.0.0.2")
-    busy, free = Worker(503, b"{}"), Worker(200, b"ran")
+    busy, free = FakeWorker(503, b"{}"), FakeWorker(200, b"ran")
     _, done = routed.forward(routed.serve(**{"10.0.0.1": busy, "10.0.0.2": free}))
     assert done[0][0] == "ok" and done[0][1].body == b"ran"
     assert len(free.runs) == 1 and len(busy.runs) <= 1
@@ -73,7 +73,7 @@ def test_tries_of_runs_nobody_takes_are_bounded():
     """When every member turns the run away, it is a 503 no_ready_node after MAX_NOT_SENT tries."""
     hosts = [f"10.0.0.{i}" for i in range(1, MAX_NOT_SENT + 2)]
     routed = Routed(*hosts)
-    busy = {host: Worker(503, b"{}") for host in hosts}
+    busy = {host: FakeWorker(503, b"{}") for host in hosts}
     _, done = routed.forward(routed.serve(**busy))
     kind, error = done[0]
     assert kind == "failed" and isinstance(error, ServerBusy) and error.reason == "no_ready_node"
@@ -83,7 +83,7 @@ def test_tries_of_runs_nobody_takes_are_bounded():
 def test_a_refused_connection_is_tried_on_another_member():
     """A connection that could not be made sent nothing: another member runs it."""
     routed = Routed("10.0.0.1", "10.0.0.2", refused={"10.0.0.1"})
-    free = Worker(200, b"ran")
+    free = FakeWorker(200, b"ran")
     _, done = routed.forward(routed.serve(**{"10.0.0.2": free}))
     assert done[0][0] == "ok" and len(free.runs) == 1
     assert routed.pool.active() == 0
@@ -101,7 +101,7 @@ def test_a_connection_lost_after_sending_is_a_502_never_retried():
 def test_a_cancelled_forward_is_not_retried_nor_a_502():
     """A client that leaves cancels its forward: CancelledError, lease released, no other try."""
     routed = Routed("10.0.0.1", "10.0.0.2")
-    held, other = Worker(hold=True), Worker(200, b"ran")
+    held, other = FakeWorker(hold=True), FakeWorker(200, b"ran")
     d, done = routed.forward(routed.serve(**{"10.0.0.1": held, "10.0.0.2": other}))
     if not held.runs:  # the pool's pick went to the other host: hold both
         other.hold = True
@@ -119,7 +119,7 @@ def test_a_cancelled_forward_is_not_retried_nor_a_502():
 def test_a_cancelled_wait_for_capacity_leaves_the_queue():
     """A client that leaves while its run waits for a lease leaves the queue, sending nothing."""
     routed = Routed("10.0.0.1")
-    held = Worker(hold=True)
+    held = FakeWorker(hold=True)
     forwarder = routed.serve(**{"10.0.0.1": held})
     routed.forward(forwarder)
     waiting, done = routed.forward(forwarder)

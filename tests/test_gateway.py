@@ -9,7 +9,7 @@ import pytest
 from twisted.internet.testing import MemoryReactorClock
 
 from kcoral.node.gateway import NODE, Gateway
-from kcoral.router.pool import READY, NodeConflict
+from kcoral.router.pool import READY, SessionConflict
 from kcoral.router.report import NodeReport, WorkerReport
 from kcoral.router.service import RouterConfig
 
@@ -54,7 +54,7 @@ def test_no_supervisor_can_claim_the_gateway_node():
     """A report over HTTP for the gateway's own node id is a conflict."""
     g, _ = gateway()
     g.update(WORKERS, gpu_target="cpu", runtime={})
-    with pytest.raises(NodeConflict):
+    with pytest.raises(SessionConflict):
         g.app.pool.report(NODE, NodeReport("intruder", WORKERS, "cpu", {}))
 
 

@@ -165,7 +165,7 @@ def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workl
 # -- the Router's keep-alive stop, on a fake transport ---------------------------------------
 
 def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
-    """After stopKeepAlive, each connection's next answer says Connection: close and closes it."""
+    """After stop_keep_alive, each connection's next answer says Connection: close and closes it."""
     from twisted.internet.task import Clock
 
     site = fake_site(Clock())
@@ -176,7 +176,7 @@ def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
     arriving, arriving_transport = connect(site)
     arriving.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
 
-    site.stopKeepAlive()
+    site.stop_keep_alive()
     # A request already arriving is answered, and says the connection closes.
     arriving.dataReceived(b"def")
     answer = arriving_transport.value()

@@ -952,7 +952,7 @@ def test_a_request_for_star_is_answered_like_any_other(method, status):
 def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
     """A client still sending its head at the head deadline is closed, unanswered."""
     clock = Clock()
-    channel, transport = connect(fake_site(clock, headerTimeout=10.0))
+    channel, transport = connect(fake_site(clock, header_timeout=10.0))
     head = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"z" * 100
     for byte in head[:9]:
         channel.dataReceived(bytes([byte]))
@@ -965,7 +965,7 @@ def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
 
 def _post_slowly(clock, body: bytes, per_second: int, seconds: int):
     """A POST whose body arrives at C{per_second} bytes each second."""
-    channel, transport = connect(fake_site(clock, maxRequestBytes=1 << 20))
+    channel, transport = connect(fake_site(clock, max_request_bytes=1 << 20))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: slow-1\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body))
     for second in range(seconds):
@@ -1000,7 +1000,7 @@ def test_a_slow_but_steady_body_is_served():
 def test_a_head_in_time_is_served_and_the_deadline_rearmed():
     """A head before the deadline is served, and the deadline rearmed for the next head."""
     clock = Clock()
-    channel, transport = connect(fake_site(clock, headerTimeout=10.0))
+    channel, transport = connect(fake_site(clock, header_timeout=10.0))
     clock.advance(9)
     channel.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert b"200 OK" in transport.value() and transport.value().endswith(b"hello")
@@ -1015,7 +1015,7 @@ def test_a_head_in_time_is_served_and_the_deadline_rearmed():
 def test_a_stalled_body_is_cut_by_the_idle_timeout():
     """A body that stops arriving is closed by the idle timeout, not before."""
     clock = Clock()
-    channel, transport = connect(fake_site(clock, headerTimeout=10.0, idleTimeout=60.0))
+    channel, transport = connect(fake_site(clock, header_timeout=10.0, idle_timeout=60.0))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nabc")
     # Nothing more arrives: no byte to check the body's rate on, so the idle
     # timeout ends it (one that trickles in gets a 408, above).
@@ -1039,7 +1039,7 @@ def test_unparseable_http_is_a_json_400():
 
 def test_a_body_refused_from_its_length_gets_no_100_continue():
     """A client that asks whether to send a body already too large gets only the 413."""
-    channel, transport = connect(fake_site(Clock(), maxRequestBytes=10))
+    channel, transport = connect(fake_site(Clock(), max_request_bytes=10))
     channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: big-1\r\n"
                          b"Expect: 100-continue\r\nContent-Length: 11\r\n\r\n")
     assert b"100 Continue" not in transport.value()
@@ -1103,7 +1103,7 @@ async def test_the_head_deadline_never_truncates_a_response_being_read():
         if event.get("log_format", "").startswith("closing a connection that sent no complete"):
             passed.set()
 
-    site = fake_site(reactor, resource=_Big(), headerTimeout=0.3, log=Logger(observer=observe))
+    site = fake_site(reactor, resource=_Big(), header_timeout=0.3, log=Logger(observer=observe))
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     try:
         # The client reads only once the deadline has passed.

@@ -24,7 +24,7 @@ from twisted.web.error import SchemeNotSupported
 from kcoral.logs import debug_enabled, start_console_logging
 from kcoral.router.proxy import NotSent, Proxy, _RunURL
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
-from tests.fakes import Worker
+from tests.fakes import FakeWorker
 from tests.harness import until
 from tests.httputil import ForwardedRequest
 
@@ -223,7 +223,7 @@ async def test_a_run_whose_client_left_is_not_sent_again(peer):
     from kcoral.router.report import parse_report
     from kcoral.router.service import RouterConfig, build_router
 
-    worker = Worker(hold=True)
+    worker = FakeWorker(hold=True)
     worker_url = f"http://127.0.0.1:{peer.serve(worker)}"
     app, site = build_router(RouterConfig(recovery_threshold=1), reactor)
     try:

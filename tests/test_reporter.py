@@ -8,7 +8,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 
 from kcoral.node.reporter import Reporter
-from tests.fakes import Servers
+from tests.fakes import FakeServers
 
 ROUTER = "http://127.0.0.1:9000"
 NODE_URL = ROUTER + "/v1/nodes/gpu-a"
@@ -23,7 +23,7 @@ def reporter(router, clock, token=None):
 
 def started(state: str, token=None):
     """A started reporter whose Router answers 200 with C{state}: (reporter, its client, clock)."""
-    router, clock = Servers(), Clock()
+    router, clock = FakeServers(), Clock()
     router.answer(NODE_URL, 200, {"state": state})
     r = reporter(router, clock, token)
     r.startService()
@@ -63,7 +63,7 @@ def test_stopping_stops_the_beats_and_deregisters_the_session():
 
 def test_a_router_that_is_away_is_retried_without_failing():
     """An unreachable Router makes send() return False, and the beats go on."""
-    router, clock = Servers(), Clock()
+    router, clock = FakeServers(), Clock()
     http = router.client
     r = reporter(router, clock)
     r.startService()
@@ -75,7 +75,7 @@ def test_a_router_that_is_away_is_retried_without_failing():
 
 def test_a_refusal_is_not_a_registration():
     """A Router that answers with an error leaves the reporter disconnected."""
-    router, clock = Servers(), Clock()
+    router, clock = FakeServers(), Clock()
     router.answer(NODE_URL, 409, {"error": {"type": "conflict", "message": "in use"}})
     sent = []
     reporter(router, clock).send().addCallback(sent.append)

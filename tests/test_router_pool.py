@@ -16,9 +16,9 @@ from kcoral.router.pool import (
     JOINING,
     READY,
     UNHEALTHY,
-    NodeConflict,
     Pool,
     PoolFull,
+    SessionConflict,
 )
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
@@ -335,7 +335,7 @@ def test_the_pool_target_comes_from_the_first_ready_node(world):
 def test_a_second_live_session_with_the_same_node_id_is_refused(world):
     """A second live session for a node id is refused."""
     world.ready()
-    with pytest.raises(NodeConflict):
+    with pytest.raises(SessionConflict):
         world.pool.report("gpu-a", report(session="s2"))
     node = world.pool.nodes["gpu-a"]
     assert node.session == "s1" and node.state == READY
@@ -512,5 +512,5 @@ def test_static_members_are_never_stale_and_have_no_session(world):
         world.clock.advance(3600)
         world.pool.observe()
     assert node.state == READY and world.pool.capacity() == 2
-    with pytest.raises(NodeConflict):
+    with pytest.raises(SessionConflict):
         world.pool.report("local", report("s1"))

@@ -451,7 +451,7 @@ async def test_a_connection_beyond_the_cap_is_closed_also_under_tls(pki):
     from tests.httputil import fake_site
 
     issued = pki["node"]
-    site = fake_site(reactor, maxConnections=0)
+    site = fake_site(reactor, max_connections=0)
     port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(site)
     try:
         assert await deferToThread(_closed_within, port.getHost().port, 10)

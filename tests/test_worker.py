@@ -15,7 +15,7 @@ from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
-from tests.fakes import ProcessReactor, Servers
+from tests.fakes import FakeServers, ProcessReactor
 
 URL = "http://127.0.0.1:8123"
 HEALTHY = {"status": "ok", "capacity": 2, "active": 1, "gpu_target": "cpu"}
@@ -29,7 +29,7 @@ class Supervised:
                     "termination_grace_seconds": 5, "health_interval_seconds": 2,
                     "restart_jitter": 0.0, **settings}
         self.reactor = ProcessReactor()
-        self.http = Servers()
+        self.http = FakeServers()
         self.restarts = Counter("kcoral_worker_restarts", "restarts", ["worker"],
                                 registry=CollectorRegistry())
         self.changes = 0

@@ -156,7 +156,7 @@ class SupervisorService(service.MultiService):
         log.info("kcoral node stopped")
 
 
-def makeSupervisorService(options, reactor) -> SupervisorService:
+def make_supervisor_service(options, reactor) -> SupervisorService:
     """The supervisor of the node that the options C{options} describe."""
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus())
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,

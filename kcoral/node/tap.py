@@ -13,7 +13,7 @@ from twisted.python import usage
 from kcoral.node import config
 from kcoral.node.config import NodeConfig
 from kcoral.node.restart import RestartSettings
-from kcoral.node.supervisor import makeSupervisorService
+from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
     LISTEN,
     TLS_CA,
@@ -53,7 +53,7 @@ def _node(field: str, doc: str, coerce=None) -> list:
     return parameter(NodeConfig, field, doc, coerce)
 
 
-class Options(KCoralOptions):
+class NodeOptions(KCoralOptions):
     synopsis = "[options]"
     longdesc = ("Run a KCoral server. With --router, run a node: a supervisor that starts "
                 "one server process per device and reports to the Router.")
@@ -126,9 +126,13 @@ class Options(KCoralOptions):
         return config_from(NodeConfig, self, restart=self.restart_settings())
 
 
-def makeService(options: Options, reactor=None):
+#: The name twistd's C{ServiceMaker} looks up in a plugin's module.
+Options = NodeOptions
+
+
+def makeService(options: NodeOptions, reactor=None):
     if reactor is None:
         from twisted.internet import reactor
     if options.supervised:
-        return makeSupervisorService(options, reactor)
+        return make_supervisor_service(options, reactor)
     return ServerService(options.server_config(), reactor)

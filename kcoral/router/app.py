@@ -30,8 +30,7 @@ from kcoral.errors import (
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.forward import Forwarder
-from kcoral.router.pool import NodeConflict as SessionConflict
-from kcoral.router.pool import Pool, PoolFull
+from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler

@@ -22,7 +22,7 @@ JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
 STATES = (JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE)
 
 
-class NodeConflict(Exception):
+class SessionConflict(Exception):
     """Another live supervisor already holds this node id."""
 
 
@@ -130,7 +130,7 @@ class Pool:
         node = self.nodes.get(node_id)
         if node is not None and node.session != report.session:
             if node.state != GONE and self._fresh(node):
-                raise NodeConflict(f"node id {node_id} is in use by a live supervisor")
+                raise SessionConflict(f"node id {node_id} is in use by a live supervisor")
             if node.active == 0:
                 node = None
             else:

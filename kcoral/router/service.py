@@ -63,8 +63,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                     reactor=reactor, registry=registry, node_token=config.node_token, name=name,
                     status_check_interval=config.status_check_interval_seconds)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
-                      maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
-                      maxConnections=_client_connections(connection_limit(), pool))
+                      max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
+                      max_connections=_client_connections(connection_limit(), pool))
     return app, site
 
 

@@ -44,7 +44,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
 ]
 
 
-class Options(KCoralOptions):
+class RouterOptions(KCoralOptions):
     synopsis = "[options]"
     longdesc = ("Run a KCoral Router: one stable address that sends each program to a "
                 "healthy node with free capacity, queueing when none is free.")
@@ -60,7 +60,11 @@ class Options(KCoralOptions):
         return config_from(RouterConfig, self)
 
 
-def makeService(options: Options, reactor=None):
+#: The name twistd's C{ServiceMaker} looks up in a plugin's module.
+Options = RouterOptions
+
+
+def makeService(options: RouterOptions, reactor=None):
     if reactor is None:
         from twisted.internet import reactor
     return RouterService(options.router_config(), reactor)

@@ -81,8 +81,8 @@ class ServerService(service.MultiService):
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
-                          maxRequestBytes=config.max_request_bytes, log=log, clock=reactor,
-                          maxConnections=connection_limit())
+                          max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
+                          max_connections=connection_limit())
         address = ListenAddress.of(config)
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          config.secured)

@@ -74,7 +74,7 @@ class DrainingListener(service.Service):
             # already open are served, each answer closing its connection.
             port, self.port = self.port, None
             yield port.stopListening()
-            stop_keep_alive = getattr(self._factory, "stopKeepAlive", None)
+            stop_keep_alive = getattr(self._factory, "stop_keep_alive", None)
             if stop_keep_alive is not None:
                 stop_keep_alive()
         yield self._drain()
@@ -82,6 +82,6 @@ class DrainingListener(service.Service):
             yield self.port.stopListening()
         # The last answers may still sit in their connections' buffers: the
         # reactor's shutdown would drop them, so close connections gracefully.
-        close = getattr(self._factory, "closeConnections", None)
+        close = getattr(self._factory, "close_connections", None)
         if close is not None:
             yield close(CLOSE_TIMEOUT_SECONDS)

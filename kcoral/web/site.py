@@ -2,14 +2,14 @@
 A Twisted C{Site} that enforces KCoral's bounds while the request is still
 arriving, which C{twisted.web} itself does not offer:
 
- - a body larger than C{maxRequestBytes} is refused with 413 straight from its
+ - a body larger than C{max_request_bytes} is refused with 413 straight from its
    C{Content-Length}, or as soon as a chunked body passes the limit, without
    reading (or buffering) the rest;
  - bodies are kept in memory (they are bounded), never in a temporary file, so
    no disk I/O happens on the reactor thread;
  - every response carries C{X-Request-ID}, and every request is counted in the
    service's metrics;
- - a client must finish sending its request head within C{headerTimeout}
+ - a client must finish sending its request head within C{header_timeout}
    seconds, so a byte-a-second client cannot hold a connection forever.
 """
 
@@ -69,8 +69,8 @@ class KCoralRequest(server.Request):
 
     def gotLength(self, length):
         self._started = self.channel.site.clock.seconds()
-        self.channel.headersComplete()
-        limit = self.channel.site.maxRequestBytes
+        self.channel.headers_complete()
+        limit = self.channel.site.max_request_bytes
         if length is not None and length > limit:
             # Read by the channel once this returns: a client told to go on
             # with a body already refused would send it for nothing.
@@ -85,7 +85,7 @@ class KCoralRequest(server.Request):
             return
         self._received += len(data)
         site = self.channel.site
-        limit = site.maxRequestBytes
+        limit = site.max_request_bytes
         if self._received > limit:
             self._refuse(PayloadTooLarge(f"request body exceeds the limit of {limit} bytes"))
             return
@@ -113,7 +113,7 @@ class KCoralRequest(server.Request):
     def process(self):
         self.setHeader(HEADER, self.request_id.encode())
         if self.channel.site.closing:
-            self.closeAfterResponse()
+            self.close_after_response()
         if self.path == b"*":
             # Twisted would answer it itself, with an empty 405 unless it is
             # OPTIONS: KCoral's errors are JSON with a request id.
@@ -137,7 +137,7 @@ class KCoralRequest(server.Request):
         self.responseHeaders.removeHeader(b"Server")
         super().render(resrc)
 
-    def closeAfterResponse(self) -> None:
+    def close_after_response(self) -> None:
         """Answer with C{Connection: close} and close the connection after
         this response: the service is stopping, and a client must not send
         another request on a connection that is about to close."""
@@ -165,7 +165,7 @@ class KCoralChannel(http.HTTPChannel):
         self.site.channels.add(self)
         self._armHeaderDeadline()
 
-    def closeWhenIdle(self) -> None:
+    def close_when_idle(self) -> None:
         """Close this connection gracefully: now if no request is in progress,
         else once its response has been sent (never cutting it short)."""
         if self.requests:
@@ -174,7 +174,7 @@ class KCoralChannel(http.HTTPChannel):
             self.transport.loseConnection()  # flushes what is still buffered
 
     def _armHeaderDeadline(self):
-        timeout = self.site.headerTimeout
+        timeout = self.site.header_timeout
         if timeout and self._headerDeadline is None:
             self._headerDeadline = self.site.clock.callLater(timeout, self._headerTimedOut)
 
@@ -188,7 +188,7 @@ class KCoralChannel(http.HTTPChannel):
         assert self.transport is not None  # connectionLost cancels the deadline
         self.transport.loseConnection()
 
-    def headersComplete(self):
+    def headers_complete(self):
         if self._headerDeadline is not None:
             self._headerDeadline.cancel()
             self._headerDeadline = None
@@ -217,7 +217,7 @@ class KCoralChannel(http.HTTPChannel):
                 call.cancel()
         self._headerDeadline = None
         super().connectionLost(reason)
-        self.site.channelLost(self)
+        self.site.channel_lost(self)
 
 
 #: What Twisted's channel answers to HTTP it cannot parse (request line,
@@ -261,21 +261,21 @@ class KCoralSite(server.Site):
     protocol = KCoralChannel  # type: ignore[assignment]
     requestFactory = KCoralRequest
 
-    def __init__(self, resource, *, metrics, maxRequestBytes: int, log: Logger,
-                 idleTimeout: float = 60.0, headerTimeout: float = 30.0, clock=None,
-                 maxConnections: int | Callable[[], int] | None = None):
+    def __init__(self, resource, *, metrics, max_request_bytes: int, log: Logger,
+                 idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
+                 max_connections: int | Callable[[], int] | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
             # measured at ~15% of the server's CPU per trivial run.
             # The idle timeout runs on C{clock} too (tests drive it with a Clock).
-            super().__init__(resource, timeout=idleTimeout, parsePOSTFormSubmission=False,
+            super().__init__(resource, timeout=idle_timeout, parsePOSTFormSubmission=False,
                              reactor=clock)
         except TypeError:  # a Twisted without that option (and its cost)
-            super().__init__(resource, timeout=idleTimeout, reactor=clock)
+            super().__init__(resource, timeout=idle_timeout, reactor=clock)
         self.metrics = metrics
-        self.maxRequestBytes = maxRequestBytes
-        self.headerTimeout = headerTimeout
+        self.max_request_bytes = max_request_bytes
+        self.header_timeout = header_timeout
         self.logger = log
         self.clock = clock if clock is not None else _globalReactor
         self.displayTracebacks = False
@@ -289,13 +289,13 @@ class KCoralSite(server.Site):
         #: (L{kcoral.web.fdlimit}), or a callable that says how many now (a
         #: Router's own connections to its workers grow with its pool);
         #: None: no cap.
-        self.maxConnections = maxConnections
+        self.max_connections = max_connections
         self._refused = 0
         #: Keeps the L{JSONBadRequest} wrapper of each open connection.
         self._wrappers: policies.WrappingFactory[JSONBadRequest] = policies.WrappingFactory(self)
 
     def _limit(self) -> int:
-        limit = self.maxConnections
+        limit = self.max_connections
         if limit is None:
             return sys.maxsize
         return limit() if callable(limit) else limit
@@ -311,19 +311,19 @@ class KCoralSite(server.Site):
             return _Refused()
         return JSONBadRequest(self._wrappers, super().buildProtocol(addr))
 
-    #: Set by L{stopKeepAlive}: every answer from then on closes its connection.
+    #: Set by L{stop_keep_alive}: every answer from then on closes its connection.
     closing = False
 
-    def stopKeepAlive(self) -> None:
+    def stop_keep_alive(self) -> None:
         """No more requests on open connections: each one closes after the
         response in progress (or the next one, for an idle connection)."""
         self.closing = True
         for channel in list(self.channels):
             for request in channel.requests:
                 if isinstance(request, KCoralRequest):
-                    request.closeAfterResponse()
+                    request.close_after_response()
 
-    def channelLost(self, channel) -> None:
+    def channel_lost(self, channel) -> None:
         self.channels.discard(channel)
         if self._refused and len(self.channels) < self._limit():
             self.logger.info("taking connections again; {refused} were closed at the limit",
@@ -335,7 +335,7 @@ class KCoralSite(server.Site):
                 if not d.called:
                     d.callback(None)
 
-    def closeConnections(self, timeout: float) -> Deferred:
+    def close_connections(self, timeout: float) -> Deferred:
         """
         Close every connection once its response in progress (if any) has
         been written; fires when all are closed. Connections still open after
@@ -346,7 +346,7 @@ class KCoralSite(server.Site):
         d: Deferred[None] = Deferred()
         self._closing.append(d)
         for channel in list(self.channels):
-            channel.closeWhenIdle()
+            channel.close_when_idle()
 
         def abort():
             for channel in list(self.channels):
