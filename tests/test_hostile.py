@@ -50,8 +50,8 @@ from twisted.web.server import Site
 from kcoral import Program
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
 from kcoral.router.report import InvalidReport, parse_report
+from kcoral.web.badrequest import TWISTED_BAD_REQUEST
 from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
-from kcoral.web.site import TWISTED_BAD_REQUEST
 from tests.conftest import server_args, server_env
 from tests.harness import LISTENING, SERVER_READY, kcoral_argv, until
 from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request

@@ -27,7 +27,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
-from kcoral.web.site import RequestBody
+from kcoral.web.request import RequestBody
 
 RID = b"X-Request-ID"
 

@@ -445,6 +445,6 @@ def test_metrics_list_nodes_by_state(router):
 def test_the_router_takes_fewer_client_connections_as_its_pool_grows(router):
     # One descriptor kept for each run it may send to a worker.
     """The client connection cap drops by the capacity of each node that joins."""
-    before = router.site._limit()
+    before = router.site.connections.limit
     router.ready(report=node_report(capacities=(2, 3)))
-    assert router.site._limit() == before - 5
+    assert router.site.connections.limit == before - 5

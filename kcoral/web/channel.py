@@ -1,0 +1,94 @@
+"""
+KCoral's HTTP/1.1 connection: a deadline on each request head, a refusal
+that is answered before the connection closes, and a graceful close.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from twisted.internet.interfaces import IDelayedCall, ITCPTransport
+from twisted.internet.protocol import connectionDone
+from twisted.python.failure import Failure
+from twisted.web import http
+
+if TYPE_CHECKING:
+    from kcoral.web.site import KCoralSite
+
+#: After refusing a body, how long to keep reading (and discarding) it so the
+#: client sees our answer instead of a connection reset.
+LINGER_SECONDS = 2.0
+
+
+class KCoralChannel(http.HTTPChannel):
+    """
+    A connection that must send each request head within its site's
+    C{header_timeout} seconds (from its opening, then from each answer), so
+    a byte-a-second client cannot hold it forever.
+    """
+
+    #: Set by the site that built it, as for every Twisted protocol.
+    site: KCoralSite
+    transport: ITCPTransport | None
+    _headerDeadline: IDelayedCall | None = None
+    _lingering: IDelayedCall | None = None
+
+    def connectionMade(self):
+        super().connectionMade()
+        self.site.connections.add(self)
+        self._armHeaderDeadline()
+
+    def close_when_idle(self) -> None:
+        """Close this connection gracefully: now if no request is in progress,
+        else once its response has been sent (never cutting it short)."""
+        if self.requests:
+            self.persistent = False  # requestDone then loses the connection
+        elif self.transport is not None:
+            self.transport.loseConnection()  # flushes what is still buffered
+
+    def _armHeaderDeadline(self):
+        timeout = self.site.header_timeout
+        if timeout and self._headerDeadline is None:
+            self._headerDeadline = self.site.clock.callLater(timeout, self._headerTimedOut)
+
+    def _headerTimedOut(self):
+        self._headerDeadline = None
+        self.site.logger.info("closing a connection that sent no complete request head in time")
+        # A graceful close, not an abort: the deadline is re-armed as soon as
+        # a response is handed to the transport, and a client still reading a
+        # large result must get all of it. Nothing is read after this; a peer
+        # that never reads is aborted by Twisted's own idle timeout.
+        assert self.transport is not None  # connectionLost cancels the deadline
+        self.transport.loseConnection()
+
+    def headers_complete(self) -> None:
+        """The head of the request in progress is whole: its deadline is met."""
+        if self._headerDeadline is not None:
+            self._headerDeadline.cancel()
+            self._headerDeadline = None
+
+    def requestDone(self, request):
+        super().requestDone(request)
+        if self.persistent and self.transport is not None:
+            self._armHeaderDeadline()
+
+    def refuse(self, response: bytes) -> None:
+        """Answer C{response} now, then discard whatever else arrives."""
+        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+        transport = self.transport
+        assert transport is not None  # called from the connection's own dataReceived
+        transport.write(response)
+        loseWrite = getattr(transport, "loseWriteConnection", None)
+        if loseWrite is not None:
+            loseWrite()
+        else:
+            transport.loseConnection()
+        self._lingering = self.site.clock.callLater(LINGER_SECONDS, transport.abortConnection)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        for call in (self._headerDeadline, self._lingering):
+            if call is not None and call.active():
+                call.cancel()
+        self._headerDeadline = None
+        super().connectionLost(reason)
+        self.site.connections.discard(self)

@@ -1,0 +1,131 @@
+"""
+KCoral's request: its body bounded while it arrives (L{kcoral.web.bounds}) and
+kept in memory, a request id on every answer, and every answer counted in the
+service's metrics.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from twisted.web import http, server
+
+from kcoral.errors import KCoralError
+from kcoral.web.errors import method_not_allowed
+from kcoral.web.requestid import HEADER, request_id_from
+from kcoral.web.responses import raw_error_response
+
+if TYPE_CHECKING:
+    from kcoral.web.channel import KCoralChannel
+
+
+class RequestBody(io.BytesIO):
+    """A request body that handlers may view without copying (getbuffer):
+    closing it would fail while such views exist, and the GC frees it."""
+
+    def close(self):
+        pass
+
+
+class KCoralRequest(server.Request):
+    """
+    A request whose body is refused (413, or 408 when it trickles in) as soon
+    as it breaks its site's L{kcoral.web.bounds.BodyBounds}, without reading
+    or buffering the rest; bodies are kept in memory (they are bounded),
+    never in a temporary file, so no disk I/O happens on the reactor thread.
+    """
+
+    channel: KCoralChannel
+    content: RequestBody | None
+    _refused = False
+    _received = 0
+    _started = None
+
+    @property
+    def request_id(self) -> str:
+        rid = getattr(self, "_request_id", None)
+        if rid is None:
+            rid = self._request_id = request_id_from(self.requestHeaders.getRawHeaders(HEADER, [None])[0])
+        return rid
+
+    def gotLength(self, length):
+        channel = self.channel
+        site = channel.site
+        self._started = site.clock.seconds()
+        channel.headers_complete()
+        error = site.bounds.refuse_length(length)
+        if error is not None:
+            # Read by the channel once this returns: a client told to go on
+            # with a body already refused would send it for nothing.
+            self.requestHeaders.removeHeader(b"Expect")
+            self._refuse(error)
+            return
+        self.content = RequestBody()
+
+    def handleContentChunk(self, data):
+        if self._refused:
+            return
+        self._received += len(data)
+        site = self.channel.site
+        error = site.bounds.refuse_received(self._received, site.clock.seconds() - self._started)
+        if error is not None:
+            self._refuse(error)
+            return
+        assert self.content is not None  # set by gotLength, which refused if not
+        self.content.write(data)
+
+    def _refuse(self, error: KCoralError) -> None:
+        self._refused = True
+        self.content = RequestBody()
+        site = self.channel.site
+        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id,
+                         message=error.message)
+        site.metrics.observe(self.uri or b"other", error.status, 0.0)
+        self.channel.refuse(raw_error_response(error, self.request_id))
+
+    def requestReceived(self, command, path, version):
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def process(self):
+        self.setHeader(HEADER, self.request_id.encode())
+        if self.channel.site.closing:
+            self.close_after_response()
+        if self.path == b"*":
+            # Twisted would answer it itself, with an empty 405 unless it is
+            # OPTIONS: KCoral's errors are JSON with a request id.
+            self._answer_star()
+            return
+        super().process()
+
+    def _answer_star(self) -> None:
+        """An empty 200 for C{OPTIONS *} (a probe of the server), else a 405."""
+        self.setHeader(b"Date", http.datetimeToString())
+        if self.method == b"OPTIONS":
+            self.setHeader(b"Content-Length", b"0")
+        else:
+            self.setHeader(b"Allow", b"OPTIONS")
+            self.write(method_not_allowed(self))
+        self.finish()
+
+    def render(self, resrc):
+        # Twisted's process() names itself and its version in a Server
+        # header: nothing a client needs, and something an attacker would.
+        self.responseHeaders.removeHeader(b"Server")
+        super().render(resrc)
+
+    def close_after_response(self) -> None:
+        """Answer with C{Connection: close} and close the connection after
+        this response: the service is stopping, and a client must not send
+        another request on a connection that is about to close."""
+        if not self.startedWriting:
+            self.setHeader(b"Connection", b"close")
+        if self.channel is not None:
+            self.channel.persistent = False
+
+    def finish(self):
+        site = self.channel.site if self.channel is not None else None
+        if site is not None and not self.finished and self._started is not None:
+            site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
+        return super().finish()
