@@ -1,0 +1,244 @@
+"""
+The pieces of L{kcoral.web.site.KCoralSite}, each on its own and on fakes
+(C{StringTransport}, C{Clock}): the body bounds, the connection cap and
+close, the channel's refusal and graceful close, the JSON 400 wrapper, and
+the Site that composes them. Hostile clients against the whole Site are in
+L{tests.test_hostile}.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import Logger, formatEvent
+from twisted.python.failure import Failure
+
+from kcoral.errors import PayloadTooLarge, RequestTimeout
+from kcoral.web.badrequest import TWISTED_BAD_REQUEST, JSONBadRequest
+from kcoral.web.bounds import BODY_GRACE_SECONDS, MIN_BODY_BYTES_PER_SECOND, BodyBounds
+from kcoral.web.channel import LINGER_SECONDS, KCoralChannel
+from kcoral.web.connections import Connections, Refused
+from tests.httputil import connect, fake_site, parse_raw
+
+
+class Lines:
+    """A Logger whose events are kept as formatted lines."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.log = Logger(observer=lambda event: self.lines.append(formatEvent(event)))
+
+
+def at_the_cap(open_: int) -> str:
+    """The line a site logs when it starts refusing connections."""
+    return f"{open_} connections are open, the most this service takes: closing new ones until some close"
+
+
+class FakeChannel:
+    """What L{Connections} asks of a channel: to close when idle, and its transport."""
+
+    def __init__(self):
+        self.transport = StringTransport()
+        self.asked_to_close = False
+
+    def close_when_idle(self):
+        self.asked_to_close = True
+
+
+# -- BodyBounds ---------------------------------------------------------------------------------
+
+def test_a_length_past_the_limit_is_refused_before_the_body_is_read():
+    """A Content-Length over max_bytes is a 413 naming both; one at the limit, or none, is not."""
+    bounds = BodyBounds(1000)
+    error = bounds.refuse_length(1001)
+    assert isinstance(error, PayloadTooLarge)
+    assert error.message == "request body of 1001 bytes exceeds the limit of 1000 bytes"
+    assert bounds.refuse_length(1000) is None and bounds.refuse_length(None) is None
+
+
+def test_received_bytes_past_the_limit_are_refused():
+    """More bytes received than max_bytes is a 413, whatever the rate."""
+    bounds = BodyBounds(1000)
+    error = bounds.refuse_received(1001, 0.0)
+    assert isinstance(error, PayloadTooLarge)
+    assert error.message == "request body exceeds the limit of 1000 bytes"
+    assert bounds.refuse_received(1000, 0.0) is None
+
+
+def test_the_rate_is_held_only_once_the_grace_has_passed():
+    """Under the least rate, a body is refused with a 408 only after the grace."""
+    bounds = BodyBounds(1 << 30)
+    assert bounds.refuse_received(1, BODY_GRACE_SECONDS) is None
+    error = bounds.refuse_received(100, 20.0)
+    assert isinstance(error, RequestTimeout)
+    assert error.message == ("request body arrives at 5 bytes/s, "
+                             f"under the least of {MIN_BODY_BYTES_PER_SECOND}")
+    assert bounds.refuse_received(MIN_BODY_BYTES_PER_SECOND * 20, 20.0) is None
+
+
+# -- Connections --------------------------------------------------------------------------------
+
+def test_no_limit_admits_every_connection():
+    """Without a limit every connection is admitted."""
+    connections = Connections(Clock(), Logger())
+    for _ in range(100):
+        connections.add(FakeChannel())
+    assert connections.admit()
+
+
+def test_at_the_limit_connections_are_refused_and_said_so_once():
+    """At the limit admit() is false, and only the first refusal is logged, with the open count."""
+    logged = Lines()
+    connections = Connections(Clock(), logged.log, 2)
+    assert connections.admit()
+    connections.add(FakeChannel())
+    assert connections.admit() and logged.lines == []
+    connections.add(FakeChannel())
+    assert not connections.admit() and not connections.admit()
+    assert logged.lines == [at_the_cap(2)]
+
+
+def test_a_close_below_the_limit_says_taking_again_once():
+    """The first close below the limit after refusals logs how many were refused, once."""
+    logged = Lines()
+    connections = Connections(Clock(), logged.log, 2)
+    channels = [FakeChannel(), FakeChannel()]
+    for channel in channels:
+        connections.add(channel)
+    for _ in range(3):
+        connections.admit()
+    connections.discard(channels[0])
+    connections.discard(channels[1])
+    assert logged.lines[1:] == ["taking connections again; 3 were closed at the limit"]
+
+
+def test_a_callable_limit_is_read_at_each_connection():
+    """A callable limit is asked anew each time, so the cap follows it."""
+    limit = [1]
+    connections = Connections(Clock(), Logger(), lambda: limit[0])
+    connections.add(FakeChannel())
+    assert connections.limit == 1 and not connections.admit()
+    limit[0] = 5
+    assert connections.limit == 5 and connections.admit()
+
+
+def test_closing_no_connections_fires_at_once():
+    """close() with no connection open has fired already, and sets no timer."""
+    clock = Clock()
+    fired: list = []
+    Connections(clock, Logger()).close(10.0).addCallback(fired.append)
+    assert fired == [None] and clock.getDelayedCalls() == []
+
+
+def test_closing_asks_each_connection_and_fires_when_the_last_is_gone():
+    """close() asks every channel to close when idle and fires, its timer cancelled, at the last."""
+    clock = Clock()
+    connections = Connections(clock, Logger())
+    channels = [FakeChannel(), FakeChannel()]
+    for channel in channels:
+        connections.add(channel)
+    fired: list = []
+    connections.close(10.0).addCallback(fired.append)
+    assert all(channel.asked_to_close for channel in channels)
+    connections.discard(channels[0])
+    assert fired == []
+    connections.discard(channels[1])
+    assert fired == [None] and clock.getDelayedCalls() == []
+
+
+def test_closing_aborts_the_connections_still_open_at_the_timeout():
+    """Connections still open C{timeout} seconds after close() are aborted."""
+    clock = Clock()
+    connections = Connections(clock, Logger())
+    channel = FakeChannel()
+    connections.add(channel)
+    connections.close(10.0)
+    clock.advance(9.9)
+    assert not channel.transport.disconnected
+    clock.advance(0.1)
+    assert channel.transport.disconnected
+
+
+def test_a_refused_connection_is_aborted_as_soon_as_it_is_made():
+    """Refused aborts its transport (a TLS wrapper would leave a bare close open)."""
+    transport = StringTransport()
+    Refused().makeConnection(transport)
+    assert transport.disconnected and transport.value() == b""
+
+
+# -- KCoralChannel ------------------------------------------------------------------------------
+
+def test_a_refusal_is_answered_then_what_follows_discarded_until_the_linger_ends():
+    """refuse() writes its answer, closes the writing side, reads nothing more, aborts after the linger."""
+    clock = Clock()
+    wrapper, transport = connect(fake_site(clock))
+    channel = wrapper.wrappedProtocol
+    channel.refuse(b"the answer")
+    wrapper.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert transport.value() == b"the answer" and transport.disconnecting
+    clock.advance(LINGER_SECONDS - 0.1)
+    assert not transport.disconnected
+    clock.advance(0.1)
+    assert transport.disconnected
+
+
+def test_an_idle_connection_closes_at_once_when_asked():
+    """close_when_idle() closes a connection with no request in progress now."""
+    wrapper, transport = connect(fake_site(Clock()))
+    wrapper.wrappedProtocol.close_when_idle()
+    assert transport.disconnecting
+
+
+def test_a_busy_connection_closes_only_after_its_answer():
+    """close_when_idle() lets the request in progress finish, then closes."""
+    wrapper, transport = connect(fake_site(Clock()))
+    wrapper.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+    wrapper.wrappedProtocol.close_when_idle()
+    assert not transport.disconnecting
+    wrapper.dataReceived(b"def")
+    assert transport.value().endswith(b"got 6") and transport.disconnecting
+
+
+def test_a_lost_connection_leaves_the_site_and_its_timers():
+    """A lost connection is no longer among the site's channels, and leaves no timer behind."""
+    clock = Clock()
+    site = fake_site(clock, header_timeout=10.0)
+    wrapper, _ = connect(site)
+    channel = wrapper.wrappedProtocol
+    assert site.channels == {channel}
+    channel.refuse(b"no")
+    wrapper.connectionLost(Failure(ConnectionDone()))
+    assert site.channels == set() and clock.getDelayedCalls() == []
+
+
+# -- JSONBadRequest -----------------------------------------------------------------------------
+
+def test_the_json_400_before_any_request_has_a_fresh_id_and_is_counted():
+    """Twisted's bare 400 with no request yet becomes a JSON 400 with a new id, counted as 'other'."""
+    site = fake_site(Clock())
+    wrapper, transport = connect(site)
+    wrapper.write(TWISTED_BAD_REQUEST)
+    status, headers, body = parse_raw(transport.value())
+    assert status == 400 and len(headers["x-request-id"]) == 32
+    assert b'"bad_request"' in body
+    assert site.metrics.registry.get_sample_value(
+        "kcoral_http_requests_total", {"route": "other", "code": "400"}) == 1
+
+
+# -- KCoralSite ---------------------------------------------------------------------------------
+
+def test_the_site_wraps_each_channel_once():
+    """Each connection is a KCoralChannel under one JSONBadRequest, no other wrapper."""
+    wrapper = fake_site(Clock()).buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    assert type(wrapper) is JSONBadRequest and type(wrapper.wrappedProtocol) is KCoralChannel
+
+
+def test_past_its_cap_the_site_builds_refused_connections():
+    """With max_connections open, the site builds a Refused protocol for the next one."""
+    logged = Lines()
+    site = fake_site(Clock(), max_connections=1, log=logged.log)
+    connect(site)
+    assert isinstance(site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40001)), Refused)
+    assert logged.lines == [at_the_cap(1)]
