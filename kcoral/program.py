@@ -82,8 +82,10 @@ class Program:
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[np.ndarray]:
         """
-        The flat input arrays, checked against the program's signature so that a
-        mistake is reported here and not by the server.
+        The flat input arrays, converted as the program's C{Exported.call}
+        converts its arguments in this process (whose C{jax_enable_x64} decides
+        how 64-bit values and Python scalars canonicalize) and refused where it
+        refuses them, so that a mistake is reported here and not by the server.
         """
         import jax
 
@@ -91,22 +93,48 @@ class Program:
         if tree != self.exported.in_tree:
             raise ValueError(
                 f"arguments have structure {tree}, the program expects {self.exported.in_tree}")
-        arrays = []
-        for i, (leaf, aval) in enumerate(zip(leaves, self.exported.in_avals)):
-            array = np.asarray(leaf)
-            if array.dtype != aval.dtype:
-                raise ValueError(f"input {i} has dtype {array.dtype}, the program expects {aval.dtype}")
-            expected = aval.shape
-            if len(array.shape) != len(expected) or any(
-                    isinstance(d, int) and d != s for d, s in zip(expected, array.shape)):
-                raise ValueError(f"input {i} has shape {array.shape}, the program expects {expected}")
-            arrays.append(array)
-        return arrays
+        return [_input(i, leaf, aval)
+                for i, (leaf, aval) in enumerate(zip(leaves, self.exported.in_avals))]
 
     def unflatten_outputs(self, outputs: list[np.ndarray]):
         import jax
 
         return jax.tree.unflatten(self.exported.out_tree, outputs)
+
+
+def _input(index: int, leaf, expected) -> np.ndarray:
+    """One argument as the host array the program takes, or a ValueError."""
+    import jax
+
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == expected.dtype:
+        # Already of the program's type: sent as it is, even a 64-bit array
+        # from a process without x64, which could not make it a jax.Array.
+        array = np.asarray(leaf)
+    else:
+        try:
+            # JAX's own reading of an argument: its dtype canonicalized for
+            # this process's x64 setting, Python scalars weakly typed, an
+            # OverflowError for a Python int that does not fit.
+            dtype = jax.typeof(leaf).dtype
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"input {index}: {e}") from None
+        if dtype != expected.dtype:
+            hint = ""
+            if (isinstance(expected.dtype, np.dtype)
+                    and jax.dtypes.canonicalize_dtype(expected.dtype) != expected.dtype):
+                hint = (" (this process has jax_enable_x64 off: pass a numpy array "
+                        f"of dtype {expected.dtype}, or enable x64)")
+            raise ValueError(
+                f"input {index} has dtype {dtype}, the program expects {expected.dtype}{hint}")
+        # The same conversion as JAX's transfer to a device: a 64-bit numpy
+        # array without x64 wraps around to 32 bits; a CPU jax.Array is viewed,
+        # not copied.
+        array = np.asarray(leaf, dtype)
+    shape = expected.shape
+    if len(array.shape) != len(shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(shape, array.shape)):
+        raise ValueError(f"input {index} has shape {array.shape}, the program expects {shape}")
+    return array
 
 
 def _host_callbacks(function: Callable, args: tuple, kwargs: dict) -> list[str]:

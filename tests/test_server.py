@@ -150,6 +150,49 @@ async def test_dtypes_through_a_real_server(server, dtype):
     np.testing.assert_array_equal(total, (x[0] + x[1]))
 
 
+NEW_USER_ARGUMENTS = {
+    "int64": lambda: np.arange(6),
+    "float64": lambda: np.random.default_rng(0).standard_normal((2, 3)),
+    "complex128": lambda: np.arange(4) * (1 + 2j),
+    "python float": lambda: 3.0,
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEW_USER_ARGUMENTS))
+@pytest_twisted.ensureDeferred
+async def test_arguments_as_jax_takes_them(server, case):
+    """numpy's 64-bit defaults and a Python float run as jax.jit(exported.call) runs them in process."""
+    from kcoral import Program
+
+    x = NEW_USER_ARGUMENTS[case]()
+    program = Program.from_function(lambda v: v * 2 + 1, x)
+    expected = np.asarray(jax.jit(program.exported.call)(x))
+    got = await deferToThread(attempt, server.url, program, x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest_twisted.ensureDeferred
+async def test_jax_arrays_none_and_keywords_through_the_async_client(server):
+    """The AsyncClient takes jax.Arrays, None leaves and keyword scalars as Exported.call does."""
+    import jax.numpy as jnp
+
+    from kcoral import Program
+
+    def f(x, nothing, *, scale):
+        return x * scale
+
+    x = jnp.arange(6, dtype=jnp.float32)
+    program = Program.from_function(f, x, None, scale=1.0)
+    expected = np.asarray(jax.jit(program.exported.call)(x, None, scale=2.5))
+    client = AsyncClient(server.url)
+    try:
+        got = await client.run(program, x, None, scale=2.5)
+    finally:
+        await client.close()
+    np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "bfloat16", "bool",
                                    "float8_e4m3fn", "complex64"])
 @pytest_twisted.ensureDeferred
