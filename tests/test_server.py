@@ -193,6 +193,41 @@ async def test_jax_arrays_none_and_keywords_through_the_async_client(server):
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest_twisted.ensureDeferred
+async def test_typed_prng_keys(server, impl):
+    """A typed key in and keys out (split) give jax.jit(exported.call)'s numbers and keys."""
+    from kcoral import Program
+
+    def draw(key, scale):
+        key, sub = jax.random.split(key)
+        return key, jax.random.normal(sub, (2, 3)) * scale
+
+    key = jax.random.key(42, impl=impl)
+    program = Program.from_function(draw, key, 1.0)
+    expected_key, expected = jax.jit(program.exported.call)(key, 2.0)
+    got_key, got = await deferToThread(attempt, server.url, program, key, 2.0)
+    assert got_key.dtype == expected_key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(expected_key))
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, np.asarray(expected))
+
+
+@pytest_twisted.ensureDeferred
+async def test_key_data_that_is_no_key_is_rejected(server):
+    """Key data of an unknown key type, or of the wrong shape for its type, is answered 422."""
+    from kcoral import Program
+
+    program = Program.from_function(lambda k: jax.random.normal(k, (2,)), jax.random.key(0))
+    for key_type, data, message in [("nope", np.zeros(2, np.uint32), "unrecognized PRNG"),
+                                    ("threefry2x32", np.zeros(3, np.uint32), "key data")]:
+        parts, _ = encode_request(program.digest, program.serialized,
+                                  [(data, None, True)], [key_type])
+        answer = await post_run(server.url, b"".join(bytes(p) for p in parts))
+        assert answer.code == 422, answer.body
+        assert message in answer.error()["message"]
+
+
 @pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "bfloat16", "bool",
                                    "float8_e4m3fn", "complex64"])
 @pytest_twisted.ensureDeferred
