@@ -193,6 +193,39 @@ async def test_jax_arrays_none_and_keywords_through_the_async_client(server):
     np.testing.assert_array_equal(got, expected)
 
 
+def wide(i, f, c, u, *, third):
+    """64-bit arithmetic that 32 bits would get wrong."""
+    return {"i": i * (2**33 + 1), "f": f + 1e-12, "c": c * c, "u": u + np.uint64(2**63),
+            "third": third / 3}
+
+
+@pytest_twisted.ensureDeferred
+async def test_64_bit_programs_whatever_the_server_default(server, start_server):
+    """A program exported under x64 gives its 64-bit answers on servers started with x64 off or on."""
+    from kcoral import Program
+
+    args = (np.arange(3) + 2**40, np.array([1.0, 2.0]), np.array([1 + 2j, 3e-9j]),
+            np.arange(2, dtype=np.uint64))
+    with jax.enable_x64(True):
+        program = Program.from_function(wide, *args, third=1.0)
+        expected = jax.device_get(jax.jit(program.exported.call)(*args, third=1.0))
+    x64_off = await start_server(name="x64-off-server", env={"JAX_ENABLE_X64": "0"})
+
+    def run(url):
+        # A Python float for a 64-bit input: only under x64 is it a float64,
+        # as for Exported.call; the arrays are 64-bit numpy ones either way.
+        with jax.enable_x64(True):
+            return attempt(url, program, *args, third=1.0)
+
+    for url in (server.url, x64_off.url):
+        got = await deferToThread(run, url)
+        assert isinstance(got, dict), got
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert got[name].dtype == value.dtype and value.dtype.itemsize >= 8, name
+            assert got[name].tobytes() == value.tobytes(), name
+
+
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 @pytest_twisted.ensureDeferred
 async def test_typed_prng_keys(server, impl):

@@ -57,7 +57,11 @@ def _select_platform(gpus: str) -> None:
         jax.config.update("jax_platforms", "cpu")
     elif gpus != "all" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    # Exported programs carry their own types; serve 64-bit ones faithfully.
+    # Exported programs carry their own types; serve 64-bit ones faithfully,
+    # whatever JAX_ENABLE_X64 says. Process-wide and once, before any run:
+    # jax.enable_x64 is a thread-local context that every run thread would
+    # have to enter. A 32-bit program is unchanged by it, its inputs arriving
+    # with their exact dtypes.
     jax.config.update("jax_enable_x64", True)
 
 
