@@ -226,15 +226,17 @@ async def test_64_bit_programs_whatever_the_server_default(server, start_server)
             assert got[name].tobytes() == value.tobytes(), name
 
 
+def draw(key, scale):
+    """A typed key in, a key and random numbers out."""
+    key, sub = jax.random.split(key)
+    return key, jax.random.normal(sub, (2, 3)) * scale
+
+
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 @pytest_twisted.ensureDeferred
 async def test_typed_prng_keys(server, impl):
     """A typed key in and keys out (split) give jax.jit(exported.call)'s numbers and keys."""
     from kcoral import Program
-
-    def draw(key, scale):
-        key, sub = jax.random.split(key)
-        return key, jax.random.normal(sub, (2, 3)) * scale
 
     key = jax.random.key(42, impl=impl)
     program = Program.from_function(draw, key, 1.0)
