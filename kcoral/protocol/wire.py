@@ -269,7 +269,7 @@ def encode_request(program_digest: str, program: bytes | None,
     if program is not None:
         head["program"]["data"] = writer.add(program)
     head["inputs"] = [_describe(writer, a, d, inline, k)
-                      for (a, d, inline), k in zip(inputs, _each(key_types, len(inputs)))]
+                      for (a, d, inline), k in zip(inputs, _each(key_types, len(inputs)), strict=True)]
     return writer.finish(head)
 
 
@@ -277,7 +277,7 @@ def encode_result(outputs: Sequence[np.ndarray],
                   key_types: Sequence[str | None] = ()) -> tuple[list, int]:
     writer = FrameWriter()
     entries = [_describe(writer, wire_array(a), None, True, k)
-               for a, k in zip(outputs, _each(key_types, len(outputs)))]
+               for a, k in zip(outputs, _each(key_types, len(outputs)), strict=True)]
     return writer.finish({"outputs": entries})
 
 
