@@ -17,6 +17,18 @@ DEFAULT_PLATFORMS = ("cpu", "cuda")
 
 
 @attrs.frozen
+class Inputs:
+    """
+    The flat inputs of one call as they travel: host arrays and, beside each,
+    None or, for typed PRNG keys sent as their key data, their key type (the
+    name of their implementation, e.g. C{"threefry2x32"}).
+    """
+
+    arrays: list[np.ndarray]
+    key_types: list[str | None]
+
+
+@attrs.frozen
 class Program:
     """
     A serialized C{jax.export.Exported} plus what a client needs to call it:
@@ -80,10 +92,12 @@ class Program:
     def platforms(self) -> tuple[str, ...]:
         return tuple(self.exported.platforms)
 
-    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[np.ndarray]:
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> Inputs:
         """
-        The flat input arrays, checked against the program's signature so that a
-        mistake is reported here and not by the server.
+        The flat inputs, converted as the program's C{Exported.call}
+        converts its arguments in this process (whose C{jax_enable_x64} decides
+        how 64-bit values and Python scalars canonicalize) and refused where it
+        refuses them, so that a mistake is reported here and not by the server.
         """
         import jax
 
@@ -91,22 +105,63 @@ class Program:
         if tree != self.exported.in_tree:
             raise ValueError(
                 f"arguments have structure {tree}, the program expects {self.exported.in_tree}")
-        arrays = []
-        for i, (leaf, aval) in enumerate(zip(leaves, self.exported.in_avals)):
-            array = np.asarray(leaf)
-            if array.dtype != aval.dtype:
-                raise ValueError(f"input {i} has dtype {array.dtype}, the program expects {aval.dtype}")
-            expected = aval.shape
-            if len(array.shape) != len(expected) or any(
-                    isinstance(d, int) and d != s for d, s in zip(expected, array.shape)):
-                raise ValueError(f"input {i} has shape {array.shape}, the program expects {expected}")
-            arrays.append(array)
-        return arrays
+        converted = [_input(i, leaf, aval)
+                     for i, (leaf, aval) in enumerate(zip(leaves, self.exported.in_avals))]
+        return Inputs([array for array, _ in converted], [key for _, key in converted])
 
-    def unflatten_outputs(self, outputs: list[np.ndarray]):
+    def unflatten_outputs(self, outputs: list[np.ndarray], key_types: Sequence[str | None] = ()):
+        """The outputs in the program's structure; those with a key type (in
+        C{key_types}, one entry per output) are typed PRNG keys again."""
         import jax
 
+        if any(key_types):
+            outputs = [o if k is None else jax.random.wrap_key_data(jax.numpy.asarray(o), impl=k)
+                       for o, k in zip(outputs, key_types)]
         return jax.tree.unflatten(self.exported.out_tree, outputs)
+
+
+def _input(index: int, leaf, expected) -> tuple[np.ndarray, str | None]:
+    """One argument as the host array the program takes, with its key type
+    if it is typed PRNG keys, or a ValueError."""
+    import jax
+
+    key_type = None
+    if isinstance(leaf, (np.ndarray, np.generic)) and leaf.dtype == expected.dtype:
+        # Already of the program's type: sent as it is, even a 64-bit array
+        # from a process without x64, which could not make it a jax.Array.
+        array = np.asarray(leaf)
+        shape = array.shape
+    else:
+        try:
+            # JAX's own reading of an argument: its dtype canonicalized for
+            # this process's x64 setting, Python scalars weakly typed, an
+            # OverflowError for a Python int that does not fit.
+            aval = jax.typeof(leaf)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"input {index}: {e}") from None
+        dtype, shape = aval.dtype, aval.shape
+        if dtype != expected.dtype:
+            hint = ""
+            if (isinstance(expected.dtype, np.dtype)
+                    and jax.dtypes.canonicalize_dtype(expected.dtype) != expected.dtype):
+                hint = (" (this process has jax_enable_x64 off: pass a numpy array "
+                        f"of dtype {expected.dtype}, or enable x64)")
+            raise ValueError(
+                f"input {index} has dtype {dtype}, the program expects {expected.dtype}{hint}")
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            # NumPy has no key type: the keys travel as their raw key data
+            # and are wrapped again, with the same implementation, by the server.
+            array = np.asarray(jax.random.key_data(leaf))
+            key_type = str(jax.random.key_impl(leaf))
+        else:
+            # The same conversion as JAX's transfer to a device: a 64-bit
+            # numpy array without x64 wraps around to 32 bits; a CPU jax.Array
+            # is viewed, not copied.
+            array = np.asarray(leaf, dtype)
+    if len(shape) != len(expected.shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(expected.shape, shape)):
+        raise ValueError(f"input {index} has shape {shape}, the program expects {expected.shape}")
+    return array, key_type
 
 
 def _host_callbacks(function: Callable, args: tuple, kwargs: dict) -> list[str]:

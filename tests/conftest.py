@@ -78,14 +78,15 @@ async def module_processes():
 @pytest.fixture
 def start_server(processes):
     """
-    C{start_server(*extra_args, name="server")}: a Deferred that fires with a
-    L{tests.harness.RunningService} once a fresh C{kcoral server} is ready.
-    The server is stopped after the test.
+    C{start_server(*extra_args, name="server", env=None)}: a Deferred that
+    fires with a L{tests.harness.RunningService} once a fresh C{kcoral server}
+    is ready, C{env} added to its environment. The server is stopped after
+    the test.
     """
 
-    def start(*args: str, name: str = "server"):
+    def start(*args: str, name: str = "server", env: dict | None = None):
         return processes.start_service(server_args(*args), name=name, ready=SERVER_READY,
-                                       env=server_env())
+                                       env={**server_env(), **(env or {})})
 
     return start
 

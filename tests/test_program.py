@@ -113,9 +113,9 @@ def matmul():
 def test_inputs_are_checked_before_sending(matmul):
     """Inputs of a wrong dtype, shape or pytree structure raise ValueError when flattened."""
     w, x = np.ones((4, 3), np.float32), np.ones(3, np.float32)
-    assert len(matmul.flatten_inputs((w, x), {})) == 2
+    assert len(matmul.flatten_inputs((w, x), {}).arrays) == 2
     with pytest.raises(ValueError, match="dtype"):
-        matmul.flatten_inputs((w.astype(np.float64), x), {})
+        matmul.flatten_inputs((w.astype(np.int32), x), {})
     with pytest.raises(ValueError, match="shape"):
         matmul.flatten_inputs((np.ones((3, 4), np.float32), x), {})
     with pytest.raises(ValueError, match="shape"):
@@ -131,9 +131,167 @@ def test_symbolic_dimensions_accept_any_size():
     (n,) = export.symbolic_shape("n")
     program = Program.from_function(lambda v: v * 2, jax.ShapeDtypeStruct((n, 2), jnp.float32))
     for rows in (1, 5):
-        assert program.flatten_inputs((np.zeros((rows, 2), np.float32),), {})[0].shape == (rows, 2)
+        assert program.flatten_inputs((np.zeros((rows, 2), np.float32),), {}).arrays[0].shape == \
+            (rows, 2)
     with pytest.raises(ValueError, match="shape"):
         program.flatten_inputs((np.zeros((5, 3), np.float32),), {})
+
+
+# -- arguments as Exported.call takes them ------------------------------------
+
+def jax_accepts(program, *args, **kwargs) -> bool:
+    """Whether the program's own Exported.call, in this process, takes these arguments."""
+    try:
+        jax.jit(program.exported.call)(*args, **kwargs)
+    except (ValueError, TypeError, OverflowError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("example, expected", [
+    (np.arange(6), np.int32),
+    (np.linspace(0, 1, 6), np.float32),
+    (np.arange(6) * (1 + 2j), np.complex64),
+    (np.arange(6, dtype=np.uint64), np.uint32),
+    (np.float64(2.5), np.float32),
+    (np.int64(7), np.int32),
+    (2.5, np.float32),
+    (7, np.int32),
+    (2 - 1j, np.complex64),
+    (True, np.bool_),
+], ids=["int64", "float64", "complex128", "uint64", "np.float64", "np.int64", "float", "int",
+        "complex", "bool"])
+def test_arguments_are_canonicalized_as_jax_does_without_x64(example, expected):
+    """Without x64, 64-bit arrays and Python scalars become the 32-bit host arrays JAX makes of them."""
+    program = Program.from_function(lambda v: v * 2, example)
+    (array,) = program.flatten_inputs((example,), {}).arrays
+    assert isinstance(array, np.ndarray) and array.dtype == expected
+    assert array.dtype == program.exported.in_avals[0].dtype
+    np.testing.assert_array_equal(array, np.asarray(jnp.asarray(example)))
+    assert jax_accepts(program, example)
+
+
+@pytest.mark.parametrize("example, expected", [
+    (np.arange(6), np.int64), (np.linspace(0, 1, 6), np.float64),
+    (np.arange(6) * 1j, np.complex128), (2.5, np.float64), (7, np.int64),
+], ids=["int64", "float64", "complex128", "float", "int"])
+def test_nothing_is_narrowed_with_x64(example, expected):
+    """With x64, 64-bit arrays and Python scalars keep their 64-bit types; an array is not copied."""
+    with jax.enable_x64(True):
+        program = Program.from_function(lambda v: v * 2, example)
+        (array,) = program.flatten_inputs((example,), {}).arrays
+    assert array.dtype == expected
+    if isinstance(example, np.ndarray):
+        assert array is example
+
+
+def test_a_64_bit_array_runs_a_64_bit_program_without_x64():
+    """An array of the program's own 64-bit type is sent as it is, even without x64."""
+    x = np.array([2**40 + 1, -3])
+    with jax.enable_x64(True):
+        program = Program.from_function(lambda v: v * 2, x)
+    (array,) = program.flatten_inputs((x,), {}).arrays
+    assert array is x
+
+
+def test_64_bit_values_wrap_as_jax_wraps_them():
+    """An int64 array that does not fit int32 wraps around as JAX's own transfer wraps it, not refused."""
+    x = np.array([2**40 + 5, -(2**33) - 1, 7])
+    program = Program.from_function(lambda v: v, x)
+    (array,) = program.flatten_inputs((x,), {}).arrays
+    np.testing.assert_array_equal(array, np.asarray(jnp.asarray(x)))
+    assert jax_accepts(program, x)
+
+
+@pytest.mark.parametrize("example, argument, message", [
+    (np.int32(1), 2**40, "too large"),
+    (np.int32(1), 2.5, "dtype float32"),
+    (np.float32(1), 3, "dtype int32"),
+    (np.float32(1), True, "dtype bool"),
+    (np.int32(1), np.uint32(3), "dtype uint32"),
+    (np.float32(1), "text", "not a valid JAX type"),
+], ids=["int overflow", "float for int", "int for float", "bool for float", "uint for int",
+        "string"])
+def test_what_jax_refuses_is_refused(example, argument, message):
+    """An argument Exported.call refuses (an int that does not fit, another kind of type) is a ValueError."""
+    program = Program.from_function(lambda v: v, example)
+    assert not jax_accepts(program, argument)
+    with pytest.raises(ValueError, match=message):
+        program.flatten_inputs((argument,), {})
+
+
+def test_a_64_bit_program_without_x64_says_how_to_call_it():
+    """A 32-bit argument for a 64-bit program, without x64, is refused with a word about x64."""
+    with jax.enable_x64(True):
+        program = Program.from_function(lambda v: v, 2.5)
+    with pytest.raises(ValueError, match="expects float64 .*jax_enable_x64 off"):
+        program.flatten_inputs((2.5,), {})
+
+
+def test_a_cpu_jax_array_is_not_copied():
+    """A jax.Array on the CPU is sent from its own buffer, and one of another dtype is converted."""
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    program = Program.from_function(lambda v: v.sum(), x)
+    (array,) = program.flatten_inputs((x,), {}).arrays
+    assert np.shares_memory(array, np.asarray(x))
+    with pytest.raises(ValueError, match="dtype int32"):
+        program.flatten_inputs((x.astype(jnp.int32),), {})
+
+
+def test_none_leaves_and_keyword_arguments():
+    """None leaves and keyword arguments are taken where the program's in_tree has them, refused elsewhere."""
+    def f(x, nothing, *, scale, extra=None):
+        return x * scale
+
+    x, scale = np.ones(3, np.float32), np.float32(2)
+    program = Program.from_function(f, x, None, scale=scale, extra=None)
+    arrays = program.flatten_inputs((x, None), {"scale": 2.0, "extra": None}).arrays
+    assert [a.dtype for a in arrays] == [np.float32, np.float32]
+    assert jax_accepts(program, x, None, scale=2.0, extra=None)
+    for args, kwargs in [((x, x), {"scale": scale, "extra": None}),
+                         ((x, None), {"scale": scale}),
+                         ((x, None, None), {"scale": scale, "extra": None})]:
+        assert not jax_accepts(program, *args, **kwargs)
+        with pytest.raises(ValueError, match="structure"):
+            program.flatten_inputs(args, kwargs)
+
+
+@pytest.mark.parametrize("impl, count", [("threefry2x32", None), ("rbg", 3)])
+def test_typed_keys_travel_as_key_data_with_their_key_type(impl, count):
+    """Typed PRNG keys are sent as their key data, named by their implementation; other inputs have none."""
+    keys = jax.random.key(7, impl=impl)
+    if count:
+        keys = jax.random.split(keys, count)
+    program = Program.from_function(lambda k, n: jax.random.key_data(k) * n, keys, 1)
+    inputs = program.flatten_inputs((keys, 2), {})
+    assert inputs.key_types == [impl, None]
+    np.testing.assert_array_equal(inputs.arrays[0], jax.random.key_data(keys))
+    call = RunCall.prepare(program, (keys, 2), {})
+    run = decode_request(b"".join(bytes(p) for p in call.send(set(), None).parts))
+    assert [spec.key_type for spec in run.inputs] == [impl, None]
+
+
+def test_keys_are_checked_like_other_inputs():
+    """Keys of another implementation or shape, or raw key data, are refused as Exported.call refuses them."""
+    key = jax.random.key(0)
+    program = Program.from_function(lambda k: jax.random.normal(k, (2,)), key)
+    for wrong, message in [(jax.random.key(0, impl="rbg"), "dtype key<rbg>"),
+                           (jax.random.split(key), "shape"),
+                           (jax.random.key_data(key), "dtype uint32")]:
+        assert not jax_accepts(program, wrong)
+        with pytest.raises(ValueError, match=message):
+            program.flatten_inputs((wrong,), {})
+
+
+def test_key_outputs_are_keys_again():
+    """Outputs that arrive with a key type are typed keys of that implementation in the result."""
+    key = jax.random.key(3)
+    program = Program.from_function(lambda k: (jax.random.split(k), jnp.float32(1)), key)
+    data = np.asarray(jax.random.key_data(jax.random.split(key)))
+    keys, one = program.unflatten_outputs([data, np.float32(1)], ["threefry2x32", None])
+    assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(keys), data)
+    assert one == 1
 
 
 # -- pytrees -------------------------------------------------------------------

@@ -33,7 +33,7 @@ from tests import programs
 from tests.conftest import TEST_GPUS, server_args, server_env
 from tests.harness import LISTENING, START_TIMEOUT, ChildProcess, RunningService, kcoral_argv, until
 from tests.httputil import parse_raw, post_run, raw_exchange, request
-from tests.test_server import assert_tree_close, metrics, run_frame, sample
+from tests.test_server import NEW_USER_ARGUMENTS, assert_tree_close, draw, metrics, run_frame, sample
 
 pytestmark = pytest.mark.integration
 
@@ -214,6 +214,27 @@ async def test_two_nodes_serve_programs(deployment, affine):
     assert sum(served.values()) == 8 and all(count >= 1 for count in served.values()), served
     health = await router_health(router)
     assert health["active"] == 0 and health["queued"] == 0
+
+
+@pytest_twisted.ensureDeferred
+async def test_arguments_as_jax_takes_them_through_the_router(deployment):
+    """numpy's 64-bit defaults, a Python float and a typed key run through a Router as in process."""
+    key = jax.random.key(5)
+    cases = [(lambda v: v * 2 + 1, (make(),)) for make in NEW_USER_ARGUMENTS.values()]
+    cases.append((draw, (key, 2.0)))
+    client = AsyncClient(deployment.router.url, busy_timeout=30)
+    try:
+        for function, args in cases:
+            program = Program.from_function(function, *args)
+            expected = jax.tree.leaves(jax.jit(program.exported.call)(*args))
+            got = jax.tree.leaves(await client.run(program, *args))
+            assert [g.dtype for g in got] == [e.dtype for e in expected]
+            for g, e in zip(got, expected):
+                if jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key):
+                    g, e = jax.random.key_data(g), jax.random.key_data(e)
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    finally:
+        await client.close()
 
 
 async def metrics_of(url: str) -> dict:

@@ -150,6 +150,119 @@ async def test_dtypes_through_a_real_server(server, dtype):
     np.testing.assert_array_equal(total, (x[0] + x[1]))
 
 
+NEW_USER_ARGUMENTS = {
+    "int64": lambda: np.arange(6),
+    "float64": lambda: np.random.default_rng(0).standard_normal((2, 3)),
+    "complex128": lambda: np.arange(4) * (1 + 2j),
+    "python float": lambda: 3.0,
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEW_USER_ARGUMENTS))
+@pytest_twisted.ensureDeferred
+async def test_arguments_as_jax_takes_them(server, case):
+    """numpy's 64-bit defaults and a Python float run as jax.jit(exported.call) runs them in process."""
+    from kcoral import Program
+
+    x = NEW_USER_ARGUMENTS[case]()
+    program = Program.from_function(lambda v: v * 2 + 1, x)
+    expected = np.asarray(jax.jit(program.exported.call)(x))
+    got = await deferToThread(attempt, server.url, program, x)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest_twisted.ensureDeferred
+async def test_jax_arrays_none_and_keywords_through_the_async_client(server):
+    """The AsyncClient takes jax.Arrays, None leaves and keyword scalars as Exported.call does."""
+    import jax.numpy as jnp
+
+    from kcoral import Program
+
+    def f(x, nothing, *, scale):
+        return x * scale
+
+    x = jnp.arange(6, dtype=jnp.float32)
+    program = Program.from_function(f, x, None, scale=1.0)
+    expected = np.asarray(jax.jit(program.exported.call)(x, None, scale=2.5))
+    client = AsyncClient(server.url)
+    try:
+        got = await client.run(program, x, None, scale=2.5)
+    finally:
+        await client.close()
+    np.testing.assert_array_equal(got, expected)
+
+
+def wide(i, f, c, u, *, third):
+    """64-bit arithmetic that 32 bits would get wrong."""
+    return {"i": i * (2**33 + 1), "f": f + 1e-12, "c": c * c, "u": u + np.uint64(2**63),
+            "third": third / 3}
+
+
+@pytest_twisted.ensureDeferred
+async def test_64_bit_programs_whatever_the_server_default(server, start_server):
+    """A program exported under x64 gives its 64-bit answers on servers started with x64 off or on."""
+    from kcoral import Program
+
+    args = (np.arange(3) + 2**40, np.array([1.0, 2.0]), np.array([1 + 2j, 3e-9j]),
+            np.arange(2, dtype=np.uint64))
+    with jax.enable_x64(True):
+        program = Program.from_function(wide, *args, third=1.0)
+        expected = jax.device_get(jax.jit(program.exported.call)(*args, third=1.0))
+    x64_off = await start_server(name="x64-off-server", env={"JAX_ENABLE_X64": "0"})
+
+    def run(url):
+        # A Python float for a 64-bit input: only under x64 is it a float64,
+        # as for Exported.call; the arrays are 64-bit numpy ones either way.
+        with jax.enable_x64(True):
+            return attempt(url, program, *args, third=1.0)
+
+    for url in (server.url, x64_off.url):
+        got = await deferToThread(run, url)
+        assert isinstance(got, dict), got
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert got[name].dtype == value.dtype and value.dtype.itemsize >= 8, name
+            assert got[name].tobytes() == value.tobytes(), name
+
+
+def draw(key, scale):
+    """A typed key in, a key and random numbers out."""
+    key, sub = jax.random.split(key)
+    return key, jax.random.normal(sub, (2, 3)) * scale
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest_twisted.ensureDeferred
+async def test_typed_prng_keys(server, impl):
+    """A typed key in and keys out (split) give jax.jit(exported.call)'s numbers and keys."""
+    from kcoral import Program
+
+    key = jax.random.key(42, impl=impl)
+    program = Program.from_function(draw, key, 1.0)
+    expected_key, expected = jax.jit(program.exported.call)(key, 2.0)
+    got_key, got = await deferToThread(attempt, server.url, program, key, 2.0)
+    assert got_key.dtype == expected_key.dtype
+    np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(expected_key))
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, np.asarray(expected))
+
+
+@pytest_twisted.ensureDeferred
+async def test_key_data_that_is_no_key_is_rejected(server):
+    """Key data of an unknown key type, or of the wrong shape for its type, is answered 422."""
+    from kcoral import Program
+
+    program = Program.from_function(lambda k: jax.random.normal(k, (2,)), jax.random.key(0))
+    for key_type, data, message in [("nope", np.zeros(2, np.uint32), "unrecognized PRNG"),
+                                    ("threefry2x32", np.zeros(3, np.uint32), "key data")]:
+        parts, _ = encode_request(program.digest, program.serialized,
+                                  [(data, None, True)], [key_type])
+        answer = await post_run(server.url, b"".join(bytes(p) for p in parts))
+        assert answer.code == 422, answer.body
+        assert message in answer.error()["message"]
+
+
 @pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "bfloat16", "bool",
                                    "float8_e4m3fn", "complex64"])
 @pytest_twisted.ensureDeferred

@@ -21,6 +21,7 @@ from kcoral.protocol.wire import (
     MAGIC,
     PREFIX,
     WireError,
+    decode_outputs,
     decode_request,
     decode_result,
     encode_request,
@@ -322,6 +323,15 @@ GOOD_REQUEST = join(encode_request(sha256(b"p"), b"p", [
     (frame({"program": {"digest": "a" * 64},
             "inputs": [{"dtype": "float32", "shape": [1], "digest": "b" * 64, "x": 1}]}), "unknown field"),
     (frame({"program": {"digest": "a" * 64},
+            "inputs": [{"dtype": "uint32", "shape": [2], "digest": "b" * 64, "key_type": ""}]}),
+     "key_type"),
+    (frame({"program": {"digest": "a" * 64},
+            "inputs": [{"dtype": "uint32", "shape": [2], "digest": "b" * 64, "key_type": 3}]}),
+     "key_type"),
+    (frame({"program": {"digest": "a" * 64},
+            "inputs": [{"dtype": "uint32", "shape": [2], "digest": "b" * 64,
+                        "key_type": "threefry/2x32"}]}), "key_type"),
+    (frame({"program": {"digest": "a" * 64},
             "inputs": [{"dtype": "float32", "shape": [-1], "digest": "b" * 64}]}), "dimension"),
     (frame({"program": {"digest": "a" * 64},
             "inputs": [{"dtype": "float32", "shape": [1.0], "digest": "b" * 64}]}), "dimension"),
@@ -359,6 +369,19 @@ def test_deeply_nested_json_header():
     text = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(WireError):
         decode_request(PREFIX.pack(MAGIC, len(text)) + text)
+
+
+def test_key_types_travel_with_inputs_and_outputs():
+    """An input's or output's key type comes out of the frame as it went in; other arrays have none."""
+    data, plain = np.zeros((3, 2), np.uint32), np.ones(2, np.float32)
+    inputs = [(wire_array(data), None, True), (wire_array(plain), None, True)]
+    run = decode_request(join(encode_request(sha256(b"p"), b"p", inputs, ["threefry2x32", None])))
+    assert [spec.key_type for spec in run.inputs] == ["threefry2x32", None]
+    assert run.inputs[0].view(run.inputs[0].blob.data).shape == (3, 2)
+    arrays, key_types = decode_outputs(join(encode_result([plain, data], [None, "rbg"])))
+    assert key_types == [None, "rbg"]
+    assert same(arrays[1], data)
+    assert decode_outputs(join(encode_result([plain])))[1] == [None]
 
 
 def test_result_frames_need_outputs_with_data():

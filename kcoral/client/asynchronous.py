@@ -91,7 +91,9 @@ class AsyncClient:
 
 def _small(args, kwargs) -> bool:
     import jax
-    import numpy as np
 
+    # From nbytes, not np.asarray: that would copy a GPU array to the host on
+    # the reactor's thread, and fails for a typed PRNG key. Python scalars
+    # have no nbytes, and are small.
     leaves = jax.tree.leaves((args, kwargs))
-    return sum(np.asarray(leaf).nbytes for leaf in leaves) < _THREAD_BYTES
+    return sum(getattr(leaf, "nbytes", 0) for leaf in leaves) < _THREAD_BYTES

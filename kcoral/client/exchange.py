@@ -21,7 +21,7 @@ from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
     PROGRAM_HEADER,
     REQUEST_CONTENT_TYPE,
-    decode_result,
+    decode_outputs,
     encode_request,
     sha256,
     wire_array,
@@ -59,13 +59,15 @@ class RunCall:
     program: Program
     arrays: list[np.ndarray]
     digests: list[str | None]
+    key_types: list[str | None]
 
     @classmethod
     def prepare(cls, program: Program, args: tuple, kwargs: dict) -> RunCall:
         """Check and flatten the inputs, hashing the large ones (may block)."""
-        arrays = [wire_array(a) for a in program.flatten_inputs(args, kwargs)]
+        inputs = program.flatten_inputs(args, kwargs)
+        arrays = [wire_array(a) for a in inputs.arrays]
         digests = [sha256(a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None for a in arrays]
-        return cls(program, arrays, digests)
+        return cls(program, arrays, digests, inputs.key_types)
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +76,7 @@ class RunCall:
     def send(self, held: set[str], request_id: str | None) -> Send:
         program = None if self.program.digest in held else self.program.serialized
         inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
-        parts, length = encode_request(self.program.digest, program, inputs)
+        parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
         if request_id:
             headers["X-Request-ID"] = request_id
@@ -107,7 +109,7 @@ def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
         assert response is not None
         if response.status == 200:
             held.update(call.content_digests())
-            return call.program.unflatten_outputs(decode_result(response.body))
+            return call.program.unflatten_outputs(*decode_outputs(response.body))
         error = _error(response)
         if isinstance(error, MissingContent) and not resent:
             # The server lost content we thought it held (a restart, an

@@ -41,6 +41,8 @@ PROGRAM_HEADER = "X-KCoral-Program"
 CACHE_THRESHOLD_BYTES = 64 * 1024
 
 _DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
+#: The name of a PRNG implementation, as C{jax.random.key_impl} gives it.
+_KEY_TYPE = re.compile(r"\A[A-Za-z0-9_]{1,64}\Z")
 
 
 class WireError(ValueError):
@@ -72,9 +74,15 @@ class Blob:
 
 @attrs.frozen
 class ArraySpec:
+    """
+    One array of a frame. With a C{key_type}, the array is the key data of
+    typed PRNG keys of that implementation (C{jax.random.key_data}).
+    """
+
     dtype: np.dtype
     shape: tuple[int, ...]
     blob: Blob
+    key_type: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -189,9 +197,12 @@ def _shape(value: object, what: str) -> tuple[int, ...]:
 def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
     if not isinstance(entry, dict):
         raise WireError(f"{what} must be a JSON object")
-    unknown = set(entry) - {"dtype", "shape", "data", "digest"}
+    unknown = set(entry) - {"dtype", "shape", "data", "digest", "key_type"}
     if unknown:
         raise WireError(f"{what}: unknown field {sorted(unknown)[0][:40]!r}")
+    key_type = entry.get("key_type")
+    if key_type is not None and not (isinstance(key_type, str) and _KEY_TYPE.match(key_type)):
+        raise WireError(f"{what}: key_type must be 1 to 64 letters, digits or underscores")
     try:
         dtype = dtype_from_name(entry.get("dtype"))
     except UnknownDType as e:
@@ -202,7 +213,7 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
         extent *= max(dim, 1)
         if extent > MAX_EXTENT_BYTES:
             raise WireError(f"{what}: shape {list(shape)[:8]} is too large")
-    spec = ArraySpec(dtype, shape, _blob(payload, entry, what, digest_required=False))
+    spec = ArraySpec(dtype, shape, _blob(payload, entry, what, digest_required=False), key_type)
     if spec.blob.data is not None:
         spec.view(spec.blob.data)  # checks the length against the shape
     return spec
@@ -225,8 +236,10 @@ def decode_request(body) -> RunRequest:
 
 
 def _describe(writer: FrameWriter, array: np.ndarray, digest: str | None,
-              inline: bool) -> dict:
+              inline: bool, key_type: str | None) -> dict:
     entry = {"dtype": name_of(array.dtype), "shape": list(array.shape)}
+    if key_type is not None:
+        entry["key_type"] = key_type
     if digest is not None:
         entry["digest"] = digest
     if inline:
@@ -244,34 +257,49 @@ def wire_array(array) -> np.ndarray:
 
 
 def encode_request(program_digest: str, program: bytes | None,
-                   inputs: Sequence[tuple[np.ndarray, str | None, bool]]) -> tuple[list, int]:
+                   inputs: Sequence[tuple[np.ndarray, str | None, bool]],
+                   key_types: Sequence[str | None] = ()) -> tuple[list, int]:
     """
     Frame a run. Each input is C{(array, digest or None, send inline)}; the
-    arrays must already be L{wire_array}s.
+    arrays must already be L{wire_array}s. C{key_types}, when given, has one
+    entry per input: the key type of an input that is key data, else None.
     """
     writer = FrameWriter()
     head: dict = {"program": {"digest": program_digest}}
     if program is not None:
         head["program"]["data"] = writer.add(program)
-    head["inputs"] = [_describe(writer, a, d, inline) for a, d, inline in inputs]
+    head["inputs"] = [_describe(writer, a, d, inline, k)
+                      for (a, d, inline), k in zip(inputs, _each(key_types, len(inputs)), strict=True)]
     return writer.finish(head)
 
 
-def encode_result(outputs: Iterable[np.ndarray]) -> tuple[list, int]:
+def encode_result(outputs: Sequence[np.ndarray],
+                  key_types: Sequence[str | None] = ()) -> tuple[list, int]:
     writer = FrameWriter()
-    entries = [_describe(writer, wire_array(a), None, True) for a in outputs]
+    entries = [_describe(writer, wire_array(a), None, True, k)
+               for a, k in zip(outputs, _each(key_types, len(outputs)), strict=True)]
     return writer.finish({"outputs": entries})
 
 
-def decode_result(body) -> list[np.ndarray]:
+def _each(key_types: Sequence[str | None], count: int) -> Iterable[str | None]:
+    return key_types or [None] * count
+
+
+def decode_outputs(body) -> tuple[list[np.ndarray], list[str | None]]:
+    """The output arrays of a result frame, and beside each its key type or None."""
     header, payload = read_frame(body)
     outputs = header.get("outputs")
     if not isinstance(outputs, list):
         raise WireError("result frame lacks an 'outputs' list")
-    arrays = []
+    arrays, key_types = [], []
     for i, entry in enumerate(outputs):
         spec = _array_spec(payload, entry, f"output {i}")
         if spec.blob.data is None:
             raise WireError(f"output {i} has no data")
         arrays.append(spec.view(spec.blob.data))
-    return arrays
+        key_types.append(spec.key_type)
+    return arrays, key_types
+
+
+def decode_result(body) -> list[np.ndarray]:
+    return decode_outputs(body)[0]

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 from kcoral.server.upload_cache import CacheMetrics, EvictingLRU
+
+T = TypeVar("T")
 
 
 class CompileCache:
@@ -31,8 +34,9 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def get_or_compile(self, key: Hashable, compile: Callable[[], object]) -> tuple[object, bool]:
-        """The executable for C{key}, and whether this call compiled it."""
+    def get_or_compile(self, key: Hashable, compile: Callable[[], T]) -> tuple[T, bool]:
+        """What C{compile} gives for C{key} (held since an earlier call, or
+        compiled now), and whether this call compiled it."""
         m = self._metrics
         with self._lock:
             found = self._lru.get(key)

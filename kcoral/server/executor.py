@@ -7,6 +7,7 @@ and L{Executor.execute} from worker threads, never from the reactor.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -56,7 +57,11 @@ def _select_platform(gpus: str) -> None:
         jax.config.update("jax_platforms", "cpu")
     elif gpus != "all" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
-    # Exported programs carry their own types; serve 64-bit ones faithfully.
+    # Exported programs carry their own types; serve 64-bit ones faithfully,
+    # whatever JAX_ENABLE_X64 says. Process-wide and once, before any run:
+    # jax.enable_x64 is a thread-local context that every run thread would
+    # have to enter. A 32-bit program is unchanged by it, its inputs arriving
+    # with their exact dtypes.
     jax.config.update("jax_enable_x64", True)
 
 
@@ -134,7 +139,7 @@ class Executor:
                 self._programs[digest] = exported
         return exported
 
-    def _check_signature(self, exported, arrays: list[np.ndarray]) -> None:
+    def _check_signature(self, exported, run: RunRequest, arrays: list[np.ndarray]) -> None:
         assert self.info is not None, "load() comes first"
         platform = self.info.platform
         if platform not in exported.platforms:
@@ -143,13 +148,22 @@ class Executor:
                 f"this server runs {platform}")
         if len(arrays) != len(exported.in_avals):
             raise ProgramRejected(f"the program takes {len(exported.in_avals)} inputs, got {len(arrays)}")
-        for i, (array, aval) in enumerate(zip(arrays, exported.in_avals)):
-            if np.dtype(aval.dtype) != array.dtype:
-                raise ProgramRejected(f"input {i} has dtype {array.dtype}, the program expects {aval.dtype}")
-            if len(aval.shape) != array.ndim or any(
-                    isinstance(d, int) and d != s for d, s in zip(aval.shape, array.shape)):
+        for i, (spec, array, aval) in enumerate(zip(run.inputs, arrays, exported.in_avals)):
+            dtype, shape = array.dtype, array.shape
+            if spec.key_type is not None:
+                try:
+                    keys = _keys_of(spec.key_type, shape, dtype)
+                except (TypeError, ValueError) as e:
+                    raise ProgramRejected(
+                        f"input {i}: {list(shape)} {dtype} is not the key data of "
+                        f"{spec.key_type!r} keys ({_first_line(e)[:120]})") from None
+                dtype, shape = keys.dtype, keys.shape
+            if aval.dtype != dtype:
+                raise ProgramRejected(f"input {i} has dtype {dtype}, the program expects {aval.dtype}")
+            if len(aval.shape) != len(shape) or any(
+                    isinstance(d, int) and d != s for d, s in zip(aval.shape, shape)):
                 raise ProgramRejected(
-                    f"input {i} has shape {list(array.shape)}, the program expects {aval.shape}")
+                    f"input {i} has shape {list(shape)}, the program expects {aval.shape}")
 
     def execute(self, run: RunRequest, request_id: str) -> bytes:
         import jax
@@ -167,25 +181,40 @@ class Executor:
         except WireError as e:
             raise BadRequest(str(e)) from None
         exported = self._exported(digest, serialized)
-        self._check_signature(exported, arrays)
+        self._check_signature(exported, run, arrays)
+        key_types = tuple([spec.key_type for spec in run.inputs])
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature
         # check above already told them apart; this key must too).
-        key = (digest, tuple((a.shape, a.dtype) for a in arrays), self._device.id)
+        key = (digest, tuple((a.shape, a.dtype) for a in arrays), key_types, self._device.id)
 
         def compile():
             started = time.perf_counter()
-            args, kwargs = jax.tree.unflatten(
-                exported.in_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+            out_key_types: list[str | None] = []
+
+            def call(*flat):
+                # Typed PRNG keys travel as their key data: inputs become keys
+                # again inside the compiled program, at no cost on each run,
+                # and key outputs leave it as key data, their key types noted
+                # as it is traced.
+                flat = tuple(a if k is None else jax.random.wrap_key_data(a, impl=k)
+                             for a, k in zip(flat, key_types))
+                args, kwargs = jax.tree.unflatten(exported.in_tree, flat)
+                outputs = jax.tree.leaves(exported.call(*args, **kwargs))
+                out_key_types[:] = [str(jax.random.key_impl(o)) if _is_key(o) else None
+                                    for o in outputs]
+                return [jax.random.key_data(o) if _is_key(o) else o for o in outputs]
+
             try:
-                compiled = jax.jit(exported.call).lower(*args, **kwargs).compile()
+                compiled = jax.jit(call).lower(
+                    *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
             except Exception as e:
                 raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
             self._metrics.compile_seconds.observe(time.perf_counter() - started)
-            return compiled
+            return compiled, tuple(out_key_types)
 
         try:
-            executable, fresh = self._compiled.get_or_compile(key, compile)
+            (executable, result_key_types), fresh = self._compiled.get_or_compile(key, compile)
         except ProgramRejected:
             self._metrics.executions.labels("rejected").inc()
             raise
@@ -195,7 +224,7 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, exported, run, arrays)
+                outputs = self._call(executable, run, arrays)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -204,17 +233,17 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, exported, run, arrays)
+                outputs = self._call(executable, run, arrays)
         except Exception as e:
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
         self._metrics.execution_seconds.observe(time.perf_counter() - started)
         self._ran_ok.inc()
-        parts, _ = encode_result(np.asarray(o) for o in outputs)
+        parts, _ = encode_result([np.asarray(o) for o in outputs], result_key_types)
         return b"".join(parts)
 
 
-    def _call(self, executable, exported, run: RunRequest, arrays: list[np.ndarray]) -> list:
+    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray]) -> list:
         """The outputs of one run, as host arrays."""
         import jax
 
@@ -228,12 +257,27 @@ class Executor:
         arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
                   else self._placed.get(spec.blob.digest, array, self._device)
                   for spec, array in zip(run.inputs, arrays)]
-        call_args, call_kwargs = jax.tree.unflatten(exported.in_tree, arrays)
-        outputs = jax.tree.leaves(executable(*call_args, **call_kwargs))
+        outputs = executable(*arrays)
         # jax.device_get overlaps the copies of several outputs; for the
         # common single output, np.asarray is the same copy without its tree
         # walk.
         return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+
+
+def _is_key(value) -> bool:
+    import jax
+
+    return jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+@functools.lru_cache(maxsize=256)
+def _keys_of(key_type: str, shape: tuple[int, ...], dtype: np.dtype):
+    """The abstract typed keys of C{key_type} over key data of this shape and
+    dtype; a ValueError or TypeError when there are none."""
+    import jax
+
+    return jax.eval_shape(functools.partial(jax.random.wrap_key_data, impl=key_type),
+                          jax.ShapeDtypeStruct(shape, dtype))
 
 
 def _out_of_memory(error: Exception) -> bool:
