@@ -1,17 +1,21 @@
 # The two commands a new machine needs: `make demo` and `make test`; `make lint`
-# checks style and types.
+# checks style and types, `make docs` builds the documentation site.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The site needs Sphinx, not JAX: its own extra, in the same venv.
+DOCS_STAMP := $(VENV)/.docs-stamp
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test lint docs install bench clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): EXTRAS = jax,test,lint
+$(DOCS_STAMP): EXTRAS = docs
+$(STAMP) $(DOCS_STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[jax,test,lint]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet --config-settings editable_mode=compat -e '.[$(EXTRAS)]'
+	touch $@
 
 install: $(STAMP)
 
@@ -25,8 +29,12 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# Warnings are errors, references are checked (-n), and nothing is fetched.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -W --keep-going -n -b html doc doc/_build/html
+
 bench: $(STAMP)
 	$(PY) bench/server.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache doc/_build

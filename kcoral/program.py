@@ -68,6 +68,7 @@ class Program:
 
     @classmethod
     def from_exported(cls, exported) -> Program:
+        """The program of a C{jax.export.Exported} made by the caller."""
         try:
             serialized = bytes(exported.serialize())
         except Exception as e:
@@ -79,6 +80,7 @@ class Program:
 
     @classmethod
     def from_bytes(cls, serialized: bytes) -> Program:
+        """The program of C{serialized}, the bytes of an earlier one's C{serialized}."""
         from jax import export
 
         serialized = bytes(serialized)
@@ -90,6 +92,7 @@ class Program:
 
     @property
     def platforms(self) -> tuple[str, ...]:
+        """The platforms it was exported for (C{"cpu"}, C{"cuda"} ...)."""
         return tuple(self.exported.platforms)
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> Inputs:
