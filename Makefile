@@ -31,7 +31,7 @@ lint: $(STAMP)
 
 # Warnings are errors, references are checked (-n), and nothing is fetched.
 docs: $(DOCS_STAMP)
-	$(PY) -m sphinx -W --keep-going -n -b html doc doc/_build/html
+	$(PY) -m sphinx -E -W --keep-going -n -b html doc doc/_build/html
 
 bench: $(STAMP)
 	$(PY) bench/server.py

@@ -24,6 +24,13 @@ _THREAD_BYTES = 1 << 20
 
 
 class AsyncClient:
+    """
+    The client of L{kcoral.Client} on treq, for programs that run a Twisted
+    reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
+    mean what they mean there; C{pool} is the treq connection pool to use
+    (by default one of its own, kept alive between runs).
+    """
+
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
                  reactor=None, pool: HTTPConnectionPool | None = None):
         if reactor is None:
@@ -65,6 +72,11 @@ class AsyncClient:
 
     @inlineCallbacks
     def run(self, program, *args, request_id: str | None = None, **kwargs):
+        """
+        A Deferred of C{program}'s outputs for C{args} and C{kwargs}, in the
+        structure the program returns; it fails with the L{kcoral.errors.KCoralError}
+        of the answer. Large inputs are hashed and framed in a thread.
+        """
         call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
             (yield deferToThread(RunCall.prepare, program, args, kwargs))
         steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
@@ -83,6 +95,7 @@ class AsyncClient:
 
     @inlineCallbacks
     def health(self):
+        """A Deferred of the service's C{/health}, as a dict."""
         answer = yield self._request("GET", "/health", None)
         if answer.status is None:
             raise ConnectionError(f"could not reach {self.url}: {answer.problem}")

@@ -63,6 +63,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Close the connection (a later call opens a new one)."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
