@@ -256,6 +256,31 @@ async def test_status_command_prints_a_row_per_node(deployment, processes):
 
 
 @pytest_twisted.ensureDeferred
+async def test_status_json_holds_health_and_nodes(deployment, processes):
+    """kcoral status --json prints one JSON object: the Router's /health and its nodes."""
+    child = processes.spawn(kcoral_argv("status", "--router", deployment.router.url, "--json"),
+                            name="status-json")
+    assert await child.exited(60) == 0, child.tail()
+    pool = json.loads("\n".join(child.output.lines))
+    assert pool["health"]["status"] == "ok" and pool["health"]["capacity"] == 4
+    assert sorted(node["node_id"] for node in pool["nodes"]) == ["node-a", "node-b"]
+    assert {node["state"] for node in pool["nodes"]} == {"ready"}
+
+
+@pytest_twisted.ensureDeferred
+async def test_status_watch_prints_the_pool_until_interrupted(deployment, processes):
+    """kcoral status --watch prints the table again every interval, and Ctrl+C ends it with 0."""
+    child = processes.spawn(kcoral_argv("status", "--router", deployment.router.url, "--watch",
+                                        "--interval", "0.2"), name="status-watch")
+    summary = r"^router ok: capacity 4, active \d+, queued \d+$"
+    first = await child.wait_for_line(summary, 60)
+    await child.wait_for_line(summary, 30, since=child.output.lines.index(first.string) + 1)
+    child.signal("INT")
+    assert await child.exited(30) == 0, child.tail()
+    assert len(child.matching(r"^NODE\s+STATE")) >= 2
+
+
+@pytest_twisted.ensureDeferred
 async def test_request_id_in_router_and_worker_logs(deployment):
     """A request id is in the worker's log lines and in the Router's line naming the node that answered."""
     router = deployment.router
