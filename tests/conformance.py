@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import attrs
 import ml_dtypes
@@ -439,24 +438,11 @@ def _random() -> Iterator[Case]:
     }
     for impl in ["threefry2x32", "rbg", "unsafe_rbg"]:
         for op, draw in draws.items():
-            yield Case(f"random.{op}[{impl}]", draw, (Call((RandomKey(0, impl),)),),
+            yield Case(f"random.{op}[{impl}]", draw, (Call((jax.random.key(0, impl=impl),)),),
                        quick=impl == "threefry2x32")
     yield Case("random.normal.float64[threefry2x32]",
                lambda k: jax.random.normal(k, (4,), dtype=np.float64),
-               (Call((RandomKey(1, "threefry2x32"),)),), x64=True)
-
-
-@attrs.frozen
-class RandomKey:
-    """A typed PRNG key, made where it is used (it is a jax.Array)."""
-
-    seed: int
-    impl: str
-
-    def make(self):
-        import jax
-
-        return jax.random.key(self.seed, impl=self.impl)
+               (Call((jax.random.key(1),)),), x64=True)
 
 
 def _pytrees() -> Iterator[Case]:
@@ -477,6 +463,8 @@ def _pytrees() -> Iterator[Case]:
                (Call((sample("uint8"),)),))
     yield Case("pytree.keyword_only", lambda *, a, b: a - b,
                (Call((), {"b": sample("float32"), "a": sample("float32", seed=1)}),))
+    yield Case("pytree.jax_arrays", lambda x, y: (x @ y, y.T),
+               (Call((jnp.asarray(sample("float32")), jnp.asarray(sample("float32", (4, 2))))),))
     yield Case("pytree.deep", lambda t: [[[t[0][0][0] + 1]], {"k": {"j": t[1]}}],
                (Call(((((sample("int16"),),), [sample("bool")]),)),))
 
@@ -581,18 +569,6 @@ def cases(full: bool) -> list[Case]:
     return every if full else [case for case in every if case.quick]
 
 
-def _arguments(call: Call) -> tuple[tuple, dict]:
-    """The call's arguments, its typed keys made in the calling thread."""
-    import jax
-
-    def make(leaf: Any) -> Any:
-        return leaf.make() if isinstance(leaf, RandomKey) else leaf
-
-    is_key = lambda leaf: isinstance(leaf, RandomKey)  # noqa: E731
-    return (jax.tree.map(make, call.args, is_leaf=is_key),
-            jax.tree.map(make, call.kwargs, is_leaf=is_key))
-
-
 def export(case: Case):
     """The case's L{kcoral.Program}."""
     import jax
@@ -600,8 +576,8 @@ def export(case: Case):
     from kcoral import Program
 
     with jax.enable_x64(case.x64):
-        args, kwargs = _arguments(case.example or case.calls[0])
-        return Program.from_function(case.function, *args, **kwargs)
+        example = case.example or case.calls[0]
+        return Program.from_function(case.function, *example.args, **example.kwargs)
 
 
 def run_in_process(case: Case, program) -> list:
@@ -610,7 +586,7 @@ def run_in_process(case: Case, program) -> list:
 
     with jax.enable_x64(case.x64):
         call = jax.jit(program.exported.call)
-        return [call(*args, **kwargs) for args, kwargs in map(_arguments, case.calls)]
+        return [call(*c.args, **c.kwargs) for c in case.calls]
 
 
 def run_through(case: Case, program, client) -> list:
@@ -618,4 +594,4 @@ def run_through(case: Case, program, client) -> list:
     import jax
 
     with jax.enable_x64(case.x64):
-        return [client.run(program, *args, **kwargs) for args, kwargs in map(_arguments, case.calls)]
+        return [client.run(program, *c.args, **c.kwargs) for c in case.calls]
