@@ -4,6 +4,7 @@ L{Program}: a JAX computation exported with C{jax.export}, ready to send.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,9 +109,16 @@ class Program:
         if tree != self.exported.in_tree:
             raise ValueError(
                 f"arguments have structure {tree}, the program expects {self.exported.in_tree}")
-        converted = [_input(i, leaf, aval)
-                     for i, (leaf, aval) in enumerate(zip(leaves, self.exported.in_avals))]
-        return Inputs([array for array, _ in converted], [key for _, key in converted])
+        avals = self.exported.in_avals
+        converted = [_input(i, leaf, aval) for i, (leaf, aval) in enumerate(zip(leaves, avals))]
+        arrays = [array for array, _ in converted]
+        if any(not isinstance(d, int) for aval in avals for d in aval.shape):
+            # A key's data has trailing dimensions of its own: the key's
+            # shape leads.
+            problem = _dimension_problem(self, tuple(a.shape[:len(v.shape)] for a, v in zip(arrays, avals)))
+            if problem:
+                raise ValueError(problem)
+        return Inputs(arrays, [key for _, key in converted])
 
     def unflatten_outputs(self, outputs: list[np.ndarray], key_types: Sequence[str | None] = ()):
         """The outputs in the program's structure; those with a key type (in
@@ -165,6 +173,28 @@ def _input(index: int, leaf, expected) -> tuple[np.ndarray, str | None]:
             isinstance(d, int) and d != s for d, s in zip(expected.shape, shape)):
         raise ValueError(f"input {index} has shape {shape}, the program expects {expected.shape}")
     return array, key_type
+
+
+# Programs are hashed by their content, whose hash CPython keeps: a hit
+# costs a lookup, where JAX's check traces the call (about a millisecond).
+@functools.lru_cache(maxsize=64)
+def _dimension_problem(program: Program, shapes: tuple[tuple[int, ...], ...]) -> str | None:
+    """What C{Exported.call} says of a shape-polymorphic program called at
+    these concrete shapes (a dimension variable below 1, two sizes for one
+    variable, a constraint not met), or None when it takes them."""
+    import jax
+
+    exported = program.exported
+    specs = [jax.ShapeDtypeStruct(shape, aval.dtype) for shape, aval in zip(shapes, exported.in_avals)]
+    args, kwargs = jax.tree.unflatten(exported.in_tree, specs)
+    # The specs have the program's own dtypes, which only x64 leaves as
+    # they are.
+    with jax.enable_x64(True):
+        try:
+            jax.eval_shape(exported.call, *args, **kwargs)
+        except ValueError as e:
+            return str(e)
+    return None
 
 
 def _host_callbacks(function: Callable, args: tuple, kwargs: dict) -> list[str]:

@@ -137,6 +137,25 @@ def test_symbolic_dimensions_accept_any_size():
         program.flatten_inputs((np.zeros((5, 3), np.float32),), {})
 
 
+def test_dimension_variables_are_checked_before_sending():
+    """Sizes no dimension variable can take (below 1, two for one variable) are a ValueError.
+
+    Regression: only fixed dimensions were checked, and the server refused
+    these with a 422 after the whole request had been sent."""
+    (n,) = export.symbolic_shape("n")
+    vector = jax.ShapeDtypeStruct((n,), jnp.float32)
+    program = Program.from_function(lambda x, y: x + y, vector, vector)
+    with pytest.raises(ValueError, match="Expected value >= 1 for dimension variable 'n'"):
+        program.flatten_inputs((np.zeros(0, np.float32), np.zeros(0, np.float32)), {})
+    with pytest.raises(ValueError, match="inconsistency"):
+        program.flatten_inputs((np.zeros(2, np.float32), np.zeros(3, np.float32)), {})
+    assert len(program.flatten_inputs((np.zeros(3, np.float32), np.zeros(3, np.float32)), {}).arrays) == 2
+    with jax.enable_x64(True):
+        wide = Program.from_function(lambda x: x * 2, jax.ShapeDtypeStruct((n,), jnp.float64))
+    # A 64-bit array of a 64-bit program, from a process without x64.
+    assert wide.flatten_inputs((np.zeros(4),), {}).arrays[0].dtype == np.float64
+
+
 # -- arguments as Exported.call takes them ------------------------------------
 
 def jax_accepts(program, *args, **kwargs) -> bool:
