@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Iterator
 
 import attrs
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -24,8 +25,9 @@ UNSIGNED = ["uint8", "uint16", "uint32", "uint64"]
 INTEGER = SIGNED + UNSIGNED
 FLOAT = ["float32", "float16", "bfloat16", "float64"]
 COMPLEX = ["complex64", "complex128"]
-#: Every float8 type ml_dtypes offers (JAX accepts them all).
-FLOAT8 = sorted(name for name in dir(ml_dtypes) if name.startswith("float8_"))
+#: Every float8 type JAX takes: jax.numpy names each one (ml_dtypes may
+#: already offer newer ones, such as float8_e5m3fnu, that JAX does not take).
+FLOAT8 = sorted(name for name in dir(jnp) if name.startswith("float8_"))
 #: Narrower than a byte: packed on a device, one per byte in numpy. (int2
 #: and uint2 are left out: jax.export cannot serialize programs over them.)
 SUB_BYTE = ["int4", "uint4", "float4_e2m1fn"]
