@@ -144,6 +144,18 @@ def test_a_worker_being_replaced_is_never_restarted_twice():
     assert len(s.reactor.processes) == 2 and s.restart_count() == 1
 
 
+def test_a_worker_being_replaced_is_not_made_healthy_by_a_late_answer():
+    """A 200 that comes back after the worker was condemned leaves it unhealthy until it restarts."""
+    s = Supervised(startup_grace_seconds=0, termination_grace_seconds=60)
+    s.worker.startService()
+    s.listening()
+    s.reactor.advance_to(6)  # three failed probes: TERM
+    assert s.process.signals == ["TERM"] and not s.worker.healthy
+    s.http.answer(URL + "/health", 200, HEALTHY)
+    s.reactor.advance_to(10)
+    assert not s.worker.healthy and not s.worker.report(URL).healthy
+
+
 def test_a_worker_that_stops_on_term_is_not_killed():
     """A child that exits within the grace gets no SIGKILL, and is started again."""
     s = Supervised(startup_grace_seconds=0)

@@ -169,6 +169,11 @@ class _Core:
             self.murder.cancel()
         self.murder = None
 
+    def serving(self) -> None:
+        if not self.healthy:
+            self.healthy = True
+            self.on_change()
+
     def unhealthy(self) -> None:
         if self.healthy:
             self.healthy = False
@@ -213,9 +218,14 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(starting.upon(_Inputs.answered).to(running))
     def ready(inputs: _Inputs, core: _Core) -> None:
         log.info("{worker} is ready at {url}", worker=core.name, url=core.url)
+        core.serving()
 
-    running.upon(_Inputs.answered).loop().returns(None)
-    # Answers to a child on its way out change nothing, nor does a second
+    @pep614(running.upon(_Inputs.answered).loop())
+    def serving(inputs: _Inputs, core: _Core) -> None:
+        core.serving()
+
+    # Answers to a child on its way out change nothing (a probe sent before
+    # its TERM must not make it healthy again), nor does a second
     # verdict on a child being replaced: it is never restarted twice.
     replacing.upon(_Inputs.answered).loop().returns(None)
     replacing.upon(_Inputs.unresponsive).loop().returns(None)
@@ -362,9 +372,6 @@ class Worker(service.Service):
     def _judge(self, ok: bool, why: str, serving: bool = False) -> None:
         if serving and self.running:
             self._machine.answered()
-            if not self._core.healthy:
-                self._core.healthy = True
-                self._core.on_change()
         else:
             self._core.unhealthy()
         if self.policy.probe(ok, self._reactor.seconds()):
