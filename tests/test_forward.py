@@ -78,6 +78,7 @@ def test_tries_of_runs_nobody_takes_are_bounded():
     kind, error = done[0]
     assert kind == "failed" and isinstance(error, ServerBusy) and error.reason == "no_ready_node"
     assert sum(len(w.runs) for w in busy.values()) == MAX_NOT_SENT and routed.pool.active() == 0
+    assert len(routed.waits) == 1  # one run, one wait for capacity, however many tries
 
 
 def test_a_refused_connection_is_tried_on_another_member():

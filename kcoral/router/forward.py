@@ -48,9 +48,12 @@ class Forwarder:
         """
         rid = request.request_id
         arrived = self._clock.seconds()
-        for _ in range(MAX_NOT_SENT):
+        for tries in range(MAX_NOT_SENT):
             lease = yield self._scheduler.acquire(program)
-            self._observe_wait(self._clock.seconds() - arrived)
+            if not tries:
+                # Once a run: how long it waited for capacity (not again for
+                # each member that turned it away).
+                self._observe_wait(self._clock.seconds() - arrived)
             member = lease.member
             if debug_enabled():
                 log.debug("{request_id} -> {node}/{worker}", request_id=rid,

@@ -40,10 +40,6 @@ class NodeReport:
     runtime: dict
     draining: bool = False
 
-    @property
-    def healthy(self) -> bool:
-        return any(w.healthy for w in self.workers)
-
     def to_json(self) -> dict:
         return {"session": self.session, "workers": [w.to_json() for w in self.workers],
                 "gpu_target": self.gpu_target, "runtime": self.runtime, "draining": self.draining}
