@@ -42,6 +42,22 @@ class Bounded:
         return value
 
 
+@attrs.frozen
+class OneOf:
+    """The value check of an option that takes one of C{names}."""
+
+    names: tuple[str, ...]
+
+    @property
+    def coerceDoc(self) -> str:
+        return f"One of: {', '.join(self.names)}."
+
+    def __call__(self, text: str) -> str:
+        if text not in self.names:
+            raise ValueError(f"must be one of {', '.join(self.names)}, got {text}")
+        return text
+
+
 def non_negative(kind: type) -> Bounded:
     return Bounded(kind, zero=True)
 
@@ -64,6 +80,8 @@ LISTEN = ("A Twisted server endpoint string to listen on instead of --host, --po
 TLS_CERT = "PEM certificate (chain): listen with TLS."
 TLS_KEY = "PEM private key of --tls-cert (default: inside --tls-cert)."
 TLS_CA = "PEM CA to verify https peers with (default: the system's roots)."
+ROUTING = ("Placement of runs: affinity (on a worker that holds their program and inputs, "
+           "within a bound on load) or least-loaded.")
 
 
 def check_listen(options) -> None:

@@ -19,6 +19,8 @@ from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_an
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
+    INPUTS_HEADER,
+    MAX_INPUTS_LISTED,
     PROGRAM_HEADER,
     REQUEST_CONTENT_TYPE,
     decode_outputs,
@@ -78,9 +80,18 @@ class RunCall:
         inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
+        if self.inputs_header:
+            headers[INPUTS_HEADER] = self.inputs_header
         if request_id:
             headers["X-Request-ID"] = request_id
         return Send(parts, length, headers)
+
+    @property
+    def inputs_header(self) -> str:
+        """The C{X-KCoral-Inputs} value: where a Router should place this run."""
+        named = {d: a.nbytes for a, d in zip(self.arrays, self.digests) if d is not None}
+        largest = sorted(named.items(), key=lambda entry: -entry[1])[:MAX_INPUTS_LISTED]
+        return ",".join(f"{digest}={size}" for digest, size in largest)
 
     def content_digests(self) -> set[str]:
         return {self.program.digest} | {d for d in self.digests if d is not None}

@@ -16,10 +16,12 @@ from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
     LISTEN,
+    ROUTING,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
     KCoralOptions,
+    OneOf,
     check_listen,
     config_from,
     non_negative,
@@ -27,6 +29,7 @@ from kcoral.options import (
     port,
     positive,
 )
+from kcoral.router.placement import ROUTINGS
 from kcoral.server.service import ServerConfig, ServerService
 
 _SUPERVISOR_ROWS: list[tuple[Any, ...]] = [
@@ -84,6 +87,7 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        _node("routing", ROUTING + " (the gateway of several workers)", OneOf(tuple(ROUTINGS))),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 

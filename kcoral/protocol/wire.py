@@ -36,6 +36,11 @@ MAX_ARRAYS = 4096
 REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
 RESULT_CONTENT_TYPE = "application/x-kcoral-result"
 PROGRAM_HEADER = "X-KCoral-Program"
+#: The content-addressed inputs a run uses, C{digest=bytes} comma-separated,
+#: largest first: a Router places the run by them without reading the body.
+INPUTS_HEADER = "X-KCoral-Inputs"
+#: Entries the client puts in that header at most.
+MAX_INPUTS_LISTED = 64
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024

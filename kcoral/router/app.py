@@ -29,11 +29,12 @@ from kcoral.errors import (
     Unauthorized,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.protocol.wire import INPUTS_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
+from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.web import errors
 from kcoral.web.directroute import DirectRoute
@@ -43,8 +44,11 @@ from kcoral.web.responses import error_response, json_response, with_length
 
 log = Logger()
 
-MAX_CONTROL_BYTES = 64 * 1024
+#: A report of 64 workers, each listing its caches' most recent entries
+#: (L{kcoral.router.residency}), stays under this.
+MAX_CONTROL_BYTES = 512 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
+_INPUTS_HEADER = INPUTS_HEADER.encode()
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 
 
@@ -94,6 +98,7 @@ class RouterApp:
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
+        registry.register(ResidencyCollector(pool.residency))
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
                                    observe_wait=self._queue_wait.observe)
 
@@ -149,8 +154,8 @@ class RouterApp:
     def post_run(self, request) -> Deferred:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
-        program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
-        d = self.forwarder.forward(request, request.content.getvalue(), program)
+        demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER))
+        d = self.forwarder.forward(request, request.content.getvalue(), demand)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 
@@ -190,7 +195,9 @@ class RouterApp:
             f"node control requests need a valid bearer token ({why} given)"))
 
     def _control_body(self, request) -> dict:
-        data = request.content.getvalue()
+        # A body this large may be spooled to a file: read, not getvalue().
+        request.content.seek(0)
+        data = request.content.read(MAX_CONTROL_BYTES + 1)
         if len(data) > MAX_CONTROL_BYTES:
             raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
         try:

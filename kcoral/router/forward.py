@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from kcoral.errors import NodeFailure, ServerBusy
 from kcoral.logs import debug_enabled
 from kcoral.router.proxy import NotSent, Proxy
+from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 
 log = Logger()
@@ -39,21 +40,22 @@ class Forwarder:
         self._observe_wait = observe_wait
 
     @inlineCallbacks
-    def forward(self, request, body: bytes, program: str | None):
+    def forward(self, request, body: bytes, demand: Demand | None):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, for the program C{program} if known). Fails
-        with L{ServerBusy} (no capacity, or no member took it) or
-        L{NodeFailure} (lost after it was sent).
+        (the run of C{request}, needing C{demand} if known). Fails with
+        L{ServerBusy} (no capacity, or no member took it) or L{NodeFailure}
+        (lost after it was sent).
         """
         rid = request.request_id
         arrived = self._clock.seconds()
         for tries in range(MAX_NOT_SENT):
-            lease = yield self._scheduler.acquire(program)
+            lease = yield self._scheduler.acquire(demand)
+            leased = self._clock.seconds()
             if not tries:
                 # Once a run: how long it waited for capacity (not again for
                 # each member that turned it away).
-                self._observe_wait(self._clock.seconds() - arrived)
+                self._observe_wait(leased - arrived)
             member = lease.member
             if debug_enabled():
                 log.debug("{request_id} -> {node}/{worker}", request_id=rid,
@@ -71,6 +73,9 @@ class Forwarder:
                 raise
             finally:
                 lease.release()
+            self._scheduler.pool.residency.settled(
+                member.held, demand, answer.code, answer.missing(),
+                self._clock.seconds() - leased, len(body))
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 from twisted.logger import Logger
 
-from kcoral.router.placement import LeastLoaded
+from kcoral.router.placement import ROUTINGS, Wait
 from kcoral.router.report import NodeReport, WorkerReport
+from kcoral.router.residency import Demand, Holdings, Residency
 
 log = Logger()
 
@@ -50,6 +51,8 @@ class Member:
     suspect: bool = False
     #: When the placement rule last picked this member (its own count).
     picked: int = 0
+    #: What the Router believes the member holds in its caches.
+    held: Holdings = attrs.Factory(Holdings)
 
     @property
     def usable(self) -> bool:
@@ -103,7 +106,8 @@ class Node:
 class Pool:
     def __init__(self, clock, *, max_status_age_seconds: float = 5.0, unhealthy_threshold: int = 3,
                  recovery_threshold: int = 2, node_retention_seconds: float = 600.0,
-                 on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES):
+                 on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES,
+                 routing: str = "affinity"):
         self._clock = clock
         self.max_status_age = max_status_age_seconds
         self.unhealthy_threshold = unhealthy_threshold
@@ -114,8 +118,10 @@ class Pool:
         self.nodes: dict[str, Node] = {}
         #: (gpu_target, runtime) of the pool, from its first ready node.
         self.target: tuple | None = None
+        #: Where content is; reported entries outlive learned ones by a report's age.
+        self.residency = Residency(clock, grace_seconds=max_status_age_seconds)
         #: Which member with free capacity runs what.
-        self.placement = LeastLoaded()
+        self.placement = ROUTINGS[routing](self.residency)
 
     # -- reports ------------------------------------------------------------
 
@@ -183,11 +189,14 @@ class Pool:
             member = node.members.get(worker.name)
             if member is None:
                 member = node.members[worker.name] = Member(node, worker.name, worker.url)
-            else:
+            elif member.url != worker.url or not worker.healthy:
                 # A restarted worker may have a new address: keep the same
-                # Member, whose leases still count (and release) its requests.
+                # Member, whose leases still count (and release) its requests,
+                # but not what its caches held.
                 member.url = worker.url
+                member.held.clear()
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
+            self.residency.reported(member.held, worker.cache)
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)
@@ -259,17 +268,18 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
-    def pick(self, program: str | None = None) -> Member | None:
-        """The member that runs C{program} (a digest, if known) next, by the
-        pool's placement rule (L{kcoral.router.placement}), or None when no
-        usable member has free capacity."""
-        return self.placement.pick(self._free(), program)
+    def pick(self, demand: Demand | None = None, waited: float = 0.0) -> Member | Wait | None:
+        """The member that runs C{demand} (if its program is known) next, by
+        the pool's placement rule (L{kcoral.router.placement}), after it
+        waited C{waited} seconds: a L{Wait} when it had better wait for a
+        warmer member, None when no usable member has free capacity."""
+        return self.placement.pick(list(self._usable()), demand, waited)
 
-    def _free(self) -> Iterator[Member]:
+    def _usable(self) -> Iterator[Member]:
         for node in self.nodes.values():
             if node.state == READY:
                 for member in node.members.values():
-                    if member.free > 0:
+                    if member.usable:
                         yield member
 
     def ready_nodes(self) -> list[Node]:

@@ -9,6 +9,8 @@ The Router, the embedded gateway and each server's admission all queue here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 from twisted.internet.base import DelayedCall
@@ -24,14 +26,17 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("deferred", "timer")
+    __slots__ = ("deferred", "since", "timer", "wants")
     deferred: Deferred
     timer: DelayedCall
+    #: What the waiter asked for (L{WaitQueue.wait}), and since when it waits.
+    wants: Any
+    since: float
 
 
 class WaitQueue:
     def __init__(self, clock, max_waiting: int, timeout_seconds: float):
-        self._clock = clock
+        self.clock = clock
         self.max_waiting = max_waiting
         self.timeout_seconds = timeout_seconds
         self._waiters: deque[_Waiter] = deque()
@@ -39,16 +44,18 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def wait(self) -> Deferred:
+    def wait(self, wants: Any = None) -> Deferred:
         """
-        A Deferred that fires with what L{grant_next} hands over, or fails with
-        L{QueueFull} (at once) or L{QueueTimeout}.
+        A Deferred that fires with what L{grant_next} or L{grant} hands over,
+        or fails with L{QueueFull} (at once) or L{QueueTimeout}. C{wants}
+        says what the waiter waits for, to whoever grants it (L{oldest}).
         """
         if len(self._waiters) >= self.max_waiting:
             return fail(QueueFull())
         waiter = _Waiter()
+        waiter.wants, waiter.since = wants, self.clock.seconds()
         waiter.deferred = Deferred(lambda d: self._leave(waiter))
-        waiter.timer = self._clock.callLater(self.timeout_seconds, self._expire, waiter)
+        waiter.timer = self.clock.callLater(self.timeout_seconds, self._expire, waiter)
         self._waiters.append(waiter)
         return waiter.deferred
 
@@ -60,6 +67,17 @@ class WaitQueue:
     def _expire(self, waiter: _Waiter) -> None:
         self._waiters.remove(waiter)
         waiter.deferred.errback(QueueTimeout())
+
+    def oldest(self, count: int) -> Iterator[_Waiter]:
+        """The C{count} oldest waiters, oldest first, each with what it
+        C{wants} and C{since} when; L{grant} may hand one over meanwhile."""
+        return iter(list(islice(self._waiters, count)))
+
+    def grant(self, waiter: _Waiter, grant: Any) -> None:
+        """Hand C{grant} to C{waiter}, one of L{oldest}, still waiting."""
+        self._waiters.remove(waiter)
+        waiter.timer.cancel()
+        waiter.deferred.callback(grant)
 
     def grant_next(self, grant: Any) -> bool:
         """Hand C{grant} to the oldest waiter; False when nobody waits."""

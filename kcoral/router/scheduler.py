@@ -2,6 +2,11 @@
 The scheduler: hands each request a member with free capacity, or queues it.
 A member never has more requests in flight than its reported capacity: the
 only way to get one is a L{Lease}, and leases are counted against capacity.
+
+Waiting requests get freed capacity oldest first, as the placement rule
+places them: one that would rather wait for a warmer member than take the
+free one (L{kcoral.router.placement.Wait}) lets a younger request have it,
+and is considered again when that wait is over.
 """
 
 from __future__ import annotations
@@ -9,8 +14,14 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, succeed
 
 from kcoral.errors import ServerBusy
+from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
+from kcoral.router.residency import Demand
+
+#: Waiters, oldest first, that one dispatch offers free capacity to: a bound
+#: on its work whatever the queue's length.
+DISPATCH_WINDOW = 16
 
 
 class Lease:
@@ -34,22 +45,31 @@ class Scheduler:
     def __init__(self, pool: Pool, queue: WaitQueue):
         self.pool = pool
         self.queue = queue
+        self._clock = queue.clock
         self.draining = False
         self._refusing = False
         self._idle: list[Deferred] = []
+        #: The next look at waiters that chose to wait for a warmer member.
+        self._recheck = None
         pool.on_change = self.dispatch
 
-    def acquire(self, program: str | None = None) -> Deferred:
+    def acquire(self, demand: Demand | None = None) -> Deferred:
         """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason.
-        C{program}, a program digest, breaks ties between free members
-        (L{Pool.pick})."""
+        C{demand}, what the run needs, decides where it goes (L{Pool.pick})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
         if not len(self.queue):
-            member = self.pool.pick(program)
-            if member is not None:
+            member = self.pool.pick(demand)
+            if isinstance(member, Member):
                 return succeed(Lease(member, self))
-        return self.queue.wait().addErrback(self._refused)
+            waiting = self.queue.wait(demand).addErrback(self._refused)
+            if isinstance(member, Wait):
+                self._look_again(member.seconds)
+            return waiting
+        waiting = self.queue.wait(demand).addErrback(self._refused)
+        # Those ahead may be waiting for warmer members than a free one.
+        self.dispatch()
+        return waiting
 
     def _refused(self, failure):
         self._check_idle()
@@ -64,11 +84,34 @@ class Scheduler:
     def dispatch(self) -> None:
         """Give free capacity to waiting requests, oldest first."""
         while len(self.queue):
-            member = self.pool.pick()
-            if member is None:
+            granted, patience = False, None
+            now = self._clock.seconds()
+            for waiter in self.queue.oldest(DISPATCH_WINDOW):
+                if waiter.deferred.called:
+                    continue  # granted, cancelled or expired by a grant's callbacks
+                member = self.pool.pick(waiter.wants, now - waiter.since)
+                if member is None:
+                    break
+                if isinstance(member, Wait):
+                    patience = member.seconds if patience is None else min(patience, member.seconds)
+                    continue
+                self.queue.grant(waiter, Lease(member, self))
+                granted = True
                 break
-            self.queue.grant_next(Lease(member, self))
+            if not granted:
+                if patience is not None:
+                    self._look_again(patience)
+                break
         self._check_idle()
+
+    def _look_again(self, seconds: float) -> None:
+        """Dispatch again in C{seconds}, or sooner if already due."""
+        due = self._clock.seconds() + seconds
+        if self._recheck is not None and self._recheck.active():
+            if self._recheck.getTime() <= due:
+                return
+            self._recheck.cancel()
+        self._recheck = self._clock.callLater(seconds, self.dispatch)
 
     def drain(self, refuse: bool = True) -> Deferred:
         """

@@ -9,10 +9,12 @@ from typing import Any
 
 from kcoral.options import (
     LISTEN,
+    ROUTING,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
     KCoralOptions,
+    OneOf,
     check_listen,
     config_from,
     non_negative,
@@ -20,6 +22,7 @@ from kcoral.options import (
     port,
     positive,
 )
+from kcoral.router.placement import ROUTINGS
 from kcoral.router.service import RouterConfig, RouterService
 
 #: Each option: its RouterConfig field, help text and value check.
@@ -41,6 +44,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_key", TLS_KEY),
     ("tls_ca", TLS_CA),
     ("listen", LISTEN),
+    ("routing", ROUTING, OneOf(tuple(ROUTINGS))),
 ]
 
 
