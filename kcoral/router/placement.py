@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -132,5 +132,10 @@ def _affinity(program: str, member: Member) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 
-#: The rules by their C{--routing} names.
-ROUTINGS = {"affinity": Affinity, "least-loaded": lambda residency: LeastLoaded()}
+def _least_loaded(residency: Residency) -> LeastLoaded:
+    return LeastLoaded()
+
+
+#: The rules by their C{--routing} names, each made from the pool's residency.
+ROUTINGS: dict[str, Callable[[Residency], IPlacement]] = {
+    "affinity": Affinity, "least-loaded": _least_loaded}

@@ -137,7 +137,7 @@ class Holdings:
         """The member's own report: it replaces everything but what was
         learned within C{grace} seconds before C{now}."""
         since = now - grace
-        programs = {p: _REPORTED for p in reversed(cached.programs)}
+        programs = dict.fromkeys(reversed(cached.programs), _REPORTED)
         contents = {d: (n, _REPORTED) for d, n in reversed(cached.contents)}
         for program, at in self.programs.items():
             if at > since:
