@@ -68,9 +68,10 @@ class World:
         return self.pool.pick(demand, waited)
 
     def ran(self, name: str, demand: Demand, code: int = 200, missing=(), sent=0, seconds=0.1):
-        """A run of C{demand} answered C{code} on worker C{name}."""
-        self.pool.residency.settled(self.member(name).held, demand, code, list(missing),
-                                    seconds, sent)
+        """A run of C{demand} was placed on worker C{name}, and answered C{code}."""
+        held = self.member(name).held
+        self.pool.residency.placed(held, demand)
+        self.pool.residency.settled(held, demand, code, list(missing), seconds, sent)
 
 
 def weights(program: str = P, *sets: str) -> Demand:
@@ -159,22 +160,12 @@ def test_a_full_warm_member_is_waited_for_as_long_as_a_cold_placement_costs(worl
     residency = world.pool.residency
     residency.bandwidth.value = 100 * MIB  # 16 MiB: 0.16 s
     residency.compile_seconds.value = 0.5
-    residency.run_seconds.value = 0.05
     world.ran("worker0", weights(P, W1))
     world.member("worker0").active = 2
     choice = world.pick(weights(P, W1))
     assert choice == Wait(pytest.approx(0.66))
     assert world.pick(weights(P, W1), waited=0.5) == Wait(pytest.approx(0.16))
     assert world.pick(weights(P, W1), waited=0.7).name != "worker0"
-
-
-def test_a_long_expected_wait_goes_cold_at_once(world):
-    """When runs take longer than a cold placement costs, the run goes cold at once."""
-    world.pool.residency.run_seconds.value = 5.0
-    world.ran("worker0", weights(P, W1))
-    world.member("worker0").active = 2
-    member = world.pick(weights(P, W1))
-    assert isinstance(member, Member) and member.name != "worker0"
 
 
 def test_a_warm_member_that_is_gone_is_no_reason_to_wait(world):
@@ -231,13 +222,26 @@ def test_a_younger_run_takes_the_member_an_older_one_declines(world):
 
 # -- learning and forgetting --------------------------------------------------------------------
 
-def test_a_success_is_learned_a_failure_is_not(world):
-    """A 200 leaves the program and inputs on the member; another answer does not."""
-    world.ran("worker0", weights(P, W1), code=500)
-    assert not world.member("worker0").held.programs
-    world.ran("worker0", weights(P, W1))
+def test_a_placement_is_believed_at_once_and_a_success_confirms_it(world):
+    """A placed run's content counts as on its member at once; a 200 refreshes it."""
+    residency = world.pool.residency
     held = world.member("worker0").held
+    residency.placed(held, weights(P, W1))
     assert P in held.programs and held.held_bytes(weights(P, W1)) == 16 * MIB
+    # The same content, placed while the first run still uploads, follows it.
+    assert world.pick(weights(P, W1)) is world.member("worker0")
+    world.clock.advance(3)
+    residency.settled(held, weights(P, W1), 200, [], 0.1, 0)
+    assert held.programs[P] == 3
+
+
+def test_a_settled_answer_without_a_placement_teaches_nothing_but_a_200(world):
+    """Of the answers, only a 200 says the content is there."""
+    held = world.member("worker0").held
+    world.pool.residency.settled(held, weights(P, W1), 500, [], 0.1, 0)
+    assert not held.programs
+    world.pool.residency.settled(held, weights(P, W1), 200, [], 0.1, 0)
+    assert P in held.programs
 
 
 def test_a_409_forgets_what_it_names(world):

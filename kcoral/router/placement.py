@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -49,25 +49,34 @@ class Wait:
     seconds: float
 
 
+#: A run waiting for a member: what it needs (None: not known) and how long
+#: it has waited, in seconds.
+Run = tuple[Demand | None, float]
+
+
 class IPlacement(Interface):
-    def pick(members: Sequence[Member], demand: Demand | None, waited: float) -> Member | Wait | None:
+    def choose(members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
         """
-        The member of C{members} (the usable ones, full or not) to run
-        C{demand} (None: its program is not known) on now, after it has
-        waited C{waited} seconds; a L{Wait} when it should wait longer
-        although a member is free; None when no member has free capacity.
+        Which of C{runs} (oldest first) runs now, and on which of C{members}
+        (the usable ones, full or not): (its index, the member). A L{Wait}
+        when a member is free but none of them should take it yet; None when
+        no member has free capacity.
         """
 
 
 @implementer(IPlacement)
 class LeastLoaded:
-    """The least loaded member, ties round-robin."""
+    """The oldest run, on the least loaded member, ties round-robin."""
 
     def __init__(self) -> None:
         self._picks = itertools.count(1)
 
-    def pick(self, members: Sequence[Member], demand: Demand | None,
-             waited: float = 0.0) -> Member | None:
+    def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | None:
+        best = self.least_loaded(members)
+        return None if best is None or not runs else (0, best)
+
+    def least_loaded(self, members: Iterable[Member]) -> Member | None:
+        """The least loaded member with free capacity, now picked."""
         best: Member | None = None
         best_key = (math.inf, 0)
         for member in members:
@@ -82,41 +91,49 @@ class LeastLoaded:
 
 @implementer(IPlacement)
 class Affinity:
-    """Placement by cache residency within a bound on load (the module's rule)."""
+    """
+    Placement by cache residency within a bound on load (the module's rule).
+    Of the runs offered, the oldest that has a free member as warm as any
+    goes first; failing that, the oldest that has waited as long as its cold
+    placement costs goes cold.
+    """
 
     def __init__(self, residency: Residency, load_factor: float = LOAD_FACTOR):
         self._residency = residency
         self._load_factor = load_factor
         self._least_loaded = LeastLoaded()
 
-    def pick(self, members: Sequence[Member], demand: Demand | None,
-             waited: float = 0.0) -> Member | Wait | None:
-        if demand is None:
-            return self._least_loaded.pick(members, None)
+    def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
         bound = math.ceil(self._load_factor * (sum(m.active for m in members) + 1)
                           / max(len(members), 1))
-        best: Member | None = None
-        best_key: tuple = ()
-        warmest: tuple = (False, -1)
-        for member in members:
-            if member.free > 0 and member.active >= bound:
-                continue  # the bound passes it over, warm or not
-            warmth = (demand.program in member.held.programs, member.held.held_bytes(demand))
-            warmest = max(warmest, warmth)
-            if member.free > 0:
-                key = (warmth, -member.active / member.capacity, _affinity(demand.program, member))
-                if best is None or key > best_key:
-                    best, best_key = member, key
-        if best is None:
-            # Every free member is at the bound: the bound never leaves a run
-            # waiting while a member is free.
-            return self._least_loaded.pick(members, demand)
-        if best_key[0] >= warmest:
-            return best
-        patience = self._cold_cost(demand, best) - waited
-        if patience <= 0 or self._residency.run_seconds.value > patience:
-            return best
-        return Wait(patience)
+        eligible = [m for m in members if m.free > 0 and m.active < bound]
+        if not eligible:
+            # The bound never leaves a run waiting while a member is free.
+            eligible = [m for m in members if m.free > 0]
+            if not eligible:
+                return None
+        # Full members count as warm places to wait for; a free one over the
+        # bound does not: the bound passes it over.
+        full = [m for m in members if m.free <= 0]
+        cold: tuple[int, Member] | None = None
+        patience: float | None = None
+        for index, (demand, waited) in enumerate(runs):
+            if demand is None:
+                member = self._least_loaded.least_loaded(eligible)
+                assert member is not None
+                return index, member
+            best, warmth = _warmest(eligible, demand, with_hash=True)
+            _, elsewhere = _warmest(full, demand) if full else (None, (False, -1))
+            if warmth >= elsewhere:
+                return index, best
+            left = self._cold_cost(demand, best) - waited
+            if left <= 0:
+                cold = cold or (index, best)
+            else:
+                patience = left if patience is None else min(patience, left)
+        if cold is not None:
+            return cold
+        return Wait(patience) if patience is not None else None
 
     def _cold_cost(self, demand: Demand, member: Member) -> float:
         """Seconds that placing C{demand} on C{member} costs in transfers and compiles."""
@@ -124,6 +141,23 @@ class Affinity:
         missing = demand.nbytes - member.held.held_bytes(demand)
         compile = 0.0 if demand.program in member.held.programs else r.compile_seconds.value
         return missing / r.bandwidth.value + compile
+
+
+def _warmest(members: Sequence[Member], demand: Demand,
+             with_hash: bool = False) -> tuple[Member, tuple[bool, int]]:
+    """The member of C{members} holding the program and the most bytes of
+    C{demand}'s inputs, and that warmth; ties go to the least loaded, then,
+    C{with_hash}, to where the program hashes highest."""
+    best, best_key = members[0], None
+    for member in members:
+        held = member.held
+        key = ((demand.program in held.programs, held.held_bytes(demand)),
+               -member.active / max(member.capacity, 1),
+               _affinity(demand.program, member) if with_hash else 0)
+        if best_key is None or key > best_key:
+            best, best_key = member, key
+    assert best_key is not None
+    return best, best_key[0]
 
 
 def _affinity(program: str, member: Member) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 from twisted.logger import Logger
 
-from kcoral.router.placement import ROUTINGS, Wait
+from kcoral.router.placement import ROUTINGS, Run, Wait
 from kcoral.router.report import NodeReport, WorkerReport
 from kcoral.router.residency import Demand, Holdings, Residency
 
@@ -268,12 +268,16 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
+    def choose(self, runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
+        """Which of C{runs} (oldest first) runs next, and where, by the pool's
+        placement rule (L{kcoral.router.placement.IPlacement.choose})."""
+        return self.placement.choose(list(self._usable()), runs)
+
     def pick(self, demand: Demand | None = None, waited: float = 0.0) -> Member | Wait | None:
-        """The member that runs C{demand} (if its program is known) next, by
-        the pool's placement rule (L{kcoral.router.placement}), after it
-        waited C{waited} seconds: a L{Wait} when it had better wait for a
-        warmer member, None when no usable member has free capacity."""
-        return self.placement.pick(list(self._usable()), demand, waited)
+        """Where one run of C{demand}, waiting for C{waited} seconds, goes now:
+        a member, a L{Wait} for a warmer one, or None when none is free."""
+        choice = self.choose(((demand, waited),))
+        return choice[1] if isinstance(choice, tuple) else choice
 
     def _usable(self) -> Iterator[Member]:
         for node in self.nodes.values():

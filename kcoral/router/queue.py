@@ -9,7 +9,6 @@ The Router, the embedded gateway and each server's admission all queue here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
@@ -68,10 +67,10 @@ class WaitQueue:
         self._waiters.remove(waiter)
         waiter.deferred.errback(QueueTimeout())
 
-    def oldest(self, count: int) -> Iterator[_Waiter]:
+    def oldest(self, count: int) -> list[_Waiter]:
         """The C{count} oldest waiters, oldest first, each with what it
-        C{wants} and C{since} when; L{grant} may hand one over meanwhile."""
-        return iter(list(islice(self._waiters, count)))
+        C{wants} and C{since} when."""
+        return list(islice(self._waiters, count))
 
     def grant(self, waiter: _Waiter, grant: Any) -> None:
         """Hand C{grant} to C{waiter}, one of L{oldest}, still waiting."""

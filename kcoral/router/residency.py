@@ -196,8 +196,7 @@ class Residency:
         #: than it is).
         self.bandwidth = Estimate(1e9)
         self.compile_seconds = Estimate(1.0)
-        #: Seconds a run holds its member, from lease to answer.
-        self.run_seconds = Estimate(0.1)
+        #: Placements that found all their content (by the Router's belief), or not.
         self.hits = 0
         self.misses = 0
         self.saved_bytes = 0
@@ -211,6 +210,24 @@ class Residency:
         if cached.compile_seconds is not None:
             self.compile_seconds.observe(cached.compile_seconds)
 
+    def placed(self, held: Holdings, demand: Demand | None) -> None:
+        """
+        A run of C{demand} is placed on the member holding C{held}: a hit if
+        it held all the run needs. From now on the member counts as holding
+        it, so the next run of the same content goes there too rather than
+        to a second cold member while the first is still uploading and
+        compiling; an answer that says otherwise (a 409) corrects it.
+        """
+        if demand is None:
+            return
+        if held.holds_all(demand):
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.saved_bytes += held.held_bytes(demand)
+        self.saved_compiles += demand.program in held.programs
+        held.learn(demand, self._clock.seconds())
+
     def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
                 seconds: float, sent_bytes: int) -> None:
         """
@@ -220,19 +237,11 @@ class Residency:
         """
         if code == 409:
             held.forget(missing)
-        if demand is None or code not in (200, 409):
+        if demand is None or code != 200:
             return
-        if code == 200 and held.holds_all(demand):
-            self.hits += 1
-        else:
-            self.misses += 1
-        if code == 200:
-            self.saved_bytes += held.held_bytes(demand)
-            self.saved_compiles += demand.program in held.programs
-            held.learn(demand, self._clock.seconds())
-            self.run_seconds.observe(seconds)
-            if sent_bytes >= MEASURED_BODY_BYTES and seconds > 0:
-                self.bandwidth.observe(sent_bytes / seconds)
+        held.learn(demand, self._clock.seconds())
+        if sent_bytes >= MEASURED_BODY_BYTES and seconds > 0:
+            self.bandwidth.observe(sent_bytes / seconds)
 
 
 class ResidencyCollector:

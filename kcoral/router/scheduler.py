@@ -55,21 +55,25 @@ class Scheduler:
 
     def acquire(self, demand: Demand | None = None) -> Deferred:
         """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason.
-        C{demand}, what the run needs, decides where it goes (L{Pool.pick})."""
+        C{demand}, what the run needs, decides where it goes (L{Pool.choose})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
         if not len(self.queue):
-            member = self.pool.pick(demand)
-            if isinstance(member, Member):
-                return succeed(Lease(member, self))
+            choice = self.pool.choose(((demand, 0.0),))
+            if isinstance(choice, tuple):
+                return succeed(self._lease(choice[1], demand))
             waiting = self.queue.wait(demand).addErrback(self._refused)
-            if isinstance(member, Wait):
-                self._look_again(member.seconds)
+            if isinstance(choice, Wait):
+                self._look_again(choice.seconds)
             return waiting
         waiting = self.queue.wait(demand).addErrback(self._refused)
         # Those ahead may be waiting for warmer members than a free one.
         self.dispatch()
         return waiting
+
+    def _lease(self, member: Member, demand: Demand | None) -> Lease:
+        self.pool.residency.placed(member.held, demand)
+        return Lease(member, self)
 
     def _refused(self, failure):
         self._check_idle()
@@ -82,26 +86,18 @@ class Scheduler:
         return failure
 
     def dispatch(self) -> None:
-        """Give free capacity to waiting requests, oldest first."""
+        """Give free capacity to waiting requests, as the placement rule
+        chooses among the oldest."""
         while len(self.queue):
-            granted, patience = False, None
             now = self._clock.seconds()
-            for waiter in self.queue.oldest(DISPATCH_WINDOW):
-                if waiter.deferred.called:
-                    continue  # granted, cancelled or expired by a grant's callbacks
-                member = self.pool.pick(waiter.wants, now - waiter.since)
-                if member is None:
-                    break
-                if isinstance(member, Wait):
-                    patience = member.seconds if patience is None else min(patience, member.seconds)
-                    continue
-                self.queue.grant(waiter, Lease(member, self))
-                granted = True
+            waiters = self.queue.oldest(DISPATCH_WINDOW)
+            choice = self.pool.choose([(w.wants, now - w.since) for w in waiters])
+            if not isinstance(choice, tuple):
+                if isinstance(choice, Wait):
+                    self._look_again(choice.seconds)
                 break
-            if not granted:
-                if patience is not None:
-                    self._look_again(patience)
-                break
+            index, member = choice
+            self.queue.grant(waiters[index], self._lease(member, waiters[index].wants))
         self._check_idle()
 
     def _look_again(self, seconds: float) -> None:
