@@ -153,16 +153,16 @@ def _warmest(members: Sequence[Member], demand: Demand,
         held = member.held
         key = ((demand.program in held.programs, held.held_bytes(demand)),
                -member.active / max(member.capacity, 1),
-               _affinity(demand.program, member) if with_hash else 0)
+               _affinity(demand.home, member) if with_hash else 0)
         if best_key is None or key > best_key:
             best, best_key = member, key
     assert best_key is not None
     return best, best_key[0]
 
 
-def _affinity(program: str, member: Member) -> int:
-    """A stable, evenly spread preference of C{program} for C{member}."""
-    text = f"{program}\0{member.node.node_id}\0{member.name}".encode()
+def _affinity(content: str, member: Member) -> int:
+    """A stable, evenly spread preference of C{content} (a digest) for C{member}."""
+    text = f"{content}\0{member.node.node_id}\0{member.name}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 

@@ -101,6 +101,12 @@ class Demand:
     def nbytes(self) -> int:
         return sum(size for _, size in self.inputs)
 
+    @property
+    def home(self) -> str:
+        """What the run hashes by where nothing holds it: its largest input
+        (variants of one program spread by their weights), else its program."""
+        return max(self.inputs, key=lambda entry: entry[1])[0] if self.inputs else self.program
+
 
 #: When a reported entry was learned: before anything the Router learned.
 _REPORTED = float("-inf")
