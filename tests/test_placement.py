@@ -206,6 +206,23 @@ def test_a_waiting_run_goes_cold_once_its_patience_is_spent():
     assert waiting.result.member.name != "worker0"
 
 
+def test_a_wait_while_every_member_was_busy_spends_no_patience():
+    """Patience runs from when a member stood free for the run, not from its arrival."""
+    world = World(2, 2)
+    world.pool.residency.compile_seconds.value = 2.0
+    world.ran("worker0", weights(P, W1))
+    world.ran("worker1", weights(Q, W2))
+    for member in world.pool.nodes["n"].members.values():
+        member.active = member.capacity
+    waiting = world.scheduler.acquire(weights(P, W1))
+    world.clock.advance(10)
+    world.member("worker1").active = 1
+    world.scheduler.dispatch()
+    assert not waiting.called
+    world.clock.advance(2.1)
+    assert waiting.result.member.name == "worker1"
+
+
 def test_a_younger_run_takes_the_member_an_older_one_declines(world):
     """A run waiting for its warm member does not hold up a younger run that fits a free one."""
     world.pool.residency.compile_seconds.value = 10.0

@@ -11,14 +11,16 @@ most bytes of its inputs (L{kcoral.router.residency}) wins, among those with
 free capacity and under a bound on load: consistent hashing with bounded
 loads, where no member takes a run that would put it above
 C{ceil(c * (runs in flight + 1) / members)}, so a popular program spreads
-over more members instead of queueing on one while another idles. A
-program no member holds goes where it hashes highest (rendezvous hashing),
-among the least loaded: its next runs find their caches there. When the
-members warmer than every free one are full, a run waits for one of them as
-long as the cold placement would cost (the bytes to move at the measured
-bandwidth, plus the measured compile seconds if the program is not there)
-and no longer, unless the expected wait alone is longer: then it goes cold
-at once.
+over more members instead of queueing on one while another idles. Content
+no member holds goes where it hashes highest (rendezvous hashing), among
+the least loaded: its next runs find their caches there. When a full
+member is warmer than every free one, the run waits for a warm member as
+long as the cold placement would cost (the bytes it lacks at the measured
+bandwidth, plus the measured compile seconds if the program is not there),
+then goes cold: a wait that long at most doubles the cost of the cold
+choice, and a shorter one saves it whole. Of the waiting runs, the oldest
+that a free member is warm for goes first, before older ones that would
+be cold there.
 """
 
 from __future__ import annotations

@@ -51,6 +51,11 @@ class Scheduler:
         self._idle: list[Deferred] = []
         #: The next look at waiters that chose to wait for a warmer member.
         self._recheck = None
+        #: Since when a member has stood free while runs waited for warmer
+        #: ones (None: not now). A run's patience is spent only from then:
+        #: its wait while every member was busy cost nothing a cold
+        #: placement would have saved.
+        self._declined_since: float | None = None
         pool.on_change = self.dispatch
 
     def acquire(self, demand: Demand | None = None) -> Deferred:
@@ -64,7 +69,7 @@ class Scheduler:
                 return succeed(self._lease(choice[1], demand))
             waiting = self.queue.wait(demand).addErrback(self._refused)
             if isinstance(choice, Wait):
-                self._look_again(choice.seconds)
+                self._declined(choice)
             return waiting
         waiting = self.queue.wait(demand).addErrback(self._refused)
         # Those ahead may be waiting for warmer members than a free one.
@@ -90,24 +95,33 @@ class Scheduler:
         chooses among the oldest."""
         while len(self.queue):
             now = self._clock.seconds()
+            declined = now if self._declined_since is None else self._declined_since
             waiters = self.queue.oldest(DISPATCH_WINDOW)
-            choice = self.pool.choose([(w.wants, now - w.since) for w in waiters])
-            if not isinstance(choice, tuple):
-                if isinstance(choice, Wait):
-                    self._look_again(choice.seconds)
+            choice = self.pool.choose([(w.wants, now - max(w.since, declined)) for w in waiters])
+            if isinstance(choice, Wait):
+                self._declined(choice)
+                break
+            if choice is None:
+                self._declined_since = None
                 break
             index, member = choice
             self.queue.grant(waiters[index], self._lease(member, waiters[index].wants))
+        if not len(self.queue):
+            self._declined_since = None
         self._check_idle()
 
-    def _look_again(self, seconds: float) -> None:
-        """Dispatch again in C{seconds}, or sooner if already due."""
-        due = self._clock.seconds() + seconds
+    def _declined(self, wait: Wait) -> None:
+        """A free member was left for a warmer one: dispatch again when the
+        first waiting run's patience is spent, or sooner if already due."""
+        now = self._clock.seconds()
+        if self._declined_since is None:
+            self._declined_since = now
+        due = now + wait.seconds
         if self._recheck is not None and self._recheck.active():
             if self._recheck.getTime() <= due:
                 return
             self._recheck.cancel()
-        self._recheck = self._clock.callLater(seconds, self.dispatch)
+        self._recheck = self._clock.callLater(wait.seconds, self.dispatch)
 
     def drain(self, refuse: bool = True) -> Deferred:
         """
