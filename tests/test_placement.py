@@ -28,8 +28,11 @@ from kcoral.router.residency import (
 )
 from kcoral.router.scheduler import Scheduler
 from kcoral.server.compile_cache import CompileCache
+from kcoral.server.device_cache import DeviceCache
+from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
 from tests.fakes import node_report
+from tests.test_worker import HEALTHY, URL, Supervised
 
 MIB = 1 << 20
 P, Q = "a" * 64, "b" * 64
@@ -407,3 +410,28 @@ def test_both_rules_provide_the_placement_interface():
     residency = Pool(Clock()).residency
     for rule in (LeastLoaded(), Affinity(residency)):
         assert verifyObject(IPlacement, rule)
+
+
+def test_a_servers_health_lists_what_its_caches_hold():
+    """The executor's cache part of /health parses as the Router parses it."""
+    metrics = ExecutorMetrics(CollectorRegistry())
+    uploads, compiled = UploadCache(1 << 20, metrics.caches), CompileCache(4, metrics.caches)
+    executor = Executor(uploads=uploads, compiled=compiled, placed=DeviceCache(0, metrics.caches),
+                        metrics=metrics)
+    uploads.put(W1, b"x" * 10)
+    compiled.get_or_compile((P, ()), lambda: "exe")
+    assert parse_cached(executor.cached()) == Cached((P,), ((W1, 10),), None)
+
+
+def test_a_supervisor_relays_its_workers_caches_and_drops_a_bad_part():
+    """A worker's report carries the cache part of its /health; one that does not parse is left out."""
+    s = Supervised()
+    s.worker.startService()
+    s.listening()
+    cache = {"programs": [P], "contents": [[W1, 16 * MIB]], "compile_seconds": 0.5}
+    s.http.answer(URL + "/health", 200, dict(HEALTHY, cache=cache))
+    s.reactor.advance(2)
+    assert s.worker.report(URL).cache == parse_cached(cache)
+    s.http.answer(URL + "/health", 200, dict(HEALTHY, cache={"programs": "x"}))
+    s.reactor.advance(2)
+    assert s.worker.report(URL).cache is None
