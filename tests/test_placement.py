@@ -203,7 +203,7 @@ def test_a_waiting_run_goes_cold_once_its_patience_is_spent():
     world.ran("worker0", weights(P, W1))
     [world.scheduler.acquire(weights(P, W1)) for _ in range(2)]
     waiting = world.scheduler.acquire(weights(P, W1))
-    world.clock.advance(1.9)
+    world.clock.advance(2.0)  # the cold cost: 2 s of compiling, 16 MiB at 100 MB/s
     assert not waiting.called
     world.clock.advance(0.2)
     assert waiting.result.member.name != "worker0"
@@ -222,8 +222,25 @@ def test_a_wait_while_every_member_was_busy_spends_no_patience():
     world.member("worker1").active = 1
     world.scheduler.dispatch()
     assert not waiting.called
-    world.clock.advance(2.1)
+    world.clock.advance(2.2)
     assert waiting.result.member.name == "worker1"
+
+
+def test_a_member_left_idle_as_long_as_a_cold_placement_costs_takes_the_oldest_run():
+    """A member idle for the cold cost takes the oldest waiting run, though warm slots freed meanwhile."""
+    world = World(2, 2)
+    world.pool.residency.compile_seconds.value = 2.0
+    world.ran("worker0", weights(P, W1))
+    [world.scheduler.acquire(weights(P, W1)) for _ in range(2)]
+    first, second = (world.scheduler.acquire(weights(P, W1)) for _ in range(2))
+    world.clock.advance(1.0)
+    world.member("worker0").active = 1
+    world.scheduler.dispatch()
+    assert first.result.member.name == "worker0"
+    world.clock.advance(1.0)
+    assert not second.called
+    world.clock.advance(0.2)
+    assert second.result.member.name == "worker1"
 
 
 def test_a_younger_run_takes_the_member_an_older_one_declines(world):

@@ -59,7 +59,8 @@ Run = tuple[Demand | None, float]
 class IPlacement(Interface):
     def choose(members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
         """
-        Which of C{runs} (oldest first) runs now, and on which of C{members}
+        Which of C{runs} (oldest first, each with how long a free member
+        has been left for it) runs now, and on which of C{members}
         (the usable ones, full or not): (its index, the member). A L{Wait}
         when a member is free but none of them should take it yet; None when
         no member has free capacity.

@@ -200,7 +200,7 @@ class Residency:
         #: Bytes a second a run's body reaches a member at (its whole
         #: forward, so an underestimate: a cold placement looks no cheaper
         #: than it is).
-        self.bandwidth = Estimate(1e9)
+        self.bandwidth = Estimate(1e8)  # a Python proxy's pace, until measured
         self.compile_seconds = Estimate(1.0)
         #: Placements that found all their content (by the Router's belief), or not.
         self.hits = 0

@@ -52,9 +52,11 @@ class Scheduler:
         #: The next look at waiters that chose to wait for a warmer member.
         self._recheck = None
         #: Since when a member has stood free while runs waited for warmer
-        #: ones (None: not now). A run's patience is spent only from then:
-        #: its wait while every member was busy cost nothing a cold
-        #: placement would have saved.
+        #: ones (None: not now). That idle time is what waiting costs, and
+        #: what the placement weighs against a cold placement: a run's wait
+        #: while every member was busy cost nothing a cold placement would
+        #: have saved, and a member left idle longer than a cold placement
+        #: costs takes the oldest run it can.
         self._declined_since: float | None = None
         pool.on_change = self.dispatch
 
@@ -95,9 +97,9 @@ class Scheduler:
         chooses among the oldest."""
         while len(self.queue):
             now = self._clock.seconds()
-            declined = now if self._declined_since is None else self._declined_since
+            idle = 0.0 if self._declined_since is None else now - self._declined_since
             waiters = self.queue.oldest(DISPATCH_WINDOW)
-            choice = self.pool.choose([(w.wants, now - max(w.since, declined)) for w in waiters])
+            choice = self.pool.choose([(w.wants, idle) for w in waiters])
             if isinstance(choice, Wait):
                 self._declined(choice)
                 break
