@@ -489,6 +489,9 @@ def main() -> int:
                         help="also the floor: bench/bare_proxy.py with the Router's client")
     parser.add_argument("--proxy-core", type=int, metavar="N",
                         help="pin every proxy to core N, everything else to the other cores")
+    parser.add_argument("--profile-router", metavar="FILE",
+                        help="run the Router under cProfile and write its statistics here "
+                             "(python -m pstats FILE); its figures are then not comparable")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     seconds = args.seconds or (2 if args.quick else 3)
@@ -544,7 +547,14 @@ def main() -> int:
     answers: dict[str, bytes] = {}
     try:
         print("starting a Router, one node and HAProxy ...", flush=True)
-        router = start_router(proxy_cores)
+        if args.profile_router:
+            # cProfile writes its file when the Router exits (stopped with SIGTERM).
+            router = KCoralChild(["router", "--port", "0"],
+                                 {"url": r"kcoral router listening on (http://\S+)"},
+                                 cores=proxy_cores, program=("-m", "cProfile", "-o",
+                                                             args.profile_router, "-m", "kcoral"))
+        else:
+            router = start_router(proxy_cores)
         services.append(router)
         node = start_node(router.found["url"], "none")
         services.append(node)
