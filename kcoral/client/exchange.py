@@ -19,6 +19,7 @@ from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_an
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
+    DEVICES_HEADER,
     PROGRAM_HEADER,
     REQUEST_CONTENT_TYPE,
     decode_outputs,
@@ -77,7 +78,8 @@ class RunCall:
         program = None if self.program.digest in held else self.program.serialized
         inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
-        headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
+        headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
+                   DEVICES_HEADER: str(self.program.nr_devices)}
         if request_id:
             headers["X-Request-ID"] = request_id
         return Send(parts, length, headers)

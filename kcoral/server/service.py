@@ -1,5 +1,6 @@
 """
-The standalone server as a Twisted service: one device, one HTTP port.
+The standalone server as a Twisted service: its devices (one, or
+C{--devices-per-worker}), one HTTP port.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     gpus: str = "0"
+    #: Devices this server owns: GPUs named by gpus, or host devices on the CPU.
+    devices_per_worker: int = 1
     capacity: int = 2
     max_queued_requests: int = 64
     queue_wait_timeout_seconds: float = 1800.0
@@ -75,6 +78,7 @@ class ServerService(service.MultiService):
                                  compiled=CompileCache(config.compile_cache_entries, metrics.caches),
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
+                                 devices=config.devices_per_worker,
                                  compilation_cache_dir=config.compilation_cache_dir)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
@@ -113,8 +117,8 @@ class ServerService(service.MultiService):
         if self.app.status != DRAINING:
             settle()
             self.app.status = OK
-            log.info("kcoral server ready on {target} (capacity {capacity})",
-                     target=info.gpu_target, capacity=self.config.capacity)
+            log.info("kcoral server ready on {target} with {count} device(s) (capacity {capacity})",
+                     target=info.gpu_target, count=len(info.devices), capacity=self.config.capacity)
 
     @inlineCallbacks
     def _drain(self):
