@@ -383,4 +383,7 @@ class Worker(service.Service):
         healthy = self.healthy and self.url is not None
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
-                            int(self.health.get("active", 0)) if healthy else 0)
+                            int(self.health.get("active", 0)) if healthy else 0,
+                            # What it owns, as it lists them; what it was started with
+                            # until it does.
+                            len(self.health.get("devices") or ()) or self.spec.devices)

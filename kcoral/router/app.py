@@ -13,7 +13,7 @@ import re
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -29,7 +29,7 @@ from kcoral.errors import (
     Unauthorized,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.protocol.wire import DEVICES_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
@@ -45,6 +45,9 @@ log = Logger()
 
 MAX_CONTROL_BYTES = 64 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
+_DEVICES_HEADER = DEVICES_HEADER.encode()
+#: The most devices a run may ask for (a worker reports at most as many).
+MAX_DEVICES = 1024
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 
 
@@ -122,7 +125,8 @@ class RouterApp:
         if self.name == "gateway":
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
-                 "active": m.active} for n in self.pool.nodes.values() for m in n.members.values()]
+                 "active": m.active, "devices": m.devices}
+                for n in self.pool.nodes.values() for m in n.members.values()]
         return health
 
     @app.route("/health", methods=["GET"])
@@ -150,7 +154,11 @@ class RouterApp:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
         program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
-        d = self.forwarder.forward(request, request.content.getvalue(), program)
+        devices = _devices(request.getHeader(_DEVICES_HEADER))
+        if devices is None:
+            d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
+        else:
+            d = self.forwarder.forward(request, request.content.getvalue(), program, devices)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 
@@ -170,7 +178,7 @@ class RouterApp:
                 else round(now - node.reported_at, 3),
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
-                             "capacity": m.capacity, "active": m.active}
+                             "capacity": m.capacity, "active": m.active, "devices": m.devices}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
@@ -236,6 +244,17 @@ class RouterApp:
             return error_response(request, NotFound(
                 f"node {node_id} has no live session {session[:100]!r}"))
         return json_response(request, 200, {"node_id": node_id, "left": True})
+
+
+def _devices(header: bytes | None) -> int | None:
+    """The devices a run's program needs, from its header (absent: 1); None
+    when the header is no count."""
+    if header is None:
+        return 1
+    # int() takes "+2", " 2" and "2_0": a count is its digits only.
+    if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
+        return None
+    return int(header)
 
 
 def _relayed(answer, request) -> bytes:

@@ -39,17 +39,18 @@ class Forwarder:
         self._observe_wait = observe_wait
 
     @inlineCallbacks
-    def forward(self, request, body: bytes, program: str | None):
+    def forward(self, request, body: bytes, program: str | None, devices: int = 1):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, for the program C{program} if known). Fails
-        with L{ServerBusy} (no capacity, or no member took it) or
-        L{NodeFailure} (lost after it was sent).
+        (the run of C{request}, for the program C{program} if known, exported
+        for C{devices} devices). Fails with L{ServerBusy} (no capacity, or no
+        member took it), L{NotEnoughDevices} (no ready member owns as many
+        devices) or L{NodeFailure} (lost after it was sent).
         """
         rid = request.request_id
         arrived = self._clock.seconds()
         for tries in range(MAX_NOT_SENT):
-            lease = yield self._scheduler.acquire(program)
+            lease = yield self._scheduler.acquire(program, devices)
             if not tries:
                 # Once a run: how long it waited for capacity (not again for
                 # each member that turned it away).
