@@ -117,8 +117,8 @@ class ServerService(service.MultiService):
         if self.app.status != DRAINING:
             settle()
             self.app.status = OK
-            log.info("kcoral server ready on {target} with {count} device(s) (capacity {capacity})",
-                     target=info.gpu_target, count=len(info.devices), capacity=self.config.capacity)
+            log.info("kcoral server ready on {target} (capacity {capacity})",
+                     target=info.gpu_target, capacity=self.config.capacity)
 
     @inlineCallbacks
     def _drain(self):
