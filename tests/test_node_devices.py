@@ -10,9 +10,12 @@ import os
 import stat
 
 import pytest
+from twisted.python import usage
 
 from kcoral.node import devices
 from kcoral.node.devices import WorkerSpec, detect_gpus, host_device_flags, plan_workers
+from kcoral.node.supervisor import worker_argv
+from kcoral.node.tap import NodeOptions
 
 FOUR = ["0", "1", "2", "3"]
 
@@ -162,3 +165,49 @@ def test_detect_gpus_without_nvidia_smi(tmp_path, monkeypatch):
     assert devices.shutil.which("nvidia-smi") is None
     assert detect_gpus() == []
     assert os.environ["PATH"] == str(tmp_path)
+
+
+# -- the option ---------------------------------------------------------------------
+
+def options(*argv: str) -> NodeOptions:
+    parsed = NodeOptions()
+    parsed.parseOptions(list(argv))
+    return parsed
+
+
+def test_devices_per_worker_reaches_each_worker():
+    """--devices-per-worker is a server setting: each worker is started with it."""
+    parsed = options("--gpus", "0,1,2,3", "--devices-per-worker", "2")
+    assert parsed.supervised
+    server = parsed.server_config()
+    assert server.devices_per_worker == 2
+    spec = WorkerSpec("worker1", 1, "2,3", 2)
+    argv = worker_argv(server, spec, 8001)
+    assert argv[argv.index("--gpus") + 1] == "0,1"
+    assert argv[argv.index("--devices-per-worker") + 1] == "2"
+
+
+@pytest.mark.parametrize("argv, supervised", [
+    (("--gpus", "0,1", "--devices-per-worker", "2"), False),  # one worker: a server
+    (("--gpus", "0,1"), True),
+    (("--gpus", "none", "--devices-per-worker", "4"), False),
+    (("--gpus", "none", "--cpu-workers", "2", "--devices-per-worker", "2"), True),
+])
+def test_one_worker_of_several_devices_is_a_server(argv, supervised):
+    """As many GPUs as one worker owns make a standalone server, not a supervisor."""
+    assert options(*argv).supervised is supervised
+
+
+def test_the_node_file_takes_devices_per_worker(tmp_path):
+    """A node file's devices_per_worker applies, and the command line beats it."""
+    path = tmp_path / "node.yaml"
+    path.write_text("gpus: none\ndevices_per_worker: 4\n")
+    assert options("--config", str(path)).server_config().devices_per_worker == 4
+    assert options("--config", str(path), "--devices-per-worker", "2")["devices-per-worker"] == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_bad_device_count_is_a_usage_error(value):
+    """--devices-per-worker is a positive integer."""
+    with pytest.raises(usage.UsageError, match="--devices-per-worker"):
+        options("--devices-per-worker", value)
