@@ -125,11 +125,12 @@ function renderNodes(nodes) {
   // Fields that some services report and others do not get a column only where present.
   const devices = workers.some((w) => "devices" in w);
   const restarts = workers.some((w) => "restarts" in w);
-  const columns = ["Node / worker", "State", "Target", "Address / reason",
-                   ...(devices ? ["Devices"] : []), "Capacity", "Active", "Last report",
+  const numbers = [...(devices ? ["Devices"] : []), "Capacity", "Active", "Last report",
                    ...(restarts ? ["Restarts"] : [])];
   const table = document.getElementById("nodes");
-  table.tHead.rows[0].replaceChildren(...columns.map((c) => element("th", {}, c)));
+  table.tHead.rows[0].replaceChildren(
+    ...["Node / worker", "State", "Target", "Address / reason"].map((c) => element("th", {}, c)),
+    ...numbers.map((c) => element("th", {class: "number"}, c)));
   const cell = (text, cls) => element("td", cls ? {class: cls} : {}, String(text ?? "–"));
   const optional = (row, value) => row.concat(value === null ? [] : [value]);
   const rows = [];
@@ -137,8 +138,9 @@ function renderNodes(nodes) {
     const members = node.workers || [];
     let row = [cell(node.node_id, "name"),
                element("td", {}, element("span", {class: `badge state-${node.state}`}, node.state)),
-               cell(node.gpu_target), cell(node.reason || "", "reason")];
-    row = optional(row, devices ? cell(sum(members.map((w) => w.devices))) : null);
+               // A ready node's reason only says how it became ready.
+               cell(node.gpu_target), cell(node.state === "ready" ? "" : node.reason || "", "reason")];
+    row = optional(row, devices ? cell(sum(members.map((w) => w.devices)), "number") : null);
     row.push(cell(node.capacity, "number"), cell(node.active, "number"),
              cell(seconds(node.last_report_age_seconds), "number"));
     row = optional(row, restarts ? cell(sum(members.map((w) => w.restarts)), "number") : null);
