@@ -29,10 +29,13 @@ from kcoral.dashboard.history import History, Sample, Totals, quantile
 from kcoral.metrics import HttpMetrics
 from kcoral.node.gateway import Gateway
 from kcoral.router.service import ROUTES, RouterConfig
+from tests.fakes import node_report
 from tests.harness import until
 from tests.httputil import request
 from tests.test_routed import pool_nodes, quick_program, start_node, start_router, until_ready
 from tests.test_router_app import RID, Router, assert_error
+from tests.test_worker import URL as WORKER_URL
+from tests.test_worker import Supervised
 
 # -- the ring of samples ------------------------------------------------------------------------
 
@@ -306,3 +309,29 @@ async def test_dashboard_in_chromium_shows_a_node_come_and_go(processes, chromiu
 
     await until(gone, "the node gone from the pool")
     assert node_row(await browser.dom(page), "dash-node") == "gone"
+
+
+# -- restarts, from the worker to the node list ---------------------------------------------------
+
+def test_a_worker_report_counts_its_restarts():
+    """A worker's report says how many times its supervisor has restarted it."""
+    s = Supervised(restart_max_delay_seconds=1)
+    s.worker.startService()
+    assert s.worker.report(WORKER_URL).restarts == 0
+    for _ in range(2):
+        s.process.end(signal=9)
+        s.reactor.advance(1)
+    assert s.worker.report(WORKER_URL).restarts == 2 == s.restart_count()
+
+
+def test_node_list_gives_each_workers_restarts():
+    """/v1/nodes lists the restarts each worker's node reported, 0 where a report has none."""
+    router = Router()
+    report = node_report(capacities=(2, 2))
+    report["workers"][1]["restarts"] = 3
+    router.ready(report=report)
+    _, body = router.json("GET", "/v1/nodes")
+    assert [w["restarts"] for w in body["nodes"][0]["workers"]] == [0, 3]
+    report["workers"][1]["restarts"] = -1
+    response, body = router.put("gpu-a", report)
+    assert_error(response, body, 400)

@@ -191,7 +191,7 @@ class RouterApp:
                 else round(now - node.reported_at, 3),
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
-                             "capacity": m.capacity, "active": m.active}
+                             "capacity": m.capacity, "active": m.active, "restarts": m.restarts}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
