@@ -138,7 +138,8 @@ class History(TimerService):
     def __init__(self, registry: CollectorRegistry, clock, *,
                  interval: float = SAMPLE_INTERVAL_SECONDS, window: float = WINDOW_SECONDS):
         super().__init__(interval, self.sample)
-        self.clock = clock
+        # TimerService's loop runs on its clock attribute (declared Optional there).
+        self.clock = self._clock = clock
         self.interval = interval
         self._registry = registry
         self._last: Totals | None = None
@@ -146,7 +147,7 @@ class History(TimerService):
 
     def sample(self) -> None:
         """Read the registry; from the second reading on, keep what changed."""
-        totals = Totals.read(self._registry, self.clock.seconds())
+        totals = Totals.read(self._registry, self._clock.seconds())
         if self._last is not None:
             self.samples.append(Sample.between(self._last, totals))
         self._last = totals

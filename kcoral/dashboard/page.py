@@ -24,7 +24,7 @@ POLICY = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'se
           b"connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 # Read once, at import: a few kilobytes, and the reactor never waits on a disk.
-_FILES = {name: resources.files(__package__).joinpath("static", name).read_bytes() for name in _TYPES}
+_FILES = {name: (resources.files(__package__) / "static" / name).read_bytes() for name in _TYPES}
 
 
 def serve(request, name: str = PAGE) -> bytes:

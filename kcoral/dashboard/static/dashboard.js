@@ -63,6 +63,7 @@ function sparkline(samples, plot) {
     const y = height - fraction * height;
     chart.append(svg("line", {x1: 0, x2: width, y1: y, y2: y, class: "grid"}));
   }
+  let drawn = false;
   plot.series.forEach(([field, , scale], index) => {
     // A run of samples without a value (no runs: no latency) breaks the line.
     let path = "", pen = "M";
@@ -74,8 +75,9 @@ function sparkline(samples, plot) {
       pen = "L";
     }
     if (path) chart.append(svg("path", {d: path, class: `line line${index}`}));
+    drawn = drawn || Boolean(path);
   });
-  return {chart, top, span};
+  return {chart: drawn ? chart : element("div", {class: "nodata"}, "no data yet"), top, span};
 }
 
 function renderPlots(history) {
