@@ -24,7 +24,9 @@ def debian_tool(command: str, package: str) -> str:
     found = shutil.which(command)
     if found is None and os.geteuid() == 0:
         environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", package]
+        # Another apt-get (an unattended upgrade) may hold the lock for a while.
+        install = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y",
+                   "--no-install-recommends", package]
         if subprocess.run(install, env=environment, capture_output=True).returncode != 0:
             # A fresh machine's package lists may be missing or stale.
             subprocess.run(["apt-get", "update"], env=environment, capture_output=True)
