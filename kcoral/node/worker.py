@@ -119,6 +119,8 @@ class _Core:
     healthy: bool = False
     health: dict = attrs.Factory(dict)
     murder: DelayedCall | None = None
+    #: Restarts since the supervisor started, for its reports.
+    restart_count: int = 0
     stopped: list[Deferred[Any]] = attrs.Factory(list)
 
     @property
@@ -196,6 +198,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         delay = core.policy.next_delay()
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
                  worker=core.name, how=describe_exit(reason), delay=delay)
+        core.restart_count += 1
         if core.restarts is not None:
             core.restarts.labels(core.name).inc()
         return core.reactor.callLater(delay, inputs.restart)
@@ -386,4 +389,5 @@ class Worker(service.Service):
                             int(self.health.get("active", 0)) if healthy else 0,
                             # What it owns, as it lists them; what it was started with
                             # until it does.
-                            len(self.health.get("devices") or ()) or self.spec.devices)
+                            devices=len(self.health.get("devices") or ()) or self.spec.devices,
+                            restarts=self._core.restart_count)

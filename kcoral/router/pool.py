@@ -52,6 +52,8 @@ class Member:
     picked: int = 0
     #: The devices it owns: runs of programs exported for more go elsewhere.
     devices: int = 1
+    #: Times its supervisor has restarted it, as last reported.
+    restarts: int = 0
 
     @property
     def usable(self) -> bool:
@@ -191,6 +193,7 @@ class Pool:
                 member.url = worker.url
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
             member.devices = worker.devices
+            member.restarts = worker.restarts
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)

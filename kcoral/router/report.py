@@ -14,6 +14,7 @@ import attrs
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024
 MAX_WORKER_DEVICES = 1024
+MAX_RESTARTS = 10**9
 MAX_TEXT = 200
 
 
@@ -30,6 +31,8 @@ class WorkerReport:
     active: int
     #: The devices the worker owns: a program exported for more never goes there.
     devices: int = 1
+    #: Times its supervisor has restarted it.
+    restarts: int = 0
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -112,6 +115,7 @@ def parse_report(body: object) -> NodeReport:
             capacity=_count(w.get("capacity"), f"worker {i} capacity", MAX_WORKER_CAPACITY),
             active=_count(w.get("active", 0), f"worker {i} active", MAX_WORKER_CAPACITY),
             devices=_count(w.get("devices", 1), f"worker {i} devices", MAX_WORKER_DEVICES, 1),
+            restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")
