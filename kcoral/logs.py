@@ -61,7 +61,7 @@ def _format(event: dict) -> str:
     return f"{stamp} {level:<5} [{namespace}] {message}\n"
 
 
-def json_line(event: dict, node_id: str | None = None) -> str:
+def _json_line(event: dict, node_id: str | None = None) -> str:
     """
     C{event} as one line of JSON: its fields as twisted.logger encodes them,
     plus C{message} (the text line's message, traceback included) and
@@ -103,7 +103,7 @@ def log_observer(stream, level: LogLevel = LogLevel.info, *, log_format: str = "
                  node_id: str | None = None) -> ILogObserver:
     """The observer writing C{log_format} lines of the events at C{level} and up to C{stream}."""
     if log_format == "json":
-        observer = FileLogObserver(stream, lambda event: json_line(event, node_id))
+        observer = FileLogObserver(stream, lambda event: _json_line(event, node_id))
     else:
         observer = FileLogObserver(stream, _format)
     predicates: list[ILogFilterPredicate] = [LogLevelFilterPredicate(defaultLogLevel=level), _not_noise]
