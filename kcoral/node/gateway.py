@@ -49,6 +49,7 @@ class Gateway(service.MultiService):
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
+        self.app.history.setServiceParent(self)
         self.listener = DrainingListener("kcoral gateway", ListenAddress.of(config), reactor, site,
                                          self._drain, secured)
         self.listener.setServiceParent(self)
