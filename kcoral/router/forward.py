@@ -44,9 +44,8 @@ class Forwarder:
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
         (the run of C{request}, for the program C{program} if known; its
-        steps traced within C{span}). Fails
-        with L{ServerBusy} (no capacity, or no member took it) or
-        L{NodeFailure} (lost after it was sent).
+        steps traced within C{span}). Fails with L{ServerBusy} (no capacity,
+        or no member took it) or L{NodeFailure} (lost after it was sent).
         """
         rid = request.request_id
         arrived = self._clock.seconds()
