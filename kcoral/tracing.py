@@ -16,6 +16,7 @@ configured by OpenTelemetry's own environment variables
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from twisted.logger import Logger
@@ -207,6 +208,21 @@ class _LogExporter:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def current_traceparent() -> str | None:
+    """
+    The C{traceparent} of the caller's active OpenTelemetry span (a client
+    in a traced notebook or service), or None. Imports nothing: without
+    OpenTelemetry already imported there is no such span.
+    """
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent")
 
 
 def tracing_for(mode: str, service: str) -> ITracing:

@@ -247,3 +247,14 @@ def test_no_tracing_imports_nothing_of_opentelemetry():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_a_client_in_a_traced_span_sends_its_traceparent():
+    """A client called inside an active OpenTelemetry span sends that span as the run's traceparent."""
+    tracer = TracerProvider().get_tracer("notebook")
+    assert "traceparent" not in run_request(traceparent=None)[1]
+    with tracer.start_as_current_span("cell") as cell:
+        _, headers = run_request(traceparent=None)
+    context = cell.get_span_context()
+    assert headers["traceparent"] == (f"00-{context.trace_id:032x}-{context.span_id:016x}"
+                                      f"-{context.trace_flags:02x}")
