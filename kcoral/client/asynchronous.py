@@ -7,15 +7,17 @@ caller's reactor never blocks on them.
 from __future__ import annotations
 
 import json
+from io import BytesIO
 
 import treq
 from twisted.internet import error as netError
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import FileBodyProducer, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.sync import _retry_after
 from kcoral.errors import NodeFailure
 
@@ -27,17 +29,18 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    mean what they mean there; C{pool} is the treq connection pool to use
-    (by default one of its own, kept alive between runs).
+    mean what they mean there, and so does C{progress}; C{pool} is the treq
+    connection pool to use (by default one of its own, kept alive between runs).
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None):
+                 reactor=None, pool: HTTPConnectionPool | None = None, progress: bool = False):
         if reactor is None:
             from twisted.internet import reactor
         self.url = url.rstrip("/")
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
         self._held: set[str] = set()
@@ -51,10 +54,14 @@ class AsyncClient:
     def _request(self, method: str, path: str, send: Send | None):
         body = None
         headers = {}
+        bar = None
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
             headers = {k: [v] for k, v in send.headers.items()}
+            bar = upload_bar(send.length, self.url) if self.progress else None
+            if bar is not None:
+                body = CountingProducer(FileBodyProducer(BytesIO(body)), bar.update)
         try:
             answer = yield treq.request(method, self.url + path, data=body, headers=headers,
                                         pool=self._pool, reactor=self._reactor,
@@ -64,6 +71,9 @@ class AsyncClient:
             return Response(None, problem=str(e))
         except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close()
         if send is not None:
             self.bytes_sent += send.length
         retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
 
@@ -32,17 +33,19 @@ def _retry_after(value: str | None) -> float | None:
 class Client:
     """
     A blocking client for one KCoral server or Router. Keeps one keep-alive
-    connection; calls from several threads are serialised.
+    connection; calls from several threads are serialised. With C{progress},
+    request bodies of 64 MiB or more show a progress bar as they are sent.
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 ssl_context=None):
+                 ssl_context=None, progress: bool = False):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         self.url = url.rstrip("/")
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
         self._host_header = parts.netloc.rpartition("@")[2]
@@ -97,8 +100,13 @@ class Client:
             if send is None:
                 answer = conn.request(method, self._prefix + path, self._host_header, {})
             else:
-                answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
-                                      send.parts, send.length)
+                bar = upload_bar(send.length, self.url) if self.progress else None
+                try:
+                    answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
+                                          send.parts, send.length, None if bar is None else bar.update)
+                finally:
+                    if bar is not None:
+                        bar.close()
         except TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
