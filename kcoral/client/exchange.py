@@ -27,6 +27,7 @@ from kcoral.protocol.wire import (
     sha256,
     wire_array,
 )
+from kcoral.tracing import current_traceparent
 
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
@@ -82,6 +83,9 @@ class RunCall:
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if request_id:
             headers["X-Request-ID"] = request_id
+        traceparent = current_traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
         return Send(parts, length, headers)
 
     def content_digests(self) -> set[str]:

@@ -16,6 +16,7 @@ from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
     LISTEN,
+    OBSERVING,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
@@ -86,6 +87,7 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 

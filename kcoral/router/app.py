@@ -38,6 +38,7 @@ from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
@@ -81,7 +82,7 @@ class RouterApp:
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None):
+                 metrics_source=None, tracing: ITracing = NO_TRACING):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -95,6 +96,7 @@ class RouterApp:
         #: When set, a callable returning a Deferred of the whole /metrics
         #: text (a gateway merges its workers' series in).
         self.metrics_source = metrics_source
+        self.tracing = tracing
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
@@ -163,7 +165,10 @@ class RouterApp:
         if devices is None:
             d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
         else:
-            d = self.forwarder.forward(request, request.content.getvalue(), program, devices)
+            span = self.tracing.start("kcoral.router.run", request.requestHeaders,
+                                      request_id=request.request_id)
+            d = self.forwarder.forward(request, request.content.getvalue(), program, devices, span)
+            d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 

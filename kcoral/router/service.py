@@ -18,6 +18,7 @@ from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import tracing_for
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -48,6 +49,8 @@ class RouterConfig:
     tls_ca: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -61,7 +64,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     registry = CollectorRegistry()
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
                     reactor=reactor, registry=registry, node_token=config.node_token, name=name,
-                    status_check_interval=config.status_check_interval_seconds)
+                    status_check_interval=config.status_check_interval_seconds,
+                    tracing=tracing_for(config.tracing, f"kcoral-{name}"))
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool))

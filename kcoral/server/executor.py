@@ -33,6 +33,7 @@ from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
+from kcoral.tracing import NO_SPAN, ISpan
 
 log = Logger()
 
@@ -188,7 +189,7 @@ class Executor:
                 raise ProgramRejected(
                     f"input {i} has shape {list(shape)}, the program expects {aval.shape}")
 
-    def execute(self, run: RunRequest, request_id: str) -> bytes:
+    def execute(self, run: RunRequest, request_id: str, span: ISpan = NO_SPAN) -> bytes:
         import jax
 
         digest = run.program.digest
@@ -228,13 +229,15 @@ class Executor:
                                     for o in outputs]
                 return [jax.random.key_data(o) if _is_key(o) else o for o in outputs]
 
-            try:
-                placements = self._placements(exported)
-                jitted = jax.jit(call) if placements is None else jax.jit(call, in_shardings=placements)
-                compiled = jitted.lower(
-                    *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
-            except Exception as e:
-                raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
+            with span.child("kcoral.compile", program=digest[:12]):
+                try:
+                    placements = self._placements(exported)
+                    jitted = jax.jit(call) if placements is None else jax.jit(
+                        call, in_shardings=placements)
+                    compiled = jitted.lower(
+                        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
+                except Exception as e:
+                    raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
             self._metrics.compile_seconds.observe(time.perf_counter() - started)
             return compiled, tuple(out_key_types), placements
 
@@ -250,7 +253,7 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, run, arrays, placements)
+                outputs = self._call(executable, run, arrays, placements, span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -259,7 +262,7 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, run, arrays, placements)
+                outputs = self._call(executable, run, arrays, placements, span)
         except Exception as e:
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
@@ -290,7 +293,8 @@ class Executor:
         whole = NamedSharding(mesh, PartitionSpec())
         return tuple(whole if s is None else s for s in exported.in_shardings_jax(mesh))
 
-    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], placements) -> list:
+    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], placements,
+              span: ISpan) -> list:
         """The outputs of one run, as host arrays (a sharded output gathered
         whole)."""
         import jax
@@ -306,11 +310,12 @@ class Executor:
                   else self._placed.get(spec.blob.digest, array,
                                         self._device if placements is None else placements[i])
                   for i, (spec, array) in enumerate(zip(run.inputs, arrays))]
-        outputs = executable(*arrays)
-        # jax.device_get overlaps the copies of several outputs; for the
-        # common single output, np.asarray is the same copy without its tree
-        # walk.
-        return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+        with span.child("kcoral.execute"):
+            outputs = executable(*arrays)
+            # jax.device_get overlaps the copies of several outputs; for the
+            # common single output, np.asarray is the same copy without its
+            # tree walk.
+            return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
 
 
 def _mesh(exported, devices: list):

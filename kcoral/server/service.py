@@ -24,6 +24,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
+from kcoral.tracing import tracing_for
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -58,6 +59,8 @@ class ServerConfig:
     tls_key: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 class ServerService(service.MultiService):
@@ -83,7 +86,8 @@ class ServerService(service.MultiService):
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
         self.app = ServerApp(executor=self.executor, admission=admission,
-                             threadpool=self._threadpool, reactor=reactor, registry=registry)
+                             threadpool=self._threadpool, reactor=reactor, registry=registry,
+                             tracing=tracing_for(config.tracing, "kcoral-server"))
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                           max_connections=connection_limit())
