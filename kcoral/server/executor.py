@@ -287,10 +287,11 @@ class Executor:
 
         devices = self._devices[:exported.nr_devices]
         mesh = _mesh(exported, devices)
+        whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",))
+                              if mesh is None else mesh, PartitionSpec())
         if mesh is None:
-            whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), PartitionSpec())
+            # Its inputs name no mesh: it shards them inside.
             return (whole,) * len(exported.in_avals)
-        whole = NamedSharding(mesh, PartitionSpec())
         return tuple(whole if s is None else s for s in exported.in_shardings_jax(mesh))
 
     def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], placements,
