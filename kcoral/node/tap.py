@@ -15,9 +15,14 @@ from kcoral.node.config import NodeConfig
 from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
+    CLIENT_AUTH_OPTIONS,
+    CLIENT_TOKEN,
+    CLIENT_TOKEN_ENV,
+    CLIENT_TOKENS_FILE,
     LISTEN,
     TLS_CA,
     TLS_CERT,
+    TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
     check_listen,
@@ -84,11 +89,14 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        _server("client_token", CLIENT_TOKEN),
+        _server("client_tokens_file", CLIENT_TOKENS_FILE),
+        _server("tls_client_ca", TLS_CLIENT_CA),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
-                   "node-token": "KCORAL_NODE_TOKEN"}
+                   "node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
     hidden = frozenset(row[0] for row in SUPERVISOR_OPTIONS)
 
     def postOptions(self):
@@ -99,6 +107,8 @@ class NodeOptions(KCoralOptions):
         if self["listen"] and self["router"]:
             raise usage.UsageError("--listen is for a server without --router; under a Router, "
                                    "workers listen on --host and --port (see --advertise-host)")
+        if self["router"]:
+            self._no_client_authentication(from_environment)
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:
@@ -109,6 +119,21 @@ class NodeOptions(KCoralOptions):
                 raise usage.UsageError(f"--{given[0]} requires --router (or several workers)")
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
+
+    def _no_client_authentication(self, from_environment: set[str]) -> None:
+        """
+        Under a Router, clients reach the Router, and the node's workers
+        only the Router, which sends them no client token: client
+        authentication is the Router's. Asked for here, it is a usage error;
+        a C{KCORAL_CLIENT_TOKEN} in the environment (one secret shared by a
+        deployment's Routers and nodes) is left unused.
+        """
+        for option in CLIENT_AUTH_OPTIONS:
+            if option in from_environment:
+                self[option] = None
+            elif self[option]:
+                raise usage.UsageError(f"--{option} is for the Router (and a server without "
+                                       "--router): under --router, the Router checks clients")
 
     @property
     def supervised(self) -> bool:

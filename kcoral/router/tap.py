@@ -8,9 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from kcoral.options import (
+    CLIENT_TOKEN,
+    CLIENT_TOKEN_ENV,
+    CLIENT_TOKENS_FILE,
     LISTEN,
     TLS_CA,
     TLS_CERT,
+    TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
     check_listen,
@@ -41,6 +45,9 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_key", TLS_KEY),
     ("tls_ca", TLS_CA),
     ("listen", LISTEN),
+    ("client_token", CLIENT_TOKEN),
+    ("client_tokens_file", CLIENT_TOKENS_FILE),
+    ("tls_client_ca", TLS_CLIENT_CA),
 ]
 
 
@@ -50,7 +57,7 @@ class RouterOptions(KCoralOptions):
                 "healthy node with free capacity, queueing when none is free.")
 
     optParameters = [parameter(RouterConfig, *row) for row in _OPTIONS]
-    environment = {"node-token": "KCORAL_NODE_TOKEN"}
+    environment = {"node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
 
     def postOptions(self):
         super().postOptions()

@@ -23,6 +23,7 @@ from kcoral.router.queue import QueueFull, QueueTimeout
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.web import errors
+from kcoral.web.auth import IGuard
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -37,12 +38,14 @@ class ServerApp:
     errors.install(app)
 
     def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
-                 registry: CollectorRegistry):
+                 registry: CollectorRegistry, client_guard: IGuard | None = None):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
         self._reactor = reactor
         self.registry = registry
+        #: What runs need (None: nothing).
+        self.client_guard = client_guard
         self.status = STARTING
         #: When the last run arrived (reactor seconds), for the drain's quiet period.
         self.last_run_at: float | None = None
@@ -54,7 +57,8 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
+                                             guard=self.client_guard))
 
     # -- health -----------------------------------------------------------
 
