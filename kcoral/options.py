@@ -70,7 +70,6 @@ CLIENT_TOKENS_FILE = "File of client tokens, one a line (# comments), read again
 TLS_CLIENT_CA = "PEM CA that must sign clients' certificates (mutual TLS; needs --tls-cert)."
 #: The options of client authentication, and their environment.
 CLIENT_AUTH_OPTIONS = ("client-token", "client-tokens-file", "tls-client-ca")
-CLIENT_TOKEN_ENV = "KCORAL_CLIENT_TOKEN"
 
 
 def check_listen(options) -> None:

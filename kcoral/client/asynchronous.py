@@ -16,7 +16,7 @@ from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
-from kcoral.client.sync import _retry_after
+from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
 
 #: Inputs larger than this are prepared in a thread.
@@ -27,12 +27,13 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    mean what they mean there; C{pool} is the treq connection pool to use
-    (by default one of its own, kept alive between runs).
+    mean what they mean there, and so does C{token}; C{pool} is the treq
+    connection pool to use (by default one of its own, kept alive between
+    runs).
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None):
+                 reactor=None, pool: HTTPConnectionPool | None = None, token: str | None = None):
         if reactor is None:
             from twisted.internet import reactor
         self.url = url.rstrip("/")
@@ -41,6 +42,7 @@ class AsyncClient:
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
         self._held: set[str] = set()
+        self._auth = {name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
 
     def close(self):
@@ -50,11 +52,11 @@ class AsyncClient:
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
         body = None
-        headers = {}
+        headers = dict(self._auth)
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
-            headers = {k: [v] for k, v in send.headers.items()}
+            headers.update({k: [v] for k, v in send.headers.items()})
         try:
             answer = yield treq.request(method, self.url + path, data=body, headers=headers,
                                         pool=self._pool, reactor=self._reactor,

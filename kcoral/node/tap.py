@@ -17,7 +17,6 @@ from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
     CLIENT_AUTH_OPTIONS,
     CLIENT_TOKEN,
-    CLIENT_TOKEN_ENV,
     CLIENT_TOKENS_FILE,
     LISTEN,
     TLS_CA,
@@ -33,6 +32,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.server.service import ServerConfig, ServerService
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 _SUPERVISOR_ROWS: list[tuple[Any, ...]] = [
     ("health_interval_seconds", "Interval between health probes and heartbeats.", positive(float)),
@@ -103,12 +103,12 @@ class NodeOptions(KCoralOptions):
         from_environment = self.from_environment()
         if self["config"]:
             config.load(self["config"], self, self.named | from_environment)
+        if self["router"]:
+            self._no_client_authentication(from_environment)
         check_listen(self)
         if self["listen"] and self["router"]:
             raise usage.UsageError("--listen is for a server without --router; under a Router, "
                                    "workers listen on --host and --port (see --advertise-host)")
-        if self["router"]:
-            self._no_client_authentication(from_environment)
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:

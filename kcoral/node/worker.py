@@ -33,8 +33,8 @@ from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
 from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
-from kcoral.options import CLIENT_TOKEN_ENV
 from kcoral.router.report import WorkerReport
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
 
 log = Logger()

@@ -9,7 +9,6 @@ from typing import Any
 
 from kcoral.options import (
     CLIENT_TOKEN,
-    CLIENT_TOKEN_ENV,
     CLIENT_TOKENS_FILE,
     LISTEN,
     TLS_CA,
@@ -25,6 +24,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.service import RouterConfig, RouterService
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 #: Each option: its RouterConfig field, help text and value check.
 _OPTIONS: list[tuple[Any, ...]] = [

@@ -29,6 +29,9 @@ from kcoral.web.responses import error_response
 
 log = Logger()
 
+#: The client token, where a flag does not give it (services and clients).
+CLIENT_TOKEN_ENV = "KCORAL_CLIENT_TOKEN"
+
 #: RFC 6750's C{b64token}: what a client token may hold. C{#} is not in it,
 #: so a tokens file may end a line with a comment.
 _CLIENT_TOKEN = re.compile(r"\A[A-Za-z0-9._~+/-]+=*\Z")
