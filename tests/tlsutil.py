@@ -82,8 +82,8 @@ class TestCA:
     def issue(self, label: str, *, dns: tuple[str, ...] = ("localhost",),
               ips: tuple[str, ...] = ("127.0.0.1",), client: bool = False) -> Issued:
         """A server certificate for C{dns} names and C{ips} addresses; with
-        C{client}, a client's (for mutual TLS) instead."""
-        usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        C{client}, for a client too (mutual TLS)."""
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         names = [x509.DNSName(n) for n in dns] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
@@ -99,7 +99,7 @@ class TestCA:
                                          content_commitment=False, data_encipherment=False,
                                          key_agreement=False, key_cert_sign=False, crl_sign=False,
                                          encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
                            critical=False)
             .sign(self._key, hashes.SHA256()))

@@ -13,11 +13,12 @@ from twisted.internet import error as netError
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
+from kcoral.web.outgoing import tls_policy
 
 #: Inputs larger than this are prepared in a thread.
 _THREAD_BYTES = 1 << 20
@@ -29,11 +30,16 @@ class AsyncClient:
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
     mean what they mean there, and so does C{token}; C{pool} is the treq
     connection pool to use (by default one of its own, kept alive between
-    runs).
+    runs). Over https the service is verified against the CAs of C{tls_ca}
+    (default: the platform's roots); C{tls_client_cert} (a PEM chain) and
+    C{tls_client_key} (default: inside it) are presented to a service that
+    asks for a certificate (C{--tls-client-ca}).
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None, token: str | None = None):
+                 reactor=None, pool: HTTPConnectionPool | None = None, token: str | None = None,
+                 tls_ca: str | None = None, tls_client_cert: str | None = None,
+                 tls_client_key: str | None = None):
         if reactor is None:
             from twisted.internet import reactor
         self.url = url.rstrip("/")
@@ -41,6 +47,8 @@ class AsyncClient:
         self.timeout = timeout
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
+        self._agent = Agent(reactor, contextFactory=tls_policy(tls_ca, tls_client_cert, tls_client_key),
+                            pool=self._pool)
         self._held: set[str] = set()
         self._auth = {name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
@@ -59,7 +67,7 @@ class AsyncClient:
             headers.update({k: [v] for k, v in send.headers.items()})
         try:
             answer = yield treq.request(method, self.url + path, data=body, headers=headers,
-                                        pool=self._pool, reactor=self._reactor,
+                                        agent=self._agent, reactor=self._reactor,
                                         timeout=self.timeout)
             content = yield treq.content(answer)
         except netError.ConnectError as e:
