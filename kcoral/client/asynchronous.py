@@ -50,7 +50,8 @@ class AsyncClient:
         self._agent = Agent(reactor, contextFactory=tls_policy(tls_ca, tls_client_cert, tls_client_key),
                             pool=self._pool)
         self._held: set[str] = set()
-        self._auth = {name: [value] for name, value in client_headers(token).items()}
+        self._auth: dict[bytes | str, list[bytes | str]] = {
+            name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
 
     def close(self):
@@ -60,7 +61,7 @@ class AsyncClient:
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
         body = None
-        headers = dict(self._auth)
+        headers: dict[bytes | str, list[bytes | str]] = dict(self._auth)
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))

@@ -1,5 +1,5 @@
 """
-Bearer tokens: who may send a service which requests.
+Bearer tokens: who may make which requests of a service.
 
 One mechanism for both kinds of token: the node token (node control routes
 of a Router) and the client tokens (C{POST /v1/run} and C{GET /v1/nodes} of
@@ -18,6 +18,7 @@ import re
 import signal
 from collections.abc import Iterable
 from hmac import compare_digest
+from typing import Any
 
 import attrs
 from twisted.application import service
@@ -42,7 +43,6 @@ _CLIENT_TOKEN = re.compile(r"\A[A-Za-z0-9._~+/-]+=*\Z")
 MAX_TOKENS_FILE_BYTES = 64 * 1024
 
 
-
 @attrs.frozen
 class Routes:
     """What a guard guards, as its refusals say it: in the 401's message
@@ -59,7 +59,7 @@ NODE_ROUTES = Routes("node control requests", "a control request")
 class IGuard(Interface):
     """What a request must present to be served."""
 
-    def refusal(request, subject: str) -> bytes | None:  # type: ignore[misc]
+    def refusal(request, subject: str) -> bytes | None:
         """
         None when C{request} may proceed; else its 401 answer (asking for a
         bearer token), after logging one line about C{subject} (a node id,
@@ -168,7 +168,7 @@ class TokensFile(service.Service):
         self.path = path
         self._fixed = tuple(fixed)
         self._reactor = reactor
-        self._previous_handler = None
+        self._previous_handler: Any = None
         self.guard = self._read()
 
     def _read(self) -> TokenGuard:
