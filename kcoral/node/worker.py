@@ -120,6 +120,8 @@ class _Core:
     healthy: bool = False
     health: dict = attrs.Factory(dict)
     murder: DelayedCall | None = None
+    #: Restarts since the supervisor started, for its reports.
+    restart_count: int = 0
     stopped: list[Deferred[Any]] = attrs.Factory(list)
 
     @property
@@ -199,6 +201,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         delay = core.policy.next_delay()
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
                  worker=core.name, how=describe_exit(reason), delay=delay)
+        core.restart_count += 1
         if core.restarts is not None:
             core.restarts.labels(core.name).inc()
         return core.reactor.callLater(delay, inputs.restart)
@@ -386,4 +389,5 @@ class Worker(service.Service):
         healthy = self.healthy and self.url is not None
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
-                            int(self.health.get("active", 0)) if healthy else 0)
+                            int(self.health.get("active", 0)) if healthy else 0,
+                            self._core.restart_count)

@@ -1,7 +1,8 @@
 """
 The Router's HTTP API: the client routes it shares with servers (C{/health},
-C{/readyz}, C{/metrics}, C{POST /v1/run}) and the node routes (C{/v1/nodes}).
-The embedded gateway of a multi-worker node serves the same resource.
+C{/readyz}, C{/metrics}, C{POST /v1/run}), the node routes (C{/v1/nodes}) and
+the dashboard (C{GET /}, L{kcoral.dashboard}). The embedded gateway of a
+multi-worker node serves the same resource.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral._version import __version__
+from kcoral.dashboard import page
+from kcoral.dashboard.history import History
 from kcoral.errors import (
     BadRequest,
     KCoralError,
@@ -96,6 +99,8 @@ class RouterApp:
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
+        #: The recent samples the dashboard plots; a service its owner starts.
+        self.history = History(registry, reactor)
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
                                    observe_wait=self._queue_wait.observe)
 
@@ -157,6 +162,22 @@ class RouterApp:
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 
+    # -- the dashboard --------------------------------------------------------
+
+    @app.route("/", methods=["GET"])
+    def get_dashboard_page(self, request):
+        return page.serve(request)
+
+    @app.route("/dashboard/<name>", methods=["GET"])
+    def get_dashboard_file(self, request, name):
+        return page.serve(request, name)
+
+    # What /health and /metrics show openly, and nothing else: the page reads
+    # the nodes from /v1/nodes, with the client's token where one is needed.
+    @app.route("/v1/dashboard", methods=["GET"])
+    def get_dashboard(self, request):
+        return json_response(request, 200, {"health": self.health(), "history": self.history.to_json()})
+
     # -- node routes ----------------------------------------------------------
 
     @app.route("/v1/nodes", methods=["GET"])
@@ -178,7 +199,7 @@ class RouterApp:
                 else round(now - node.reported_at, 3),
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
-                             "capacity": m.capacity, "active": m.active}
+                             "capacity": m.capacity, "active": m.active, "restarts": m.restarts}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})

@@ -50,6 +50,8 @@ class Member:
     suspect: bool = False
     #: When the placement rule last picked this member (its own count).
     picked: int = 0
+    #: Times its supervisor has restarted it, as last reported.
+    restarts: int = 0
 
     @property
     def usable(self) -> bool:
@@ -188,6 +190,7 @@ class Pool:
                 # Member, whose leases still count (and release) its requests.
                 member.url = worker.url
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
+            member.restarts = worker.restarts
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)

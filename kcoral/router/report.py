@@ -13,6 +13,7 @@ import attrs
 
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024
+MAX_RESTARTS = 10**9
 MAX_TEXT = 200
 
 
@@ -27,6 +28,8 @@ class WorkerReport:
     healthy: bool
     capacity: int
     active: int
+    #: Times its supervisor has restarted it.
+    restarts: int = 0
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -108,6 +111,7 @@ def parse_report(body: object) -> NodeReport:
             healthy=w.get("healthy") is True,
             capacity=_count(w.get("capacity"), f"worker {i} capacity", MAX_WORKER_CAPACITY),
             active=_count(w.get("active", 0), f"worker {i} active", MAX_WORKER_CAPACITY),
+            restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")

@@ -27,7 +27,7 @@ from kcoral.web.site import KCoralSite
 
 log = Logger()
 
-ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes"})
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes", "/", "/v1/dashboard"})
 
 
 @attrs.frozen
@@ -90,6 +90,7 @@ class RouterService(service.MultiService):
         self._reactor = reactor
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
+        self.app.history.setServiceParent(self)
         watch(self.app.client_guard, self)
         address = ListenAddress.of(config)
         secured = self.app.client_guard is not None or address.verifies_clients
