@@ -51,17 +51,12 @@ class Gateway(service.MultiService):
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
-<<<<<<< HEAD
+        self.app.history.setServiceParent(self)
         watch(self.app.client_guard, self)
         address = ListenAddress.of(config)
         secured = self.app.client_guard is not None or address.verifies_clients
         self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
                                          secured)
-=======
-        self.app.history.setServiceParent(self)
-        self.listener = DrainingListener("kcoral gateway", ListenAddress.of(config), reactor, site,
-                                         self._drain, secured)
->>>>>>> main
         self.listener.setServiceParent(self)
 
     def update(self, workers: Sequence[WorkerReport], *, gpu_target: str | None,
