@@ -28,9 +28,17 @@ from twisted.python import usage
 from kcoral import Client, Program
 from kcoral.errors import Unauthorized
 from kcoral.node.tap import NodeOptions
+from kcoral.router.service import RouterConfig
 from kcoral.router.tap import RouterOptions
 from kcoral.web import auth
-from kcoral.web.auth import CLIENT_ROUTES, MAX_TOKENS_FILE_BYTES, TokenGuard, TokensFile, read_tokens
+from kcoral.web.auth import (
+    CLIENT_ROUTES,
+    MAX_TOKENS_FILE_BYTES,
+    TokenGuard,
+    TokensFile,
+    client_guard,
+    read_tokens,
+)
 from tests.conftest import server_args, server_env
 from tests.harness import START_TIMEOUT, kcoral_argv, until
 from tests.httputil import request
@@ -142,6 +150,13 @@ def test_a_tokens_file_read_again_swaps_the_tokens(tmp_path, logged):
     text = "\n".join(logged)
     assert "kept the client tokens in force" in text and "2 in force" in text
     assert OTHER not in text and TOKEN not in text and "fixed-token" not in text
+
+
+def test_a_missing_tokens_file_stops_the_service_at_start(tmp_path):
+    """A tokens file that cannot be read is an error when the service is made, not an open door."""
+    with pytest.raises(OSError):
+        client_guard(RouterConfig(client_tokens_file=str(tmp_path / "missing")), Clock())
+    assert client_guard(RouterConfig(), Clock()) is None
 
 
 # -- a Router's routes, in process --------------------------------------------------------------
