@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +34,7 @@ from tests.test_routed import pool_nodes, quick_program, start_node, start_route
 from tests.test_router_app import RID, Router, assert_error
 from tests.test_worker import URL as WORKER_URL
 from tests.test_worker import Supervised
+from tests.tools import debian_tool
 
 # -- the ring of samples ------------------------------------------------------------------------
 
@@ -207,7 +206,6 @@ def test_gateway_serves_the_dashboard_and_runs_its_history():
 
 # -- the page in a browser --------------------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
 #: A browser that talks to nothing but the page under test, and keeps nothing between runs
 #: (each run gets a fresh --user-data-dir).
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -220,17 +218,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 @pytest.fixture(scope="module")
 def chromium() -> str:
     """Debian's Chromium, installed with apt-get where it is missing (as CI's clean machine)."""
-    if not os.path.exists(CHROMIUM):
-        root = [] if os.geteuid() == 0 else ["sudo", "-n"]
-        if not shutil.which("apt-get") or (root and not shutil.which("sudo")):
-            pytest.skip("the browser test needs Debian's chromium package")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = [*root, "apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y",
-                   "--no-install-recommends", "chromium"]
-        if subprocess.run(install, env=env, capture_output=True).returncode:
-            subprocess.run([*root, "apt-get", "update"], env=env, check=True, capture_output=True)
-            subprocess.run(install, env=env, check=True, capture_output=True)
-    return CHROMIUM
+    return debian_tool("chromium", "chromium")
 
 
 class Browser:

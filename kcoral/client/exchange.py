@@ -26,6 +26,7 @@ from kcoral.protocol.wire import (
     sha256,
     wire_array,
 )
+from kcoral.tracing import current_traceparent
 
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
@@ -80,6 +81,9 @@ class RunCall:
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
         if request_id:
             headers["X-Request-ID"] = request_id
+        traceparent = current_traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
         return Send(parts, length, headers)
 
     def content_digests(self) -> set[str]:

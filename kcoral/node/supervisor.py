@@ -39,7 +39,7 @@ log = Logger()
 WORKER_SETTINGS = ("capacity", "max_queued_requests", "queue_wait_timeout_seconds",
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
-                   "tls_cert", "tls_key")
+                   "tls_cert", "tls_key", "log_format", "tracing")
 
 
 def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:

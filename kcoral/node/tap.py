@@ -19,6 +19,7 @@ from kcoral.options import (
     CLIENT_TOKEN,
     CLIENT_TOKENS_FILE,
     LISTEN,
+    OBSERVING,
     TLS_CA,
     TLS_CERT,
     TLS_CLIENT_CA,
@@ -92,6 +93,7 @@ class NodeOptions(KCoralOptions):
         _server("client_token", CLIENT_TOKEN),
         _server("client_tokens_file", CLIENT_TOKENS_FILE),
         _server("tls_client_ca", TLS_CLIENT_CA),
+        *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 

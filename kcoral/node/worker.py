@@ -27,9 +27,9 @@ from twisted.internet import error, protocol
 from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
@@ -144,7 +144,14 @@ class _Core:
         self.on_change()
 
     def relay(self, line: bytes) -> None:
-        log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        event = relayed_event(line)
+        if event is None:
+            log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        else:
+            # A JSON line (--log-format json): the worker's own event, as
+            # this process's, with the worker it came from.
+            event["worker"] = self.name
+            globalLogPublisher(event)
 
     def listening(self, url: str) -> None:
         if self.url is None:

@@ -36,6 +36,7 @@ from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.directroute import DirectRoute
@@ -78,7 +79,7 @@ class RouterApp:
                  registry: CollectorRegistry, node_token: str | None = None,
                  client_guard: IGuard | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None):
+                 metrics_source=None, tracing: ITracing = NO_TRACING):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -94,6 +95,7 @@ class RouterApp:
         #: When set, a callable returning a Deferred of the whole /metrics
         #: text (a gateway merges its workers' series in).
         self.metrics_source = metrics_source
+        self.tracing = tracing
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
@@ -158,7 +160,10 @@ class RouterApp:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
         program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
-        d = self.forwarder.forward(request, request.content.getvalue(), program)
+        span = self.tracing.start("kcoral.router.run", request.requestHeaders,
+                                  request_id=request.request_id)
+        d = self.forwarder.forward(request, request.content.getvalue(), program, span)
+        d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 

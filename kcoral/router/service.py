@@ -18,6 +18,7 @@ from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
@@ -54,6 +55,8 @@ class RouterConfig:
     client_tokens_file: str | None = None
     #: CA file client certificates must be signed by (mutual TLS).
     tls_client_ca: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -68,7 +71,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
                     reactor=reactor, registry=registry, node_token=config.node_token,
                     client_guard=client_guard(config, reactor), name=name,
-                    status_check_interval=config.status_check_interval_seconds)
+                    status_check_interval=config.status_check_interval_seconds,
+                    tracing=tracing_for(config.tracing, f"kcoral-{name}"))
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool))

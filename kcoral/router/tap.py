@@ -11,6 +11,7 @@ from kcoral.options import (
     CLIENT_TOKEN,
     CLIENT_TOKENS_FILE,
     LISTEN,
+    OBSERVING,
     TLS_CA,
     TLS_CERT,
     TLS_CLIENT_CA,
@@ -48,6 +49,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("client_token", CLIENT_TOKEN),
     ("client_tokens_file", CLIENT_TOKENS_FILE),
     ("tls_client_ca", TLS_CLIENT_CA),
+    *OBSERVING,
 ]
 
 

@@ -26,6 +26,7 @@ from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
+from kcoral.tracing import NO_SPAN, ISpan
 
 log = Logger()
 
@@ -165,7 +166,7 @@ class Executor:
                 raise ProgramRejected(
                     f"input {i} has shape {list(shape)}, the program expects {aval.shape}")
 
-    def execute(self, run: RunRequest, request_id: str) -> bytes:
+    def execute(self, run: RunRequest, request_id: str, span: ISpan = NO_SPAN) -> bytes:
         import jax
 
         digest = run.program.digest
@@ -205,11 +206,12 @@ class Executor:
                                     for o in outputs]
                 return [jax.random.key_data(o) if _is_key(o) else o for o in outputs]
 
-            try:
-                compiled = jax.jit(call).lower(
-                    *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
-            except Exception as e:
-                raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
+            with span.child("kcoral.compile", program=digest[:12]):
+                try:
+                    compiled = jax.jit(call).lower(
+                        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
+                except Exception as e:
+                    raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
             self._metrics.compile_seconds.observe(time.perf_counter() - started)
             return compiled, tuple(out_key_types)
 
@@ -224,7 +226,7 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, run, arrays)
+                outputs = self._call(executable, run, arrays, span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -233,7 +235,7 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, run, arrays)
+                outputs = self._call(executable, run, arrays, span)
         except Exception as e:
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
@@ -243,7 +245,7 @@ class Executor:
         return b"".join(parts)
 
 
-    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray]) -> list:
+    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], span: ISpan) -> list:
         """The outputs of one run, as host arrays."""
         import jax
 
@@ -257,11 +259,12 @@ class Executor:
         arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
                   else self._placed.get(spec.blob.digest, array, self._device)
                   for spec, array in zip(run.inputs, arrays)]
-        outputs = executable(*arrays)
-        # jax.device_get overlaps the copies of several outputs; for the
-        # common single output, np.asarray is the same copy without its tree
-        # walk.
-        return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+        with span.child("kcoral.execute"):
+            outputs = executable(*arrays)
+            # jax.device_get overlaps the copies of several outputs; for the
+            # common single output, np.asarray is the same copy without its
+            # tree walk.
+            return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
 
 
 def _is_key(value) -> bool:

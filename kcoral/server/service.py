@@ -23,6 +23,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
+from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
@@ -62,6 +63,8 @@ class ServerConfig:
     client_tokens_file: str | None = None
     #: CA file client certificates must be signed by (mutual TLS).
     tls_client_ca: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 class ServerService(service.MultiService):
@@ -88,6 +91,7 @@ class ServerService(service.MultiService):
         guard = client_guard(config, reactor)
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
+                             tracing=tracing_for(config.tracing, "kcoral-server"),
                              client_guard=guard)
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
