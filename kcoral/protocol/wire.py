@@ -36,6 +36,9 @@ MAX_ARRAYS = 4096
 REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
 RESULT_CONTENT_TYPE = "application/x-kcoral-result"
 PROGRAM_HEADER = "X-KCoral-Program"
+#: The devices the run's program was exported for (absent: 1), so that a
+#: Router picks a member that owns as many without reading the body.
+DEVICES_HEADER = "X-KCoral-Devices"
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024
