@@ -62,6 +62,7 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -245,6 +246,7 @@ class RayCluster:
                                  executable=shutil.which("unshare") or "unshare", program=(),
                                  env=env, ready={"up": r"(Ray runtime started)"}, timeout=300)
         self.namespace = f"/proc/{self.child.pid}/ns/net"
+        self._identity = os.readlink(self.namespace)  # still known once the child has gone
         warm = []
         for body in bodies:
             answer = directory / f"ray-{ingress}-{body.kind}.answer"
@@ -288,7 +290,7 @@ class RayCluster:
     def processes(self) -> dict[int, str]:
         """The cluster's processes (the namespace's), by pid, with their names."""
         found = {}
-        mine = os.readlink(self.namespace)
+        mine = self._identity
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -305,7 +307,15 @@ class RayCluster:
         return [pid for pid, name in self.processes().items() if wanted in name]
 
     def stop(self) -> None:
+        """Stop the cluster, then end what it left in its namespace (Ray's
+        HAProxy, started by an actor, outlives the actor's process): every
+        process there is this cluster's."""
         self.child.stop()
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self._temp, ignore_errors=True)
 
 
@@ -524,110 +534,112 @@ def main() -> int:
     from kcoral import Program
 
     work = Path(tempfile.mkdtemp(prefix="kcoral-compare-"))
-    bodies = []
-    calibrated = programs(np.random.default_rng(0))[:2]
-    for (name, function, inputs, _), kind in zip(calibrated, ("trivial", "5ms")):
-        if kind in kinds:
-            bodies.append(Body(work, kind, name, Program.from_function(function, *inputs),
-                               inputs, inline=False))
-    if "16mib" in kinds:
-        big = np.random.default_rng(1).standard_normal(BIG_SHAPE, dtype=np.float32)
-        bodies.append(Body(work, "16mib", "sum of a 16 MiB input, sent every run",
-                           Program.from_function(lambda x: jax.numpy.sum(x), big), (big,),
-                           inline=True))
-    haproxy_version = subprocess.run(["haproxy", "-v"], capture_output=True,
-                                     text=True).stdout.split(" - ")[0]
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-               "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-               "jax": jax.__version__, "device": str(device), "haproxy": haproxy_version,
-               "seconds": seconds, "warmup": args.warmup, "pinned": proxy_cores is not None,
-               "pinning": ("nothing pinned" if proxy_cores is None else
-                           f"proxies on core {args.proxy_core}; worker, Ray's replica and wrk on "
-                           f"{','.join(map(str, sorted(rest)))}"),
-               "rows": [{"kind": b.kind, "program": b.label, "connections": c, "paths": {}}
-                        for b in bodies for c in connections
-                        if b.kind != "16mib" or c in BIG_CONNECTIONS or args.connections]}
-
-    services = []
-    answers: dict[str, bytes] = {}
     try:
-        print("starting a Router, one node and HAProxy ...", flush=True)
-        if args.profile_router:
-            # cProfile writes its file when the Router exits (stopped with SIGTERM).
-            router = KCoralChild(["router", "--port", "0"],
-                                 {"url": r"kcoral router listening on (http://\S+)"},
-                                 cores=proxy_cores, program=("-m", "cProfile", "-o",
-                                                             args.profile_router, "-m", "kcoral"))
-        else:
-            router = start_router(proxy_cores)
-        services.append(router)
-        node = start_node(router.found["url"], "none")
-        services.append(node)
-        wait_ready(router.found["url"])
-        worker_url = node.found["worker"]
-        urls = {"direct": worker_url, "router": router.found["url"]}
-        groups = {"worker": [node.worker_pid], "router": [router.pid]}
-        if "haproxy" in paths:
-            haproxy, urls["haproxy"] = start_haproxy(work, worker_url, proxy_cores)
-            services.append(haproxy)
-            groups["haproxy"] = [haproxy.pid]
-        if "floor" in paths:
-            floor = start_bare_proxy(worker_url, False, proxy_cores)
-            services.append(floor)
-            urls["floor"] = floor.found["url"]
-            groups["floor"] = [floor.pid]
-        for body in bodies:
-            answers[body.kind] = post(worker_url, body.first, body.digest, body.content_type)
-            for path, url in urls.items():
-                got = post(url, body.repeat, body.digest, body.content_type)
-                assert got == answers[body.kind], f"{path} answered {body.kind} with other bytes"
-        kcoral_paths = [p for p in paths if p in urls]
-        done: list[dict] = []
-        for body in bodies:
-            for row in [r for r in results["rows"] if r["kind"] == body.kind]:
-                print(f"  {body.kind}, {row['connections']} connection(s) ...", flush=True)
-                # Alternating the order, so that drift hits every path alike.
-                order = kcoral_paths if len(done) % 2 == 0 else kcoral_paths[::-1]
-                done.append(row)
-                for path in order:
-                    row["paths"][path] = measure(path, urls[path], body, row["connections"],
-                                                 seconds, args.warmup, groups, [], rest)
-    finally:
-        for service in reversed(services):
-            service.stop()
-        services.clear()
+        bodies = []
+        calibrated = programs(np.random.default_rng(0))[:2]
+        for (name, function, inputs, _), kind in zip(calibrated, ("trivial", "5ms")):
+            if kind in kinds:
+                bodies.append(Body(work, kind, name, Program.from_function(function, *inputs),
+                                   inputs, inline=False))
+        if "16mib" in kinds:
+            big = np.random.default_rng(1).standard_normal(BIG_SHAPE, dtype=np.float32)
+            bodies.append(Body(work, "16mib", "sum of a 16 MiB input, sent every run",
+                               Program.from_function(lambda x: jax.numpy.sum(x), big), (big,),
+                               inline=True))
+        haproxy_version = subprocess.run(["haproxy", "-v"], capture_output=True,
+                                         text=True).stdout.split(" - ")[0]
+        results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                   "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+                   "jax": jax.__version__, "device": str(device), "haproxy": haproxy_version,
+                   "seconds": seconds, "warmup": args.warmup, "pinned": proxy_cores is not None,
+                   "pinning": ("nothing pinned" if proxy_cores is None else
+                               f"proxies on core {args.proxy_core}; worker, Ray's replica and wrk on "
+                               f"{','.join(map(str, sorted(rest)))}"),
+                   "rows": [{"kind": b.kind, "program": b.label, "connections": c, "paths": {}}
+                            for b in bodies for c in connections
+                            if b.kind != "16mib" or c in BIG_CONNECTIONS or args.connections]}
 
-    ray_paths = [p for p in paths if p.startswith("ray-")]
-    if ray_paths:
-        python = ensure_ray_venv()
-        results["ray"] = subprocess.run([str(python), "-c", "import ray; print(ray.__version__)"],
-                                        capture_output=True, text=True).stdout.strip()
-        results["ray_listening"] = {}
-    for path in ray_paths:
-        ingress = path.split("-", 1)[1]
-        print(f"starting Ray Serve ({ingress} ingress) ...", flush=True)
-        cluster = RayCluster(python, ingress, bodies, work, answers)
+        services = []
+        answers: dict[str, bytes] = {}
         try:
-            results["ray_listening"][ingress] = cluster.listening()
-            names = cluster.processes()
-            proxies = cluster.proxy_pids()
-            replica = [pid for pid, name in names.items() if "ServeReplica" in name]
-            if proxy_cores is not None:
-                for pid in names:
-                    where = proxy_cores if pid in proxies else rest
-                    subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(where))),
-                                    str(pid)], capture_output=True)
-            groups = {"ray proxy": proxies, "worker": replica, "ray": list(names)}
+            print("starting a Router, one node and HAProxy ...", flush=True)
+            if args.profile_router:
+                # cProfile writes its file when the Router exits (stopped with SIGTERM).
+                router = KCoralChild(["router", "--port", "0"],
+                                     {"url": r"kcoral router listening on (http://\S+)"},
+                                     cores=proxy_cores, program=("-m", "cProfile", "-o",
+                                                                 args.profile_router, "-m", "kcoral"))
+            else:
+                router = start_router(proxy_cores)
+            services.append(router)
+            node = start_node(router.found["url"], "none")
+            services.append(node)
+            wait_ready(router.found["url"])
+            worker_url = node.found["worker"]
+            urls = {"direct": worker_url, "router": router.found["url"]}
+            groups = {"worker": [node.worker_pid], "router": [router.pid]}
+            if "haproxy" in paths:
+                haproxy, urls["haproxy"] = start_haproxy(work, worker_url, proxy_cores)
+                services.append(haproxy)
+                groups["haproxy"] = [haproxy.pid]
+            if "floor" in paths:
+                floor = start_bare_proxy(worker_url, False, proxy_cores)
+                services.append(floor)
+                urls["floor"] = floor.found["url"]
+                groups["floor"] = [floor.pid]
+            for body in bodies:
+                answers[body.kind] = post(worker_url, body.first, body.digest, body.content_type)
+                for path, url in urls.items():
+                    got = post(url, body.repeat, body.digest, body.content_type)
+                    assert got == answers[body.kind], f"{path} answered {body.kind} with other bytes"
+            kcoral_paths = [p for p in paths if p in urls]
+            done: list[dict] = []
             for body in bodies:
                 for row in [r for r in results["rows"] if r["kind"] == body.kind]:
                     print(f"  {body.kind}, {row['connections']} connection(s) ...", flush=True)
-                    row["paths"][path] = measure(path, cluster.url, body, row["connections"],
-                                                 seconds, args.warmup, groups,
-                                                 cluster.nsenter(), rest)
+                    # Alternating the order, so that drift hits every path alike.
+                    order = kcoral_paths if len(done) % 2 == 0 else kcoral_paths[::-1]
+                    done.append(row)
+                    for path in order:
+                        row["paths"][path] = measure(path, urls[path], body, row["connections"],
+                                                     seconds, args.warmup, groups, [], rest)
         finally:
-            cluster.stop()
-    shutil.rmtree(work, ignore_errors=True)
+            for service in reversed(services):
+                service.stop()
+            services.clear()
+
+        ray_paths = [p for p in paths if p.startswith("ray-")]
+        if ray_paths:
+            python = ensure_ray_venv()
+            results["ray"] = subprocess.run([str(python), "-c", "import ray; print(ray.__version__)"],
+                                            capture_output=True, text=True).stdout.strip()
+            results["ray_listening"] = {}
+        for path in ray_paths:
+            ingress = path.split("-", 1)[1]
+            print(f"starting Ray Serve ({ingress} ingress) ...", flush=True)
+            cluster = RayCluster(python, ingress, bodies, work, answers)
+            try:
+                results["ray_listening"][ingress] = cluster.listening()
+                names = cluster.processes()
+                proxies = cluster.proxy_pids()
+                replica = [pid for pid, name in names.items() if "ServeReplica" in name]
+                if proxy_cores is not None:
+                    for pid in names:
+                        where = proxy_cores if pid in proxies else rest
+                        subprocess.run(["taskset", "-a", "-p", "-c", ",".join(map(str, sorted(where))),
+                                        str(pid)], capture_output=True)
+                groups = {"ray proxy": proxies, "worker": replica, "ray": list(names)}
+                for body in bodies:
+                    for row in [r for r in results["rows"] if r["kind"] == body.kind]:
+                        print(f"  {body.kind}, {row['connections']} connection(s) ...", flush=True)
+                        row["paths"][path] = measure(path, cluster.url, body, row["connections"],
+                                                     seconds, args.warmup, groups,
+                                                     cluster.nsenter(), rest)
+            finally:
+                cluster.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
     report(results)
     if args.json:
