@@ -18,7 +18,7 @@ class KCoralError(Exception):
     @ivar status: the HTTP status code that carries this error.
     @ivar type: the stable machine-readable name sent in the JSON body.
     @ivar reason: a finer reason (for 503: C{queue_full}, C{queue_timeout},
-        C{no_ready_node}, C{draining}).
+        C{no_ready_node}, C{draining}; for 422: C{not_enough_devices}).
     @ivar request_id: the request id the service reported, if any.
     """
 
@@ -48,7 +48,8 @@ class BadRequest(KCoralError):
 
 
 class Unauthorized(BadRequest):
-    """401: a node control request without the Router's bearer token."""
+    """401: a run or the node list without a client token, or a node control
+    request without the node token, where the service needs one."""
 
     status = 401
     type = "unauthorized"
@@ -107,6 +108,15 @@ class ProgramRejected(KCoralError):
     type = "program_rejected"
 
 
+class NotEnoughDevices(ProgramRejected):
+    """422, reason C{not_enough_devices}: the program was exported for more
+    devices than this server, or any ready member of a pool, owns."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("reason", "not_enough_devices")
+        super().__init__(message, **kwargs)
+
+
 class ProgramFailed(KCoralError):
     """500: the program failed while running, or an internal error."""
 
@@ -146,6 +156,7 @@ class ProgramExportError(KCoralError, ValueError):
 #: L{ProgramFailed} (L{error_from_body}).
 CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
     BadRequest,
+    Unauthorized,
     MissingContent,
     PayloadTooLarge,
     ProgramRejected,
@@ -157,11 +168,11 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
 #: Every error a KCoral service answers: the client's, and finer ones that a
 #: client catches as the class they refine.
 ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
-    Unauthorized,
     NotFound,
     MethodNotAllowed,
     RequestTimeout,
     NodeConflict,
+    NotEnoughDevices,
     InternalError,
 )
 

@@ -14,6 +14,9 @@ from typing import Any, TypeVar, cast
 import attrs
 from twisted.python import usage
 
+from kcoral.logs import LOG_FORMATS, log_under_twistd
+from kcoral.tracing import TRACING_MODES
+
 C = TypeVar("C")
 
 
@@ -44,18 +47,27 @@ class Bounded:
 
 @attrs.frozen
 class OneOf:
-    """The value check of an option that takes one of C{names}."""
+    """The value check of an option that takes one of C{values}."""
 
-    names: tuple[str, ...]
+    values: tuple[str, ...]
 
     @property
     def coerceDoc(self) -> str:
-        return f"One of: {', '.join(self.names)}."
+        return f"One of: {', '.join(self.values)}."
 
     def __call__(self, text: str) -> str:
-        if text not in self.names:
-            raise ValueError(f"must be one of {', '.join(self.names)}, got {text}")
+        if text not in self.values:
+            raise ValueError(f"must be one of {', '.join(self.values)}, got {text!r}")
         return text
+
+
+#: The options every service has for its logs and traces: (config field, help, check).
+OBSERVING: list[tuple[Any, ...]] = [
+    ("log_format", "Log lines as text, or as JSON objects (one a line).", OneOf(LOG_FORMATS)),
+    ("tracing", ("Record spans of each run with OpenTelemetry (pip install 'kcoral[otel]'): "
+                 "logged, or exported over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT)."),
+     OneOf(TRACING_MODES)),
+]
 
 
 def non_negative(kind: type) -> Bounded:
@@ -82,12 +94,21 @@ TLS_KEY = "PEM private key of --tls-cert (default: inside --tls-cert)."
 TLS_CA = "PEM CA to verify https peers with (default: the system's roots)."
 ROUTING = ("Placement of runs: affinity (on a worker that holds their program and inputs, "
            "within a bound on load) or least-loaded.")
+#: Client authentication (the Router, a standalone server).
+CLIENT_TOKEN = "Token clients must present to run and list nodes [env: KCORAL_CLIENT_TOKEN]."
+CLIENT_TOKENS_FILE = "File of client tokens, one a line (# comments), read again on SIGHUP."
+TLS_CLIENT_CA = "PEM CA that must sign clients' certificates (mutual TLS; needs --tls-cert)."
+#: The options of client authentication, and their environment.
+CLIENT_AUTH_OPTIONS = ("client-token", "client-tokens-file", "tls-client-ca")
 
 
 def check_listen(options) -> None:
     if options["listen"] and (options["tls-cert"] or options["tls-key"]):
         raise usage.UsageError("--listen takes the place of --tls-cert and --tls-key: name the "
                                "certificate in the endpoint string (certKey=..., privateKey=...)")
+    if options["tls-client-ca"] and not options["tls-cert"]:
+        raise usage.UsageError("--tls-client-ca needs --tls-cert (with --listen, name the CAs "
+                               "in the endpoint string: caCertsDir=...)")
 
 
 def option_name(field: str) -> str:
@@ -169,6 +190,8 @@ class KCoralOptions(usage.Options):
         #: Options named on the command line (they beat every other source).
         self.named = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2}
         super().parseOptions(options)
+        if "log-format" in self:
+            log_under_twistd(self)
 
     def from_environment(self) -> set[str]:
         """Fill unset options from their environment variables; the names filled."""

@@ -68,7 +68,7 @@ class World:
         return self.pool.nodes["n"].members[name]
 
     def pick(self, demand: Demand | None, waited: float = 0.0):
-        return self.pool.pick(demand, waited)
+        return self.pool.pick(demand, waited=waited)
 
     def ran(self, name: str, demand: Demand, code: int = 200, missing=(), sent=0, seconds=0.1):
         """A run of C{demand} was placed on worker C{name}, and answered C{code}."""

@@ -7,17 +7,26 @@ caller's reactor never blocks on them.
 from __future__ import annotations
 
 import json
+from io import BytesIO
 
 import treq
 from twisted.internet import error as netError
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import (
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    ResponseFailed,
+    ResponseNeverReceived,
+)
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
-from kcoral.client.sync import _retry_after
+from kcoral.client.progress import CountingProducer, upload_bar
+from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
+from kcoral.web.outgoing import tls_policy
 
 #: Inputs larger than this are prepared in a thread.
 _THREAD_BYTES = 1 << 20
@@ -27,20 +36,31 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    mean what they mean there; C{pool} is the treq connection pool to use
-    (by default one of its own, kept alive between runs).
+    mean what they mean there, and so do C{token} and C{progress}; C{pool}
+    is the treq connection pool to use (by default one of its own, kept
+    alive between runs). Over https the service is verified against the CAs
+    of C{tls_ca} (default: the platform's roots); C{tls_client_cert} (a PEM
+    chain) and C{tls_client_key} (default: inside it) are presented to a
+    service that asks for a certificate (C{--tls-client-ca}).
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None):
+                 reactor=None, pool: HTTPConnectionPool | None = None, progress: bool = False,
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_client_cert: str | None = None, tls_client_key: str | None = None):
         if reactor is None:
             from twisted.internet import reactor
         self.url = url.rstrip("/")
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
+        self._agent = Agent(reactor, contextFactory=tls_policy(tls_ca, tls_client_cert, tls_client_key),
+                            pool=self._pool)
         self._held: set[str] = set()
+        self._auth: dict[bytes | str, list[bytes | str]] = {
+            name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
 
     def close(self):
@@ -50,20 +70,27 @@ class AsyncClient:
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
         body = None
-        headers = {}
+        headers: dict[bytes | str, list[bytes | str]] = dict(self._auth)
+        bar = None
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
-            headers = {k: [v] for k, v in send.headers.items()}
+            headers.update({k: [v] for k, v in send.headers.items()})
+            bar = upload_bar(send.length, self.url) if self.progress else None
+            if bar is not None:
+                body = CountingProducer(FileBodyProducer(BytesIO(body)), bar.update)
         try:
             answer = yield treq.request(method, self.url + path, data=body, headers=headers,
-                                        pool=self._pool, reactor=self._reactor,
+                                        agent=self._agent, reactor=self._reactor,
                                         timeout=self.timeout)
             content = yield treq.content(answer)
         except netError.ConnectError as e:
             return Response(None, problem=str(e))
         except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close()
         if send is not None:
             self.bytes_sent += send.length
         retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]

@@ -11,6 +11,7 @@ for code that already runs a reactor.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import threading
 import time
@@ -18,8 +19,10 @@ from urllib.parse import urlsplit
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
+from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -29,20 +32,34 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
+def client_headers(token: str | None) -> dict[str, str]:
+    """The headers that authenticate a client with C{token} (None: the
+    environment's C{KCORAL_CLIENT_TOKEN}, if set)."""
+    if token is None:
+        token = os.environ.get(CLIENT_TOKEN_ENV) or None
+    return {"Authorization": authorization(token)} if token else {}
+
+
 class Client:
     """
     A blocking client for one KCoral server or Router. Keeps one keep-alive
-    connection; calls from several threads are serialised.
+    connection; calls from several threads are serialised. C{token} is the
+    client token sent with every request (default: C{KCORAL_CLIENT_TOKEN});
+    an C{ssl_context} with a certificate loaded (C{load_cert_chain})
+    presents it to a service that asks for one (C{--tls-client-ca}). With
+    C{progress}, request bodies of 64 MiB or more show a progress bar as
+    they are sent.
     """
 
     def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 ssl_context=None):
+                 ssl_context=None, progress: bool = False, token: str | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
         self.url = url.rstrip("/")
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
         self._host_header = parts.netloc.rpartition("@")[2]
@@ -50,6 +67,7 @@ class Client:
         if parts.scheme == "https" and ssl_context is None:
             ssl_context = ssl.create_default_context()
         self._ssl_context = ssl_context if parts.scheme == "https" else None
+        self._auth = client_headers(token)
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
@@ -95,10 +113,16 @@ class Client:
             return Response(None, problem=str(e))
         try:
             if send is None:
-                answer = conn.request(method, self._prefix + path, self._host_header, {})
+                answer = conn.request(method, self._prefix + path, self._host_header, self._auth)
             else:
-                answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
-                                      send.parts, send.length)
+                bar = upload_bar(send.length, self.url) if self.progress else None
+                try:
+                    answer = conn.request(method, self._prefix + path, self._host_header,
+                                          {**send.headers, **self._auth}, send.parts, send.length,
+                                          None if bar is None else bar.update)
+                finally:
+                    if bar is not None:
+                        bar.close()
         except TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None

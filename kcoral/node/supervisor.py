@@ -36,10 +36,10 @@ log = Logger()
 
 
 #: The server settings a worker is started with, as they are on the node.
-WORKER_SETTINGS = ("capacity", "max_queued_requests", "queue_wait_timeout_seconds",
+WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "queue_wait_timeout_seconds",
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
-                   "tls_cert", "tls_key")
+                   "tls_cert", "tls_key", "log_format", "tracing")
 
 
 def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
@@ -85,8 +85,10 @@ class SupervisorService(service.MultiService):
         self._advertise = node.advertise_host or server.host
         self._scheme = "https" if server.tls_cert else "http"
         settings = node.restart
-        #: The HTTP client of the probes and the reports.
-        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca)
+        #: The HTTP client of the probes and the reports; it presents the
+        #: node's certificate to a Router that asks for one (--tls-client-ca).
+        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca, cert=server.tls_cert,
+                                             key=server.tls_key)
         self.reporter: Reporter | None = None
         self.gateway: Gateway | None = None
         if node.router and node.node_id:
@@ -95,8 +97,7 @@ class SupervisorService(service.MultiService):
                                      timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
-            self.gateway = Gateway(gateway_config(node, server), reactor,
-                                   secured=bool(node.node_token))
+            self.gateway = Gateway(gateway_config(node, server), reactor)
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()
@@ -158,6 +159,7 @@ class SupervisorService(service.MultiService):
 
 def make_supervisor_service(options, reactor) -> SupervisorService:
     """The supervisor of the node that the options C{options} describe."""
-    specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus())
+    specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus(),
+                                  options["devices-per-worker"])
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
                              [worker_port(options, spec.index) for spec in specs], account)

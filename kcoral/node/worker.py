@@ -27,14 +27,15 @@ from twisted.internet import error, protocol
 from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.router.report import WorkerReport
 from kcoral.router.residency import parse_cached
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
 
 log = Logger()
@@ -120,6 +121,8 @@ class _Core:
     healthy: bool = False
     health: dict = attrs.Factory(dict)
     murder: DelayedCall | None = None
+    #: Restarts since the supervisor started, for its reports.
+    restart_count: int = 0
     stopped: list[Deferred[Any]] = attrs.Factory(list)
 
     @property
@@ -131,6 +134,8 @@ class _Core:
         env[CHILD_ENV] = "1"
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
         env[URL_FD_ENV] = str(URL_FD)
+        # Only the node reaches its workers, and it sends no client token.
+        env.pop(CLIENT_TOKEN_ENV, None)
         self.url, self.healthy, self.health = None, False, {}
         self.process = self.reactor.spawnProcess(
             LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,
@@ -140,7 +145,14 @@ class _Core:
         self.on_change()
 
     def relay(self, line: bytes) -> None:
-        log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        event = relayed_event(line)
+        if event is None:
+            log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        else:
+            # A JSON line (--log-format json): the worker's own event, as
+            # this process's, with the worker it came from.
+            event["worker"] = self.name
+            globalLogPublisher(event)
 
     def listening(self, url: str) -> None:
         if self.url is None:
@@ -197,6 +209,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         delay = core.policy.next_delay()
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
                  worker=core.name, how=describe_exit(reason), delay=delay)
+        core.restart_count += 1
         if core.restarts is not None:
             core.restarts.labels(core.name).inc()
         return core.reactor.callLater(delay, inputs.restart)
@@ -388,4 +401,8 @@ class Worker(service.Service):
             cache = None  # a server of another version: the Router learns on its own
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
-                            int(self.health.get("active", 0)) if healthy else 0, cache)
+                            int(self.health.get("active", 0)) if healthy else 0,
+                            # What it owns, as it lists them; what it was started with
+                            # until it does.
+                            devices=len(self.health.get("devices") or ()) or self.spec.devices,
+                            restarts=self._core.restart_count, cache=cache)

@@ -41,6 +41,9 @@ PROGRAM_HEADER = "X-KCoral-Program"
 INPUTS_HEADER = "X-KCoral-Inputs"
 #: Entries the client puts in that header at most.
 MAX_INPUTS_LISTED = 64
+#: The devices the run's program was exported for (absent: 1), so that a
+#: Router picks a member that owns as many without reading the body.
+DEVICES_HEADER = "X-KCoral-Devices"
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024

@@ -1,23 +1,25 @@
 """
 The Router's HTTP API: the client routes it shares with servers (C{/health},
-C{/readyz}, C{/metrics}, C{POST /v1/run}) and the node routes (C{/v1/nodes}).
-The embedded gateway of a multi-worker node serves the same resource.
+C{/readyz}, C{/metrics}, C{POST /v1/run}), the node routes (C{/v1/nodes}) and
+the dashboard (C{GET /}, L{kcoral.dashboard}). The embedded gateway of a
+multi-worker node serves the same resource.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral._version import __version__
+from kcoral.dashboard import page
+from kcoral.dashboard.history import History
 from kcoral.errors import (
     BadRequest,
     KCoralError,
@@ -26,17 +28,18 @@ from kcoral.errors import (
     NotFound,
     PayloadTooLarge,
     ServerBusy,
-    Unauthorized,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import INPUTS_HEADER, PROGRAM_HEADER
+from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
+from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -49,6 +52,9 @@ log = Logger()
 MAX_CONTROL_BYTES = 512 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _INPUTS_HEADER = INPUTS_HEADER.encode()
+_DEVICES_HEADER = DEVICES_HEADER.encode()
+#: The most devices a run may ask for (a worker reports at most as many).
+MAX_DEVICES = 1024
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 
 
@@ -78,8 +84,9 @@ class RouterApp:
 
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
+                 client_guard: IGuard | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None):
+                 metrics_source=None, tracing: ITracing = NO_TRACING):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -87,23 +94,29 @@ class RouterApp:
         self.outgoing = outgoing
         self._reactor = reactor
         self.registry = registry
-        self._token = node_token
+        self._node_guard = TokenGuard.of([node_token] if node_token else [], NODE_ROUTES)
+        #: What runs and the node list need (None: nothing).
+        self.client_guard = client_guard
         self.name = name
         self._interval = status_check_interval
         #: When set, a callable returning a Deferred of the whole /metrics
         #: text (a gateway merges its workers' series in).
         self.metrics_source = metrics_source
+        self.tracing = tracing
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
         registry.register(ResidencyCollector(pool.residency))
+        #: The recent samples the dashboard plots; a service its owner starts.
+        self.history = History(registry, reactor)
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
                                    observe_wait=self._queue_wait.observe)
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
+                                             guard=self.client_guard))
 
     # -- client routes --------------------------------------------------------
 
@@ -127,7 +140,8 @@ class RouterApp:
         if self.name == "gateway":
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
-                 "active": m.active} for n in self.pool.nodes.values() for m in n.members.values()]
+                 "active": m.active, "devices": m.devices}
+                for n in self.pool.nodes.values() for m in n.members.values()]
         return health
 
     @app.route("/health", methods=["GET"])
@@ -155,14 +169,42 @@ class RouterApp:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
         demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER))
-        d = self.forwarder.forward(request, request.content.getvalue(), demand)
+        devices = _devices(request.getHeader(_DEVICES_HEADER))
+        if devices is None:
+            d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
+        else:
+            span = self.tracing.start("kcoral.router.run", request.requestHeaders,
+                                      request_id=request.request_id)
+            d = self.forwarder.forward(request, request.content.getvalue(), demand, devices, span)
+            d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
+
+    # -- the dashboard --------------------------------------------------------
+
+    @app.route("/", methods=["GET"])
+    def get_dashboard_page(self, request):
+        return page.serve(request)
+
+    @app.route("/dashboard/<name>", methods=["GET"])
+    def get_dashboard_file(self, request, name):
+        return page.serve(request, name)
+
+    # What /health and /metrics show openly, and nothing else: the page reads
+    # the nodes from /v1/nodes, with the client's token where one is needed.
+    @app.route("/v1/dashboard", methods=["GET"])
+    def get_dashboard(self, request):
+        return json_response(request, 200, {"health": self.health(), "history": self.history.to_json()})
 
     # -- node routes ----------------------------------------------------------
 
     @app.route("/v1/nodes", methods=["GET"])
     def get_nodes(self, request):
+        # It lists every worker's URL: where programs could be sent directly.
+        if self.client_guard is not None:
+            refused = self.client_guard.refusal(request, request.request_id)
+            if refused is not None:
+                return refused
         now = self._reactor.seconds()
         nodes = []
         for node in self.pool.nodes.values():
@@ -175,24 +217,15 @@ class RouterApp:
                 else round(now - node.reported_at, 3),
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
-                             "capacity": m.capacity, "active": m.active}
+                             "capacity": m.capacity, "active": m.active, "devices": m.devices,
+                             "restarts": m.restarts}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
 
     def _authorized(self, request, node_id: str) -> bytes | None:
         """None when the control request may proceed, else the 401 answer."""
-        if not self._token:
-            return None
-        header = request.getHeader(b"Authorization") or b""
-        scheme, _, presented = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(presented.strip(), self._token.encode()):
-            return None
-        why = "no token" if not header else "a wrong token"
-        log.warn("refused a control request for node {node_id} with {why}", node_id=node_id, why=why)
-        request.setHeader(b"WWW-Authenticate", b"Bearer")
-        return error_response(request, Unauthorized(
-            f"node control requests need a valid bearer token ({why} given)"))
+        return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
         # A body this large may be spooled to a file: read, not getvalue().
@@ -243,6 +276,17 @@ class RouterApp:
             return error_response(request, NotFound(
                 f"node {node_id} has no live session {session[:100]!r}"))
         return json_response(request, 200, {"node_id": node_id, "left": True})
+
+
+def _devices(header: bytes | None) -> int | None:
+    """The devices a run's program needs, from its header (absent: 1); None
+    when the header is no count."""
+    if header is None:
+        return 1
+    # int() takes "+2", " 2" and "2_0": a count is its digits only.
+    if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
+        return None
+    return int(header)
 
 
 def _relayed(answer, request) -> bytes:

@@ -20,6 +20,7 @@ from kcoral.logs import debug_enabled
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_SPAN, ISpan
 
 log = Logger()
 
@@ -40,17 +41,21 @@ class Forwarder:
         self._observe_wait = observe_wait
 
     @inlineCallbacks
-    def forward(self, request, body: bytes, demand: Demand | None):
+    def forward(self, request, body: bytes, demand: Demand | None, devices: int = 1,
+                span: ISpan = NO_SPAN):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, needing C{demand} if known). Fails with
-        L{ServerBusy} (no capacity, or no member took it) or L{NodeFailure}
-        (lost after it was sent).
+        (the run of C{request}, needing the content C{demand} if known, exported
+        for C{devices} devices; its steps traced within C{span}). Fails with
+        L{ServerBusy} (no capacity, or no member took it), L{NotEnoughDevices}
+        (no ready member owns as many devices) or L{NodeFailure} (lost after
+        it was sent).
         """
         rid = request.request_id
         arrived = self._clock.seconds()
         for tries in range(MAX_NOT_SENT):
-            lease = yield self._scheduler.acquire(demand)
+            with span.child("kcoral.queue_wait"):
+                lease = yield self._scheduler.acquire(demand, devices)
             leased = self._clock.seconds()
             if not tries:
                 # Once a run: how long it waited for capacity (not again for
@@ -58,28 +63,33 @@ class Forwarder:
                 self._observe_wait(leased - arrived)
             member = lease.member
             if debug_enabled():
-                log.debug("{request_id} -> {node}/{worker}", request_id=rid,
-                          node=member.node.node_id, worker=member.name)
+                log.debug("{request_id} -> {node_id}/{worker}", request_id=rid,
+                          node_id=member.node.node_id, worker=member.name)
+            forwarding = span.child("kcoral.forward", node_id=member.node.node_id, worker=member.name)
             try:
-                answer = yield self._proxy.forward(member.url, request, body)
+                answer = yield self._proxy.forward(member.url, request, body,
+                                                   traceparent=forwarding.traceparent())
             except NotSent as e:
+                forwarding.failed(e)
                 member.suspect = True
-                log.info("{request_id} not taken by {node}/{worker}: {why}", request_id=rid,
-                         node=member.node.node_id, worker=member.name, why=e)
+                log.info("{request_id} not taken by {node_id}/{worker}: {why}", request_id=rid,
+                         node_id=member.node.node_id, worker=member.name, why=e)
                 continue
             except NodeFailure as e:
-                log.warn("{request_id} failed on {node}/{worker}: {why}", request_id=rid,
-                         node=member.node.node_id, worker=member.name, why=e.message)
+                forwarding.failed(e)
+                log.warn("{request_id} failed on {node_id}/{worker}: {why}", request_id=rid,
+                         node_id=member.node.node_id, worker=member.name, why=e.message)
                 raise
             finally:
                 lease.release()
+                forwarding.end()
             self._scheduler.pool.residency.settled(
                 member.held, demand, answer.code, answer.missing(),
                 self._clock.seconds() - leased, len(body))
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.
-                log.info("{request_id} answered {status} from {node}/{worker}", request_id=rid,
-                         status=answer.code, node=member.node.node_id, worker=member.name)
+                log.info("{request_id} answered {status} from {node_id}/{worker}", request_id=rid,
+                         status=answer.code, node_id=member.node.node_id, worker=member.name)
             return answer
         raise ServerBusy("no node took the request", reason="no_ready_node")

@@ -51,17 +51,18 @@ class Wait:
     seconds: float
 
 
-#: A run waiting for a member: what it needs (None: not known) and how long
-#: it has waited, in seconds.
-Run = tuple[Demand | None, float]
+#: A run waiting for a member: what content it needs (None: not known), the
+#: devices its program was exported for, and how long a free member has
+#: been left for it, in seconds.
+Run = tuple[Demand | None, int, float]
 
 
 class IPlacement(Interface):
     def choose(members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
         """
-        Which of C{runs} (oldest first, each with how long a free member
-        has been left for it) runs now, and on which of C{members}
-        (the usable ones, full or not): (its index, the member). A L{Wait}
+        Which of C{runs} (oldest first) runs now, and on which of C{members}
+        (the usable ones, full or not) that owns as many devices as it
+        needs: (its index, the member). A L{Wait}
         when a member is free but none of them should take it yet; None when
         no member has free capacity.
         """
@@ -75,8 +76,10 @@ class LeastLoaded:
         self._picks = itertools.count(1)
 
     def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | None:
-        best = self.least_loaded(members)
-        return None if best is None or not runs else (0, best)
+        if not runs:
+            return None
+        best = self.least_loaded(_owning(members, runs[0][1]))
+        return None if best is None else (0, best)
 
     def least_loaded(self, members: Iterable[Member]) -> Member | None:
         """The least loaded member with free capacity, now picked."""
@@ -109,22 +112,28 @@ class Affinity:
     def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
         bound = math.ceil(self._load_factor * (sum(m.active for m in members) + 1)
                           / max(len(members), 1))
-        eligible = [m for m in members if m.free > 0 and m.active < bound]
-        if not eligible:
-            # The bound never leaves a run waiting while a member is free.
-            eligible = [m for m in members if m.free > 0]
-            if not eligible:
-                return None
+        free = [m for m in members if m.free > 0]
+        if not free:
+            return None
+        under = [m for m in free if m.active < bound]
         # Full members count as warm places to wait for; a free one over the
         # bound does not: the bound passes it over.
-        full = [m for m in members if m.free <= 0]
+        full_all = [m for m in members if m.free <= 0]
         cold: tuple[int, Member] | None = None
         patience: float | None = None
-        for index, (demand, waited) in enumerate(runs):
+        for index, (demand, devices, waited) in enumerate(runs):
+            # The bound never leaves a run waiting while a member is free.
+            eligible = _owning(under, devices) or _owning(free, devices)
+            if not eligible:
+                # No free member owns the devices it needs: it holds up the
+                # runs behind it, as a strict FIFO would, or it might never
+                # run. Only a run that chose to wait lets younger ones by.
+                break
             if demand is None:
                 member = self._least_loaded.least_loaded(eligible)
                 assert member is not None
                 return index, member
+            full = _owning(full_all, devices)
             best, warmth = _warmest(eligible, demand, with_hash=True)
             _, elsewhere = _warmest(full, demand) if full else (None, (False, -1))
             if warmth >= elsewhere:
@@ -144,6 +153,11 @@ class Affinity:
         missing = demand.nbytes - member.held.held_bytes(demand)
         compile = 0.0 if demand.program in member.held.programs else r.compile_seconds.value
         return missing / r.bandwidth.value + compile
+
+
+def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
+    """The members of C{members} that own at least C{devices} devices."""
+    return members if devices <= 1 else [m for m in members if m.devices >= devices]
 
 
 def _warmest(members: Sequence[Member], demand: Demand,

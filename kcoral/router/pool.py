@@ -53,6 +53,10 @@ class Member:
     picked: int = 0
     #: What the Router believes the member holds in its caches.
     held: Holdings = attrs.Factory(Holdings)
+    #: The devices it owns: runs of programs exported for more go elsewhere.
+    devices: int = 1
+    #: Times its supervisor has restarted it, as last reported.
+    restarts: int = 0
 
     @property
     def usable(self) -> bool:
@@ -197,6 +201,8 @@ class Pool:
                 member.held.clear()
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
             self.residency.reported(member.held, worker.cache)
+            member.devices = worker.devices
+            member.restarts = worker.restarts
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)
@@ -273,10 +279,13 @@ class Pool:
         placement rule (L{kcoral.router.placement.IPlacement.choose})."""
         return self.placement.choose(list(self._usable()), runs)
 
-    def pick(self, demand: Demand | None = None, waited: float = 0.0) -> Member | Wait | None:
-        """Where one run of C{demand}, waiting for C{waited} seconds, goes now:
-        a member, a L{Wait} for a warmer one, or None when none is free."""
-        choice = self.choose(((demand, waited),))
+    def pick(self, demand: Demand | None = None, devices: int = 1,
+             waited: float = 0.0) -> Member | Wait | None:
+        """Where one run of C{demand}, exported for C{devices} devices and
+        waiting for C{waited} seconds, goes now: a member with free capacity
+        that owns as many devices, a L{Wait} for a warmer one, or None when
+        there is none."""
+        choice = self.choose(((demand, devices, waited),))
         return choice[1] if isinstance(choice, tuple) else choice
 
     def _usable(self) -> Iterator[Member]:
@@ -285,6 +294,12 @@ class Pool:
                 for member in node.members.values():
                     if member.usable:
                         yield member
+
+    def most_devices(self) -> int | None:
+        """The most devices a healthy member of a ready node owns; None when
+        there is no such member."""
+        return max((m.devices for n in self.ready_nodes() for m in n.members.values() if m.healthy),
+                   default=None)
 
     def ready_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.state == READY]

@@ -25,11 +25,11 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("deferred", "since", "timer", "wants")
+    __slots__ = ("deferred", "need", "since", "timer")
     deferred: Deferred
     timer: DelayedCall
-    #: What the waiter asked for (L{WaitQueue.wait}), and since when it waits.
-    wants: Any
+    #: What the waiter needs of a grant (L{WaitQueue.wait}), and since when it waits.
+    need: Any
     since: float
 
 
@@ -43,16 +43,17 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def wait(self, wants: Any = None) -> Deferred:
+    def wait(self, need: Any = None) -> Deferred:
         """
         A Deferred that fires with what L{grant_next} or L{grant} hands over,
-        or fails with L{QueueFull} (at once) or L{QueueTimeout}. C{wants}
-        says what the waiter waits for, to whoever grants it (L{oldest}).
+        or fails with L{QueueFull} (at once) or L{QueueTimeout}. C{need}, what
+        the waiter needs of a grant (for the Router: what its run needs), is
+        what L{oldest_need} says while it waits longest, and L{oldest} shows.
         """
         if len(self._waiters) >= self.max_waiting:
             return fail(QueueFull())
         waiter = _Waiter()
-        waiter.wants, waiter.since = wants, self.clock.seconds()
+        waiter.need, waiter.since = need, self.clock.seconds()
         waiter.deferred = Deferred(lambda d: self._leave(waiter))
         waiter.timer = self.clock.callLater(self.timeout_seconds, self._expire, waiter)
         self._waiters.append(waiter)
@@ -69,7 +70,7 @@ class WaitQueue:
 
     def oldest(self, count: int) -> list[_Waiter]:
         """The C{count} oldest waiters, oldest first, each with what it
-        C{wants} and C{since} when."""
+        C{need}s and C{since} when."""
         return list(islice(self._waiters, count))
 
     def grant(self, waiter: _Waiter, grant: Any) -> None:
@@ -77,6 +78,15 @@ class WaitQueue:
         self._waiters.remove(waiter)
         waiter.timer.cancel()
         waiter.deferred.callback(grant)
+    def oldest_need(self) -> Any:
+        """The C{need} of the oldest waiter; the queue must not be empty."""
+        return self._waiters[0].need
+
+    def fail_next(self, error: Exception) -> None:
+        """Fail the oldest waiter with C{error}; the queue must not be empty."""
+        waiter = self._waiters.popleft()
+        waiter.timer.cancel()
+        waiter.deferred.errback(error)
 
     def grant_next(self, grant: Any) -> bool:
         """Hand C{grant} to the oldest waiter; False when nobody waits."""
@@ -89,6 +99,4 @@ class WaitQueue:
 
     def fail_all(self, error: Exception) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.timer.cancel()
-            waiter.deferred.errback(error)
+            self.fail_next(error)

@@ -11,9 +11,9 @@ and is considered again when that wait is over.
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 
-from kcoral.errors import ServerBusy
+from kcoral.errors import NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
@@ -60,20 +60,26 @@ class Scheduler:
         self._declined_since: float | None = None
         pool.on_change = self.dispatch
 
-    def acquire(self, demand: Demand | None = None) -> Deferred:
-        """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason.
-        C{demand}, what the run needs, decides where it goes (L{Pool.choose})."""
+    def acquire(self, demand: Demand | None = None, devices: int = 1) -> Deferred:
+        """A Deferred L{Lease} on a member that owns at least C{devices}
+        devices; fails with L{ServerBusy} (503) and its reason, or with
+        L{NotEnoughDevices} (422) at once when no ready member owns as many.
+        C{demand}, the content the run needs, decides where it goes
+        (L{Pool.choose})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
+        refusal = self._too_few(devices)
+        if refusal is not None:
+            return fail(refusal)
         if not len(self.queue):
-            choice = self.pool.choose(((demand, 0.0),))
+            choice = self.pool.choose(((demand, devices, 0.0),))
             if isinstance(choice, tuple):
                 return succeed(self._lease(choice[1], demand))
-            waiting = self.queue.wait(demand).addErrback(self._refused)
+            waiting = self.queue.wait((demand, devices)).addErrback(self._refused)
             if isinstance(choice, Wait):
                 self._declined(choice)
             return waiting
-        waiting = self.queue.wait(demand).addErrback(self._refused)
+        waiting = self.queue.wait((demand, devices)).addErrback(self._refused)
         # Those ahead may be waiting for warmer members than a free one.
         self.dispatch()
         return waiting
@@ -81,6 +87,15 @@ class Scheduler:
     def _lease(self, member: Member, demand: Demand | None) -> Lease:
         self.pool.residency.placed(member.held, demand)
         return Lease(member, self)
+
+    def _too_few(self, devices: int) -> NotEnoughDevices | None:
+        """Why no member will run a program exported for C{devices} devices,
+        or None when one may (a pool with no ready member may yet get one)."""
+        most = self.pool.most_devices() if devices > 1 else None
+        if most is None or devices <= most:
+            return None
+        return NotEnoughDevices(f"the program was exported for {devices} devices; no ready "
+                                f"member owns more than {most}")
 
     def _refused(self, failure):
         self._check_idle()
@@ -96,10 +111,17 @@ class Scheduler:
         """Give free capacity to waiting requests, as the placement rule
         chooses among the oldest."""
         while len(self.queue):
+            _, devices = self.queue.oldest_need()
+            refusal = self._too_few(devices)
+            if refusal is not None:
+                # The members that owned as many are gone: waiting longer
+                # would hold up every run behind this one.
+                self.queue.fail_next(refusal)
+                continue
             now = self._clock.seconds()
             idle = 0.0 if self._declined_since is None else now - self._declined_since
             waiters = self.queue.oldest(DISPATCH_WINDOW)
-            choice = self.pool.choose([(w.wants, idle) for w in waiters])
+            choice = self.pool.choose([(*w.need, idle) for w in waiters])
             if isinstance(choice, Wait):
                 self._declined(choice)
                 break
@@ -107,7 +129,7 @@ class Scheduler:
                 self._declined_since = None
                 break
             index, member = choice
-            self.queue.grant(waiters[index], self._lease(member, waiters[index].wants))
+            self.queue.grant(waiters[index], self._lease(member, waiters[index].need[0]))
         if not len(self.queue):
             self._declined_since = None
         self._check_idle()

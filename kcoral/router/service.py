@@ -18,6 +18,8 @@ from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import tracing_for
+from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -26,7 +28,7 @@ from kcoral.web.site import KCoralSite
 
 log = Logger()
 
-ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes"})
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes", "/", "/v1/dashboard"})
 
 
 @attrs.frozen
@@ -50,6 +52,13 @@ class RouterConfig:
     listen: str | None = None
     #: The placement rule (L{kcoral.router.placement.ROUTINGS}).
     routing: str = "affinity"
+    #: Bearer tokens runs and the node list need (kcoral.web.auth).
+    client_token: str | None = None
+    client_tokens_file: str | None = None
+    #: CA file client certificates must be signed by (mutual TLS).
+    tls_client_ca: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -62,8 +71,10 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
-                    reactor=reactor, registry=registry, node_token=config.node_token, name=name,
-                    status_check_interval=config.status_check_interval_seconds)
+                    reactor=reactor, registry=registry, node_token=config.node_token,
+                    client_guard=client_guard(config, reactor), name=name,
+                    status_check_interval=config.status_check_interval_seconds,
+                    tracing=tracing_for(config.tracing, f"kcoral-{name}"))
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool))
@@ -85,9 +96,12 @@ class RouterService(service.MultiService):
         self._reactor = reactor
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
+        self.app.history.setServiceParent(self)
+        watch(self.app.client_guard, self)
         address = ListenAddress.of(config)
-        self.listener = DrainingListener(name, address, reactor, site, self._drain,
-                                         bool(config.node_token), close_port_first=True)
+        secured = self.app.client_guard is not None or address.verifies_clients
+        self.listener = DrainingListener(name, address, reactor, site, self._drain, secured,
+                                         close_port_first=True)
         self.listener.setServiceParent(self)
         SettledHeap().setServiceParent(self)
 

@@ -1,5 +1,6 @@
 """
-The standalone server as a Twisted service: one device, one HTTP port.
+The standalone server as a Twisted service: its devices (one, or
+C{--devices-per-worker}), one HTTP port.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
+from kcoral.tracing import tracing_for
+from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -40,6 +43,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     gpus: str = "0"
+    #: Devices this server owns: GPUs named by gpus, or host devices on the CPU.
+    devices_per_worker: int = 1
     capacity: int = 2
     max_queued_requests: int = 64
     queue_wait_timeout_seconds: float = 1800.0
@@ -55,6 +60,14 @@ class ServerConfig:
     tls_key: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    #: Bearer tokens runs need (kcoral.web.auth): a standalone server's, or
+    #: its gateway's; never a worker's, which only its node reaches.
+    client_token: str | None = None
+    client_tokens_file: str | None = None
+    #: CA file client certificates must be signed by (mutual TLS).
+    tls_client_ca: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 class ServerService(service.MultiService):
@@ -75,17 +88,25 @@ class ServerService(service.MultiService):
                                  compiled=CompileCache(config.compile_cache_entries, metrics.caches),
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
+                                 devices=config.devices_per_worker,
                                  compilation_cache_dir=config.compilation_cache_dir)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
+        guard = client_guard(config, reactor)
         self.app = ServerApp(executor=self.executor, admission=admission,
-                             threadpool=self._threadpool, reactor=reactor, registry=registry)
+                             threadpool=self._threadpool, reactor=reactor, registry=registry,
+                             tracing=tracing_for(config.tracing, "kcoral-server"),
+                             client_guard=guard)
+        watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                           max_connections=connection_limit())
         address = ListenAddress.of(config)
+        # A worker of a node with a token counts as secured: only its node
+        # should reach it (doc/security.rst).
+        secured = config.secured or guard is not None or address.verifies_clients
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
-                                         config.secured)
+                                         secured)
         self.listener.setServiceParent(self)
 
     def privilegedStartService(self):
