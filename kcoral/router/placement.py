@@ -10,8 +10,9 @@ L{Affinity}, the default: the member that holds the run's program and the
 most bytes of its inputs (L{kcoral.router.residency}) wins, among those with
 free capacity and under a bound on load: consistent hashing with bounded
 loads, where no member takes a run that would put it above
-C{ceil(c * (runs in flight + 1) / members)}, so a popular program spreads
-over more members instead of queueing on one while another idles. Content
+C{max(1, c * (runs in flight + 1) / members)} (when every free member is
+there, the least loaded ones may), so a popular program spreads over more
+members instead of queueing on one while another idles. Content
 no member holds goes where it hashes highest (rendezvous hashing), among
 the least loaded: its next runs find their caches there. When a full
 member is warmer than every free one, the run waits for a warm member as
@@ -110,12 +111,14 @@ class Affinity:
         self._least_loaded = LeastLoaded()
 
     def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
-        bound = math.ceil(self._load_factor * (sum(m.active for m in members) + 1)
-                          / max(len(members), 1))
+        # No member above c times the average load, counting this run (and
+        # never below one run: an idle pool takes a run anywhere).
+        bound = max(1.0, self._load_factor * (sum(m.active for m in members) + 1)
+                    / max(len(members), 1))
         free = [m for m in members if m.free > 0]
         if not free:
             return None
-        under = [m for m in free if m.active < bound]
+        under = [m for m in free if m.active + 1 <= bound]
         # Full members count as warm places to wait for; a free one over the
         # bound does not: the bound passes it over.
         full_all = [m for m in members if m.free <= 0]
@@ -123,7 +126,7 @@ class Affinity:
         patience: float | None = None
         for index, (demand, devices, waited) in enumerate(runs):
             # The bound never leaves a run waiting while a member is free.
-            eligible = _owning(under, devices) or _owning(free, devices)
+            eligible = _owning(under, devices) or _lightest(_owning(free, devices))
             if not eligible:
                 # No free member owns the devices it needs: it holds up the
                 # runs behind it, as a strict FIFO would, or it might never
@@ -153,6 +156,12 @@ class Affinity:
         missing = demand.nbytes - member.held.held_bytes(demand)
         compile = 0.0 if demand.program in member.held.programs else r.compile_seconds.value
         return missing / r.bandwidth.value + compile
+
+
+def _lightest(members: Sequence[Member]) -> list[Member]:
+    """The members of C{members} with the lowest load."""
+    least = min((m.active / m.capacity for m in members), default=0.0)
+    return [m for m in members if m.active / m.capacity == least]
 
 
 def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
