@@ -141,7 +141,7 @@ def test_the_bound_on_load_spreads_a_hot_program():
         member = world.pick(weights(P, W1))
         member.active += 1
         placed.append(member.name)
-    # max(1, 1.25 * (active + 1) / 4): worker0 takes the first, then no
+    # ceil((active + 1) / 4): worker0 takes the first, then no
     # more than its share while the others idle.
     assert placed[0] == "worker0" and placed[4] == "worker0"
     assert [m.active for m in world.pool.nodes["n"].members.values()] == [2, 2, 2, 2]

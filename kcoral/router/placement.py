@@ -10,7 +10,7 @@ L{Affinity}, the default: the member that holds the run's program and the
 most bytes of its inputs (L{kcoral.router.residency}) wins, among those with
 free capacity and under a bound on load: consistent hashing with bounded
 loads, where no member takes a run that would put it above
-C{max(1, c * (runs in flight + 1) / members)} (when every free member is
+C{ceil(c * (runs in flight + 1) / members)} (when every free member is
 there, the least loaded ones may), so a popular program spreads over more
 members instead of queueing on one while another idles. Content
 no member holds goes where it hashes highest (rendezvous hashing), among
@@ -40,8 +40,10 @@ from kcoral.router.residency import Demand, Residency
 if TYPE_CHECKING:
     from kcoral.router.pool import Member
 
-#: How far above the average load the bound lets one member go.
-LOAD_FACTOR = 1.25
+#: How far above the average load the bound lets one member go: at 1, a
+#: member takes a second run only once the average load reaches more than
+#: one (with 1.25, two runs of one program shared one of two idle workers).
+LOAD_FACTOR = 1.0
 
 
 @attrs.frozen
@@ -111,10 +113,9 @@ class Affinity:
         self._least_loaded = LeastLoaded()
 
     def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
-        # No member above c times the average load, counting this run (and
-        # never below one run: an idle pool takes a run anywhere).
-        bound = max(1.0, self._load_factor * (sum(m.active for m in members) + 1)
-                    / max(len(members), 1))
+        # No member above ceil(c times the average load), counting this run.
+        bound = math.ceil(self._load_factor * (sum(m.active for m in members) + 1)
+                          / max(len(members), 1))
         free = [m for m in members if m.free > 0]
         if not free:
             return None
