@@ -31,6 +31,11 @@ class NodeConfig:
     tls_ca: str | None = None
     restart: RestartSettings = attrs.Factory(RestartSettings)
 
+    @property
+    def routers(self) -> tuple[str, ...]:
+        """The Routers to report to: C{router} is a comma list."""
+        return tuple(url.strip() for url in (self.router or "").split(",") if url.strip())
+
 
 #: Section keys and the option prefix their keys take.
 SECTIONS = {"cache": "cache-", "supervisor": ""}
