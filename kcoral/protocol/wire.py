@@ -36,6 +36,9 @@ MAX_ARRAYS = 4096
 REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
 RESULT_CONTENT_TYPE = "application/x-kcoral-result"
 PROGRAM_HEADER = "X-KCoral-Program"
+#: A client's consent to a second run of its request where a node was lost
+#: after it may have started ("true"; anything else, or none, is no consent).
+REDISPATCH_HEADER = "X-KCoral-Redispatch"
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024

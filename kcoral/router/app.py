@@ -30,7 +30,7 @@ from kcoral.errors import (
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER
-from kcoral.router.forward import Forwarder
+from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
@@ -75,7 +75,7 @@ class RouterApp:
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None):
+                 metrics_source=None, max_redispatches: int = MAX_REDISPATCHES):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -95,7 +95,8 @@ class RouterApp:
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
-                                   observe_wait=self._queue_wait.observe)
+                                   observe_wait=self._queue_wait.observe,
+                                   max_redispatches=max_redispatches)
 
     def resource(self):
         return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
