@@ -7,6 +7,7 @@ caller's reactor never blocks on them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import treq
 from twisted.internet import error as netError
@@ -16,6 +17,7 @@ from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.client.sync import _retry_after
 from kcoral.errors import NodeFailure
 
@@ -27,15 +29,18 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    mean what they mean there; C{pool} is the treq connection pool to use
-    (by default one of its own, kept alive between runs).
+    and C{redispatch}, and one URL or several, mean what they mean there;
+    C{pool} is the treq connection pool to use (by default one of its own,
+    kept alive between runs).
     """
 
-    def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None):
+    def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
+                 timeout: float | None = None, reactor=None,
+                 pool: HTTPConnectionPool | None = None, redispatch: bool = False):
         if reactor is None:
             from twisted.internet import reactor
-        self.url = url.rstrip("/")
+        self._failover = Failover(urls_of(url))
+        self.redispatch = redispatch
         self.busy_timeout = busy_timeout
         self.timeout = timeout
         self._reactor = reactor
@@ -43,12 +48,34 @@ class AsyncClient:
         self._held: set[str] = set()
         self.bytes_sent = 0
 
+    @property
+    def url(self) -> str:
+        """The URL in use."""
+        return self._failover.current
+
     def close(self):
         """Close idle connections; returns a Deferred."""
         return self._pool.closeCachedConnections()
 
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
+        """The answer of the first URL, the current one first, that neither
+        could not be reached nor is draining (or, where all fail, the last)."""
+        last = len(self._failover.endpoints) - 1
+        for tried, url in enumerate(self._failover.round()):
+            try:
+                response = yield self._request_at(url, method, path, send)
+            except NodeFailure:
+                # Lost after it was sent: only a run allowed to run twice goes on.
+                if not (self.redispatch and send is not None) or tried == last:
+                    raise
+                continue
+            if not moves_on(response):
+                break
+        return response
+
+    @inlineCallbacks
+    def _request_at(self, url: str, method: str, path: str, send: Send | None):
         body = None
         headers = {}
         if send is not None:
@@ -56,14 +83,14 @@ class AsyncClient:
                 (yield deferToThread(b"".join, send.parts))
             headers = {k: [v] for k, v in send.headers.items()}
         try:
-            answer = yield treq.request(method, self.url + path, data=body, headers=headers,
+            answer = yield treq.request(method, url + path, data=body, headers=headers,
                                         pool=self._pool, reactor=self._reactor,
                                         timeout=self.timeout)
             content = yield treq.content(answer)
         except netError.ConnectError as e:
             return Response(None, problem=str(e))
         except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
-            raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
+            raise NodeFailure(f"the connection to {url} failed: {e}") from None
         if send is not None:
             self.bytes_sent += send.length
         retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]
@@ -80,7 +107,8 @@ class AsyncClient:
         call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
             (yield deferToThread(RunCall.prepare, program, args, kwargs))
         steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
-                         request_id=request_id, clock=self._reactor.seconds)
+                         request_id=request_id, redispatch=self.redispatch,
+                         clock=self._reactor.seconds)
         answer = None
         while True:
             try:

@@ -14,10 +14,14 @@ import json
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+import attrs
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
 
@@ -29,32 +33,55 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
-class Client:
-    """
-    A blocking client for one KCoral server or Router. Keeps one keep-alive
-    connection; calls from several threads are serialised.
-    """
+@attrs.frozen
+class Endpoint:
+    """Where one URL of a client connects, and what it sends there."""
 
-    def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 ssl_context=None):
+    url: str
+    host: str
+    port: int
+    host_header: str
+    prefix: str
+    ssl_context: ssl.SSLContext | None
+
+    @classmethod
+    def parse(cls, url: str, ssl_context) -> Endpoint:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
-        self.url = url.rstrip("/")
-        self.busy_timeout = busy_timeout
-        self.timeout = timeout
-        self._host = parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._host_header = parts.netloc.rpartition("@")[2]
-        self._prefix = parts.path.rstrip("/")
         if parts.scheme == "https" and ssl_context is None:
             ssl_context = ssl.create_default_context()
-        self._ssl_context = ssl_context if parts.scheme == "https" else None
+        return cls(url.rstrip("/"), parts.hostname,
+                   parts.port or (443 if parts.scheme == "https" else 80),
+                   parts.netloc.rpartition("@")[2], parts.path.rstrip("/"),
+                   ssl_context if parts.scheme == "https" else None)
+
+
+class Client:
+    """
+    A blocking client for a KCoral server or Router, or for several Routers
+    (a list of URLs: it goes on with the next when one cannot be reached or
+    is draining). Keeps one keep-alive connection; calls from several threads
+    are serialised. With C{redispatch}, it allows a run to be run again where
+    the node (or the Router) running it was lost.
+    """
+
+    def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
+                 timeout: float | None = None, ssl_context=None, redispatch: bool = False):
+        self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
+        self.busy_timeout = busy_timeout
+        self.timeout = timeout
+        self.redispatch = redispatch
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
         #: Bytes of request bodies sent, for callers that watch traffic.
         self.bytes_sent = 0
+
+    @property
+    def url(self) -> str:
+        """The URL in use."""
+        return self._failover.current.url
 
     def __enter__(self) -> Client:
         return self
@@ -76,13 +103,33 @@ class Client:
             self.close()
             conn = None
         if conn is None:
-            conn = self._conn = Connection(self._host, self._port, ssl_context=self._ssl_context,
-                                           timeout=timeout)
+            endpoint = self._failover.current
+            conn = self._conn = Connection(endpoint.host, endpoint.port,
+                                           ssl_context=endpoint.ssl_context, timeout=timeout)
         conn.settimeout(timeout)
         return conn
 
-    def _request(self, method: str, path: str, send: Send | None, deadline: float | None,
-                 retried: bool = False) -> Response:
+    def _request(self, method: str, path: str, send: Send | None,
+                 deadline: float | None) -> Response:
+        """The answer of the first URL, the current one first, that neither
+        could not be reached nor is draining (or, where all fail, the last)."""
+        last = len(self._failover.endpoints) - 1
+        for tried, endpoint in enumerate(self._failover.round()):
+            if tried:
+                self.close()  # the connection was to the one before
+            try:
+                response = self._request_at(endpoint, method, path, send, deadline)
+            except NodeFailure:
+                # Lost after it was sent: only a run allowed to run twice goes on.
+                if not (self.redispatch and send is not None) or tried == last:
+                    raise
+                continue
+            if not moves_on(response):
+                break
+        return response
+
+    def _request_at(self, endpoint: Endpoint, method: str, path: str, send: Send | None,
+                    deadline: float | None, retried: bool = False) -> Response:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             conn = self._connection(remaining)
@@ -95,10 +142,10 @@ class Client:
             return Response(None, problem=str(e))
         try:
             if send is None:
-                answer = conn.request(method, self._prefix + path, self._host_header, {})
+                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header, {})
             else:
-                answer = conn.request(method, self._prefix + path, self._host_header, send.headers,
-                                      send.parts, send.length)
+                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
+                                      send.headers, send.parts, send.length)
         except TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
@@ -109,7 +156,7 @@ class Client:
                 # on it (an idle close racing our request, as when a Router
                 # stops): no byte of an answer came, so, as browsers do, send
                 # it once more on a fresh connection.
-                return self._request(method, path, send, deadline, retried=True)
+                return self._request_at(endpoint, method, path, send, deadline, retried=True)
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
         if send is not None:
             self.bytes_sent += send.length
@@ -122,7 +169,8 @@ class Client:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._lock:
             steps = exchange(RunCall.prepare(program, args, kwargs), self._held,
-                             busy_timeout=self.busy_timeout, request_id=request_id)
+                             busy_timeout=self.busy_timeout, request_id=request_id,
+                             redispatch=self.redispatch)
             answer = None
             while True:
                 try:

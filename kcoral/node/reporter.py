@@ -115,21 +115,21 @@ class Reporter(service.Service):
                                             headers=self._headers, timeout=self._timeout)
             content = yield response.content()
         except Exception as e:
-            self._problem(f"the Router at {self.router} is unreachable ({describe_failure(e)}); "
-                          f"retrying")
+            self._problem(f"the Router is unreachable ({describe_failure(e)}); retrying "
+                          f"{self.router}")
             return False
         if response.code != 200:
             message = error_from_answer(response.code, content).message
-            self._problem(f"the Router at {self.router} refused node {self.node_id} with "
-                          f"{response.code}: {message}")
+            self._problem(f"the Router refused node {self.node_id} with {response.code}: "
+                          f"{message} ({self.router})")
             return False
         state = json.loads(content).get("state")
         if self.connected is not True:
             log.info("registered with the Router as {node_id} (state {state}) at {router}",
                      node_id=self.node_id, state=state, router=self.router)
         elif state != self.state:
-            log.info("the Router at {router} reports node {node_id} {state}", router=self.router,
-                     node_id=self.node_id, state=state)
+            log.info("the Router reports node {node_id} {state} ({router})",
+                     node_id=self.node_id, state=state, router=self.router)
         self.connected, self.state, self._last_problem = True, state, None
         return True
 

@@ -67,8 +67,7 @@ class NodeOptions(KCoralOptions):
         _server("max_queued_requests", "Runs that may wait for a slot on a worker.",
                 non_negative(int)),
         _server("queue_wait_timeout_seconds", "Longest wait for a slot.", non_negative(float)),
-        _node("router", "Router URL to join, or a comma list of Routers to join each "
-              "[env: KCORAL_ROUTER_ENDPOINT]."),
+        _node("router", "Router URL to join, or a comma list of them [env: KCORAL_ROUTER_ENDPOINT]."),
         _node("node_id", "Stable identifier of this node [env: KCORAL_NODE_ID]."),
         _node("node_token", "Bearer token for the Router [env: KCORAL_NODE_TOKEN]."),
         _node("advertise_host", "Host the Router uses to reach this node (default: --host)."),
