@@ -61,15 +61,15 @@ class AsyncClient:
     def _request(self, method: str, path: str, send: Send | None):
         """The answer of the first URL, the current one first, that neither
         could not be reached nor is draining (or, where all fail, the last)."""
-        last = len(self._failover.endpoints) - 1
-        for tried, url in enumerate(self._failover.round()):
+        for url in self._failover.round():
             try:
                 response = yield self._request_at(url, method, path, send)
-            except NodeFailure:
-                # Lost after it was sent: only a run allowed to run twice goes on.
-                if not (self.redispatch and send is not None) or tried == last:
+            except NodeFailure as e:
+                # Lost after it was sent: only a run allowed to run twice is
+                # sent again (here, or where the last Router in reach is).
+                if not (self.redispatch and send is not None):
                     raise
-                continue
+                response = Response(None, problem=str(e))
             if not moves_on(response):
                 break
         return response

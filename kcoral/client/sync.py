@@ -113,17 +113,17 @@ class Client:
                  deadline: float | None) -> Response:
         """The answer of the first URL, the current one first, that neither
         could not be reached nor is draining (or, where all fail, the last)."""
-        last = len(self._failover.endpoints) - 1
         for tried, endpoint in enumerate(self._failover.round()):
             if tried:
                 self.close()  # the connection was to the one before
             try:
                 response = self._request_at(endpoint, method, path, send, deadline)
-            except NodeFailure:
-                # Lost after it was sent: only a run allowed to run twice goes on.
-                if not (self.redispatch and send is not None) or tried == last:
+            except NodeFailure as e:
+                # Lost after it was sent: only a run allowed to run twice is
+                # sent again (here, or where the last Router in reach is).
+                if not (self.redispatch and send is not None):
                     raise
-                continue
+                response = Response(None, problem=str(e))
             if not moves_on(response):
                 break
         return response
