@@ -86,6 +86,7 @@ WORKER_EXITED = re.compile(r"worker0 exited with (signal|status) (\d+)")
 REGISTERED = re.compile(r"registered with the Router as ")
 ROUTER_FAILED = re.compile(r"(\S+) failed on ([^/\s]+)/(\S+):")
 FORWARDING = re.compile(r"forwarding 127\.0\.0\.1:(\d+) to ")
+REDISPATCHED = re.compile(r"(\S+) re-dispatched \(")
 
 
 @dataclasses.dataclass
@@ -879,6 +880,8 @@ class Result:
     resources: dict = dataclasses.field(default_factory=dict)
     exit_codes: dict = dataclasses.field(default_factory=dict)
     problems: list[str] = dataclasses.field(default_factory=list)
+    #: Runs a Router sent again after the loss of their node.
+    redispatched: int = 0
 
     def by_outcome(self, outcome: str) -> list[Record]:
         return [r for r in self.records if r.outcome == outcome]
@@ -999,10 +1002,12 @@ def run(settings: Settings) -> Result:
     for router in d.routers:
         for _, match in router.find(ROUTER_FAILED):
             failed_on[match.group(1)] = match.group(2)
+    redispatched = sum(len(router.find(REDISPATCHED)) for router in d.routers)
     result = Result(settings, sorted(records, key=lambda r: r.index),
                     injector.faults if injector else [], sorted(deaths), failed_on,
                     elapsed=time.monotonic() - began, t0=began, final_recovery=final_recovery,
-                    resources=resources, exit_codes=exit_codes, problems=problems)
+                    resources=resources, exit_codes=exit_codes, problems=problems,
+                    redispatched=redispatched)
     for fault in result.faults:
         if fault.kind in (NODE_STOP, ROUTER_RESTART) and fault.exit_code not in (0, None):
             problems.append(f"fault {fault.index}: {fault.kind} {fault.target} exited "
@@ -1033,7 +1038,8 @@ def table(result: Result) -> str:
     asked = [r for r in records if r.redispatch]
     rows.append(("re-dispatch allowed", (f"{len(asked)} requests, "
                                         f"{sum(r.outcome == 'ok' for r in asked)} correct 200s, "
-                                        f"{len(result.redispatch_502)} 502s")))
+                                        f"{len(result.redispatch_502)} 502s; "
+                                        f"{result.redispatched} runs sent again by a Router")))
     rows.append(("502", f"{len(result.by_outcome('502'))} (unexplained: {len(result.unexplained_502())})"))
     busy = result.by_outcome("503")
     reasons: dict[str, int] = {}
