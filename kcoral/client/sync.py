@@ -61,9 +61,12 @@ class Client:
     """
     A blocking client for a KCoral server or Router, or for several Routers
     (a list of URLs: it goes on with the next when one cannot be reached or
-    is draining). Keeps one keep-alive connection; calls from several threads
-    are serialised. With C{redispatch}, it allows a run to be run again where
-    the node (or the Router) running it was lost.
+    answers 503 C{draining}). Keeps one keep-alive connection; calls from
+    several threads are serialised. With C{redispatch}, each run says it may
+    run twice (C{X-KCoral-Redispatch: true}): a Router that loses the node
+    running it runs it again elsewhere instead of answering 502, and a
+    connection to a Router lost after sending is not a L{NodeFailure} but
+    sent again, to the next URL.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
