@@ -94,6 +94,19 @@ def test_the_client_goes_on_past_a_dead_url_and_a_draining_one():
     assert len(draining.requests) == 1 and len(healthy.requests) == 1
 
 
+def test_a_node_takes_a_comma_list_of_routers():
+    """--router takes a comma list, one reporter each; one that names no URL is a usage error."""
+    from twisted.python import usage
+
+    from kcoral.node.tap import NodeOptions
+
+    options = NodeOptions()
+    options.parseOptions(["--router", "http://a:9000, http://b:9000", "--node-id", "n"])
+    assert options.node_config().routers == ("http://a:9000", "http://b:9000")
+    with pytest.raises(usage.UsageError, match="names no Router URL"):
+        NodeOptions().parseOptions(["--router", ",", "--node-id", "n"])
+
+
 def test_redispatch_is_a_header_of_each_run():
     """With redispatch=True each run carries X-KCoral-Redispatch: true; without it, no such header."""
     from kcoral.client.exchange import RunCall

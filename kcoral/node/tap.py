@@ -99,6 +99,8 @@ class NodeOptions(KCoralOptions):
         if self["listen"] and self["router"]:
             raise usage.UsageError("--listen is for a server without --router; under a Router, "
                                    "workers listen on --host and --port (see --advertise-host)")
+        if self["router"] and not NodeConfig(router=self["router"]).routers:
+            raise usage.UsageError(f"--router {self['router']!r} names no Router URL")
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:
