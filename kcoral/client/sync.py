@@ -65,7 +65,7 @@ class Client:
     several threads are serialised. With C{redispatch}, each run says it may
     run twice (C{X-KCoral-Redispatch: true}): a Router that loses the node
     running it runs it again elsewhere instead of answering 502, and a
-    connection to a Router lost after sending is not a L{NodeFailure} but
+    connection to a Router lost after sending is not a C{NodeFailure} but
     sent again, to the next URL.
     """
 
