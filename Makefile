@@ -38,3 +38,16 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache doc/_build
+
+# The container image of the Router and the nodes (Containerfile), with
+# buildah: `make image` for CUDA 12, `make image JAX_EXTRA=cpu` for the CPU.
+# --format docker: OCI images have no HEALTHCHECK.
+BUILDAH ?= buildah
+JAX_EXTRA ?= cuda12
+IMAGE ?= localhost/kcoral
+.PHONY: image
+image:
+	@command -v $(BUILDAH) >/dev/null 2>&1 || { \
+	  echo "make image: $(BUILDAH) is not installed (Debian: apt-get install buildah)" >&2; exit 1; }
+	$(BUILDAH) build --format docker --build-arg JAX_EXTRA=$(JAX_EXTRA) \
+	  --tag $(IMAGE):$(JAX_EXTRA) --file Containerfile .

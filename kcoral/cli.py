@@ -48,7 +48,7 @@ def run_service(tap, options) -> int:
 
     from kcoral.logs import start_console_logging
 
-    start_console_logging()
+    start_console_logging(log_format=options["log-format"], node_id=options.get("node-id"))
     try:
         svc = tap.makeService(options, reactor)
         svc.privilegedStartService()

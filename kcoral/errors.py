@@ -18,7 +18,7 @@ class KCoralError(Exception):
     @ivar status: the HTTP status code that carries this error.
     @ivar type: the stable machine-readable name sent in the JSON body.
     @ivar reason: a finer reason (for 503: C{queue_full}, C{queue_timeout},
-        C{no_ready_node}, C{draining}).
+        C{no_ready_node}, C{draining}; for 422: C{not_enough_devices}).
     @ivar request_id: the request id the service reported, if any.
     """
 
@@ -107,6 +107,15 @@ class ProgramRejected(KCoralError):
     type = "program_rejected"
 
 
+class NotEnoughDevices(ProgramRejected):
+    """422, reason C{not_enough_devices}: the program was exported for more
+    devices than this server, or any ready member of a pool, owns."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("reason", "not_enough_devices")
+        super().__init__(message, **kwargs)
+
+
 class ProgramFailed(KCoralError):
     """500: the program failed while running, or an internal error."""
 
@@ -162,6 +171,7 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     MethodNotAllowed,
     RequestTimeout,
     NodeConflict,
+    NotEnoughDevices,
     InternalError,
 )
 

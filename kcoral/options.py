@@ -14,6 +14,9 @@ from typing import Any, TypeVar, cast
 import attrs
 from twisted.python import usage
 
+from kcoral.logs import LOG_FORMATS, log_under_twistd
+from kcoral.tracing import TRACING_MODES
+
 C = TypeVar("C")
 
 
@@ -40,6 +43,31 @@ class Bounded:
         if not self.zero and not value > 0:
             raise ValueError(f"must be positive, got {text}")
         return value
+
+
+@attrs.frozen
+class OneOf:
+    """The value check of an option that takes one of C{values}."""
+
+    values: tuple[str, ...]
+
+    @property
+    def coerceDoc(self) -> str:
+        return f"One of: {', '.join(self.values)}."
+
+    def __call__(self, text: str) -> str:
+        if text not in self.values:
+            raise ValueError(f"must be one of {', '.join(self.values)}, got {text!r}")
+        return text
+
+
+#: The options every service has for its logs and traces: (config field, help, check).
+OBSERVING: list[tuple[Any, ...]] = [
+    ("log_format", "Log lines as text, or as JSON objects (one a line).", OneOf(LOG_FORMATS)),
+    ("tracing", ("Record spans of each run with OpenTelemetry (pip install 'kcoral[otel]'): "
+                 "logged, or exported over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT)."),
+     OneOf(TRACING_MODES)),
+]
 
 
 def non_negative(kind: type) -> Bounded:
@@ -151,6 +179,8 @@ class KCoralOptions(usage.Options):
         #: Options named on the command line (they beat every other source).
         self.named = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--") and len(a) > 2}
         super().parseOptions(options)
+        if "log-format" in self:
+            log_under_twistd(self)
 
     def from_environment(self) -> set[str]:
         """Fill unset options from their environment variables; the names filled."""

@@ -47,13 +47,18 @@ class Program:
                       platforms: Sequence[str] = DEFAULT_PLATFORMS, **example_kwargs) -> Program:
         """
         Export C{function} for C{platforms}, traced at the shapes and dtypes of
-        the example arguments (arrays or C{jax.ShapeDtypeStruct}s).
+        the example arguments (arrays or C{jax.ShapeDtypeStruct}s). A
+        function already under C{jax.jit} is exported as it is, with its
+        C{in_shardings} and C{out_shardings}: a program for several devices.
         """
         import jax
         from jax import export
 
+        # Wrapped again, a jitted function's shardings would be its inner
+        # call's, and the program's inputs would have none.
+        jitted = function if isinstance(function, jax.stages.Wrapped) else jax.jit(function)
         try:
-            exported = export.export(jax.jit(function), platforms=tuple(platforms))(
+            exported = export.export(jitted, platforms=tuple(platforms))(
                 *example_args, **example_kwargs)
         except Exception as e:
             name = getattr(function, "__name__", function)
@@ -95,6 +100,11 @@ class Program:
     def platforms(self) -> tuple[str, ...]:
         """The platforms it was exported for (C{"cpu"}, C{"cuda"} ...)."""
         return tuple(self.exported.platforms)
+
+    @property
+    def nr_devices(self) -> int:
+        """The devices it was exported for; it runs on a worker that owns as many."""
+        return int(self.exported.nr_devices)
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> Inputs:
         """

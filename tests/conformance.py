@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import attrs
 import jax.numpy as jnp
@@ -65,6 +66,9 @@ class Case:
     example: Call | None = attrs.field(default=None, repr=False)
     x64: bool = False
     quick: bool = False
+    #: The mesh a program for several devices was exported over: in process,
+    #: its calls' inputs are placed on it with the program's shardings.
+    mesh: Any = attrs.field(default=None, repr=False)
 
 
 def sample(name: str, shape: tuple[int, ...] = (3, 4), seed: int = 0) -> np.ndarray:
@@ -539,6 +543,54 @@ def _polymorphic() -> Iterator[Case]:
         yield Case(f"polymorphic.{op}", function, calls, example=Call(specs), quick=op == "matmul")
 
 
+def _sharded() -> Iterator[Case]:
+    """Programs for two devices, their inputs and outputs sharded over a
+    mesh of two (none when this process has fewer devices)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.device_count() < 2:
+        return
+    mesh = jax.make_mesh((2,), ("x",))
+    auto = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,))
+    rows, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+
+    def sharded(name, function, *calls, mesh=mesh, example=None, x64=False, quick=False, **jit):
+        return Case(f"sharded.{name}", jax.jit(function, **jit), tuple(Call(c) for c in calls),
+                    example=example, x64=x64, quick=quick, mesh=mesh)
+
+    x, w = sample("float32", (8, 4)), sample("float32", (4, 3), seed=1)
+    yield sharded("elementwise", lambda x: jnp.sin(x) * 2 + 1, (x,), in_shardings=rows,
+                  out_shardings=rows, quick=True)
+    yield sharded("matmul", lambda x, w: x @ w, (x, w), in_shardings=(rows, whole),
+                  out_shardings=rows, quick=True)
+    yield sharded("reduce", lambda x: (jnp.sum(x), jnp.max(x, axis=0)), (small("int32", (8, 4)),),
+                  in_shardings=rows, out_shardings=whole)
+    yield sharded("out_resharded", lambda x: x.T, (x,), in_shardings=rows,
+                  out_shardings=NamedSharding(mesh, P(None, "x")))
+    yield sharded("psum.shard_map", jax.shard_map(
+        lambda block: (jax.lax.psum(jnp.sum(block, axis=0), "x"), block * 2), mesh=auto,
+        in_specs=P("x"), out_specs=(P(), P("x"))), (x,), mesh=auto, quick=True)
+    yield sharded("auto_axes", lambda x, w: jnp.tanh(x @ w), (x, w), mesh=auto,
+                  in_shardings=(NamedSharding(auto, P("x")), NamedSharding(auto, P())),
+                  out_shardings=NamedSharding(auto, P("x")), quick=True)
+    yield sharded("pytree", lambda t: {"sum": t["a"] + t["b"], "n": t["n"] * 2},
+                  ({"a": x, "b": sample("float32", (8, 4), seed=2), "n": small("int16", (2,))},),
+                  in_shardings=({"a": rows, "b": rows, "n": whole},))
+    yield sharded("float64", lambda x: jnp.cumsum(x, axis=1), (sample("float64", (8, 4)),),
+                  in_shardings=rows, out_shardings=rows, x64=True)
+    # Inputs unspecified, sharded inside: they go whole to both devices.
+    yield sharded("unspecified_inputs", lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
+        auto, P("x"))) * 3, (x,), mesh=auto)
+    (b,) = export.symbolic_shape("2*b")
+    yield sharded("polymorphic", lambda v: (v * 2, jnp.sum(v)), (small("float32", (4,)),),
+                  (small("float32", (10,)),), example=Call((jax.ShapeDtypeStruct((b,), np.float32),)),
+                  in_shardings=rows, out_shardings=(rows, whole), quick=True)
+
+
 def refused() -> list[Case]:
     """Calls that C{Exported.call} refuses: a wrong shape, a wrong structure,
     dimension variables that no shape satisfies."""
@@ -564,7 +616,7 @@ def cases(full: bool) -> list[Case]:
     """Every case (C{full}), or the quick part of them."""
     every = [case for group in (_elementwise, _reductions, _contractions, _structure, _cumulative,
                                 _sorting, _casts, _control_flow, _linalg, _random, _pytrees, _scalars,
-                                _sizes, _polymorphic)
+                                _sizes, _polymorphic, _sharded)
              for case in group()]
     names = [case.name for case in every]
     assert len(names) == len(set(names)), "case names are unique"
@@ -583,12 +635,23 @@ def export(case: Case):
 
 
 def run_in_process(case: Case, program) -> list:
-    """Each call's outputs from C{jax.jit(exported.call)} in this process."""
+    """Each call's outputs from C{jax.jit(exported.call)} in this process (on
+    the case's mesh, for a program of several devices)."""
     import jax
 
-    with jax.enable_x64(case.x64):
+    with jax.enable_x64(case.x64), _on(case.mesh):
         call = jax.jit(program.exported.call)
         return [call(*c.args, **c.kwargs) for c in case.calls]
+
+
+def _on(mesh):
+    """The context a program runs in here: the mesh of a program for several
+    devices, whose shardings JAX then places the inputs with."""
+    import contextlib
+
+    import jax
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def run_through(case: Case, program, client) -> list:

@@ -22,12 +22,18 @@ import pytest_twisted
 # modules are importable (chaos, procstat, child).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+from kcoral.node.devices import HOST_DEVICE_COUNT, host_device_flags
 from tests.harness import SERVER_READY, ProcessGroup
 
 # The test process only exports programs and checks results: keep its JAX on
 # the CPU, so that it never takes GPU memory a server under test needs
 # (nothing imported above imports JAX).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Two host devices, for the programs exported for two (tests/conformance.py),
+# which run here as on a server with --devices-per-worker 2. A server sets
+# its own count, whatever it inherits from this process.
+if HOST_DEVICE_COUNT not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), 2)
 
 TEST_GPUS = os.environ.get("KCORAL_TEST_GPUS")
 

@@ -22,8 +22,12 @@ reproducible across the two processes. Against a GPU server
 side runs on the same platform as the server; a CPU answer is no bitwise
 reference for a GPU one.
 
-Programs for several devices (sharded inputs and outputs) join this suite
-when a worker can own more than one device.
+Programs for two devices (inputs and outputs sharded over a mesh of two,
+C{shard_map} with a C{psum}, a shape-polymorphic one) run here on two host
+devices (tests/conftest.py) and on a server started with
+C{--devices-per-worker 2}, which runs every other program on the first of
+its two devices. Against a single GPU the server owns one device, and the
+sharded programs are left out.
 """
 
 from __future__ import annotations
@@ -37,12 +41,32 @@ from twisted.internet.threads import deferToThread
 
 from kcoral import Client
 from tests import conformance
+from tests.conftest import TEST_GPUS, server_args, server_env
+from tests.harness import SERVER_READY
 
 pytestmark = pytest.mark.integration
 
 jax = pytest.importorskip("jax")
 
 FULL = os.environ.get("KCORAL_CONFORMANCE") == "full"
+
+
+#: The devices of the server under test: two host devices on the CPU, for
+#: the sharded programs; a GPU under test is one.
+DEVICES = 1 if TEST_GPUS else 2
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def server(module_processes):
+    """A C{kcoral server} with L{DEVICES} devices, shared by this module's tests."""
+    return await module_processes.start_service(
+        server_args("--devices-per-worker", str(DEVICES)), name="server", ready=SERVER_READY,
+        env=server_env())
+
+
+def runnable(cases: list[conformance.Case]) -> list[conformance.Case]:
+    """The cases whose programs the server under test owns devices for."""
+    return [case for case in cases if case.mesh is None or case.mesh.size <= DEVICES]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +99,7 @@ def both(case: conformance.Case, client: Client):
     return conformance.run_through(case, program, client), conformance.run_in_process(case, program)
 
 
-@pytest.mark.parametrize("case", conformance.cases(FULL), ids=lambda case: case.name)
+@pytest.mark.parametrize("case", runnable(conformance.cases(FULL)), ids=lambda case: case.name)
 @pytest_twisted.ensureDeferred
 async def test_runs_as_in_process(client, case):
     """A program gives through a server exactly the tree, dtypes, shapes and bytes it gives in process."""

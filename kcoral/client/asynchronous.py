@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from io import BytesIO
 
 import treq
 from twisted.internet import error as netError
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.web.client import HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import FileBodyProducer, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.client.failover import Failover, moves_on, urls_of
+from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.sync import _retry_after
 from kcoral.errors import NodeFailure
 
@@ -29,20 +31,22 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    and C{redispatch}, and one URL or several, mean what they mean there;
-    C{pool} is the treq connection pool to use (by default one of its own,
-    kept alive between runs).
+    and C{redispatch}, one URL or several, and C{progress}, mean what they
+    mean there; C{pool} is the treq connection pool to use (by default one of
+    its own, kept alive between runs).
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
                  timeout: float | None = None, reactor=None,
-                 pool: HTTPConnectionPool | None = None, redispatch: bool = False):
+                 pool: HTTPConnectionPool | None = None, progress: bool = False,
+                 redispatch: bool = False):
         if reactor is None:
             from twisted.internet import reactor
         self._failover = Failover(urls_of(url))
         self.redispatch = redispatch
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
         self._held: set[str] = set()
@@ -78,10 +82,14 @@ class AsyncClient:
     def _request_at(self, url: str, method: str, path: str, send: Send | None):
         body = None
         headers = {}
+        bar = None
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
             headers = {k: [v] for k, v in send.headers.items()}
+            bar = upload_bar(send.length, url) if self.progress else None
+            if bar is not None:
+                body = CountingProducer(FileBodyProducer(BytesIO(body)), bar.update)
         try:
             answer = yield treq.request(method, url + path, data=body, headers=headers,
                                         pool=self._pool, reactor=self._reactor,
@@ -91,6 +99,9 @@ class AsyncClient:
             return Response(None, problem=str(e))
         except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
             raise NodeFailure(f"the connection to {url} failed: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close()
         if send is not None:
             self.bytes_sent += send.length
         retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]

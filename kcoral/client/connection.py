@@ -18,7 +18,7 @@ from __future__ import annotations
 import select
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 #: The longest status or header line accepted, and the most header lines.
 MAX_LINE = 65536
@@ -27,6 +27,8 @@ MAX_HEADERS = 100
 _IOV_BATCH = 512
 #: Over TLS (no sendmsg), parts up to this size are joined with the head.
 _JOIN_BYTES = 64 * 1024
+#: A counted body goes out in pieces of this size, so that its count moves.
+_COUNTED_BYTES = 1 << 20
 
 
 class ProtocolError(OSError):
@@ -102,7 +104,10 @@ class Connection:
             self._timeout = timeout
 
     def request(self, method: str, target: str, host_header: str, headers: dict,
-                parts: Sequence = (), length: int = 0) -> HTTPAnswer:
+                parts: Sequence = (), length: int = 0,
+                sent: Callable[[int], object] | None = None) -> HTTPAnswer:
+        """Send a request, C{parts} its body of C{length} bytes; C{sent}, if
+        given, is called with the size of each piece of the body sent."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: {host_header}"]
         for name, value in headers.items():
             _check_header(name, value)
@@ -110,7 +115,10 @@ class Connection:
         lines.append(f"Content-Length: {length}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
         self.answering = False
-        self._send([head, *parts])
+        if sent is None:
+            self._send([head, *parts])
+        else:
+            self._send_counted(head, parts, sent)
         answer = self._answer(method)
         self.answers += 1
         return answer
@@ -143,6 +151,17 @@ class Connection:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+    def _send_counted(self, head: bytes, parts: Sequence, sent: Callable[[int], object]) -> None:
+        # One sendall per piece: the cost of sendmsg's batching is nothing
+        # next to a body large enough to be counted.
+        self.sock.sendall(head)
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, view.nbytes, _COUNTED_BYTES):
+                piece = view[start:start + _COUNTED_BYTES]
+                self.sock.sendall(piece)
+                sent(piece.nbytes)
 
     # -- receiving ----------------------------------------------------------
 

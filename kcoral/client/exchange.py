@@ -19,6 +19,7 @@ from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_an
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
+    DEVICES_HEADER,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
@@ -27,6 +28,7 @@ from kcoral.protocol.wire import (
     sha256,
     wire_array,
 )
+from kcoral.tracing import current_traceparent
 
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
@@ -78,11 +80,15 @@ class RunCall:
         program = None if self.program.digest in held else self.program.serialized
         inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
-        headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest}
+        headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
+                   DEVICES_HEADER: str(self.program.nr_devices)}
         if request_id:
             headers["X-Request-ID"] = request_id
         if redispatch:
             headers[REDISPATCH_HEADER] = "true"
+        traceparent = current_traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
         return Send(parts, length, headers)
 
     def content_digests(self) -> set[str]:

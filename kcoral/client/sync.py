@@ -22,6 +22,7 @@ import attrs
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.client.failover import Failover, moves_on, urls_of
+from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
 
@@ -66,14 +67,17 @@ class Client:
     run twice (C{X-KCoral-Redispatch: true}): a Router that loses the node
     running it runs it again elsewhere instead of answering 502, and a
     connection to a Router lost after sending is not a C{NodeFailure} but
-    sent again, to the next URL.
+    sent again, to the next URL. With C{progress}, request bodies of 64 MiB
+    or more show a progress bar as they are sent.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
-                 timeout: float | None = None, ssl_context=None, redispatch: bool = False):
+                 timeout: float | None = None, ssl_context=None, progress: bool = False,
+                 redispatch: bool = False):
         self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.progress = progress
         self.redispatch = redispatch
         self._conn: Connection | None = None
         self._lock = threading.Lock()
@@ -147,8 +151,14 @@ class Client:
             if send is None:
                 answer = conn.request(method, endpoint.prefix + path, endpoint.host_header, {})
             else:
-                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
-                                      send.headers, send.parts, send.length)
+                bar = upload_bar(send.length, self.url) if self.progress else None
+                try:
+                    answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
+                                          send.headers, send.parts, send.length,
+                                          None if bar is None else bar.update)
+                finally:
+                    if bar is not None:
+                        bar.close()
         except TimeoutError:
             self.close()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None

@@ -1,32 +1,58 @@
 """
 Which devices a node serves, found without initialising CUDA in the
-supervisor (which never imports JAX): C{nvidia-smi} when present.
+supervisor (which never imports JAX): C{nvidia-smi} when present. Each worker
+owns C{--devices-per-worker} of them: that many GPUs, or on the CPU that
+many host devices.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
 import attrs
 
+#: The XLA flag that splits the host's CPU into several JAX devices.
+HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def host_device_flags(flags: str, count: int) -> str:
+    """C{flags} (an C{XLA_FLAGS} value) with the host platform split into
+    C{count} devices, any count it named before replaced."""
+    kept = [f for f in flags.split() if f.split("=", 1)[0] != HOST_DEVICE_COUNT]
+    return " ".join([*kept, f"{HOST_DEVICE_COUNT}={count}"])
+
 
 @attrs.frozen
 class WorkerSpec:
-    """One server process to run: its name, index (port offset) and device."""
+    """One server process to run: its name, index (port offset) and devices."""
 
     name: str
     index: int
-    gpu: str | None  # None: a CPU worker
+    #: Its GPUs as the host numbers them, a C{CUDA_VISIBLE_DEVICES} list
+    #: ("2,3"); None: a CPU worker.
+    gpus: str | None
+    #: How many devices it owns: its GPUs, or host devices on the CPU.
+    devices: int = 1
 
     @property
     def env(self) -> dict[str, str]:
-        # Each GPU worker sees only its own device; CPU workers see none.
-        return {"CUDA_VISIBLE_DEVICES": self.gpu if self.gpu is not None else ""}
+        # Each GPU worker sees only its own devices; CPU workers see none,
+        # and split the host into theirs before JAX starts.
+        if self.gpus is not None:
+            return {"CUDA_VISIBLE_DEVICES": self.gpus}
+        env = {"CUDA_VISIBLE_DEVICES": ""}
+        if self.devices > 1:
+            env["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), self.devices)
+        return env
 
     @property
     def gpus_argument(self) -> str:
-        return "0" if self.gpu is not None else "none"
+        """Its C{--gpus}: the GPUs it sees, which it numbers from 0."""
+        if self.gpus is None:
+            return "none"
+        return ",".join(str(i) for i in range(self.devices))
 
 
 def detect_gpus() -> list[str]:
@@ -42,8 +68,16 @@ def detect_gpus() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip().isdigit()]
 
 
-def plan_workers(gpus: str, cpu_workers: int, detected: list[str]) -> tuple[list[WorkerSpec], str]:
-    """The workers to run and a one-line account of the choice."""
+def plan_workers(gpus: str, cpu_workers: int, detected: list[str],
+                 devices_per_worker: int = 1) -> tuple[list[WorkerSpec], str]:
+    """
+    The workers to run and a one-line account of the choice: the GPUs named
+    by C{gpus}, C{devices_per_worker} to a worker in the order named, or
+    C{cpu_workers} CPU workers of that many host devices each. A ValueError
+    when C{gpus} names what the host lacks, or a count of GPUs that
+    C{devices_per_worker} does not divide.
+    """
+    n = devices_per_worker
     if gpus != "none" and detected:
         chosen = detected if gpus == "all" else [g.strip() for g in gpus.split(",") if g.strip()]
         if not chosen:
@@ -53,8 +87,13 @@ def plan_workers(gpus: str, cpu_workers: int, detected: list[str]) -> tuple[list
         unknown = [g for g in chosen if g not in detected]
         if unknown:
             raise ValueError(f"--gpus names GPU {unknown[0]}, but this host has {', '.join(detected)}")
-        return ([WorkerSpec(f"worker{i}", i, g) for i, g in enumerate(chosen)],
-                f"{len(chosen)} GPU worker(s) on GPU {', '.join(chosen)}")
+        if len(chosen) % n:
+            raise ValueError(f"--devices-per-worker {n} does not divide the {len(chosen)} GPU(s) "
+                             f"of --gpus {gpus} ({', '.join(chosen)})")
+        groups = [",".join(chosen[i:i + n]) for i in range(0, len(chosen), n)]
+        return ([WorkerSpec(f"worker{i}", i, group, n) for i, group in enumerate(groups)],
+                f"{len(groups)} GPU worker(s) on GPU {(', ' if n == 1 else '; ').join(groups)}")
     why = "--gpus none" if gpus == "none" else "no GPU found"
-    return ([WorkerSpec(f"worker{i}", i, None) for i in range(cpu_workers)],
-            f"{why}: {cpu_workers} CPU worker(s)")
+    each = f" of {n} host devices each" if n > 1 else ""
+    return ([WorkerSpec(f"worker{i}", i, None, n) for i in range(cpu_workers)],
+            f"{why}: {cpu_workers} CPU worker(s){each}")

@@ -38,7 +38,7 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         max_queued_requests=max(server.max_queued_requests, RouterConfig().max_queued_requests),
         max_request_bytes=server.max_request_bytes,
         tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
-        listen=server.listen)
+        listen=server.listen, tracing=server.tracing)
 
 
 class Gateway(service.MultiService):
@@ -49,6 +49,7 @@ class Gateway(service.MultiService):
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
+        self.app.history.setServiceParent(self)
         self.listener = DrainingListener("kcoral gateway", ListenAddress.of(config), reactor, site,
                                          self._drain, secured)
         self.listener.setServiceParent(self)

@@ -36,10 +36,10 @@ log = Logger()
 
 
 #: The server settings a worker is started with, as they are on the node.
-WORKER_SETTINGS = ("capacity", "max_queued_requests", "queue_wait_timeout_seconds",
+WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "queue_wait_timeout_seconds",
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
-                   "tls_cert", "tls_key")
+                   "tls_cert", "tls_key", "log_format", "tracing")
 
 
 def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
@@ -158,6 +158,7 @@ class SupervisorService(service.MultiService):
 
 def make_supervisor_service(options, reactor) -> SupervisorService:
     """The supervisor of the node that the options C{options} describe."""
-    specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus())
+    specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus(),
+                                  options["devices-per-worker"])
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
                              [worker_port(options, spec.index) for spec in specs], account)

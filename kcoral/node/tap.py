@@ -16,6 +16,7 @@ from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
     LISTEN,
+    OBSERVING,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
@@ -62,6 +63,8 @@ class NodeOptions(KCoralOptions):
         _server("host", "Interface to listen on."),
         _server("port", "Port of the first worker (worker i listens on port + i).", port),
         _server("gpus", "GPUs to serve: a comma list, 'all' or 'none'."),
+        _server("devices_per_worker", "Devices each worker owns: that many of --gpus, in the order "
+                "named, or on the CPU that many host devices.", positive(int)),
         _node("cpu_workers", "CPU workers when there is no GPU or with --gpus none.", positive(int)),
         _server("capacity", "Programs each worker runs at once.", positive(int)),
         _server("max_queued_requests", "Runs that may wait for a slot on a worker.",
@@ -84,6 +87,7 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
@@ -116,7 +120,9 @@ class NodeOptions(KCoralOptions):
     def supervised(self) -> bool:
         """Whether a supervisor runs the server process(es)."""
         gpus = self["gpus"]
-        return bool(self["router"]) or self["cpu-workers"] > 1 or "," in gpus or gpus == "all"
+        named = [] if gpus == "none" else [g for g in gpus.split(",") if g.strip()]
+        return bool(self["router"]) or self["cpu-workers"] > 1 or gpus == "all" \
+            or len(named) > self["devices-per-worker"]
 
     def server_config(self, **overrides) -> ServerConfig:
         return config_from(ServerConfig, self, secured=bool(self["node-token"]), **overrides)

@@ -27,9 +27,9 @@ from twisted.internet import error, protocol
 from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
@@ -119,6 +119,8 @@ class _Core:
     healthy: bool = False
     health: dict = attrs.Factory(dict)
     murder: DelayedCall | None = None
+    #: Restarts since the supervisor started, for its reports.
+    restart_count: int = 0
     stopped: list[Deferred[Any]] = attrs.Factory(list)
 
     @property
@@ -139,7 +141,14 @@ class _Core:
         self.on_change()
 
     def relay(self, line: bytes) -> None:
-        log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        event = relayed_event(line)
+        if event is None:
+            log.info("[{worker}] {line}", worker=self.name, line=line.decode("utf-8", "replace"))
+        else:
+            # A JSON line (--log-format json): the worker's own event, as
+            # this process's, with the worker it came from.
+            event["worker"] = self.name
+            globalLogPublisher(event)
 
     def listening(self, url: str) -> None:
         if self.url is None:
@@ -196,6 +205,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         delay = core.policy.next_delay()
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
                  worker=core.name, how=describe_exit(reason), delay=delay)
+        core.restart_count += 1
         if core.restarts is not None:
             core.restarts.labels(core.name).inc()
         return core.reactor.callLater(delay, inputs.restart)
@@ -383,4 +393,8 @@ class Worker(service.Service):
         healthy = self.healthy and self.url is not None
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
-                            int(self.health.get("active", 0)) if healthy else 0)
+                            int(self.health.get("active", 0)) if healthy else 0,
+                            # What it owns, as it lists them; what it was started with
+                            # until it does.
+                            devices=len(self.health.get("devices") or ()) or self.spec.devices,
+                            restarts=self._core.restart_count)

@@ -39,6 +39,9 @@ PROGRAM_HEADER = "X-KCoral-Program"
 #: A client's consent to a second run of its request where a node was lost
 #: after it may have started ("true"; anything else, or none, is no consent).
 REDISPATCH_HEADER = "X-KCoral-Redispatch"
+#: The devices the run's program was exported for (absent: 1), so that a
+#: Router picks a member that owns as many without reading the body.
+DEVICES_HEADER = "X-KCoral-Devices"
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024

@@ -1,7 +1,8 @@
 """
 The Router's HTTP API: the client routes it shares with servers (C{/health},
-C{/readyz}, C{/metrics}, C{POST /v1/run}) and the node routes (C{/v1/nodes}).
-The embedded gateway of a multi-worker node serves the same resource.
+C{/readyz}, C{/metrics}, C{POST /v1/run}), the node routes (C{/v1/nodes}) and
+the dashboard (C{GET /}, L{kcoral.dashboard}). The embedded gateway of a
+multi-worker node serves the same resource.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import re
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral._version import __version__
+from kcoral.dashboard import page
+from kcoral.dashboard.history import History
 from kcoral.errors import (
     BadRequest,
     KCoralError,
@@ -29,12 +32,13 @@ from kcoral.errors import (
     Unauthorized,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.protocol.wire import DEVICES_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
@@ -45,6 +49,9 @@ log = Logger()
 
 MAX_CONTROL_BYTES = 64 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
+_DEVICES_HEADER = DEVICES_HEADER.encode()
+#: The most devices a run may ask for (a worker reports at most as many).
+MAX_DEVICES = 1024
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
 
 
@@ -75,7 +82,8 @@ class RouterApp:
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None, max_redispatches: int = MAX_REDISPATCHES):
+                 metrics_source=None, tracing: ITracing = NO_TRACING,
+                 max_redispatches: int = MAX_REDISPATCHES):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -89,11 +97,14 @@ class RouterApp:
         #: When set, a callable returning a Deferred of the whole /metrics
         #: text (a gateway merges its workers' series in).
         self.metrics_source = metrics_source
+        self.tracing = tracing
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time requests waited for capacity",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
+        #: The recent samples the dashboard plots; a service its owner starts.
+        self.history = History(registry, reactor)
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
                                    observe_wait=self._queue_wait.observe,
                                    max_redispatches=max_redispatches)
@@ -123,7 +134,8 @@ class RouterApp:
         if self.name == "gateway":
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
-                 "active": m.active} for n in self.pool.nodes.values() for m in n.members.values()]
+                 "active": m.active, "devices": m.devices}
+                for n in self.pool.nodes.values() for m in n.members.values()]
         return health
 
     @app.route("/health", methods=["GET"])
@@ -151,9 +163,32 @@ class RouterApp:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
         program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
-        d = self.forwarder.forward(request, request.content.getvalue(), program)
+        devices = _devices(request.getHeader(_DEVICES_HEADER))
+        if devices is None:
+            d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
+        else:
+            span = self.tracing.start("kcoral.router.run", request.requestHeaders,
+                                      request_id=request.request_id)
+            d = self.forwarder.forward(request, request.content.getvalue(), program, devices, span)
+            d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
+
+    # -- the dashboard --------------------------------------------------------
+
+    @app.route("/", methods=["GET"])
+    def get_dashboard_page(self, request):
+        return page.serve(request)
+
+    @app.route("/dashboard/<name>", methods=["GET"])
+    def get_dashboard_file(self, request, name):
+        return page.serve(request, name)
+
+    # What /health and /metrics show openly, and nothing else: the page reads
+    # the nodes from /v1/nodes, with the client's token where one is needed.
+    @app.route("/v1/dashboard", methods=["GET"])
+    def get_dashboard(self, request):
+        return json_response(request, 200, {"health": self.health(), "history": self.history.to_json()})
 
     # -- node routes ----------------------------------------------------------
 
@@ -171,7 +206,8 @@ class RouterApp:
                 else round(now - node.reported_at, 3),
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
-                             "capacity": m.capacity, "active": m.active}
+                             "capacity": m.capacity, "active": m.active, "devices": m.devices,
+                             "restarts": m.restarts}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
@@ -237,6 +273,17 @@ class RouterApp:
             return error_response(request, NotFound(
                 f"node {node_id} has no live session {session[:100]!r}"))
         return json_response(request, 200, {"node_id": node_id, "left": True})
+
+
+def _devices(header: bytes | None) -> int | None:
+    """The devices a run's program needs, from its header (absent: 1); None
+    when the header is no count."""
+    if header is None:
+        return 1
+    # int() takes "+2", " 2" and "2_0": a count is its digits only.
+    if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
+        return None
+    return int(header)
 
 
 def _relayed(answer, request) -> bytes:

@@ -23,6 +23,7 @@ from kcoral.logs import debug_enabled
 from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_SPAN, ISpan
 
 log = Logger()
 
@@ -58,12 +59,15 @@ class Forwarder:
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
-    def forward(self, request, body: bytes, program: str | None):
+    def forward(self, request, body: bytes, program: str | None, devices: int = 1,
+                span: ISpan = NO_SPAN):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, for the program C{program} if known). Fails
-        with L{ServerBusy} (no capacity, or no member took it) or
-        L{NodeFailure} (lost after it was sent, and not to be sent again).
+        (the run of C{request}, for the program C{program} if known, exported
+        for C{devices} devices; its steps traced within C{span}). Fails with
+        L{ServerBusy} (no capacity, or no member took it), L{NotEnoughDevices}
+        (no ready member owns as many devices) or L{NodeFailure} (lost after
+        it was sent, and not to be sent again).
 
         C{body} is the whole request body, which the Router's site has read
         (within C{--max-request-bytes}) before the run gets here: sending it
@@ -75,29 +79,34 @@ class Forwarder:
         redispatches = self.max_redispatches if asks_redispatch(request) else 0
         not_sent = lost = 0
         while not_sent < MAX_NOT_SENT:
-            lease = yield self._scheduler.acquire(program)
+            with span.child("kcoral.queue_wait"):
+                lease = yield self._scheduler.acquire(program, devices)
             if not (not_sent or lost):
                 # Once a run: how long it waited for capacity (not again for
                 # each member that turned it away).
                 self._observe_wait(self._clock.seconds() - arrived)
             member = lease.member
             if lost:
-                log.info("{request_id} attempt {attempt} -> {node}/{worker}", request_id=rid,
-                         attempt=lost + 1, node=member.node.node_id, worker=member.name)
+                log.info("{request_id} attempt {attempt} -> {node_id}/{worker}", request_id=rid,
+                         attempt=lost + 1, node_id=member.node.node_id, worker=member.name)
             elif debug_enabled():
-                log.debug("{request_id} -> {node}/{worker}", request_id=rid,
-                          node=member.node.node_id, worker=member.name)
+                log.debug("{request_id} -> {node_id}/{worker}", request_id=rid,
+                          node_id=member.node.node_id, worker=member.name)
+            forwarding = span.child("kcoral.forward", node_id=member.node.node_id, worker=member.name)
             try:
-                answer = yield self._proxy.forward(member.url, request, body)
+                answer = yield self._proxy.forward(member.url, request, body,
+                                                   traceparent=forwarding.traceparent())
             except NotSent as e:
+                forwarding.failed(e)
                 member.suspect = True
                 not_sent += 1
-                log.info("{request_id} not taken by {node}/{worker}: {why}", request_id=rid,
-                         node=member.node.node_id, worker=member.name, why=e)
+                log.info("{request_id} not taken by {node_id}/{worker}: {why}", request_id=rid,
+                         node_id=member.node.node_id, worker=member.name, why=e)
                 continue
             except NodeFailure as e:
-                log.warn("{request_id} failed on {node}/{worker}: {why}", request_id=rid,
-                         node=member.node.node_id, worker=member.name, why=e.message)
+                forwarding.failed(e)
+                log.warn("{request_id} failed on {node_id}/{worker}: {why}", request_id=rid,
+                         node_id=member.node.node_id, worker=member.name, why=e.message)
                 if lost >= redispatches:
                     raise
                 # Out of rotation until its supervisor reports it again
@@ -109,10 +118,11 @@ class Forwarder:
                 continue
             finally:
                 lease.release()
+                forwarding.end()
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.
-                log.info("{request_id} answered {status} from {node}/{worker}", request_id=rid,
-                         status=answer.code, node=member.node.node_id, worker=member.name)
+                log.info("{request_id} answered {status} from {node_id}/{worker}", request_id=rid,
+                         status=answer.code, node_id=member.node.node_id, worker=member.name)
             return answer
         raise ServerBusy("no node took the request", reason="no_ready_node")

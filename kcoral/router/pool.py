@@ -50,6 +50,10 @@ class Member:
     suspect: bool = False
     #: When the placement rule last picked this member (its own count).
     picked: int = 0
+    #: The devices it owns: runs of programs exported for more go elsewhere.
+    devices: int = 1
+    #: Times its supervisor has restarted it, as last reported.
+    restarts: int = 0
 
     @property
     def usable(self) -> bool:
@@ -188,6 +192,8 @@ class Pool:
                 # Member, whose leases still count (and release) its requests.
                 member.url = worker.url
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
+            member.devices = worker.devices
+            member.restarts = worker.restarts
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)
@@ -259,18 +265,25 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
-    def pick(self, program: str | None = None) -> Member | None:
-        """The member that runs C{program} (a digest, if known) next, by the
-        pool's placement rule (L{kcoral.router.placement}), or None when no
-        usable member has free capacity."""
-        return self.placement.pick(self._free(), program)
+    def pick(self, program: str | None = None, devices: int = 1) -> Member | None:
+        """The member that runs C{program} (a digest, if known), exported for
+        C{devices} devices, next, by the pool's placement rule
+        (L{kcoral.router.placement}) among the usable members with free
+        capacity that own as many devices, or None when there is none."""
+        return self.placement.pick(self._free(devices), program)
 
-    def _free(self) -> Iterator[Member]:
+    def _free(self, devices: int) -> Iterator[Member]:
         for node in self.nodes.values():
             if node.state == READY:
                 for member in node.members.values():
-                    if member.free > 0:
+                    if member.free > 0 and member.devices >= devices:
                         yield member
+
+    def most_devices(self) -> int | None:
+        """The most devices a healthy member of a ready node owns; None when
+        there is no such member."""
+        return max((m.devices for n in self.ready_nodes() for m in n.members.values() if m.healthy),
+                   default=None)
 
     def ready_nodes(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.state == READY]

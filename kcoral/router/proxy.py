@@ -24,11 +24,12 @@ from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+from kcoral.tracing import TRACEPARENT
 from kcoral.web.outgoing import tls_problem
 
 log = Logger()
 
-_FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
+_FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode(), TRACEPARENT)
 _RETURNED = (b"Content-Type", b"Retry-After")
 
 
@@ -90,10 +91,11 @@ class Proxy:
         return parsed
 
     @inlineCallbacks
-    def forward(self, url: str, request, body: bytes):
+    def forward(self, url: str, request, body: bytes, traceparent: bytes | None = None):
         """
         The L{Answer} of the member at C{url} to C{body}, sent with
-        C{request}'s id and headers; fails with L{NotSent} or L{NodeFailure}.
+        C{request}'s id and headers (and C{traceparent}, the span of this
+        forward, in place of the client's); fails with L{NotSent} or L{NodeFailure}.
         Cancelling it closes the request to the member (or stops reading its
         answer) and fails it with C{CancelledError}.
         """
@@ -102,6 +104,8 @@ class Proxy:
             value = request.requestHeaders.getRawHeaders(name)
             if value:
                 headers.setRawHeaders(name, value[:1])
+        if traceparent is not None:
+            headers.setRawHeaders(TRACEPARENT, [traceparent])
         if not headers.hasHeader(b"Content-Type"):
             headers.setRawHeaders(b"Content-Type", [REQUEST_CONTENT_TYPE.encode()])
         try:

@@ -24,9 +24,10 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("deferred", "timer")
+    __slots__ = ("deferred", "timer", "need")
     deferred: Deferred
     timer: DelayedCall
+    need: Any
 
 
 class WaitQueue:
@@ -39,14 +40,17 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def wait(self) -> Deferred:
+    def wait(self, need: Any = None) -> Deferred:
         """
         A Deferred that fires with what L{grant_next} hands over, or fails with
-        L{QueueFull} (at once) or L{QueueTimeout}.
+        L{QueueFull} (at once) or L{QueueTimeout}. C{need}, what the waiter
+        needs of a grant (for the Router: how many devices), is what
+        L{oldest_need} says while it waits longest.
         """
         if len(self._waiters) >= self.max_waiting:
             return fail(QueueFull())
         waiter = _Waiter()
+        waiter.need = need
         waiter.deferred = Deferred(lambda d: self._leave(waiter))
         waiter.timer = self._clock.callLater(self.timeout_seconds, self._expire, waiter)
         self._waiters.append(waiter)
@@ -61,6 +65,16 @@ class WaitQueue:
         self._waiters.remove(waiter)
         waiter.deferred.errback(QueueTimeout())
 
+    def oldest_need(self) -> Any:
+        """The C{need} of the oldest waiter; the queue must not be empty."""
+        return self._waiters[0].need
+
+    def fail_next(self, error: Exception) -> None:
+        """Fail the oldest waiter with C{error}; the queue must not be empty."""
+        waiter = self._waiters.popleft()
+        waiter.timer.cancel()
+        waiter.deferred.errback(error)
+
     def grant_next(self, grant: Any) -> bool:
         """Hand C{grant} to the oldest waiter; False when nobody waits."""
         if not self._waiters:
@@ -72,6 +86,4 @@ class WaitQueue:
 
     def fail_all(self, error: Exception) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.timer.cancel()
-            waiter.deferred.errback(error)
+            self.fail_next(error)

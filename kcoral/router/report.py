@@ -13,6 +13,8 @@ import attrs
 
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024
+MAX_WORKER_DEVICES = 1024
+MAX_RESTARTS = 10**9
 MAX_TEXT = 200
 
 
@@ -27,6 +29,10 @@ class WorkerReport:
     healthy: bool
     capacity: int
     active: int
+    #: The devices the worker owns: a program exported for more never goes there.
+    devices: int = 1
+    #: Times its supervisor has restarted it.
+    restarts: int = 0
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -51,9 +57,9 @@ def _text(value: object, what: str) -> str:
     return value
 
 
-def _count(value: object, what: str, limit: int) -> int:
-    if type(value) is not int or not 0 <= value <= limit:
-        raise InvalidReport(f"{what} must be an integer in [0, {limit}]")
+def _count(value: object, what: str, limit: int, least: int = 0) -> int:
+    if type(value) is not int or not least <= value <= limit:
+        raise InvalidReport(f"{what} must be an integer in [{least}, {limit}]")
     return value
 
 
@@ -108,6 +114,8 @@ def parse_report(body: object) -> NodeReport:
             healthy=w.get("healthy") is True,
             capacity=_count(w.get("capacity"), f"worker {i} capacity", MAX_WORKER_CAPACITY),
             active=_count(w.get("active", 0), f"worker {i} active", MAX_WORKER_CAPACITY),
+            devices=_count(w.get("devices", 1), f"worker {i} devices", MAX_WORKER_DEVICES, 1),
+            restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")

@@ -6,9 +6,9 @@ only way to get one is a L{Lease}, and leases are counted against capacity.
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 
-from kcoral.errors import ServerBusy
+from kcoral.errors import NotEnoughDevices, ServerBusy
 from kcoral.router.pool import Member, Pool
 from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
 
@@ -39,17 +39,31 @@ class Scheduler:
         self._idle: list[Deferred] = []
         pool.on_change = self.dispatch
 
-    def acquire(self, program: str | None = None) -> Deferred:
-        """A Deferred L{Lease}; fails with L{ServerBusy} (503) and its reason.
+    def acquire(self, program: str | None = None, devices: int = 1) -> Deferred:
+        """A Deferred L{Lease} on a member that owns at least C{devices}
+        devices; fails with L{ServerBusy} (503) and its reason, or with
+        L{NotEnoughDevices} (422) at once when no ready member owns as many.
         C{program}, a program digest, breaks ties between free members
         (L{Pool.pick})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
+        refusal = self._too_few(devices)
+        if refusal is not None:
+            return fail(refusal)
         if not len(self.queue):
-            member = self.pool.pick(program)
+            member = self.pool.pick(program, devices)
             if member is not None:
                 return succeed(Lease(member, self))
-        return self.queue.wait().addErrback(self._refused)
+        return self.queue.wait(devices).addErrback(self._refused)
+
+    def _too_few(self, devices: int) -> NotEnoughDevices | None:
+        """Why no member will run a program exported for C{devices} devices,
+        or None when one may (a pool with no ready member may yet get one)."""
+        most = self.pool.most_devices() if devices > 1 else None
+        if most is None or devices <= most:
+            return None
+        return NotEnoughDevices(f"the program was exported for {devices} devices; no ready "
+                                f"member owns more than {most}")
 
     def _refused(self, failure):
         self._check_idle()
@@ -64,7 +78,14 @@ class Scheduler:
     def dispatch(self) -> None:
         """Give free capacity to waiting requests, oldest first."""
         while len(self.queue):
-            member = self.pool.pick()
+            devices = self.queue.oldest_need()
+            refusal = self._too_few(devices)
+            if refusal is not None:
+                # The members that owned as many are gone: waiting longer
+                # would hold up every run behind this one.
+                self.queue.fail_next(refusal)
+                continue
+            member = self.pool.pick(None, devices)
             if member is None:
                 break
             self.queue.grant_next(Lease(member, self))

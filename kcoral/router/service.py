@@ -19,6 +19,7 @@ from kcoral.router.forward import MAX_REDISPATCHES
 from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import tracing_for
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -27,7 +28,7 @@ from kcoral.web.site import KCoralSite
 
 log = Logger()
 
-ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes"})
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes", "/", "/v1/dashboard"})
 
 
 @attrs.frozen
@@ -51,6 +52,8 @@ class RouterConfig:
     tls_ca: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 def build_router(config: RouterConfig, reactor, *, name: str = "router"):
@@ -65,6 +68,7 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
                     reactor=reactor, registry=registry, node_token=config.node_token, name=name,
                     status_check_interval=config.status_check_interval_seconds,
+                    tracing=tracing_for(config.tracing, f"kcoral-{name}"),
                     max_redispatches=config.max_redispatches)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
@@ -87,6 +91,7 @@ class RouterService(service.MultiService):
         self._reactor = reactor
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
+        self.app.history.setServiceParent(self)
         address = ListenAddress.of(config)
         self.listener = DrainingListener(name, address, reactor, site, self._drain,
                                          bool(config.node_token), close_port_first=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from kcoral.options import (
     LISTEN,
+    OBSERVING,
     TLS_CA,
     TLS_CERT,
     TLS_KEY,
@@ -43,6 +44,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_key", TLS_KEY),
     ("tls_ca", TLS_CA),
     ("listen", LISTEN),
+    *OBSERVING,
 ]
 
 

@@ -22,6 +22,7 @@ from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError,
 from kcoral.router.queue import QueueFull, QueueTimeout
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
+from kcoral.tracing import NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.requestid import RequestIdResource
@@ -37,12 +38,13 @@ class ServerApp:
     errors.install(app)
 
     def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
-                 registry: CollectorRegistry):
+                 registry: CollectorRegistry, tracing: ITracing = NO_TRACING):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
         self._reactor = reactor
         self.registry = registry
+        self.tracing = tracing
         self.status = STARTING
         #: When the last run arrived (reactor seconds), for the drain's quiet period.
         self.last_run_at: float | None = None
@@ -94,6 +96,7 @@ class ServerApp:
     def post_run(self, request):
         rid = request.request_id
         self.last_run_at = self._reactor.seconds()
+        span = self.tracing.start("kcoral.server.run", request.requestHeaders, request_id=rid)
         try:
             if self.status != OK:
                 raise ServerBusy(f"the server is {self.status}", reason="draining"
@@ -105,19 +108,23 @@ class ServerApp:
             announced = request.getHeader(PROGRAM_HEADER)
             if announced is not None and announced != run.program.digest:
                 raise BadRequest(f"{PROGRAM_HEADER} does not match the frame's program digest")
-            yield self._admitted(rid)
-            result = yield self._run(run, rid)
+            yield self._admitted(rid, span)
+            result = yield self._run(run, rid, span)
         except KCoralError as e:
+            span.failed(e)
             log.info("{request_id} answered {status} {type}: {message}", request_id=rid,
                      status=e.status, type=e.type, message=e.message)
             return error_response(request, e)
+        finally:
+            span.end()
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, result)
 
     @inlineCallbacks
-    def _admitted(self, rid: str):
+    def _admitted(self, rid: str, span: ISpan):
         """Fires once this run holds an admission slot."""
         arrived = self._reactor.seconds()
+        waiting = span.child("kcoral.queue_wait")
         try:
             yield self.admission.acquire()
         except QueueFull:
@@ -127,9 +134,11 @@ class ServerApp:
         except CancelledError:
             log.info("{request_id} dropped: the client went away before it ran", request_id=rid)
             raise
+        finally:
+            waiting.end()
         self._queue_wait.observe(self._reactor.seconds() - arrived)
 
-    def _run(self, run, rid: str) -> Deferred:
+    def _run(self, run, rid: str, span: ISpan) -> Deferred:
         """
         The result of C{run} on a worker thread, holding its admission slot
         until the thread is done. Cancelling the result (the client went
@@ -163,5 +172,5 @@ class ServerApp:
         # and the slot of a run still on the device would be freed with it.
         self._threadpool.callInThreadWithCallback(
             lambda ok, result: self._reactor.callFromThread(ran, ok, result),
-            self.executor.execute, run, rid)
+            self.executor.execute, run, rid, span)
         return answer

@@ -36,22 +36,22 @@ class DeviceCache:
         self._metrics.bytes.labels(self.name, "device").set(self._lru.currsize)
         self._metrics.entries.labels(self.name, "device").set(len(self._lru))
 
-    def get(self, digest: str, host: np.ndarray, device):
-        """The array on C{device} for content C{digest} viewed as C{host};
-        copied there now unless an earlier run left it. A failed copy (the
-        device is out of memory) raises."""
+    def get(self, digest: str, host: np.ndarray, placement):
+        """The array at C{placement} (a device, or a sharding over several)
+        for content C{digest} viewed as C{host}; copied there now unless an
+        earlier run left it. A failed copy (a device is out of memory) raises."""
         import jax
 
         # The dtype itself, not its .str: most float8 types share '<V1', and
         # the same bytes (zeros, say) can be sent as two of them.
-        key = (digest, host.dtype, host.shape, device.id)
+        key = (digest, host.dtype, host.shape, placement)
         with self._lock:
             found = self._lru.get(key)
         if found is not None:
             self._hits.inc()
             return found
         self._misses.inc()
-        placed = jax.device_put(host, device)
+        placed = jax.device_put(host, placement)
         if host.nbytes <= self._lru.maxsize:
             with self._lock:
                 self._lru[key] = placed

@@ -19,13 +19,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.logger import Logger
 
 from kcoral._version import __version__
-from kcoral.errors import BadRequest, MissingContent, ProgramFailed, ProgramRejected
+from kcoral.errors import (
+    BadRequest,
+    MissingContent,
+    NotEnoughDevices,
+    ProgramFailed,
+    ProgramRejected,
+)
 from kcoral.metrics import SECONDS_BUCKETS
+from kcoral.node.devices import HOST_DEVICE_COUNT, host_device_flags
 from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
+from kcoral.tracing import NO_SPAN, ISpan
 
 log = Logger()
 
@@ -49,14 +57,19 @@ class ExecutorMetrics:
         self.caches = CacheMetrics(registry)
 
 
-def _select_platform(gpus: str) -> None:
-    """Pick the backend before JAX initialises one."""
+def _select_platform(gpus: str, devices: int) -> None:
+    """Pick the backend, and how many devices the host platform has, before
+    JAX initialises one."""
+    if devices > 1 or HOST_DEVICE_COUNT in os.environ.get("XLA_FLAGS", ""):
+        # Exactly this server's count: a count inherited from a parent (a
+        # test process that shards programs itself) is not this server's.
+        os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), devices)
     import jax
 
     if gpus == "none":
         jax.config.update("jax_platforms", "cpu")
     elif gpus != "all" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g.strip() for g in gpus.split(",") if g.strip())
     # Exported programs carry their own types; serve 64-bit ones faithfully,
     # whatever JAX_ENABLE_X64 says. Process-wide and once, before any run:
     # jax.enable_x64 is a thread-local context that every run thread would
@@ -74,13 +87,14 @@ def gpu_target_of(device) -> str:
 
 class Executor:
     def __init__(self, *, uploads: UploadCache, compiled: CompileCache, placed: DeviceCache,
-                 metrics: ExecutorMetrics, gpus: str = "0",
+                 metrics: ExecutorMetrics, gpus: str = "0", devices: int = 1,
                  compilation_cache_dir: str | None = None):
         self._uploads = uploads
         self._compiled = compiled
         self._placed = placed
         self._metrics = metrics
         self._gpus = gpus
+        self._count = devices
         self._compilation_cache_dir = compilation_cache_dir
         self._programs: cachetools.LRUCache = cachetools.LRUCache(64)
         self._programs_lock = threading.Lock()
@@ -89,7 +103,7 @@ class Executor:
         self.info: DeviceInfo | None = None
 
     def load(self) -> DeviceInfo:
-        _select_platform(self._gpus)
+        _select_platform(self._gpus, self._count)
         import jax
         import jaxlib
 
@@ -98,14 +112,20 @@ class Executor:
             # JAX keeps only compiles over a second by default; a server that
             # asks for the cache wants every program back after a restart.
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        device = jax.devices()[0]
+        found = jax.local_devices()
+        if len(found) < self._count:
+            raise RuntimeError(f"--devices-per-worker {self._count}, but this server sees "
+                               f"{len(found)} {found[0].platform} device(s)")
+        #: The devices this server owns; single-device programs run on the first.
+        self._devices = found[:self._count]
+        device = self._device = self._devices[0]
         if device.platform == "cpu" and self._gpus != "none":
             log.info("no GPU found: serving on the CPU")
-        self._device = device
         self.info = DeviceInfo(
             platform="cuda" if device.platform == "gpu" else device.platform,
             gpu_target=gpu_target_of(device),
-            devices=[{"id": d.id, "platform": d.platform, "kind": d.device_kind} for d in jax.devices()],
+            devices=[{"id": d.id, "platform": d.platform, "kind": d.device_kind}
+                     for d in self._devices],
             runtime={"kcoral": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
         )
         return self.info
@@ -146,6 +166,10 @@ class Executor:
             raise ProgramRejected(
                 f"the program was exported for {', '.join(exported.platforms)}; "
                 f"this server runs {platform}")
+        if exported.nr_devices > len(self._devices):
+            raise NotEnoughDevices(
+                f"the program was exported for {exported.nr_devices} devices; this server "
+                f"owns {len(self._devices)} (see --devices-per-worker)")
         if len(arrays) != len(exported.in_avals):
             raise ProgramRejected(f"the program takes {len(exported.in_avals)} inputs, got {len(arrays)}")
         for i, (spec, array, aval) in enumerate(zip(run.inputs, arrays, exported.in_avals)):
@@ -165,7 +189,7 @@ class Executor:
                 raise ProgramRejected(
                     f"input {i} has shape {list(shape)}, the program expects {aval.shape}")
 
-    def execute(self, run: RunRequest, request_id: str) -> bytes:
+    def execute(self, run: RunRequest, request_id: str, span: ISpan = NO_SPAN) -> bytes:
         import jax
 
         digest = run.program.digest
@@ -205,16 +229,21 @@ class Executor:
                                     for o in outputs]
                 return [jax.random.key_data(o) if _is_key(o) else o for o in outputs]
 
-            try:
-                compiled = jax.jit(call).lower(
-                    *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
-            except Exception as e:
-                raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
+            with span.child("kcoral.compile", program=digest[:12]):
+                try:
+                    placements = self._placements(exported)
+                    jitted = jax.jit(call) if placements is None else jax.jit(
+                        call, in_shardings=placements)
+                    compiled = jitted.lower(
+                        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
+                except Exception as e:
+                    raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
             self._metrics.compile_seconds.observe(time.perf_counter() - started)
-            return compiled, tuple(out_key_types)
+            return compiled, tuple(out_key_types), placements
 
         try:
-            (executable, result_key_types), fresh = self._compiled.get_or_compile(key, compile)
+            (executable, result_key_types, placements), fresh = self._compiled.get_or_compile(
+                key, compile)
         except ProgramRejected:
             self._metrics.executions.labels("rejected").inc()
             raise
@@ -224,7 +253,7 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, run, arrays)
+                outputs = self._call(executable, run, arrays, placements, span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -233,7 +262,7 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, run, arrays)
+                outputs = self._call(executable, run, arrays, placements, span)
         except Exception as e:
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
@@ -243,8 +272,32 @@ class Executor:
         return b"".join(parts)
 
 
-    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray]) -> list:
-        """The outputs of one run, as host arrays."""
+    def _placements(self, exported):
+        """
+        Where the program's inputs go: None (this server's first device) for
+        a program exported for one device; for several, its own input
+        shardings over a mesh of as many of this server's devices. An input
+        it left unspecified goes whole to each of them, and the program
+        reshards it as it was exported to.
+        """
+        if exported.nr_devices == 1:
+            return None
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        devices = self._devices[:exported.nr_devices]
+        mesh = _mesh(exported, devices)
+        whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",))
+                              if mesh is None else mesh, PartitionSpec())
+        if mesh is None:
+            # Its inputs name no mesh: it shards them inside.
+            return (whole,) * len(exported.in_avals)
+        return tuple(whole if s is None else s for s in exported.in_shardings_jax(mesh))
+
+    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], placements,
+              span: ISpan) -> list:
+        """The outputs of one run, as host arrays (a sharded output gathered
+        whole)."""
         import jax
 
         # Small numpy inputs go straight to the compiled executable: its C++
@@ -255,13 +308,35 @@ class Executor:
         # executable wants them packed. A failed transfer (device out of
         # memory) is a failed run.
         arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
-                  else self._placed.get(spec.blob.digest, array, self._device)
-                  for spec, array in zip(run.inputs, arrays)]
-        outputs = executable(*arrays)
-        # jax.device_get overlaps the copies of several outputs; for the
-        # common single output, np.asarray is the same copy without its tree
-        # walk.
-        return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+                  else self._placed.get(spec.blob.digest, array,
+                                        self._device if placements is None else placements[i])
+                  for i, (spec, array) in enumerate(zip(run.inputs, arrays))]
+        with span.child("kcoral.execute"):
+            outputs = executable(*arrays)
+            # jax.device_get overlaps the copies of several outputs; for the
+            # common single output, np.asarray is the same copy without its
+            # tree walk.
+            return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+
+
+def _mesh(exported, devices: list):
+    """
+    A mesh of C{devices} (as many as the program was exported for) that the
+    program's shardings fit: the axes of the mesh it was exported with, which
+    its input and output types name; None when they name none (its inputs
+    were left unspecified, and it shards inside).
+    """
+    import jax
+
+    meshes = {aval.sharding.mesh for aval in (*exported.in_avals, *exported.out_avals)
+              if getattr(aval, "sharding", None) is not None and not aval.sharding.mesh.empty}
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(f"its shardings name {len(meshes)} meshes; KCoral runs programs of one")
+    (mesh,) = meshes
+    return jax.sharding.Mesh(np.array(devices).reshape(mesh.axis_sizes), mesh.axis_names,
+                             axis_types=mesh.axis_types)
 
 
 def _is_key(value) -> bool:

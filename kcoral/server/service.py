@@ -1,5 +1,6 @@
 """
-The standalone server as a Twisted service: one device, one HTTP port.
+The standalone server as a Twisted service: its devices (one, or
+C{--devices-per-worker}), one HTTP port.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
+from kcoral.tracing import tracing_for
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -40,6 +42,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     gpus: str = "0"
+    #: Devices this server owns: GPUs named by gpus, or host devices on the CPU.
+    devices_per_worker: int = 1
     capacity: int = 2
     max_queued_requests: int = 64
     queue_wait_timeout_seconds: float = 1800.0
@@ -55,6 +59,8 @@ class ServerConfig:
     tls_key: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"
 
 
 class ServerService(service.MultiService):
@@ -75,11 +81,13 @@ class ServerService(service.MultiService):
                                  compiled=CompileCache(config.compile_cache_entries, metrics.caches),
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
+                                 devices=config.devices_per_worker,
                                  compilation_cache_dir=config.compilation_cache_dir)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
         self.app = ServerApp(executor=self.executor, admission=admission,
-                             threadpool=self._threadpool, reactor=reactor, registry=registry)
+                             threadpool=self._threadpool, reactor=reactor, registry=registry,
+                             tracing=tracing_for(config.tracing, "kcoral-server"))
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                           max_connections=connection_limit())
