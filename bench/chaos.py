@@ -95,6 +95,8 @@ class Settings:
     faults: int = 60
     seed: int = 1
     nodes: int = 3
+    #: Routers, each of them reported to by every node (at most two).
+    routers: int = 2
     #: Runs at once on each worker (the server's default).
     capacity: int = 2
     clients: int = 8
@@ -218,8 +220,9 @@ class Deployment:
     def __init__(self, settings: Settings, log_dir: Path | None):
         self.settings = settings
         self.log_dir = log_dir
-        self.ports = {name: free_port() for name in ROUTERS}
-        self.urls = [f"http://127.0.0.1:{self.ports[name]}" for name in ROUTERS]
+        self.names = ROUTERS[:settings.routers]
+        self.ports = {name: free_port() for name in self.names}
+        self.urls = [f"http://127.0.0.1:{self.ports[name]}" for name in self.names]
         #: The live (or last) Router of each name.
         self.router: dict[str, KCoralChild] = {}
         #: Every Router ever started, in order.
@@ -244,9 +247,21 @@ class Deployment:
         self.router[name] = child
         return child
 
-    def start_forwarders(self) -> None:
+    def start(self) -> list[tuple[float, KCoralChild]]:
+        """Start the Routers, the forwarders and the nodes, and wait for full
+        capacity; returns when each Router started, and the Router."""
+        started = [(time.monotonic(), self.start_router(name)) for name in self.names]
+        self._start_forwarders()
+        children = [self.start_node(node_id, wait=False) for node_id in self.node_ids]
+        for node_id, child in zip(self.node_ids, children, strict=True):
+            self.wait_node(node_id, child)
+        if self.wait_full(60) is None:
+            raise RuntimeError(f"the pool did not reach full capacity: {self.health()}")
+        return started
+
+    def _start_forwarders(self) -> None:
         for node_id in self.node_ids:
-            for name in ROUTERS:
+            for name in self.names:
                 child = self._child(f"forward-{node_id}-{name}",
                                     ["0", str(self.ports[name])],
                                     program=(str(ROOT / "bench" / "forwarder.py"),))
@@ -256,7 +271,7 @@ class Deployment:
     def node_urls(self, node_id: str) -> list[str]:
         """The Routers as the node reaches them: through its forwarders."""
         return [f"http://127.0.0.1:{self.forwarders[node_id, name].find(FORWARDING)[0][1].group(1)}"
-                for name in ROUTERS]
+                for name in self.names]
 
     def start_node(self, node_id: str, wait: bool = True) -> KCoralChild:
         child = self._child(node_id, self.settings.node_args(self.node_urls(node_id), node_id))
@@ -291,7 +306,12 @@ class Deployment:
 
     def health(self, timeout: float = 2.0) -> dict:
         """Each Router's C{/health} (None where it does not answer)."""
-        return {name: self.get(name, "/health", timeout) for name in ROUTERS}
+        return {name: self.get(name, "/health", timeout) for name in self.names}
+
+    def pool_nodes(self, name: str = ROUTERS[0]) -> dict:
+        """Router C{name}'s C{/v1/nodes}, by node id."""
+        answer = self.get(name, "/v1/nodes") or {}
+        return {node["node_id"]: node for node in answer.get("nodes", [])}
 
     def is_full(self) -> bool:
         """Whether every Router has every node ready, at full capacity."""
@@ -675,7 +695,8 @@ class Injector:
             busy = {target for target, thread in running.items() if thread.is_alive()}
             if kind in ROUTER_FAULTS:
                 # One Router at a time: the other serves meanwhile.
-                free = [] if busy & set(ROUTERS) else list(ROUTERS)
+                names = self.deployment.names
+                free = [] if busy & set(names) else list(names)
             else:
                 free = [n for n in self.deployment.node_ids if n not in busy]
             if free:
@@ -804,7 +825,7 @@ class Injector:
         that Router pass through stops passing bytes (SIGSTOP), for longer
         than that Router takes to stop sending it work; then SIGCONT."""
         d = self.deployment
-        router = fault.rng.choice(ROUTERS)
+        router = fault.rng.choice(d.names)
         forwarder = d.forwarders[fault.target, router]
         watched = d.router[router]
         since = watched.mark()
@@ -936,13 +957,7 @@ def run(settings: Settings) -> Result:
     resources: dict = {}
     exit_codes: dict = {}
     try:
-        first = [(time.monotonic(), d.start_router(name)) for name in ROUTERS]
-        d.start_forwarders()
-        starting = [d.start_node(node_id, wait=False) for node_id in d.node_ids]
-        for node_id, child in zip(d.node_ids, starting, strict=True):
-            d.wait_node(node_id, child)
-        if d.wait_full(60) is None:
-            raise RuntimeError(f"the pool did not reach full capacity: {d.health()}")
+        first = d.start()
         monitor.thread.start()
         injector = Injector(d, settings)
         injector.router_starts.extend(first)
