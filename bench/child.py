@@ -147,16 +147,17 @@ class KCoralChild:
     line before the constructor returns; their first groups are kept in
     C{found}. C{cores} pins it (``taskset``); C{env} adds to the environment
     (None removes a variable); C{cwd} is where it runs (another version's
-    tree, say).
+    tree, say). C{executable} runs another program than this interpreter
+    (with C{program=()}: HAProxy, say).
     """
 
     def __init__(self, args: Iterable[str], ready: Mapping[str, str | Pattern[str]] | None = None, *,
                  name: str = "kcoral", cores: set[int] | None = None,
                  env: Mapping[str, str | None] | None = None, cwd: str | Path = ROOT,
                  timeout: float = 180.0, program: tuple[str, ...] = ("-m", "kcoral"),
-                 log: Path | None = None, echo: bool = False):
+                 log: Path | None = None, echo: bool = False, executable: str = sys.executable):
         self.name = name
-        self.command = [sys.executable, *program, *args]
+        self.command = [executable, *program, *args]
         if cores is not None:
             self.command = ["taskset", "-c", ",".join(map(str, sorted(cores))), *self.command]
         self._log = open(log, "a", buffering=1) if log is not None else None

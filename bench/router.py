@@ -83,9 +83,9 @@ CAPACITY = 2
 # -- the services ----------------------------------------------------------------
 
 
-def start_router(cores: set[int] | None = None) -> KCoralChild:
-    return KCoralChild(["router", "--port", "0"], {"url": r"kcoral router listening on (http://\S+)"},
-                       cores=cores)
+def start_router(cores: set[int] | None = None, *options: str) -> KCoralChild:
+    return KCoralChild(["router", "--port", "0", *options],
+                       {"url": r"kcoral router listening on (http://\S+)"}, cores=cores)
 
 
 def start_node(router_url: str, gpus: str) -> KCoralChild:
@@ -182,7 +182,7 @@ class BadAnswer(Exception):
     pass
 
 
-async def _read_answer(reader) -> tuple[int, bytes]:
+async def read_answer(reader) -> tuple[int, bytes]:
     status = await reader.readline()
     if not status:
         raise BadAnswer("the connection closed")
@@ -219,7 +219,7 @@ async def _connection(host: str, port: int, payload: bytes, expected: bytes, sta
         while True:
             started = clock()
             writer.write(payload)
-            code, body = await _read_answer(reader)
+            code, body = await read_answer(reader)
             finished = clock()
             if code != 200 or body != expected:
                 raise BadAnswer(f"answer {code}: {body[:300]!r}")
@@ -517,7 +517,7 @@ def _expected_answer(url: str, payload: bytes) -> bytes:
     async def once():
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         writer.write(payload)
-        code, body = await _read_answer(reader)
+        code, body = await read_answer(reader)
         writer.close()
         if code != 200:
             raise BadAnswer(f"answer {code}: {body[:300]!r}")

@@ -48,7 +48,8 @@ class BadRequest(KCoralError):
 
 
 class Unauthorized(BadRequest):
-    """401: a node control request without the Router's bearer token."""
+    """401: a run or the node list without a client token, or a node control
+    request without the node token, where the service needs one."""
 
     status = 401
     type = "unauthorized"
@@ -155,6 +156,7 @@ class ProgramExportError(KCoralError, ValueError):
 #: L{ProgramFailed} (L{error_from_body}).
 CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
     BadRequest,
+    Unauthorized,
     MissingContent,
     PayloadTooLarge,
     ProgramRejected,
@@ -166,7 +168,6 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
 #: Every error a KCoral service answers: the client's, and finer ones that a
 #: client catches as the class they refine.
 ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
-    Unauthorized,
     NotFound,
     MethodNotAllowed,
     RequestTimeout,

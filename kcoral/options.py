@@ -92,12 +92,21 @@ LISTEN = ("A Twisted server endpoint string to listen on instead of --host, --po
 TLS_CERT = "PEM certificate (chain): listen with TLS."
 TLS_KEY = "PEM private key of --tls-cert (default: inside --tls-cert)."
 TLS_CA = "PEM CA to verify https peers with (default: the system's roots)."
+#: Client authentication (the Router, a standalone server).
+CLIENT_TOKEN = "Token clients must present to run and list nodes [env: KCORAL_CLIENT_TOKEN]."
+CLIENT_TOKENS_FILE = "File of client tokens, one a line (# comments), read again on SIGHUP."
+TLS_CLIENT_CA = "PEM CA that must sign clients' certificates (mutual TLS; needs --tls-cert)."
+#: The options of client authentication, and their environment.
+CLIENT_AUTH_OPTIONS = ("client-token", "client-tokens-file", "tls-client-ca")
 
 
 def check_listen(options) -> None:
     if options["listen"] and (options["tls-cert"] or options["tls-key"]):
         raise usage.UsageError("--listen takes the place of --tls-cert and --tls-key: name the "
                                "certificate in the endpoint string (certKey=..., privateKey=...)")
+    if options["tls-client-ca"] and not options["tls-cert"]:
+        raise usage.UsageError("--tls-client-ca needs --tls-cert (with --listen, name the CAs "
+                               "in the endpoint string: caCertsDir=...)")
 
 
 def option_name(field: str) -> str:

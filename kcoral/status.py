@@ -13,7 +13,9 @@ import sys
 from twisted.internet.defer import inlineCallbacks
 from twisted.python import usage
 
+from kcoral.client.sync import client_headers
 from kcoral.options import positive
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 DEFAULT_ROUTER = "http://127.0.0.1:9000"
 
@@ -23,7 +25,7 @@ WATCH_INTERVAL_SECONDS = 2.0
 
 
 class StatusOptions(usage.Options):
-    synopsis = "[--router URL] [--json] [--watch [--interval SECONDS]]"
+    synopsis = "[--router URL] [--token TOKEN] [--json] [--watch [--interval SECONDS]]"
     optFlags = [
         ["json", None, "Print the Router's /health and /v1/nodes as one JSON object."],
         ["watch", None, "Print the pool again every --interval seconds, until Ctrl+C."],
@@ -33,11 +35,16 @@ class StatusOptions(usage.Options):
          f"Router URL [env: KCORAL_ROUTER_ENDPOINT, default {DEFAULT_ROUTER}]."],
         ["interval", None, WATCH_INTERVAL_SECONDS, "Seconds between two reads with --watch.",
          positive(float)],
+        ["token", None, None, f"Client token of the Router [env: {CLIENT_TOKEN_ENV}]."],
     ]
 
     def postOptions(self):
         self["router"] = (self["router"] or os.environ.get("KCORAL_ROUTER_ENDPOINT")
                           or DEFAULT_ROUTER).rstrip("/")
+        try:
+            self["headers"] = {k: [v] for k, v in client_headers(self["token"]).items()}
+        except ValueError as e:
+            raise usage.UsageError(f"--token: {e}") from None
 
 
 class HealthOptions(usage.Options):
@@ -87,19 +94,23 @@ def use_colour(stream) -> bool:
 
 
 @inlineCallbacks
-def _get_json(reactor, url: str):
+def _get_json(reactor, url: str, headers: dict | None = None):
     import treq
 
-    response = yield treq.get(url, reactor=reactor, timeout=10)
+    response = yield treq.get(url, headers=headers, reactor=reactor, timeout=10)
     body = yield treq.content(response)
     return response.code, json.loads(body)
 
 
 @inlineCallbacks
-def read_pool(reactor, router: str):
-    """The Router's C{/health} and C{/v1/nodes}, as C{{"health": ..., "nodes": [...]}}."""
+def read_pool(reactor, router: str, headers: dict | None = None):
+    """The Router's C{/health} and C{/v1/nodes}, as C{{"health": ..., "nodes": [...]}};
+    C{headers} authenticate the client."""
     _, health = yield _get_json(reactor, router + "/health")
-    _, nodes = yield _get_json(reactor, router + "/v1/nodes")
+    code, nodes = yield _get_json(reactor, router + "/v1/nodes", headers)
+    if code != 200:
+        error = nodes.get("error") or {}
+        raise ValueError(f"/v1/nodes answered {code} {error.get('type')}: {error.get('message')}")
     return {"health": health, "nodes": nodes.get("nodes", [])}
 
 
@@ -112,7 +123,7 @@ def show_status(reactor, options, out=sys.stdout):
     colour = use_colour(out) and not options["json"]
     while True:
         try:
-            pool = yield read_pool(reactor, options["router"])
+            pool = yield read_pool(reactor, options["router"], options["headers"])
         except Exception as e:
             text, failed = f"kcoral status: error: cannot read {options['router']}: {e}", True
         else:

@@ -80,8 +80,10 @@ class TestCA:
         Path(self.path).write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, label: str, *, dns: tuple[str, ...] = ("localhost",),
-              ips: tuple[str, ...] = ("127.0.0.1",)) -> Issued:
-        """A server certificate for C{dns} names and C{ips} addresses."""
+              ips: tuple[str, ...] = ("127.0.0.1",), client: bool = False) -> Issued:
+        """A server certificate for C{dns} names and C{ips} addresses; with
+        C{client}, for a client too (mutual TLS)."""
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client else [])
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         names = [x509.DNSName(n) for n in dns] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
@@ -97,7 +99,7 @@ class TestCA:
                                          content_commitment=False, data_encipherment=False,
                                          key_agreement=False, key_cert_sign=False, crl_sign=False,
                                          encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
                            critical=False)
             .sign(self._key, hashes.SHA256()))
@@ -109,6 +111,10 @@ class TestCA:
         key_path.chmod(0o600)
         return Issued(str(cert_path), str(key_path))
 
-    def client_context(self) -> ssl.SSLContext:
-        """What a client that trusts this CA (and only it) uses."""
-        return ssl.create_default_context(cafile=self.path)
+    def client_context(self, certificate: Issued | None = None) -> ssl.SSLContext:
+        """What a client that trusts this CA (and only it) uses, presenting
+        C{certificate} if given."""
+        context = ssl.create_default_context(cafile=self.path)
+        if certificate is not None:
+            context.load_cert_chain(certificate.cert, certificate.key)
+        return context

@@ -15,13 +15,20 @@ from twisted.internet import error as netError
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
-from twisted.web.client import FileBodyProducer, HTTPConnectionPool, ResponseFailed, ResponseNeverReceived
+from twisted.web.client import (
+    Agent,
+    FileBodyProducer,
+    HTTPConnectionPool,
+    ResponseFailed,
+    ResponseNeverReceived,
+)
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
 from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.client.progress import CountingProducer, upload_bar
-from kcoral.client.sync import _retry_after
+from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
+from kcoral.web.outgoing import tls_policy
 
 #: Inputs larger than this are prepared in a thread.
 _THREAD_BYTES = 1 << 20
@@ -31,14 +38,20 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    and C{redispatch}, one URL or several, and C{progress}, mean what they
-    mean there; C{pool} is the treq connection pool to use (by default one of
-    its own, kept alive between runs).
+    and C{redispatch}, one URL or several, C{token} and C{progress}, mean
+    what they mean there; C{pool} is the treq connection pool to use (by
+    default one of its own, kept alive between runs). Over https the service
+    is verified against the CAs of C{tls_ca} (default: the platform's roots);
+    C{tls_client_cert} (a PEM chain) and C{tls_client_key} (default: inside
+    it) are presented to a service that asks for a certificate
+    (C{--tls-client-ca}).
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
                  timeout: float | None = None, reactor=None,
                  pool: HTTPConnectionPool | None = None, progress: bool = False,
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_client_cert: str | None = None, tls_client_key: str | None = None,
                  redispatch: bool = False):
         if reactor is None:
             from twisted.internet import reactor
@@ -49,7 +62,11 @@ class AsyncClient:
         self.progress = progress
         self._reactor = reactor
         self._pool = pool if pool is not None else HTTPConnectionPool(reactor, persistent=True)
+        self._agent = Agent(reactor, contextFactory=tls_policy(tls_ca, tls_client_cert, tls_client_key),
+                            pool=self._pool)
         self._held: set[str] = set()
+        self._auth: dict[bytes | str, list[bytes | str]] = {
+            name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
 
     @property
@@ -81,18 +98,18 @@ class AsyncClient:
     @inlineCallbacks
     def _request_at(self, url: str, method: str, path: str, send: Send | None):
         body = None
-        headers = {}
+        headers: dict[bytes | str, list[bytes | str]] = dict(self._auth)
         bar = None
         if send is not None:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
-            headers = {k: [v] for k, v in send.headers.items()}
+            headers.update({k: [v] for k, v in send.headers.items()})
             bar = upload_bar(send.length, url) if self.progress else None
             if bar is not None:
                 body = CountingProducer(FileBodyProducer(BytesIO(body)), bar.update)
         try:
             answer = yield treq.request(method, url + path, data=body, headers=headers,
-                                        pool=self._pool, reactor=self._reactor,
+                                        agent=self._agent, reactor=self._reactor,
                                         timeout=self.timeout)
             content = yield treq.content(answer)
         except netError.ConnectError as e:

@@ -11,6 +11,7 @@ for code that already runs a reactor.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import threading
 import time
@@ -25,6 +26,7 @@ from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
+from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -32,6 +34,14 @@ def _retry_after(value: str | None) -> float | None:
         return float(value) if value is not None else None
     except ValueError:
         return None
+
+
+def client_headers(token: str | None) -> dict[str, str]:
+    """The headers that authenticate a client with C{token} (None: the
+    environment's C{KCORAL_CLIENT_TOKEN}, if set)."""
+    if token is None:
+        token = os.environ.get(CLIENT_TOKEN_ENV) or None
+    return {"Authorization": authorization(token)} if token else {}
 
 
 @attrs.frozen
@@ -67,18 +77,22 @@ class Client:
     run twice (C{X-KCoral-Redispatch: true}): a Router that loses the node
     running it runs it again elsewhere instead of answering 502, and a
     connection to a Router lost after sending is not a C{NodeFailure} but
-    sent again, to the next URL. With C{progress}, request bodies of 64 MiB
-    or more show a progress bar as they are sent.
+    sent again, to the next URL. C{token} is the client token sent with
+    every request (default: C{KCORAL_CLIENT_TOKEN}); an C{ssl_context} with a
+    certificate loaded (C{load_cert_chain}) presents it to a service that
+    asks for one (C{--tls-client-ca}). With C{progress}, request bodies of
+    64 MiB or more show a progress bar as they are sent.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
                  timeout: float | None = None, ssl_context=None, progress: bool = False,
-                 redispatch: bool = False):
+                 token: str | None = None, redispatch: bool = False):
         self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
         self.busy_timeout = busy_timeout
         self.timeout = timeout
         self.progress = progress
         self.redispatch = redispatch
+        self._auth = client_headers(token)
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
@@ -149,12 +163,13 @@ class Client:
             return Response(None, problem=str(e))
         try:
             if send is None:
-                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header, {})
+                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
+                                      self._auth)
             else:
                 bar = upload_bar(send.length, self.url) if self.progress else None
                 try:
                     answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
-                                          send.headers, send.parts, send.length,
+                                          {**send.headers, **self._auth}, send.parts, send.length,
                                           None if bar is None else bar.update)
                 finally:
                     if bar is not None:

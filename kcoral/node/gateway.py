@@ -18,6 +18,7 @@ from kcoral.node.metrics import merge, scrape_workers
 from kcoral.router.report import WorkerReport
 from kcoral.router.service import RouterConfig, build_router
 from kcoral.server.service import ServerConfig
+from kcoral.web.auth import watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
 
@@ -38,20 +39,25 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         max_queued_requests=max(server.max_queued_requests, RouterConfig().max_queued_requests),
         max_request_bytes=server.max_request_bytes,
         tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
-        listen=server.listen, tracing=server.tracing)
+        listen=server.listen, client_token=server.client_token,
+        client_tokens_file=server.client_tokens_file, tls_client_ca=server.tls_client_ca,
+        tracing=server.tracing)
 
 
 class Gateway(service.MultiService):
     """Serves the node's public port; stopping drains its runs, then closes it."""
 
-    def __init__(self, config: RouterConfig, reactor, *, secured: bool = False):
+    def __init__(self, config: RouterConfig, reactor):
         super().__init__()
         self.app, site = build_router(config, reactor, name="gateway")
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
         self.app.history.setServiceParent(self)
-        self.listener = DrainingListener("kcoral gateway", ListenAddress.of(config), reactor, site,
-                                         self._drain, secured)
+        watch(self.app.client_guard, self)
+        address = ListenAddress.of(config)
+        secured = self.app.client_guard is not None or address.verifies_clients
+        self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
+                                         secured)
         self.listener.setServiceParent(self)
 
     def update(self, workers: Sequence[WorkerReport], *, gpu_target: str | None,

@@ -85,8 +85,10 @@ class SupervisorService(service.MultiService):
         self._advertise = node.advertise_host or server.host
         self._scheme = "https" if server.tls_cert else "http"
         settings = node.restart
-        #: The HTTP client of the probes and the reports.
-        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca)
+        #: The HTTP client of the probes and the reports; it presents the
+        #: node's certificate to a Router that asks for one (--tls-client-ca).
+        self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca, cert=server.tls_cert,
+                                             key=server.tls_key)
         self.reporter: Reporters | None = None
         self.gateway: Gateway | None = None
         if node.routers and node.node_id:
@@ -95,8 +97,7 @@ class SupervisorService(service.MultiService):
                                       timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
-            self.gateway = Gateway(gateway_config(node, server), reactor,
-                                   secured=bool(node.node_token))
+            self.gateway = Gateway(gateway_config(node, server), reactor)
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()

@@ -15,10 +15,14 @@ from kcoral.node.config import NodeConfig
 from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
+    CLIENT_AUTH_OPTIONS,
+    CLIENT_TOKEN,
+    CLIENT_TOKENS_FILE,
     LISTEN,
     OBSERVING,
     TLS_CA,
     TLS_CERT,
+    TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
     check_listen,
@@ -29,6 +33,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.server.service import ServerConfig, ServerService
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 _SUPERVISOR_ROWS: list[tuple[Any, ...]] = [
     ("health_interval_seconds", "Interval between health probes and heartbeats.", positive(float)),
@@ -87,18 +92,23 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        _server("client_token", CLIENT_TOKEN),
+        _server("client_tokens_file", CLIENT_TOKENS_FILE),
+        _server("tls_client_ca", TLS_CLIENT_CA),
         *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
-                   "node-token": "KCORAL_NODE_TOKEN"}
+                   "node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
     hidden = frozenset(row[0] for row in SUPERVISOR_OPTIONS)
 
     def postOptions(self):
         from_environment = self.from_environment()
         if self["config"]:
             config.load(self["config"], self, self.named | from_environment)
+        if self["router"]:
+            self._no_client_authentication(from_environment)
         check_listen(self)
         if self["listen"] and self["router"]:
             raise usage.UsageError("--listen is for a server without --router; under a Router, "
@@ -115,6 +125,21 @@ class NodeOptions(KCoralOptions):
                 raise usage.UsageError(f"--{given[0]} requires --router (or several workers)")
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
+
+    def _no_client_authentication(self, from_environment: set[str]) -> None:
+        """
+        Under a Router, clients reach the Router, and the node's workers
+        only the Router, which sends them no client token: client
+        authentication is the Router's. Asked for here, it is a usage error;
+        a C{KCORAL_CLIENT_TOKEN} in the environment (one secret shared by a
+        deployment's Routers and nodes) is left unused.
+        """
+        for option in CLIENT_AUTH_OPTIONS:
+            if option in from_environment:
+                self[option] = None
+            elif self[option]:
+                raise usage.UsageError(f"--{option} is for the Router (and a server without "
+                                       "--router): under --router, the Router checks clients")
 
     @property
     def supervised(self) -> bool:

@@ -34,6 +34,7 @@ from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.router.report import WorkerReport
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
 
 log = Logger()
@@ -132,6 +133,8 @@ class _Core:
         env[CHILD_ENV] = "1"
         env[SUPERVISOR_PID_ENV] = str(os.getpid())
         env[URL_FD_ENV] = str(URL_FD)
+        # Only the node reaches its workers, and it sends no client token.
+        env.pop(CLIENT_TOKEN_ENV, None)
         self.url, self.healthy, self.health = None, False, {}
         self.process = self.reactor.spawnProcess(
             LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,

@@ -7,7 +7,6 @@ multi-worker node serves the same resource.
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 
@@ -29,7 +28,6 @@ from kcoral.errors import (
     NotFound,
     PayloadTooLarge,
     ServerBusy,
-    Unauthorized,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import DEVICES_HEADER, PROGRAM_HEADER
@@ -40,6 +38,7 @@ from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
+from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -81,6 +80,7 @@ class RouterApp:
 
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
+                 client_guard: IGuard | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
                  metrics_source=None, tracing: ITracing = NO_TRACING,
                  max_redispatches: int = MAX_REDISPATCHES):
@@ -91,7 +91,9 @@ class RouterApp:
         self.outgoing = outgoing
         self._reactor = reactor
         self.registry = registry
-        self._token = node_token
+        self._node_guard = TokenGuard.of([node_token] if node_token else [], NODE_ROUTES)
+        #: What runs and the node list need (None: nothing).
+        self.client_guard = client_guard
         self.name = name
         self._interval = status_check_interval
         #: When set, a callable returning a Deferred of the whole /metrics
@@ -110,7 +112,8 @@ class RouterApp:
                                    max_redispatches=max_redispatches)
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
+                                             guard=self.client_guard))
 
     # -- client routes --------------------------------------------------------
 
@@ -194,6 +197,11 @@ class RouterApp:
 
     @app.route("/v1/nodes", methods=["GET"])
     def get_nodes(self, request):
+        # It lists every worker's URL: where programs could be sent directly.
+        if self.client_guard is not None:
+            refused = self.client_guard.refusal(request, request.request_id)
+            if refused is not None:
+                return refused
         now = self._reactor.seconds()
         nodes = []
         for node in self.pool.nodes.values():
@@ -214,17 +222,7 @@ class RouterApp:
 
     def _authorized(self, request, node_id: str) -> bytes | None:
         """None when the control request may proceed, else the 401 answer."""
-        if not self._token:
-            return None
-        header = request.getHeader(b"Authorization") or b""
-        scheme, _, presented = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(presented.strip(), self._token.encode()):
-            return None
-        why = "no token" if not header else "a wrong token"
-        log.warn("refused a control request for node {node_id} with {why}", node_id=node_id, why=why)
-        request.setHeader(b"WWW-Authenticate", b"Bearer")
-        return error_response(request, Unauthorized(
-            f"node control requests need a valid bearer token ({why} given)"))
+        return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
         data = request.content.getvalue()

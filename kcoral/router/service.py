@@ -20,6 +20,7 @@ from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import tracing_for
+from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -52,6 +53,11 @@ class RouterConfig:
     tls_ca: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    #: Bearer tokens runs and the node list need (kcoral.web.auth).
+    client_token: str | None = None
+    client_tokens_file: str | None = None
+    #: CA file client certificates must be signed by (mutual TLS).
+    tls_client_ca: str | None = None
     log_format: str = "text"
     tracing: str = "none"
 
@@ -66,7 +72,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
-                    reactor=reactor, registry=registry, node_token=config.node_token, name=name,
+                    reactor=reactor, registry=registry, node_token=config.node_token,
+                    client_guard=client_guard(config, reactor), name=name,
                     status_check_interval=config.status_check_interval_seconds,
                     tracing=tracing_for(config.tracing, f"kcoral-{name}"),
                     max_redispatches=config.max_redispatches)
@@ -92,9 +99,11 @@ class RouterService(service.MultiService):
         self.app, site = build_router(config, reactor)
         TimerService(config.status_check_interval_seconds, self.app.pool.observe).setServiceParent(self)
         self.app.history.setServiceParent(self)
+        watch(self.app.client_guard, self)
         address = ListenAddress.of(config)
-        self.listener = DrainingListener(name, address, reactor, site, self._drain,
-                                         bool(config.node_token), close_port_first=True)
+        secured = self.app.client_guard is not None or address.verifies_clients
+        self.listener = DrainingListener(name, address, reactor, site, self._drain, secured,
+                                         close_port_first=True)
         self.listener.setServiceParent(self)
         SettledHeap().setServiceParent(self)
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from kcoral.options import (
+    CLIENT_TOKEN,
+    CLIENT_TOKENS_FILE,
     LISTEN,
     OBSERVING,
     TLS_CA,
     TLS_CERT,
+    TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
     check_listen,
@@ -22,6 +25,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.service import RouterConfig, RouterService
+from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 #: Each option: its RouterConfig field, help text and value check.
 _OPTIONS: list[tuple[Any, ...]] = [
@@ -44,6 +48,9 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_key", TLS_KEY),
     ("tls_ca", TLS_CA),
     ("listen", LISTEN),
+    ("client_token", CLIENT_TOKEN),
+    ("client_tokens_file", CLIENT_TOKENS_FILE),
+    ("tls_client_ca", TLS_CLIENT_CA),
     *OBSERVING,
 ]
 
@@ -54,7 +61,7 @@ class RouterOptions(KCoralOptions):
                 "healthy node with free capacity, queueing when none is free.")
 
     optParameters = [parameter(RouterConfig, *row) for row in _OPTIONS]
-    environment = {"node-token": "KCORAL_NODE_TOKEN"}
+    environment = {"node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
 
     def postOptions(self):
         super().postOptions()

@@ -24,6 +24,7 @@ from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.tracing import NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
+from kcoral.web.auth import IGuard
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -38,12 +39,15 @@ class ServerApp:
     errors.install(app)
 
     def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
-                 registry: CollectorRegistry, tracing: ITracing = NO_TRACING):
+                 registry: CollectorRegistry, tracing: ITracing = NO_TRACING,
+                 client_guard: IGuard | None = None):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
         self._reactor = reactor
         self.registry = registry
+        #: What runs need (None: nothing).
+        self.client_guard = client_guard
         self.tracing = tracing
         self.status = STARTING
         #: When the last run arrived (reactor seconds), for the drain's quiet period.
@@ -56,7 +60,8 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource()))
+        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
+                                             guard=self.client_guard))
 
     # -- health -----------------------------------------------------------
 

@@ -25,6 +25,7 @@ from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
+from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
@@ -59,6 +60,12 @@ class ServerConfig:
     tls_key: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    #: Bearer tokens runs need (kcoral.web.auth): a standalone server's, or
+    #: its gateway's; never a worker's, which only its node reaches.
+    client_token: str | None = None
+    client_tokens_file: str | None = None
+    #: CA file client certificates must be signed by (mutual TLS).
+    tls_client_ca: str | None = None
     log_format: str = "text"
     tracing: str = "none"
 
@@ -85,15 +92,21 @@ class ServerService(service.MultiService):
                                  compilation_cache_dir=config.compilation_cache_dir)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
+        guard = client_guard(config, reactor)
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
-                             tracing=tracing_for(config.tracing, "kcoral-server"))
+                             tracing=tracing_for(config.tracing, "kcoral-server"),
+                             client_guard=guard)
+        watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                           max_connections=connection_limit())
         address = ListenAddress.of(config)
+        # A worker of a node with a token counts as secured: only its node
+        # should reach it (doc/security.rst).
+        secured = config.secured or guard is not None or address.verifies_clients
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
-                                         config.secured)
+                                         secured)
         self.listener.setServiceParent(self)
 
     def privilegedStartService(self):

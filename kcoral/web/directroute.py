@@ -24,24 +24,31 @@ from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
+from kcoral.web.auth import IGuard
 from kcoral.web.cancellation import answer_with
 
 
 class DirectRoute(Resource):
-    """C{POST path} goes to C{handler} (a request to a Deferred of the body),
-    everything else to C{fallback}."""
+    """C{POST path} goes to C{handler} (a request to a Deferred of the body)
+    once C{guard} (if any) admits it, everything else to C{fallback}."""
 
     isLeaf = True
 
-    def __init__(self, path: bytes, handler: Callable[..., Deferred], fallback: Resource):
+    def __init__(self, path: bytes, handler: Callable[..., Deferred], fallback: Resource, *,
+                 guard: IGuard | None = None):
         super().__init__()
         self._path = path
         self._handler = handler
         self._fallback = fallback
+        self._guard = guard
 
     def render(self, request):
         if request.method != b"POST" or request.path != self._path:
             return self._fallback.render(request)
+        if self._guard is not None:
+            refused = self._guard.refusal(request, request.request_id)
+            if refused is not None:
+                return refused
         answer_with(request, self._handler(request))
         return NOT_DONE_YET
 

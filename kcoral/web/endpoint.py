@@ -50,11 +50,18 @@ class ListenAddress:
     #: A Twisted server endpoint string, in place of all of the above (e.g.
     #: C{ssl:9443:interface=0.0.0.0:privateKey=key.pem:certKey=cert.pem}).
     description: str | None = None
+    #: PEM file of the CA(s) whose certificates clients must present (mutual TLS).
+    tls_client_ca: str | None = None
 
     @classmethod
     def of(cls, config) -> ListenAddress:
         """Where a service with C{config} (a Router's, a server's) listens."""
-        return cls(config.host, config.port, config.tls_cert, config.tls_key, config.listen)
+        return cls(config.host, config.port, config.tls_cert, config.tls_key, config.listen,
+                   getattr(config, "tls_client_ca", None))
+
+    @property
+    def verifies_clients(self) -> bool:
+        return self.tls_client_ca is not None
 
     @property
     def scheme(self) -> str:
@@ -78,31 +85,37 @@ class ListenAddress:
             except Exception as e:  # parsers raise anything: ValueError, KeyError, SSL.Error
                 raise ValueError(f"--listen {self.description}: {type(e).__name__}: {e}") from None
         if self.tls_cert:
-            return SSL4ServerEndpoint(reactor, self.port, tls_options(self.tls_cert, self.tls_key),
+            return SSL4ServerEndpoint(reactor, self.port,
+                                       tls_options(self.tls_cert, self.tls_key, self.tls_client_ca),
                                        interface=self.host)
         if ":" in self.host:
             return TCP6ServerEndpoint(reactor, self.port, interface=self.host)
         return TCP4ServerEndpoint(reactor, self.port, interface=self.host)
 
 
-def tls_options(cert: str, key: str | None = None):
+def tls_options(cert: str, key: str | None = None, client_ca: str | None = None):
     """
     The server side of TLS: the first certificate of C{cert} is this
     service's, the ones after it (intermediate CAs) are sent with it as its
     chain, and C{key} (default: inside C{cert}) must match (checked now, so
     that a wrong key is a one-line error at start and not a failed handshake
-    later).
+    later). With C{client_ca}, a client must present a certificate that one
+    of its CAs signed, or the handshake fails (mutual TLS).
     """
     from OpenSSL import SSL, crypto
     from twisted.internet.error import VerifyError
-    from twisted.internet.ssl import CertificateOptions, KeyPair
+    from twisted.internet.ssl import CertificateOptions, KeyPair, trustRootFromCertificates
 
+    # A trust root turns on CertificateOptions' verification of the peer,
+    # and with it requireCertificate: a client that presents none is refused.
+    trust = {} if client_ca is None else {
+        "trustRoot": trustRootFromCertificates(pem_certificates(client_ca))}
     try:
         chain = pem_certificates(cert)
         with open(key or cert, "rb") as f:
             pair = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
         options = CertificateOptions(privateKey=pair.original, certificate=chain[0].original,
-                                     extraCertChain=[c.original for c in chain[1:]])
+                                     extraCertChain=[c.original for c in chain[1:]], **trust)
         options.getContext()
     except (SSL.Error, crypto.Error, VerifyError) as e:
         raise ValueError(f"--tls-cert {cert} with --tls-key {key or cert}: {e}") from None

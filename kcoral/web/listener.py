@@ -61,8 +61,9 @@ class DrainingListener(service.Service):
         log.info("{name} listening on {url}", name=self.name, url=self.url)
         host = getattr(address, "host", None)
         if host is not None and not is_loopback(host) and not self._secured:
-            log.warn("{name} listens on {host}, beyond this machine, without a node token: "
-                     "anyone who reaches it can run programs", name=self.name, host=host)
+            log.warn("{name} listens on {host}, beyond this machine, without client "
+                     "authentication: anyone who reaches it can run programs", name=self.name,
+                     host=host)
 
     @inlineCallbacks
     def stopService(self):

@@ -11,10 +11,10 @@ from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-from twisted.internet.ssl import trustRootFromCertificates
+from twisted.internet.ssl import optionsForClientTLS, platformTrust, trustRootFromCertificates
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.error import SchemeNotSupported
-from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
 from kcoral.web.endpoint import pem_certificates
@@ -102,11 +102,44 @@ def body_producer(data) -> IBodyProducer:
     return IBodyProducer(data)
 
 
-def tls_policy(ca_path: str | None) -> BrowserLikePolicyForHTTPS:
-    if ca_path is None:
-        return BrowserLikePolicyForHTTPS()
+@implementer(IPolicyForHTTPS)
+class PresentingPolicy:
+    """
+    C{BrowserLikePolicyForHTTPS}'s checks of the peer (its chain against
+    C{trust_root}, its name with service-identity), presenting this side's
+    certificate (C{cert}, a PEM chain, and C{key}, default: inside C{cert})
+    to a peer that asks for one: a Router with C{--tls-client-ca}.
+    """
+
+    def __init__(self, trust_root, cert: str, key: str | None = None):
+        from OpenSSL import SSL, crypto
+        from twisted.internet.ssl import KeyPair, PrivateCertificate
+
+        chain = pem_certificates(cert)
+        try:
+            with open(key or cert, "rb") as f:
+                pair = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
+        except (SSL.Error, crypto.Error) as e:
+            raise ValueError(f"no private key in {key or cert}: {e}") from None
+        self._trust_root = trust_root
+        self._certificate = PrivateCertificate.fromCertificateAndKeyPair(chain[0], pair)
+        self._chain = {"extraCertChain": [c.original for c in chain[1:]]} if chain[1:] else {}
+
+    def creatorForNetloc(self, hostname: bytes, port: int):
+        return optionsForClientTLS(hostname.decode("ascii"), trustRoot=self._trust_root,
+                                   clientCertificate=self._certificate,
+                                   extraCertificateOptions=self._chain)
+
+
+def tls_policy(ca_path: str | None, cert: str | None = None,
+               key: str | None = None) -> IPolicyForHTTPS:
+    """How https peers are verified: against the CAs of C{ca_path} (default:
+    the platform's roots); with C{cert}, presenting it when asked."""
     # Every CA in the file is trusted (Certificate.loadPEM took only the first).
-    return BrowserLikePolicyForHTTPS(trustRoot=trustRootFromCertificates(pem_certificates(ca_path)))
+    trust_root = None if ca_path is None else trustRootFromCertificates(pem_certificates(ca_path))
+    if cert is not None:
+        return PresentingPolicy(trust_root or platformTrust(), cert, key)
+    return BrowserLikePolicyForHTTPS(trustRoot=trust_root)
 
 
 @implementer(IAgentEndpointFactory)
@@ -162,8 +195,14 @@ class _NoCookies(IndexableCookieJar):
 
 
 class Outgoing:
-    def __init__(self, reactor, *, ca_path: str | None = None, max_per_host: int = MAX_PER_HOST,
-                 idle_seconds: int = 30):
+    """
+    The outgoing HTTP of a service: https peers verified against C{ca_path}
+    (default: the platform's roots); with C{cert} (and C{key}), the service
+    presents that certificate to a peer that asks for one.
+    """
+
+    def __init__(self, reactor, *, ca_path: str | None = None, cert: str | None = None,
+                 key: str | None = None, max_per_host: int = MAX_PER_HOST, idle_seconds: int = 30):
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         # Below the servers' 60 s idle timeout, so a pooled connection is
@@ -171,7 +210,7 @@ class Outgoing:
         self.pool.cachedConnectionTimeout = idle_seconds
         # Requests here are not all idempotent: never let the pool resend one.
         self.pool.retryAutomatically = False
-        agent = Agent.usingEndpointFactory(reactor, Endpoints(reactor, tls_policy(ca_path)),
+        agent = Agent.usingEndpointFactory(reactor, Endpoints(reactor, tls_policy(ca_path, cert, key)),
                                            pool=self.pool)
         self.client = HTTPClient(agent, cookiejar=_NoCookies(), data_to_body_producer=body_producer)
 
