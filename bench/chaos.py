@@ -1,13 +1,17 @@
 """
-Chaos run: a Router, three CPU nodes and a load generator, while a fault
-injector on a seeded schedule kills workers (SIGKILL), freezes them (SIGSTOP,
-later SIGCONT), stops whole nodes with SIGTERM and starts them again, kills
+Chaos run: two Routers, three CPU nodes that each report to both, and a load
+generator whose clients know both Routers, while a fault injector on a
+seeded schedule kills workers (SIGKILL), freezes them (SIGSTOP, later
+SIGCONT), stops whole nodes with SIGTERM and starts them again, kills
 supervisors (SIGKILL: their worker must drain and go by itself) and starts
-them again, and restarts the Router (SIGTERM, then a new Router on the same
-port). About a third of the faults strike while the previous one is still
-in progress.
+them again, restarts a Router (SIGTERM, then a new Router on the same port),
+kills a Router (SIGKILL, then a new one on the same port), and cuts a node
+off from one Router (the forwarder on the path of its reports to that Router,
+C{bench/forwarder.py}, stopped with SIGSTOP, later SIGCONT). About a third of
+the faults strike while the previous one is still in progress. A share of
+the requests allow re-dispatch (C{Client(..., redispatch=True)}).
 
-    .venv/bin/python bench/chaos.py                        # 2,000 requests, 30 faults
+    .venv/bin/python bench/chaos.py                        # 5,000 requests, 60 faults
     .venv/bin/python bench/chaos.py --quick                # what `make test` runs
     .venv/bin/python bench/chaos.py --requests 3000 --faults 40 --seed 7
 
@@ -17,15 +21,18 @@ What it checks:
    502, or 503 (the client's C{ServerBusy}, after its own retries within
    C{busy_timeout}); a client timeout (queue timeout + run time + the longest
    fault) counts as *hung*, a connection closed without an answer as
-   *dropped*; both are *lost*, and so is any other exception;
+   *dropped* (unless a Router was SIGKILLed while it was in flight: then it
+   is a 502 of the client's own, the run's fate unknown); both are *lost*,
+   and so is any other exception;
  - no 200 carries wrong data: every request has its own random inputs and
    outputs checked exactly (integers) or to float tolerance;
+ - no request that allowed re-dispatch ends in a 502;
  - a 502 is *explained* only when the Router's log names the node that failed
    the request and a worker of that node died (killed by a signal) while the
-   request was in flight;
- - afterwards the pool is back to full capacity by itself, and the Router's
-   memory (RSS) and open file descriptors are back near their level after
-   warm-up.
+   request was in flight, or when a Router was SIGKILLed while it was;
+ - afterwards the pool is back to full capacity by itself, on both Routers,
+   and each Router's memory (RSS) and open file descriptors are back near
+   their level after warm-up.
 
 It prints one table and exits 0 when lost, wrong and unexplained 502s are 0
 and the pool and the Router recovered; 1 otherwise. C{tests/test_chaos.py}
@@ -62,11 +69,15 @@ import numpy as np  # noqa: E402
 
 from child import ChildFailed, KCoralChild  # noqa: E402  (bench/child.py)
 
-KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL = (
-    "kill", "freeze", "node_stop", "router_restart", "supervisor_kill")
-KINDS = (KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL)
+KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL, ROUTER_KILL, CUT = (
+    "kill", "freeze", "node_stop", "router_restart", "supervisor_kill", "router_kill", "cut")
+KINDS = (KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL, ROUTER_KILL, CUT)
+#: Faults that stop a Router: one at a time, and none late in the run.
+ROUTER_FAULTS = (ROUTER_RESTART, ROUTER_KILL)
 #: How often each kind is drawn once every kind has had its turn.
-WEIGHTS = {KILL: 0.3, FREEZE: 0.25, NODE_STOP: 0.15, ROUTER_RESTART: 0.2, SUPERVISOR_KILL: 0.1}
+WEIGHTS = {KILL: 0.25, FREEZE: 0.2, NODE_STOP: 0.1, ROUTER_RESTART: 0.1, SUPERVISOR_KILL: 0.1,
+           ROUTER_KILL: 0.1, CUT: 0.15}
+ROUTERS = ("router-a", "router-b")
 
 LISTENING = re.compile(r"kcoral (?:router|server) listening on (https?://\S+)")
 WORKER_STARTED = re.compile(r"worker0 started \(pid (\d+)\)")
@@ -74,14 +85,18 @@ WORKER_READY = re.compile(r"worker0 is ready at (\S+)")
 WORKER_EXITED = re.compile(r"worker0 exited with (signal|status) (\d+)")
 REGISTERED = re.compile(r"registered with the Router as ")
 ROUTER_FAILED = re.compile(r"(\S+) failed on ([^/\s]+)/(\S+):")
+FORWARDING = re.compile(r"forwarding 127\.0\.0\.1:(\d+) to ")
+REDISPATCHED = re.compile(r"(\S+) re-dispatched \(")
 
 
 @dataclasses.dataclass
 class Settings:
-    requests: int = 2000
-    faults: int = 30
+    requests: int = 5000
+    faults: int = 60
     seed: int = 1
     nodes: int = 3
+    #: Routers, each of them reported to by every node (at most two).
+    routers: int = 2
     #: Runs at once on each worker (the server's default).
     capacity: int = 2
     clients: int = 8
@@ -101,6 +116,11 @@ class Settings:
     freeze_short: tuple = (0.5, 2.0)
     #: Chance that the next fault strikes before this one has recovered.
     overlap: float = 0.3
+    #: How long a node is cut off from a Router: past the Router's
+    #: --max-status-age-seconds and its unhealthy threshold, so it notices.
+    cut_seconds: tuple = (3.0, 5.0)
+    #: Share of the requests that allow re-dispatch.
+    redispatch_share: float = 0.3
     #: A stopped node is started again after this long.
     node_down_seconds: tuple = (0.5, 2.0)
     #: A fault not recovered from in this long fails the run.
@@ -113,9 +133,9 @@ class Settings:
 
     @classmethod
     def quick(cls, **changes) -> Settings:
-        """The `make test` run: every fault kind, about a minute and a half."""
-        base = {"requests": 150, "faults": 6, "long_seconds": (0.2, 0.5), "fault_gap": (0.5, 1.5),
-                "node_down_seconds": (0.3, 1.0)}
+        """The `make test` run: every fault kind, about two minutes."""
+        base = {"requests": 150, "faults": len(KINDS), "long_seconds": (0.2, 0.5),
+                "fault_gap": (0.5, 1.5), "node_down_seconds": (0.3, 1.0)}
         base.update(changes)
         return cls(**base)
 
@@ -138,8 +158,8 @@ class Settings:
                 "--queue-wait-timeout-seconds", str(self.queue_timeout),
                 "--node-retention-seconds", "30"]
 
-    def node_args(self, router_url: str, node_id: str) -> list[str]:
-        return ["server", "--router", router_url, "--node-id", node_id, "--port", "0",
+    def node_args(self, router_urls: list[str], node_id: str) -> list[str]:
+        return ["server", "--router", ",".join(router_urls), "--node-id", node_id, "--port", "0",
                 "--gpus", "none", "--capacity", str(self.capacity),
                 "--health-interval-seconds", "0.5", "--health-timeout-seconds", "1",
                 "--failure-threshold", "3", "--startup-grace-seconds", "8",
@@ -194,44 +214,77 @@ def process_resources(pid: int) -> tuple[float, int] | None:
 # -- the deployment ---------------------------------------------------------------------
 
 class Deployment:
-    """The Router and the nodes, started and restarted by the injector."""
+    """The Routers, the nodes and the forwarders between them, started and
+    restarted by the injector."""
 
     def __init__(self, settings: Settings, log_dir: Path | None):
         self.settings = settings
         self.log_dir = log_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.router: KCoralChild | None = None
-        #: Every Router and supervisor ever started, in order.
+        self.names = ROUTERS[:settings.routers]
+        self.ports = {name: free_port() for name in self.names}
+        self.urls = [f"http://127.0.0.1:{self.ports[name]}" for name in self.names]
+        #: The live (or last) Router of each name.
+        self.router: dict[str, KCoralChild] = {}
+        #: Every Router ever started, in order.
         self.routers: list[KCoralChild] = []
         self.node_children: dict[str, list[KCoralChild]] = {}
         self.node_ids = [f"node-{chr(ord('a') + i)}" for i in range(settings.nodes)]
+        #: The forwarder on the path of each node's reports to each Router.
+        self.forwarders: dict[tuple[str, str], KCoralChild] = {}
         self._starts = 0
 
-    def _child(self, name: str, args: list[str]) -> KCoralChild:
+    def _child(self, name: str, args: list[str], **kwargs) -> KCoralChild:
         self._starts += 1
         name = f"{self._starts:02d}-{name}"
         # Servers run with --gpus none; this process's JAX_PLATFORMS is its own.
         return KCoralChild(args, name=name, env={"JAX_PLATFORMS": None}, echo=self.settings.echo,
-                           log=self.log_dir / f"{name}.log" if self.log_dir else None)
+                           log=self.log_dir / f"{name}.log" if self.log_dir else None, **kwargs)
 
-    def start_router(self) -> KCoralChild:
-        child = self._child("router", self.settings.router_args(self.port))
+    def start_router(self, name: str) -> KCoralChild:
+        child = self._child(name, self.settings.router_args(self.ports[name]))
         self.routers.append(child)
         child.wait_for(LISTENING, 60)
-        self.router = child
+        self.router[name] = child
         return child
+
+    def start(self) -> list[tuple[float, KCoralChild]]:
+        """Start the Routers, the forwarders and the nodes, and wait for full
+        capacity; returns when each Router started, and the Router."""
+        started = [(time.monotonic(), self.start_router(name)) for name in self.names]
+        self._start_forwarders()
+        children = [self.start_node(node_id, wait=False) for node_id in self.node_ids]
+        for node_id, child in zip(self.node_ids, children, strict=True):
+            self.wait_node(node_id, child)
+        if self.wait_full(60) is None:
+            raise RuntimeError(f"the pool did not reach full capacity: {self.health()}")
+        return started
+
+    def _start_forwarders(self) -> None:
+        for node_id in self.node_ids:
+            for name in self.names:
+                child = self._child(f"forward-{node_id}-{name}",
+                                    ["0", str(self.ports[name])],
+                                    program=(str(ROOT / "bench" / "forwarder.py"),))
+                child.wait_for(FORWARDING, 30)
+                self.forwarders[node_id, name] = child
+
+    def node_urls(self, node_id: str) -> list[str]:
+        """The Routers as the node reaches them: through its forwarders."""
+        return [f"http://127.0.0.1:{self.forwarders[node_id, name].find(FORWARDING)[0][1].group(1)}"
+                for name in self.names]
 
     def start_node(self, node_id: str, wait: bool = True) -> KCoralChild:
-        child = self._child(node_id, self.settings.node_args(self.url, node_id))
+        child = self._child(node_id, self.settings.node_args(self.node_urls(node_id), node_id))
         self.node_children.setdefault(node_id, []).append(child)
         if wait:
-            self.wait_node(child)
+            self.wait_node(node_id, child)
         return child
 
-    def wait_node(self, child: KCoralChild) -> None:
+    def wait_node(self, node_id: str, child: KCoralChild) -> None:
+        """Wait for the node's worker, and for each Router to have taken its report."""
         child.wait_for(WORKER_READY, 120)
-        child.wait_for(REGISTERED, 60)
+        for url in self.node_urls(node_id):
+            child.wait_for(re.compile(REGISTERED.pattern + rf".* at {re.escape(url)}"), 60)
 
     def node(self, node_id: str) -> KCoralChild:
         return self.node_children[node_id][-1]
@@ -240,9 +293,9 @@ class Deployment:
         started = self.node(node_id).find(WORKER_STARTED)
         return int(started[-1][1].group(1)) if started else None
 
-    def get(self, path: str, timeout: float = 2.0) -> dict | None:
-        """The Router's JSON answer to C{GET path}, or None when it does not answer."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+    def get(self, name: str, path: str, timeout: float = 2.0) -> dict | None:
+        """Router C{name}'s JSON answer to C{GET path}, or None when it does not answer."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.ports[name], timeout=timeout)
         try:
             conn.request("GET", path)
             return json.loads(conn.getresponse().read())
@@ -251,18 +304,20 @@ class Deployment:
         finally:
             conn.close()
 
-    def health(self, timeout: float = 2.0) -> dict | None:
-        return self.get("/health", timeout)
+    def health(self, timeout: float = 2.0) -> dict:
+        """Each Router's C{/health} (None where it does not answer)."""
+        return {name: self.get(name, "/health", timeout) for name in self.names}
 
-    def pool_nodes(self) -> dict:
-        """The Router's C{/v1/nodes}, by node id."""
-        answer = self.get("/v1/nodes") or {}
+    def pool_nodes(self, name: str = ROUTERS[0]) -> dict:
+        """Router C{name}'s C{/v1/nodes}, by node id."""
+        answer = self.get(name, "/v1/nodes") or {}
         return {node["node_id"]: node for node in answer.get("nodes", [])}
 
     def is_full(self) -> bool:
-        health = self.health()
-        return bool(health) and health.get("capacity") == self.settings.full_capacity \
-            and health.get("nodes", {}).get("ready") == self.settings.nodes
+        """Whether every Router has every node ready, at full capacity."""
+        return all(bool(h) and h.get("capacity") == self.settings.full_capacity
+                   and h.get("nodes", {}).get("ready") == self.settings.nodes
+                   for h in self.health().values())
 
     def wait_full(self, timeout: float) -> float | None:
         """The time the pool was first seen at full capacity, or None."""
@@ -277,18 +332,23 @@ class Deployment:
         return self.routers + [c for cs in self.node_children.values() for c in cs]
 
     def stop_all(self, grace: float = 30.0) -> dict[str, int | None]:
-        """SIGTERM every live supervisor, then the Router; SIGKILL what is
-        left after C{grace}. Returns exit statuses by child name."""
+        """SIGTERM every live supervisor, then the Routers, then the
+        forwarders; SIGKILL what is left after C{grace}. Returns exit
+        statuses by child name."""
         codes = {}
         live = [c for c in self.children() if c.running]
         nodes = [c for c in live if c not in self.routers]
         routers = [c for c in live if c in self.routers]
-        for group in (nodes, routers):
+        forwarders = list(self.forwarders.values())
+        for child in forwarders:
+            # A forwarder a cut left stopped would never see its SIGTERM.
+            child.signal(signal.SIGCONT)
+        for group in (nodes, routers, forwarders):
             for child in group:
                 child.signal(signal.SIGTERM)
             for child in group:
                 codes[child.name] = child.wait(grace)
-        for child in self.children():
+        for child in self.children() + forwarders:
             if child.running:
                 child.signal(signal.SIGKILL)
                 child.wait(10)
@@ -415,6 +475,8 @@ class Record:
     outcome: str = ""
     #: 503 reason, error type, what was wrong.
     detail: str = ""
+    #: Whether the request allowed re-dispatch.
+    redispatch: bool = False
 
 
 class Pacer:
@@ -473,22 +535,29 @@ class Load:
     def _client(self, index: int) -> None:
         from kcoral import Client
 
-        client = Client(self.deployment.url, busy_timeout=self.settings.busy_timeout,
-                        timeout=self.settings.client_timeout)
+        # Every client knows both Routers; half of them start with each.
+        urls = self.deployment.urls[index % 2:] + self.deployment.urls[:index % 2]
+        clients = [Client(urls, busy_timeout=self.settings.busy_timeout,
+                          timeout=self.settings.client_timeout, redispatch=redispatch)
+                   for redispatch in (False, True)]
         try:
             while (i := self.pacer.take()) is not None:
-                record = self._one(client, i)
+                record = self._one(clients, i)
                 with self._lock:
                     self.records.append(record)
         finally:
-            client.close()
+            for client in clients:
+                client.close()
 
-    def _one(self, client, index: int) -> Record:
+    def _one(self, clients: list, index: int) -> Record:
         from kcoral import KCoralError, NodeFailure, ServerBusy
 
         rng = np.random.default_rng([self.settings.seed, index])
         kind, program, args, check = self.workload.request(rng)
-        record = Record(index, f"chaos-{self.settings.seed}-{index}", kind, time.monotonic())
+        redispatch = bool(rng.random() < self.settings.redispatch_share)
+        client = clients[redispatch]
+        record = Record(index, f"chaos-{self.settings.seed}-{index}", kind, time.monotonic(),
+                        redispatch=redispatch)
         try:
             outputs = client.run(program, *args, request_id=record.request_id)
         except NodeFailure as e:
@@ -524,8 +593,11 @@ class Fault:
     #: Worker pid for kill/freeze; exit status for node_stop/router_restart.
     pid: int | None = None
     exit_code: int | None = None
-    #: For freeze: whether the supervisor killed the frozen worker.
+    #: For freeze: whether the supervisor killed the frozen worker; for
+    #: cut: whether the Router it was cut off from stopped sending it work.
     killed: bool = False
+    #: For cut: the Router the node was cut off from.
+    router: str = ""
     #: Drain time of a SIGTERMed node or Router; freeze length.
     seconds: float = 0.0
     problem: str = ""
@@ -540,16 +612,16 @@ class Fault:
 
 def fault_plan(count: int, rng: random.Random) -> list[str]:
     """Every kind once (in a seeded order) when there are at least as many
-    faults as kinds, the rest drawn by L{WEIGHTS}; no Router restart in the last third,
-    so the Router measured at the end has lived through other faults."""
+    faults as kinds, the rest drawn by L{WEIGHTS}; no Router restart or kill in the
+    last third, so the Routers measured at the end have lived through other faults."""
     kinds = list(KINDS) if count >= len(KINDS) else []
     rng.shuffle(kinds)
     kinds += rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()), k=count - len(kinds))
     kinds = kinds[:count]
     last_third = count - count // 3
     for i in range(last_third, count):
-        if kinds[i] == ROUTER_RESTART:
-            swaps = [j for j in range(last_third) if kinds[j] != ROUTER_RESTART]
+        if kinds[i] in ROUTER_FAULTS:
+            swaps = [j for j in range(last_third) if kinds[j] not in ROUTER_FAULTS]
             if swaps:
                 j = rng.choice(swaps)
                 kinds[i], kinds[j] = kinds[j], kinds[i]
@@ -621,8 +693,10 @@ class Injector:
         """A target no fault in progress holds (waiting for one if need be)."""
         while True:
             busy = {target for target, thread in running.items() if thread.is_alive()}
-            if kind == ROUTER_RESTART:
-                free = [] if "router" in busy else ["router"]
+            if kind in ROUTER_FAULTS:
+                # One Router at a time: the other serves meanwhile.
+                names = self.deployment.names
+                free = [] if busy & set(names) else list(names)
             else:
                 free = [n for n in self.deployment.node_ids if n not in busy]
             if free:
@@ -719,18 +793,51 @@ class Injector:
     def _router_restart(self, fault: Fault) -> None:
         d = self.deployment
         fault.start = time.monotonic()
-        d.router.signal(signal.SIGTERM)
-        fault.exit_code = d.router.wait(60)
+        d.router[fault.target].signal(signal.SIGTERM)
+        fault.exit_code = d.router[fault.target].wait(60)
         fault.seconds = time.monotonic() - fault.start
         if fault.exit_code is None:
             fault.problem = "the Router did not exit within 60 s of SIGTERM"
             return
+        self._start_router_again(fault)
+
+    def _router_kill(self, fault: Fault) -> None:
+        """SIGKILL a Router: its clients go on with the other one; after a
+        pause, a new one on the same port, which the nodes find by themselves."""
+        d = self.deployment
+        fault.start = time.monotonic()
+        d.router[fault.target].signal(signal.SIGKILL)
+        fault.exit_code = d.router[fault.target].wait(30)
+        time.sleep(fault.rng.uniform(*self.settings.node_down_seconds))
+        self._start_router_again(fault)
+
+    def _start_router_again(self, fault: Fault) -> None:
         try:
-            child = d.start_router()
+            child = self.deployment.start_router(fault.target)
         except ChildFailed as e:
             fault.problem = str(e)
             return
         self.router_starts.append((time.monotonic(), child))
+        self._await_full_capacity(fault)
+
+    def _cut(self, fault: Fault) -> None:
+        """Cut the node off from one Router: the forwarder its reports to
+        that Router pass through stops passing bytes (SIGSTOP), for longer
+        than that Router takes to stop sending it work; then SIGCONT."""
+        d = self.deployment
+        router = fault.rng.choice(d.names)
+        forwarder = d.forwarders[fault.target, router]
+        watched = d.router[router]
+        since = watched.mark()
+        fault.start = time.monotonic()
+        fault.seconds = fault.rng.uniform(*self.settings.cut_seconds)
+        forwarder.signal(signal.SIGSTOP)
+        time.sleep(fault.seconds)
+        forwarder.signal(signal.SIGCONT)
+        # Whether the Router noticed (the node left ready there); the other
+        # Router sent it work all along.
+        fault.router = router
+        fault.killed = bool(watched.find(rf"node {fault.target}: ready -> ", since))
         self._await_full_capacity(fault)
 
     def _start_node_again(self, fault: Fault) -> None:
@@ -751,7 +858,7 @@ class Injector:
 
 
 class ResourceMonitor:
-    """Samples the current Router's RSS and open fds twice a second."""
+    """Samples the current Routers' RSS and open fds twice a second."""
 
     def __init__(self, deployment: Deployment):
         self.deployment = deployment
@@ -761,11 +868,11 @@ class ResourceMonitor:
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            router = self.deployment.router
-            if router is not None and router.running:
-                sample = process_resources(router.pid)
-                if sample:
-                    self.samples.append((time.monotonic(), router.pid, *sample))
+            for router in list(self.deployment.router.values()):
+                if router.running:
+                    sample = process_resources(router.pid)
+                    if sample:
+                        self.samples.append((time.monotonic(), router.pid, *sample))
 
     def stop(self) -> None:
         self._stop.set()
@@ -794,13 +901,16 @@ class Result:
     resources: dict = dataclasses.field(default_factory=dict)
     exit_codes: dict = dataclasses.field(default_factory=dict)
     problems: list[str] = dataclasses.field(default_factory=list)
+    #: Runs a Router sent again after the loss of their node.
+    redispatched: int = 0
 
     def by_outcome(self, outcome: str) -> list[Record]:
         return [r for r in self.records if r.outcome == outcome]
 
     def unexplained_502(self) -> list[Record]:
-        """502s with no death of a worker of the node that failed them while
-        they were in flight (1 s of slack for log lines to arrive)."""
+        """502s with no death of a worker of the node that failed them (or
+        of a Router) while they were in flight (1 s of slack for log lines
+        to arrive)."""
         bad = []
         for r in self.by_outcome("502"):
             node = self.failed_on.get(r.request_id)
@@ -822,8 +932,14 @@ class Result:
         return self.by_outcome("wrong")
 
     @property
+    def redispatch_502(self) -> list[Record]:
+        """502s of requests that allowed re-dispatch: there should be none."""
+        return [r for r in self.by_outcome("502") if r.redispatch]
+
+    @property
     def ok(self) -> bool:
-        return not (self.lost or self.wrong or self.unexplained_502() or self.problems)
+        return not (self.lost or self.wrong or self.unexplained_502() or self.redispatch_502
+                    or self.problems)
 
 
 def run(settings: Settings) -> Result:
@@ -841,15 +957,10 @@ def run(settings: Settings) -> Result:
     resources: dict = {}
     exit_codes: dict = {}
     try:
-        first = d.start_router()
-        starting = [d.start_node(node_id, wait=False) for node_id in d.node_ids]
-        for child in starting:
-            d.wait_node(child)
-        if d.wait_full(60) is None:
-            raise RuntimeError(f"the pool did not reach full capacity: {d.health()}")
+        first = d.start()
         monitor.thread.start()
         injector = Injector(d, settings)
-        injector.router_starts.append((time.monotonic(), first))
+        injector.router_starts.extend(first)
         load = Load(d, workload, settings, Pacer(settings.requests, injector))
         injector.thread.start()
         load.start()
@@ -866,21 +977,22 @@ def run(settings: Settings) -> Result:
             final_recovery = max(full - load_end, 0.0)
         # Let closed client connections and idle pooled ones settle.
         time.sleep(2.0)
-        router = d.router
-        start_time, _ = next((t, c) for t, c in reversed(injector.router_starts) if c is router)
-        base = monitor.baseline(router.pid, start_time + 5.0)
-        end = process_resources(router.pid)
-        if base and end:
-            resources = {"rss_base": base[0], "rss_end": end[0], "fds_base": base[1],
-                         "fds_end": end[1],
-                         "rss_peak": max(s[2] for s in monitor.samples if s[1] == router.pid),
-                         "fds_peak": max(s[3] for s in monitor.samples if s[1] == router.pid)}
+        for name, router in d.router.items():
+            start_time, _ = next((t, c) for t, c in reversed(injector.router_starts)
+                                 if c is router)
+            base = monitor.baseline(router.pid, start_time + 5.0)
+            end = process_resources(router.pid)
+            if not (base and end):
+                problems.append(f"no {name} resource baseline (the last one ran under 5 s)")
+                continue
+            resources[name] = {
+                "rss_base": base[0], "rss_end": end[0], "fds_base": base[1], "fds_end": end[1],
+                "rss_peak": max(s[2] for s in monitor.samples if s[1] == router.pid),
+                "fds_peak": max(s[3] for s in monitor.samples if s[1] == router.pid)}
             if end[0] - base[0] > settings.rss_slack_mib:
-                problems.append(f"Router RSS grew from {base[0]:.1f} to {end[0]:.1f} MiB")
+                problems.append(f"{name} RSS grew from {base[0]:.1f} to {end[0]:.1f} MiB")
             if end[1] - base[1] > settings.fd_slack:
-                problems.append(f"Router fds grew from {base[1]} to {end[1]}")
-        else:
-            problems.append("no Router resource baseline (the last Router ran under 5 s)")
+                problems.append(f"{name} fds grew from {base[1]} to {end[1]}")
     finally:
         monitor._stop.set()
         if load is not None:
@@ -892,14 +1004,25 @@ def run(settings: Settings) -> Result:
             for t, match in child.find(WORKER_EXITED):
                 if match.group(1) == "signal" or match.group(2) != "0":
                     deaths.append((t, node_id, match.group(0)))
+    records = load.records if load else []
+    for fault in injector.faults if injector else []:
+        if fault.kind == ROUTER_KILL:
+            deaths.append((fault.start, fault.target, "SIGKILL"))
+            # A run in flight there lost its connection with no answer: a
+            # 502 of the client's own (it may have run), not a lost run.
+            for r in records:
+                if r.outcome == "dropped" and r.start - 1.0 <= fault.start <= r.end + 1.0:
+                    r.outcome, r.detail = "502", f"{fault.target} killed: {r.detail}"
     failed_on = {}
     for router in d.routers:
         for _, match in router.find(ROUTER_FAILED):
             failed_on[match.group(1)] = match.group(2)
-    result = Result(settings, sorted(load.records if load else [], key=lambda r: r.index),
+    redispatched = sum(len(router.find(REDISPATCHED)) for router in d.routers)
+    result = Result(settings, sorted(records, key=lambda r: r.index),
                     injector.faults if injector else [], sorted(deaths), failed_on,
                     elapsed=time.monotonic() - began, t0=began, final_recovery=final_recovery,
-                    resources=resources, exit_codes=exit_codes, problems=problems)
+                    resources=resources, exit_codes=exit_codes, problems=problems,
+                    redispatched=redispatched)
     for fault in result.faults:
         if fault.kind in (NODE_STOP, ROUTER_RESTART) and fault.exit_code not in (0, None):
             problems.append(f"fault {fault.index}: {fault.kind} {fault.target} exited "
@@ -927,6 +1050,11 @@ def table(result: Result) -> str:
                               f"{sum(r.kind == 'big' for r in records)} big, "
                               f"{sum(r.kind == 'long' for r in records)} long), {s.clients} clients")))
     rows.append(("200 correct", str(len(result.by_outcome("ok")))))
+    asked = [r for r in records if r.redispatch]
+    rows.append(("re-dispatch allowed", (f"{len(asked)} requests, "
+                                        f"{sum(r.outcome == 'ok' for r in asked)} correct 200s, "
+                                        f"{len(result.redispatch_502)} 502s; "
+                                        f"{result.redispatched} runs sent again by a Router")))
     rows.append(("502", f"{len(result.by_outcome('502'))} (unexplained: {len(result.unexplained_502())})"))
     busy = result.by_outcome("503")
     reasons: dict[str, int] = {}
@@ -947,6 +1075,9 @@ def table(result: Result) -> str:
             extra = f", {sum(f.killed for f in of_kind)} ended by the supervisor"
         if kind in (NODE_STOP, ROUTER_RESTART) and of_kind:
             extra = f", drain {_seconds([f.seconds for f in of_kind])}"
+        if kind == CUT and of_kind:
+            extra = (f", {_seconds([f.seconds for f in of_kind])} each, "
+                     f"{sum(f.killed for f in of_kind)} noticed by that Router")
         if kind == SUPERVISOR_KILL and of_kind:
             extra = f", orphaned worker drained and gone {_seconds([f.seconds for f in of_kind])}"
         rows.append((f"faults: {kind}", f"{len(of_kind)}{extra}"))
@@ -958,12 +1089,11 @@ def table(result: Result) -> str:
     rows.append(("pool at full capacity after the run",
                  "no" if result.final_recovery is None
                  else f"yes, {result.final_recovery:.1f} s after the last answer"))
-    res = result.resources
-    if res:
-        rows.append(("Router RSS", (f"{res['rss_base']:.1f} MiB after warm-up, peak "
-                                    f"{res['rss_peak']:.1f}, end {res['rss_end']:.1f}")))
-        rows.append(("Router open fds", (f"{res['fds_base']} after warm-up, peak "
-                                         f"{res['fds_peak']}, end {res['fds_end']}")))
+    for name, res in result.resources.items():
+        rows.append((f"{name} RSS", (f"{res['rss_base']:.1f} MiB after warm-up, peak "
+                                     f"{res['rss_peak']:.1f}, end {res['rss_end']:.1f}")))
+        rows.append((f"{name} open fds", (f"{res['fds_base']} after warm-up, peak "
+                                          f"{res['fds_peak']}, end {res['fds_end']}")))
     done = [r for r in records if r.outcome == "ok"]
     if done:
         latency = sorted(r.end - r.start for r in done)
@@ -973,7 +1103,7 @@ def table(result: Result) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     for problem in result.problems:
         lines.append(f"PROBLEM: {problem}")
-    for r in (lost + result.wrong + result.unexplained_502())[:20]:
+    for r in (lost + result.wrong + result.unexplained_502() + result.redispatch_502)[:20]:
         lines.append(f"  {r.outcome} #{r.index} {r.kind} {r.request_id} "
                      f"[{r.start - result.t0:.1f} s, {r.end - result.t0:.1f} s] {r.detail}")
     lines.append("verdict: " + ("OK" if result.ok else "FAILED"))
@@ -983,8 +1113,8 @@ def table(result: Result) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, help="requests to send (default 2000, quick 150)")
-    parser.add_argument("--faults", type=int, help="faults to inject (default 30, quick 6)")
+    parser.add_argument("--requests", type=int, help="requests to send (default 5000, quick 150)")
+    parser.add_argument("--faults", type=int, help="faults to inject (default 60, quick 7)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and inputs")
     parser.add_argument("--clients", type=int, help="client threads (default 8)")
     parser.add_argument("--quick", action="store_true", help="the short run of `make test`")

@@ -40,18 +40,15 @@ def workload():
 
 @pytest.fixture
 def deployment(tmp_path):
-    """A Router and two CPU nodes at full capacity; stopped after the test.
+    """One Router and two CPU nodes at full capacity; stopped after the test.
     The Router's queue wait is long: on a busy 2-core machine, half the
     capacity with eight clients of long runs must not time out (a 503
     queue_timeout would be a 5xx, if not one due to the stop)."""
-    settings = chaos.Settings(nodes=2, clients=8, busy_timeout=30.0, queue_timeout=120.0,
-                              log_dir=str(tmp_path))
+    settings = chaos.Settings(nodes=2, routers=1, clients=8, busy_timeout=30.0,
+                              queue_timeout=120.0, log_dir=str(tmp_path))
     d = chaos.Deployment(settings, tmp_path)
     try:
-        d.start_router()
-        for child in [d.start_node(node_id, wait=False) for node_id in d.node_ids]:
-            d.wait_node(child)
-        assert d.wait_full(60), f"the pool did not reach full capacity: {d.health()}"
+        d.start()
         yield d
     finally:
         d.stop_all()
@@ -60,6 +57,11 @@ def deployment(tmp_path):
 #: The Router's own 5xx answer to a client ("<request id> answered 503
 #: <reason>"), not a node's 503 that it logged while sending the request on.
 ROUTER_5XX = re.compile(r"\[kcoral\.router\.app\] \S+ answered 5\d\d")
+
+
+def only_router(d: chaos.Deployment):
+    """The deployment's one Router."""
+    return d.router[d.names[0]]
 
 
 def logs(d: chaos.Deployment) -> str:
@@ -97,11 +99,11 @@ def test_node_sigterm_under_load_loses_nothing(deployment, workload):
     # It drained with work in flight, and the Router failed nothing.
     assert node.find(re.compile(r"\[worker0\] .*draining: [1-9]\d* running")), logs(d)
     assert node.find(re.compile(r"kcoral node stopped"))
-    assert not d.router.find(chaos.ROUTER_FAILED)
-    assert not d.router.find(ROUTER_5XX), [m.string for _, m in d.router.find(ROUTER_5XX)]
+    assert not only_router(d).find(chaos.ROUTER_FAILED)
+    assert not only_router(d).find(ROUTER_5XX), [m.string for _, m in only_router(d).find(ROUTER_5XX)]
     # A run the Router had already sent when the node began to drain was
     # turned away by its worker, and went on to the other node.
-    turned_away = d.router.find(re.compile(r"turned it away with 503 (\S+)"))
+    turned_away = only_router(d).find(re.compile(r"turned it away with 503 (\S+)"))
     assert all(m.group(1) == "draining" for _, m in turned_away), [m.string for _, m in turned_away]
     # It deregistered (and may be forgotten already: 30 s of retention).
     assert d.pool_nodes().get(target, {"state": "gone"})["state"] == "gone"
@@ -115,8 +117,8 @@ def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload
     settings = dataclasses.replace(d.settings, busy_timeout=0.0)
     load = chaos.Load(d, workload, settings, chaos.Pacer(80))
     load.start()
-    until(lambda: (d.health() or {}).get("active", 0) >= 3, "three runs in flight")
-    router = d.router
+    until(lambda: (d.health()[d.names[0]] or {}).get("active", 0) >= 3, "three runs in flight")
+    router = only_router(d)
     terminated = time.monotonic()
     router.signal(signal.SIGTERM)
     assert router.wait(60) == 0, logs(d)

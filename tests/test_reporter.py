@@ -1,13 +1,14 @@
 """
 The reporter on a fake clock and a fake Router through StubTreq: registration and
-heartbeats, the draining report, deregistration, and a Router that is away.
+heartbeats, the draining report, deregistration, a Router that is away and its
+backoff, and one reporter for each of several Routers.
 """
 
 from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from kcoral.node.reporter import Reporter
+from kcoral.node.reporter import Reporter, Reporters
 from tests.fakes import FakeServers
 
 ROUTER = "http://127.0.0.1:9000"
@@ -16,9 +17,14 @@ WORKERS = {"workers": [{"name": "worker0", "url": "http://127.0.0.1:8000", "heal
                         "capacity": 2, "active": 0}], "gpu_target": "cpu", "runtime": {}}
 
 
+def doubling(failures: int) -> float:
+    """A retry delay without jitter: 2, 4, 8 s."""
+    return 2.0 * 2 ** failures
+
+
 def reporter(router, clock, token=None):
     return Reporter(router.client, ROUTER, "gpu-a", token, report=lambda: WORKERS, timeout=1.0,
-                    interval=2.0, reactor=clock)
+                    interval=2.0, reactor=clock, retry_delay=doubling)
 
 
 def started(state: str, token=None):
@@ -87,3 +93,59 @@ def test_the_token_is_sent_as_a_bearer_header():
     r, http, _ = started("ready", token="s3cret")
     r.stopService()
     assert [req.headers[b"Authorization"] for req in http.requests] == [[b"Bearer s3cret"]] * 2
+
+
+def test_a_router_that_stays_away_is_retried_less_often():
+    """Failed heartbeats in a row wait the retry delay, which grows; a success restores the interval."""
+    router, clock = FakeServers(), Clock()
+    http = router.client
+    reporter(router, clock).startService()
+    for delay in (2, 4, 8):
+        clock.advance(delay - 0.5)
+        before = len(http.requests)
+        clock.advance(0.5)
+        assert len(http.requests) == before + 1
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    clock.advance(16)
+    clock.advance(2)
+    assert len(http.sent("PUT")) == 6
+
+
+OTHER = "http://127.0.0.1:9001"
+
+
+def several(clock):
+    """Reporters to ROUTER and OTHER, where only ROUTER answers."""
+    router = FakeServers()
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    reporters = Reporters(router.client, [ROUTER, OTHER], "gpu-a", None, report=lambda: WORKERS,
+                          timeout=1.0, interval=2.0, reactor=clock, retry_delay=doubling)
+    return reporters, router
+
+
+def test_each_router_is_reported_to_and_retried_on_its_own():
+    """With two Routers, the one that answers gets a beat every interval while the one away backs off."""
+    clock = Clock()
+    reporters, router = several(clock)
+    reporters.startService()
+    clock.advance(2)
+    clock.advance(2)
+    urls = [req.url for req in router.client.requests]
+    assert urls.count(NODE_URL) == 3
+    assert urls.count(OTHER + "/v1/nodes/gpu-a") == 2
+    assert [r.connected for r in reporters] == [True, False]
+
+
+def test_draining_and_stopping_reach_every_router():
+    """drain() tells every Router, and stopping deregisters from every Router at once."""
+    clock = Clock()
+    reporters, router = several(clock)
+    reporters.startService()
+    reporters.drain()
+    stopped = []
+    reporters.stopService().addCallback(stopped.append)
+    assert stopped and not reporters.running
+    sent = [(req.method, req.url.split("/v1")[0]) for req in router.client.requests]
+    assert sent.count(("DELETE", ROUTER)) == 1 and sent.count(("DELETE", OTHER)) == 1
+    assert [b["draining"] for b in router.client.sent("PUT")] == [False, False, True, True]
+    assert clock.getDelayedCalls() == []

@@ -49,7 +49,7 @@ def test_children_start_reporter_or_workers_then_gateway():
     node, _, _, _ = supervisor()
     assert [type(c).__name__ for c in node] == ["MultiService", "Gateway"]
     node, _, _, _ = supervisor(**UNDER_A_ROUTER)
-    assert [type(c).__name__ for c in node] == ["Reporter", "MultiService"]
+    assert [type(c).__name__ for c in node] == ["Reporters", "MultiService"]
 
 
 def test_the_gateway_serves_the_healthy_workers():

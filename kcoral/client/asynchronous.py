@@ -7,6 +7,7 @@ caller's reactor never blocks on them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from io import BytesIO
 
 import treq
@@ -23,6 +24,7 @@ from twisted.web.client import (
 )
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
@@ -36,21 +38,25 @@ class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
     reactor: every method returns a Deferred. C{busy_timeout} and C{timeout}
-    mean what they mean there, and so do C{token} and C{progress}; C{pool}
-    is the treq connection pool to use (by default one of its own, kept
-    alive between runs). Over https the service is verified against the CAs
-    of C{tls_ca} (default: the platform's roots); C{tls_client_cert} (a PEM
-    chain) and C{tls_client_key} (default: inside it) are presented to a
-    service that asks for a certificate (C{--tls-client-ca}).
+    and C{redispatch}, one URL or several, C{token} and C{progress}, mean
+    what they mean there; C{pool} is the treq connection pool to use (by
+    default one of its own, kept alive between runs). Over https the service
+    is verified against the CAs of C{tls_ca} (default: the platform's roots);
+    C{tls_client_cert} (a PEM chain) and C{tls_client_key} (default: inside
+    it) are presented to a service that asks for a certificate
+    (C{--tls-client-ca}).
     """
 
-    def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 reactor=None, pool: HTTPConnectionPool | None = None, progress: bool = False,
+    def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
+                 timeout: float | None = None, reactor=None,
+                 pool: HTTPConnectionPool | None = None, progress: bool = False,
                  token: str | None = None, tls_ca: str | None = None,
-                 tls_client_cert: str | None = None, tls_client_key: str | None = None):
+                 tls_client_cert: str | None = None, tls_client_key: str | None = None,
+                 redispatch: bool = False):
         if reactor is None:
             from twisted.internet import reactor
-        self.url = url.rstrip("/")
+        self._failover = Failover(urls_of(url))
+        self.redispatch = redispatch
         self.busy_timeout = busy_timeout
         self.timeout = timeout
         self.progress = progress
@@ -63,12 +69,34 @@ class AsyncClient:
             name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
 
+    @property
+    def url(self) -> str:
+        """The URL in use."""
+        return self._failover.current
+
     def close(self):
         """Close idle connections; returns a Deferred."""
         return self._pool.closeCachedConnections()
 
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
+        """The answer of the first URL, the current one first, that neither
+        could not be reached nor is draining (or, where all fail, the last)."""
+        for url in self._failover.round():
+            try:
+                response = yield self._request_at(url, method, path, send)
+            except NodeFailure as e:
+                # Lost after it was sent: only a run allowed to run twice is
+                # sent again (here, or where the last Router in reach is).
+                if not (self.redispatch and send is not None):
+                    raise
+                response = Response(None, problem=str(e))
+            if not moves_on(response):
+                break
+        return response
+
+    @inlineCallbacks
+    def _request_at(self, url: str, method: str, path: str, send: Send | None):
         body = None
         headers: dict[bytes | str, list[bytes | str]] = dict(self._auth)
         bar = None
@@ -76,18 +104,18 @@ class AsyncClient:
             body = b"".join(send.parts) if send.length < _THREAD_BYTES else \
                 (yield deferToThread(b"".join, send.parts))
             headers.update({k: [v] for k, v in send.headers.items()})
-            bar = upload_bar(send.length, self.url) if self.progress else None
+            bar = upload_bar(send.length, url) if self.progress else None
             if bar is not None:
                 body = CountingProducer(FileBodyProducer(BytesIO(body)), bar.update)
         try:
-            answer = yield treq.request(method, self.url + path, data=body, headers=headers,
+            answer = yield treq.request(method, url + path, data=body, headers=headers,
                                         agent=self._agent, reactor=self._reactor,
                                         timeout=self.timeout)
             content = yield treq.content(answer)
         except netError.ConnectError as e:
             return Response(None, problem=str(e))
         except (ResponseFailed, ResponseNeverReceived, netError.ConnectionLost) as e:
-            raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
+            raise NodeFailure(f"the connection to {url} failed: {e}") from None
         finally:
             if bar is not None:
                 bar.close()
@@ -107,7 +135,8 @@ class AsyncClient:
         call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
             (yield deferToThread(RunCall.prepare, program, args, kwargs))
         steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
-                         request_id=request_id, clock=self._reactor.seconds)
+                         request_id=request_id, redispatch=self.redispatch,
+                         clock=self._reactor.seconds)
         answer = None
         while True:
             try:

@@ -23,6 +23,7 @@ from kcoral.protocol.wire import (
     INPUTS_HEADER,
     MAX_INPUTS_LISTED,
     PROGRAM_HEADER,
+    REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
     decode_outputs,
     encode_request,
@@ -77,7 +78,7 @@ class RunCall:
     def nbytes(self) -> int:
         return len(self.program.serialized) + sum(a.nbytes for a in self.arrays)
 
-    def send(self, held: set[str], request_id: str | None) -> Send:
+    def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
         program = None if self.program.digest in held else self.program.serialized
         inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
@@ -87,6 +88,8 @@ class RunCall:
             headers[INPUTS_HEADER] = self.inputs_header
         if request_id:
             headers["X-Request-ID"] = request_id
+        if redispatch:
+            headers[REDISPATCH_HEADER] = "true"
         traceparent = current_traceparent()
         if traceparent:
             headers["traceparent"] = traceparent
@@ -110,11 +113,12 @@ def _error(response: Response) -> KCoralError:
 
 
 def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
-             request_id: str | None = None,
+             request_id: str | None = None, redispatch: bool = False,
              clock=time.monotonic) -> Generator[Send | Sleep, Response | None, Any]:
     """
     Run C{call}; C{held} is the set of digests this server is known to hold,
-    updated as answers arrive. Returns the outputs in the program's structure.
+    updated as answers arrive; with C{redispatch} the request allows a
+    second run where its node is lost. Returns the outputs in the program's structure.
     The driver answers each L{Send} with its L{Response}, each L{Sleep}
     with None once the time has passed.
     """
@@ -122,7 +126,7 @@ def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
     resent = False
     attempt = 0
     while True:
-        response = yield call.send(held, request_id)
+        response = yield call.send(held, request_id, redispatch)
         assert response is not None
         if response.status == 200:
             held.update(call.content_digests())

@@ -15,10 +15,14 @@ import os
 import ssl
 import threading
 import time
+from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+import attrs
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
@@ -40,39 +44,65 @@ def client_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": authorization(token)} if token else {}
 
 
-class Client:
-    """
-    A blocking client for one KCoral server or Router. Keeps one keep-alive
-    connection; calls from several threads are serialised. C{token} is the
-    client token sent with every request (default: C{KCORAL_CLIENT_TOKEN});
-    an C{ssl_context} with a certificate loaded (C{load_cert_chain})
-    presents it to a service that asks for one (C{--tls-client-ca}). With
-    C{progress}, request bodies of 64 MiB or more show a progress bar as
-    they are sent.
-    """
+@attrs.frozen
+class Endpoint:
+    """Where one URL of a client connects, and what it sends there."""
 
-    def __init__(self, url: str, *, busy_timeout: float = 60.0, timeout: float | None = None,
-                 ssl_context=None, progress: bool = False, token: str | None = None):
+    url: str
+    host: str
+    port: int
+    host_header: str
+    prefix: str
+    ssl_context: ssl.SSLContext | None
+
+    @classmethod
+    def parse(cls, url: str, ssl_context) -> Endpoint:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
-        self.url = url.rstrip("/")
+        if parts.scheme == "https" and ssl_context is None:
+            ssl_context = ssl.create_default_context()
+        return cls(url.rstrip("/"), parts.hostname,
+                   parts.port or (443 if parts.scheme == "https" else 80),
+                   parts.netloc.rpartition("@")[2], parts.path.rstrip("/"),
+                   ssl_context if parts.scheme == "https" else None)
+
+
+class Client:
+    """
+    A blocking client for a KCoral server or Router, or for several Routers
+    (a list of URLs: it goes on with the next when one cannot be reached or
+    answers 503 C{draining}). Keeps one keep-alive connection; calls from
+    several threads are serialised. With C{redispatch}, each run says it may
+    run twice (C{X-KCoral-Redispatch: true}): a Router that loses the node
+    running it runs it again elsewhere instead of answering 502, and a
+    connection to a Router lost after sending is not a C{NodeFailure} but
+    sent again, to the next URL. C{token} is the client token sent with
+    every request (default: C{KCORAL_CLIENT_TOKEN}); an C{ssl_context} with a
+    certificate loaded (C{load_cert_chain}) presents it to a service that
+    asks for one (C{--tls-client-ca}). With C{progress}, request bodies of
+    64 MiB or more show a progress bar as they are sent.
+    """
+
+    def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
+                 timeout: float | None = None, ssl_context=None, progress: bool = False,
+                 token: str | None = None, redispatch: bool = False):
+        self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
         self.busy_timeout = busy_timeout
         self.timeout = timeout
         self.progress = progress
-        self._host = parts.hostname
-        self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._host_header = parts.netloc.rpartition("@")[2]
-        self._prefix = parts.path.rstrip("/")
-        if parts.scheme == "https" and ssl_context is None:
-            ssl_context = ssl.create_default_context()
-        self._ssl_context = ssl_context if parts.scheme == "https" else None
+        self.redispatch = redispatch
         self._auth = client_headers(token)
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._held: set[str] = set()
         #: Bytes of request bodies sent, for callers that watch traffic.
         self.bytes_sent = 0
+
+    @property
+    def url(self) -> str:
+        """The URL in use."""
+        return self._failover.current.url
 
     def __enter__(self) -> Client:
         return self
@@ -94,13 +124,33 @@ class Client:
             self.close()
             conn = None
         if conn is None:
-            conn = self._conn = Connection(self._host, self._port, ssl_context=self._ssl_context,
-                                           timeout=timeout)
+            endpoint = self._failover.current
+            conn = self._conn = Connection(endpoint.host, endpoint.port,
+                                           ssl_context=endpoint.ssl_context, timeout=timeout)
         conn.settimeout(timeout)
         return conn
 
-    def _request(self, method: str, path: str, send: Send | None, deadline: float | None,
-                 retried: bool = False) -> Response:
+    def _request(self, method: str, path: str, send: Send | None,
+                 deadline: float | None) -> Response:
+        """The answer of the first URL, the current one first, that neither
+        could not be reached nor is draining (or, where all fail, the last)."""
+        for tried, endpoint in enumerate(self._failover.round()):
+            if tried:
+                self.close()  # the connection was to the one before
+            try:
+                response = self._request_at(endpoint, method, path, send, deadline)
+            except NodeFailure as e:
+                # Lost after it was sent: only a run allowed to run twice is
+                # sent again (here, or where the last Router in reach is).
+                if not (self.redispatch and send is not None):
+                    raise
+                response = Response(None, problem=str(e))
+            if not moves_on(response):
+                break
+        return response
+
+    def _request_at(self, endpoint: Endpoint, method: str, path: str, send: Send | None,
+                    deadline: float | None, retried: bool = False) -> Response:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             conn = self._connection(remaining)
@@ -113,11 +163,12 @@ class Client:
             return Response(None, problem=str(e))
         try:
             if send is None:
-                answer = conn.request(method, self._prefix + path, self._host_header, self._auth)
+                answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
+                                      self._auth)
             else:
                 bar = upload_bar(send.length, self.url) if self.progress else None
                 try:
-                    answer = conn.request(method, self._prefix + path, self._host_header,
+                    answer = conn.request(method, endpoint.prefix + path, endpoint.host_header,
                                           {**send.headers, **self._auth}, send.parts, send.length,
                                           None if bar is None else bar.update)
                 finally:
@@ -133,7 +184,7 @@ class Client:
                 # on it (an idle close racing our request, as when a Router
                 # stops): no byte of an answer came, so, as browsers do, send
                 # it once more on a fresh connection.
-                return self._request(method, path, send, deadline, retried=True)
+                return self._request_at(endpoint, method, path, send, deadline, retried=True)
             raise NodeFailure(f"the connection to {self.url} failed: {e}") from None
         if send is not None:
             self.bytes_sent += send.length
@@ -146,7 +197,8 @@ class Client:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._lock:
             steps = exchange(RunCall.prepare(program, args, kwargs), self._held,
-                             busy_timeout=self.busy_timeout, request_id=request_id)
+                             busy_timeout=self.busy_timeout, request_id=request_id,
+                             redispatch=self.redispatch)
             answer = None
             while True:
                 try:

@@ -33,6 +33,11 @@ class NodeConfig:
     routing: str = "affinity"
     restart: RestartSettings = attrs.Factory(RestartSettings)
 
+    @property
+    def routers(self) -> tuple[str, ...]:
+        """The Routers to report to: C{router} is a comma list."""
+        return tuple(url.strip() for url in (self.router or "").split(",") if url.strip())
+
 
 #: Section keys and the option prefix their keys take.
 SECTIONS = {"cache": "cache-", "supervisor": ""}

@@ -23,7 +23,7 @@ from twisted.logger import Logger
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.gateway import Gateway, gateway_config
-from kcoral.node.reporter import Reporter
+from kcoral.node.reporter import Reporters
 from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
 from kcoral.options import option_name
@@ -89,12 +89,12 @@ class SupervisorService(service.MultiService):
         #: node's certificate to a Router that asks for one (--tls-client-ca).
         self.outgoing = outgoing or Outgoing(reactor, ca_path=node.tls_ca, cert=server.tls_cert,
                                              key=server.tls_key)
-        self.reporter: Reporter | None = None
+        self.reporter: Reporters | None = None
         self.gateway: Gateway | None = None
-        if node.router and node.node_id:
-            self.reporter = Reporter(self.outgoing.client, node.router, node.node_id,
-                                     node.node_token, self.report,
-                                     timeout=settings.health_interval_seconds, reactor=reactor)
+        if node.routers and node.node_id:
+            self.reporter = Reporters(self.outgoing.client, node.routers, node.node_id,
+                                      node.node_token, self.report,
+                                      timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
             self.gateway = Gateway(gateway_config(node, server), reactor)
@@ -130,7 +130,7 @@ class SupervisorService(service.MultiService):
 
     def _changed(self) -> None:
         """A worker started, stopped or changed health: tell the gateway, or
-        the Router without waiting for the next heartbeat."""
+        the Routers without waiting for the next heartbeat."""
         if self.gateway is not None:
             gpu_target, runtime = self._target()
             self.gateway.update(self.worker_reports(), gpu_target=gpu_target, runtime=runtime)
@@ -145,7 +145,7 @@ class SupervisorService(service.MultiService):
     def stopService(self):
         log.info("node stopping: draining {n} worker(s)", n=len(list(self.workers)))
         if self.reporter is not None:
-            # Tell the Router first, so no new work arrives while we drain;
+            # Tell the Routers first, so no new work arrives while we drain;
             # heartbeats go on (saying draining) until the workers are done.
             yield self.reporter.drain()
         # One child at a time, the last started first: each waits for the

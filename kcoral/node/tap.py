@@ -78,7 +78,7 @@ class NodeOptions(KCoralOptions):
         _server("max_queued_requests", "Runs that may wait for a slot on a worker.",
                 non_negative(int)),
         _server("queue_wait_timeout_seconds", "Longest wait for a slot.", non_negative(float)),
-        _node("router", "Router URL to join [env: KCORAL_ROUTER_ENDPOINT]."),
+        _node("router", "Router URL to join, or a comma list of them [env: KCORAL_ROUTER_ENDPOINT]."),
         _node("node_id", "Stable identifier of this node [env: KCORAL_NODE_ID]."),
         _node("node_token", "Bearer token for the Router [env: KCORAL_NODE_TOKEN]."),
         _node("advertise_host", "Host the Router uses to reach this node (default: --host)."),
@@ -117,6 +117,8 @@ class NodeOptions(KCoralOptions):
         if self["listen"] and self["router"]:
             raise usage.UsageError("--listen is for a server without --router; under a Router, "
                                    "workers listen on --host and --port (see --advertise-host)")
+        if self["router"] and not NodeConfig(router=self["router"]).routers:
+            raise usage.UsageError(f"--router {self['router']!r} names no Router URL")
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
         if not 0 <= self["restart-jitter"] <= 0.5:

@@ -41,6 +41,9 @@ PROGRAM_HEADER = "X-KCoral-Program"
 INPUTS_HEADER = "X-KCoral-Inputs"
 #: Entries the client puts in that header at most.
 MAX_INPUTS_LISTED = 64
+#: A client's consent to a second run of its request where a node was lost
+#: after it may have started ("true"; anything else, or none, is no consent).
+REDISPATCH_HEADER = "X-KCoral-Redispatch"
 #: The devices the run's program was exported for (absent: 1), so that a
 #: Router picks a member that owns as many without reading the body.
 DEVICES_HEADER = "X-KCoral-Devices"

@@ -31,7 +31,7 @@ from kcoral.errors import (
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
-from kcoral.router.forward import Forwarder
+from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
@@ -86,7 +86,8 @@ class RouterApp:
                  registry: CollectorRegistry, node_token: str | None = None,
                  client_guard: IGuard | None = None,
                  name: str = "router", status_check_interval: float = 1.0,
-                 metrics_source=None, tracing: ITracing = NO_TRACING):
+                 metrics_source=None, tracing: ITracing = NO_TRACING,
+                 max_redispatches: int = MAX_REDISPATCHES):
         self.pool = pool
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
@@ -112,7 +113,8 @@ class RouterApp:
         #: The recent samples the dashboard plots; a service its owner starts.
         self.history = History(registry, reactor)
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
-                                   observe_wait=self._queue_wait.observe)
+                                   observe_wait=self._queue_wait.observe,
+                                   max_redispatches=max_redispatches)
 
     def resource(self):
         return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),

@@ -3,7 +3,10 @@ The forward-and-retry loop of a Router's C{POST /v1/run}: wait for a lease
 on a member with free capacity, forward the run there, and try another
 member while members turn it away unsent, up to L{MAX_NOT_SENT} tries.
 
-A run that may have started on a node is never sent again: its loss is a
+A run that may have started on a node is sent again only when its client
+asked for it (C{X-KCoral-Redispatch: true}: an exported program is a pure
+function of its inputs, so a second run is safe), up to C{max_redispatches}
+times, with the same request id; otherwise, and past that, its loss is a
 502. A cancelled forward (the client went away) leaves the queue or closes
 its request to the member, releases its lease, and is tried nowhere else.
 """
@@ -17,6 +20,7 @@ from twisted.logger import Logger
 
 from kcoral.errors import NodeFailure, ServerBusy
 from kcoral.logs import debug_enabled
+from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
@@ -27,18 +31,33 @@ log = Logger()
 #: Tries of a request that members did not take (refused connections, 503s)
 #: before the Router gives up on it.
 MAX_NOT_SENT = 8
+#: Runs again of a request that asked for it, after the node running it was
+#: lost (C{--max-redispatches}).
+MAX_REDISPATCHES = 2
+
+_REDISPATCH = REDISPATCH_HEADER.encode()
+
+
+def asks_redispatch(request) -> bool:
+    """Whether C{request}'s client consents to its run being run again."""
+    value = request.requestHeaders.getRawHeaders(_REDISPATCH)
+    return bool(value) and value[0].strip().lower() == b"true"
 
 
 class Forwarder:
     """Forwards runs to the members the C{scheduler} leases, with C{proxy};
-    C{observe_wait} is told how long each one waited for its lease."""
+    C{observe_wait} is told how long each one waited for its lease, and a run
+    whose client asks for it is sent again up to C{max_redispatches} times
+    after the loss of its node."""
 
     def __init__(self, scheduler: Scheduler, proxy: Proxy, clock,
-                 observe_wait: Callable[[float], object] = lambda seconds: None):
+                 observe_wait: Callable[[float], object] = lambda seconds: None,
+                 max_redispatches: int = MAX_REDISPATCHES):
         self._scheduler = scheduler
         self._proxy = proxy
         self._clock = clock
         self._observe_wait = observe_wait
+        self.max_redispatches = max_redispatches
 
     @inlineCallbacks
     def forward(self, request, body: bytes, demand: Demand | None, devices: int = 1,
@@ -49,20 +68,30 @@ class Forwarder:
         for C{devices} devices; its steps traced within C{span}). Fails with
         L{ServerBusy} (no capacity, or no member took it), L{NotEnoughDevices}
         (no ready member owns as many devices) or L{NodeFailure} (lost after
-        it was sent).
+        it was sent, and not to be sent again).
+
+        C{body} is the whole request body, which the Router's site has read
+        (within C{--max-request-bytes}) before the run gets here: sending it
+        again costs no copy, only that it stays in memory for the whole
+        forward, as it does for a run sent once.
         """
         rid = request.request_id
         arrived = self._clock.seconds()
-        for tries in range(MAX_NOT_SENT):
+        redispatches = self.max_redispatches if asks_redispatch(request) else 0
+        not_sent = lost = 0
+        while not_sent < MAX_NOT_SENT:
             with span.child("kcoral.queue_wait"):
                 lease = yield self._scheduler.acquire(demand, devices)
             leased = self._clock.seconds()
-            if not tries:
+            if not (not_sent or lost):
                 # Once a run: how long it waited for capacity (not again for
                 # each member that turned it away).
                 self._observe_wait(leased - arrived)
             member = lease.member
-            if debug_enabled():
+            if lost:
+                log.info("{request_id} attempt {attempt} -> {node_id}/{worker}", request_id=rid,
+                         attempt=lost + 1, node_id=member.node.node_id, worker=member.name)
+            elif debug_enabled():
                 log.debug("{request_id} -> {node_id}/{worker}", request_id=rid,
                           node_id=member.node.node_id, worker=member.name)
             forwarding = span.child("kcoral.forward", node_id=member.node.node_id, worker=member.name)
@@ -72,6 +101,7 @@ class Forwarder:
             except NotSent as e:
                 forwarding.failed(e)
                 member.suspect = True
+                not_sent += 1
                 log.info("{request_id} not taken by {node_id}/{worker}: {why}", request_id=rid,
                          node_id=member.node.node_id, worker=member.name, why=e)
                 continue
@@ -79,7 +109,15 @@ class Forwarder:
                 forwarding.failed(e)
                 log.warn("{request_id} failed on {node_id}/{worker}: {why}", request_id=rid,
                          node_id=member.node.node_id, worker=member.name, why=e.message)
-                raise
+                if lost >= redispatches:
+                    raise
+                # Out of rotation until its supervisor reports it again
+                # (restored, or not): the next attempt goes elsewhere first.
+                member.suspect = True
+                lost += 1
+                log.info("{request_id} re-dispatched ({lost} of at most {most}): its client "
+                         "allows a second run", request_id=rid, lost=lost, most=redispatches)
+                continue
             finally:
                 lease.release()
                 forwarding.end()

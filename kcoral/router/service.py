@@ -15,6 +15,7 @@ from twisted.logger import Logger
 from kcoral.heap import SettledHeap
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
+from kcoral.router.forward import MAX_REDISPATCHES
 from kcoral.router.pool import Pool
 from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
@@ -43,6 +44,8 @@ class RouterConfig:
     max_queued_requests: int = 1024
     node_retention_seconds: float = 600.0
     max_request_bytes: int = 268435456
+    #: Runs again of a run whose client allows it, after its node was lost.
+    max_redispatches: int = MAX_REDISPATCHES
     node_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -74,7 +77,8 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                     reactor=reactor, registry=registry, node_token=config.node_token,
                     client_guard=client_guard(config, reactor), name=name,
                     status_check_interval=config.status_check_interval_seconds,
-                    tracing=tracing_for(config.tracing, f"kcoral-{name}"))
+                    tracing=tracing_for(config.tracing, f"kcoral-{name}"),
+                    max_redispatches=config.max_redispatches)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool))

@@ -44,6 +44,8 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("node_retention_seconds", "Retention of disconnected, unused node records.",
      non_negative(float)),
     ("max_request_bytes", "Maximum accepted request body size, in bytes.", positive(int)),
+    ("max_redispatches", "Runs again of a run lost with its node, where its client allows it.",
+     non_negative(int)),
     ("node_token", "Token nodes must present [env: KCORAL_NODE_TOKEN]."),
     ("tls_cert", TLS_CERT),
     ("tls_key", TLS_KEY),
