@@ -132,23 +132,63 @@ def test_least_loaded_ignores_residency_and_goes_round_robin():
 
 # -- the bound on load --------------------------------------------------------------------------
 
-def test_the_bound_on_load_spreads_a_hot_program():
-    """No member goes above ceil(c * average load): a hot program spills to cold members."""
-    world = World(8, 8, 8, 8)
-    world.ran("worker0", weights(P, W1))
+def measured(world, run_seconds: float, compile_seconds: float = 1.0) -> None:
+    """The Router has measured runs, compiles and bodies (16 MiB: 0.16 s)."""
+    residency = world.pool.residency
+    residency.run_seconds.value = run_seconds
+    residency.compile_seconds.value = compile_seconds
+    residency.bandwidth.value = 100 * MIB
+
+
+def place(world, demand: Demand, count: int) -> list[str]:
+    """Where C{count} runs of C{demand}, arriving at once, are placed."""
     placed = []
-    for _ in range(8):
-        member = world.pick(weights(P, W1))
+    for _ in range(count):
+        member = world.pick(demand)
+        world.pool.residency.placed(member.held, demand)
         member.active += 1
         placed.append(member.name)
-    # ceil((active + 1) / 4): worker0 takes the first, then no
-    # more than its share while the others idle.
-    assert placed[0] == "worker0" and placed[4] == "worker0"
-    assert [m.active for m in world.pool.nodes["n"].members.values()] == [2, 2, 2, 2]
+    return placed
 
 
-def test_the_bound_never_leaves_a_free_member_unused():
-    """When every free member is at the bound, the least loaded one still takes the run."""
+def test_short_runs_keep_to_their_warm_member_while_it_has_room():
+    """Runs much shorter than a cold start all go to the warm member, up to its capacity."""
+    world = World(8, 8, 8, 8)
+    world.ran("worker0", weights(P, W1))
+    measured(world, run_seconds=0.01)
+    assert place(world, weights(P, W1), 8) == ["worker0"] * 8
+
+
+def test_the_bound_on_load_spreads_long_runs_of_a_hot_program():
+    """A warm member takes runs while the wait behind them costs less than a cold start (1.16 s)."""
+    world = World(8, 8, 8, 8)
+    world.ran("worker0", weights(P, W1))
+    measured(world, run_seconds=2.0)  # 0.25 s a run in flight on 8 slots
+    placed = place(world, weights(P, W1), 8)
+    assert placed[:5] == ["worker0"] * 5
+    # The sixth would wait 1.25 s: it goes cold, and that member is warm
+    # and lightly loaded for the next.
+    assert placed[5] != "worker0" and placed[6:] == [placed[5]] * 2
+
+
+def test_until_a_run_is_measured_an_idle_member_beats_a_busy_warm_one():
+    """Before any run time is known, runs spread to idle members as least-loaded placement would."""
+    world = World(2, 2)
+    assert world.pool.residency.run_seconds.value == float("inf")
+    first, second = place(world, Demand(P), 2)
+    assert first != second
+
+
+def test_two_long_runs_use_both_idle_members():
+    """Two runs as long as a compile go to two idle members, though only one is warm."""
+    world = World(2, 2)
+    world.ran("worker0", Demand(P), seconds=3.0)
+    world.pool.residency.compile_seconds.value = 1.0
+    assert sorted(place(world, Demand(P), 2)) == ["worker0", "worker1"]
+
+
+def test_a_free_member_takes_a_run_when_the_others_are_full():
+    """With nothing warm, the only free member takes the run whatever its load."""
     world = World(4, 1)
     world.member("worker1").active = 1
     world.member("worker0").active = 2
@@ -157,17 +197,32 @@ def test_the_bound_never_leaves_a_free_member_unused():
 
 # -- the warm member is full or gone ------------------------------------------------------------
 
-def test_a_full_warm_member_is_waited_for_as_long_as_a_cold_placement_costs(world):
-    """A full warm member is worth a wait up to the cold cost (bytes / bandwidth + compile)."""
-    residency = world.pool.residency
-    residency.bandwidth.value = 100 * MIB  # 16 MiB: 0.16 s
-    residency.compile_seconds.value = 0.5
+def test_a_full_warm_member_is_waited_for_as_long_as_the_wait_saves(world):
+    """A full warm member is worth a wait up to the cold cost (bytes / bandwidth + compile)
+    less the expected wait behind its runs (a measured run a slot)."""
     world.ran("worker0", weights(P, W1))
+    measured(world, run_seconds=0.1, compile_seconds=0.5)
     world.member("worker0").active = 2
     choice = world.pick(weights(P, W1))
-    assert choice == Wait(pytest.approx(0.66))
-    assert world.pick(weights(P, W1), waited=0.5) == Wait(pytest.approx(0.16))
-    assert world.pick(weights(P, W1), waited=0.7).name != "worker0"
+    assert choice == Wait(pytest.approx(0.66 - 0.1))
+    assert world.pick(weights(P, W1), waited=0.5) == Wait(pytest.approx(0.06))
+    assert world.pick(weights(P, W1), waited=0.6).name != "worker0"
+
+
+def test_runs_queued_for_a_full_member_lengthen_the_wait_behind_it():
+    """Each run already waiting for a full member adds a measured run a slot to the next one's wait."""
+    world = World(2, 2)
+    world.ran("worker0", weights(P, W1))
+    measured(world, run_seconds=0.2, compile_seconds=0.5)
+    world.member("worker0").active = 2
+    # Cold on worker1: 0.66 s; behind worker0: 0.2 s, then 0.3, 0.4, ...
+    runs = [(weights(P, W1), 1, 0.0)] * 6
+    assert world.pool.choose(runs[:1]) == Wait(pytest.approx(0.66 - 0.2))
+    # The fifth would wait 0.6 s: 0.06 s less than a cold start.
+    assert world.pool.choose(runs[:5]) == Wait(pytest.approx(0.66 - 0.6))
+    # The sixth would wait 0.7 s: it goes cold at once.
+    index, member = world.pool.choose(runs)
+    assert (index, member.name) == (5, "worker1")
 
 
 def test_a_warm_member_that_is_gone_is_no_reason_to_wait(world):
@@ -223,11 +278,12 @@ def test_a_wait_while_every_member_was_busy_spends_no_patience():
     assert waiting.result.member.name == "worker1"
 
 
-def test_a_member_left_idle_as_long_as_a_cold_placement_costs_takes_the_oldest_run():
-    """A member idle for the cold cost takes the oldest waiting run, though warm slots freed meanwhile."""
+def test_a_member_left_free_while_no_run_moves_takes_the_oldest_run():
+    """A free member takes a waiting run once no member has taken one for as long as
+    waiting was expected to save; each run a warm member takes starts that count over."""
     world = World(2, 2)
     world.pool.residency.compile_seconds.value = 2.0
-    world.ran("worker0", weights(P, W1))
+    world.ran("worker0", weights(P, W1))  # runs take 0.1 s
     [Lease(world.member("worker0"), world.scheduler) for _ in range(2)]
     Lease(world.member("worker1"), world.scheduler)
     first, second = (world.scheduler.acquire(weights(P, W1)) for _ in range(2))
@@ -235,10 +291,26 @@ def test_a_member_left_idle_as_long_as_a_cold_placement_costs_takes_the_oldest_r
     world.member("worker0").active = 1
     world.scheduler.dispatch()
     assert first.result.member.name == "worker0"
-    world.clock.advance(1.0)
+    # worker1 costs 2.16 s cold and 0.05 s of its run in flight; worker0,
+    # 0.1 s behind its runs: 2.11 s of patience from the grant.
+    world.clock.advance(2.0)
     assert not second.called
     world.clock.advance(0.2)
     assert second.result.member.name == "worker1"
+
+
+def test_until_a_run_is_measured_a_run_waits_for_its_warm_member_rather_than_a_busy_cold_one():
+    """With no run time known, a run waits for its full warm member rather than share a busy
+    cold one, and gets the warm member when it frees."""
+    world = World(2, 2)
+    world.pool.residency.placed(world.member("worker0").held, weights(P, W1))
+    leases = [Lease(world.member("worker0"), world.scheduler) for _ in range(2)]
+    Lease(world.member("worker1"), world.scheduler)
+    waiting = world.scheduler.acquire(weights(P, W1))
+    world.clock.advance(60)
+    assert not waiting.called
+    leases[0].release()
+    assert waiting.result.member.name == "worker0"
 
 
 def test_a_younger_run_takes_the_member_an_older_one_declines(world):

@@ -6,22 +6,26 @@ L{LeastLoaded}, plain least-loaded placement: the member with the lowest
 load (runs in flight over capacity) wins, ties going to the one picked
 longest ago (round-robin). Kept for comparison.
 
-L{Affinity}, the default: the member that holds the run's program and the
-most bytes of its inputs (L{kcoral.router.residency}) wins, among those with
-free capacity and under a bound on load: consistent hashing with bounded
-loads, where no member takes a run that would put it above
-C{ceil(c * (runs in flight + 1) / members)} (when every free member is
-there, the least loaded ones may), so a popular program spreads over more
-members instead of queueing on one while another idles. Content
-no member holds goes where it hashes highest (rendezvous hashing), among
-the least loaded: its next runs find their caches there. When a full
-member is warmer than every free one, the run waits for a warm member as
-long as the cold placement would cost (the bytes it lacks at the measured
-bandwidth, plus the measured compile seconds if the program is not there),
-then goes cold: a wait that long at most doubles the cost of the cold
-choice, and a shorter one saves it whole. Of the waiting runs, the oldest
-that a free member is warm for goes first, before older ones that would
-be cold there.
+L{Affinity}, the default: each run goes where it is expected to be done
+soonest, by what the Router has measured (L{kcoral.router.residency}): the
+cold cost of a member (the bytes of the run's inputs it lacks at the
+measured bandwidth, plus the measured compile seconds if it lacks the
+program) plus its delay (a measured run's seconds for each run it is busy
+with or that waits for it, per slot). That is consistent hashing with
+bounded loads, the bound in seconds: a warm member takes a program's runs
+while waiting behind them costs less than a cold start elsewhere, so runs
+of a few milliseconds keep to their caches, and runs as long as a compile
+spread to idle members. Until a run has been measured the delay of a busy
+member is unbounded, so the first runs spread as least-loaded placement
+would. Ties go to the least loaded, then to the warmest, then to where the
+run's content hashes highest (rendezvous hashing): content no member holds
+has a stable home, and its next runs find their caches there.
+
+When the cheapest member for a run is full, the run waits for it, for as
+long as the wait was expected to save (the cheapest free member's cost
+less the full one's), counted while a member stood free for it; then it
+goes to the cheapest free member. Of the waiting runs, the oldest whose
+cheapest member is free goes first, before older ones that wait.
 """
 
 from __future__ import annotations
@@ -39,12 +43,6 @@ from kcoral.router.residency import Demand, Residency
 
 if TYPE_CHECKING:
     from kcoral.router.pool import Member
-
-#: How far above the average load the bound lets one member go: at 1, a
-#: member takes a second run only once the average load reaches more than
-#: one (with 1.25, two runs of one program shared one of two idle workers).
-LOAD_FACTOR = 1.0
-
 
 @attrs.frozen
 class Wait:
@@ -101,33 +99,27 @@ class LeastLoaded:
 @implementer(IPlacement)
 class Affinity:
     """
-    Placement by cache residency within a bound on load (the module's rule).
-    Of the runs offered, the oldest that has a free member as warm as any
-    goes first; failing that, the oldest that has waited as long as its cold
-    placement costs goes cold.
+    Placement by cache residency, each run where it is expected to be done
+    soonest (the module's rule). Of the runs offered, the oldest whose
+    cheapest member is free goes first; failing that, the oldest that has
+    waited as long as its wait was worth goes to its cheapest free member.
     """
 
-    def __init__(self, residency: Residency, load_factor: float = LOAD_FACTOR):
+    def __init__(self, residency: Residency):
         self._residency = residency
-        self._load_factor = load_factor
         self._least_loaded = LeastLoaded()
 
     def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
-        # No member above ceil(c times the average load), counting this run.
-        bound = math.ceil(self._load_factor * (sum(m.active for m in members) + 1)
-                          / max(len(members), 1))
         free = [m for m in members if m.free > 0]
         if not free:
             return None
-        under = [m for m in free if m.active + 1 <= bound]
-        # Full members count as warm places to wait for; a free one over the
-        # bound does not: the bound passes it over.
         full_all = [m for m in members if m.free <= 0]
+        #: Runs offered before this one that wait for each full member.
+        ahead: dict[Member, int] = {}
         cold: tuple[int, Member] | None = None
         patience: float | None = None
         for index, (demand, devices, waited) in enumerate(runs):
-            # The bound never leaves a run waiting while a member is free.
-            eligible = _owning(under, devices) or _lightest(_owning(free, devices))
+            eligible = _owning(free, devices)
             if not eligible:
                 # No free member owns the devices it needs: it holds up the
                 # runs behind it, as a strict FIFO would, or it might never
@@ -137,19 +129,51 @@ class Affinity:
                 member = self._least_loaded.least_loaded(eligible)
                 assert member is not None
                 return index, member
+            best, cost = self._cheapest(eligible, demand, ahead)
             full = _owning(full_all, devices)
-            best, warmth = _warmest(eligible, demand, with_hash=True)
-            _, elsewhere = _warmest(full, demand) if full else (None, (False, -1))
-            if warmth >= elsewhere:
-                return index, best
-            left = self._cold_cost(demand, best) - waited
-            if left <= 0:
-                cold = cold or (index, best)
-            else:
-                patience = left if patience is None else min(patience, left)
+            if full:
+                warm, wait = self._cheapest(full, demand, ahead)
+                # Cost first, then warmth: with no run measured yet, every
+                # busy member's cost is unbounded, and a busy cold member is
+                # no better than waiting for a warm one.
+                if (wait[0], wait[2:4]) < (cost[0], cost[2:4]):
+                    ahead[warm] = ahead.get(warm, 0) + 1
+                    if math.isinf(cost[0]):
+                        continue  # waits for a member to free, however long
+                    left = cost[0] - wait[0] - waited
+                    if left <= 0:
+                        cold = cold or (index, best)
+                    else:
+                        patience = left if patience is None else min(patience, left)
+                    continue
+            return index, best
         if cold is not None:
             return cold
         return Wait(patience) if patience is not None else None
+
+    def _cheapest(self, members: Sequence[Member], demand: Demand,
+                  ahead: dict[Member, int]) -> tuple[Member, tuple]:
+        """The member of C{members} where C{demand} is expected to be done
+        soonest, and its key: the cost in seconds, then (for ties) the load,
+        the warmth (program, input bytes) and where the run's content hashes
+        highest, each negated where more is better."""
+        best, best_key = members[0], None
+        for member in members:
+            held = member.held
+            load = (member.active + ahead.get(member, 0)) / max(member.capacity, 1)
+            key = (self._cold_cost(demand, member) + self._delay(load), load,
+                   -(demand.program in held.programs), -held.held_bytes(demand),
+                   -_affinity(demand.home, member))
+            if best_key is None or key < best_key:
+                best, best_key = member, key
+        assert best_key is not None
+        return best, best_key
+
+    def _delay(self, load: float) -> float:
+        """Seconds a run is expected to lose to the runs a member is busy
+        with and those queued for it, C{load} runs a slot: a run's measured
+        seconds for each; unbounded until one is measured."""
+        return load and load * self._residency.run_seconds.value
 
     def _cold_cost(self, demand: Demand, member: Member) -> float:
         """Seconds that placing C{demand} on C{member} costs in transfers and compiles."""
@@ -159,32 +183,9 @@ class Affinity:
         return missing / r.bandwidth.value + compile
 
 
-def _lightest(members: Sequence[Member]) -> list[Member]:
-    """The members of C{members} with the lowest load."""
-    least = min((m.active / m.capacity for m in members), default=0.0)
-    return [m for m in members if m.active / m.capacity == least]
-
-
 def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
     """The members of C{members} that own at least C{devices} devices."""
     return members if devices <= 1 else [m for m in members if m.devices >= devices]
-
-
-def _warmest(members: Sequence[Member], demand: Demand,
-             with_hash: bool = False) -> tuple[Member, tuple[bool, int]]:
-    """The member of C{members} holding the program and the most bytes of
-    C{demand}'s inputs, and that warmth; ties go to the least loaded, then,
-    C{with_hash}, to where the program hashes highest."""
-    best, best_key = members[0], None
-    for member in members:
-        held = member.held
-        key = ((demand.program in held.programs, held.held_bytes(demand)),
-               -member.active / max(member.capacity, 1),
-               _affinity(demand.home, member) if with_hash else 0)
-        if best_key is None or key > best_key:
-            best, best_key = member, key
-    assert best_key is not None
-    return best, best_key[0]
 
 
 def _affinity(content: str, member: Member) -> int:

@@ -15,6 +15,7 @@ a 409 from the member forgets what it names at once, and a restarted worker
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
@@ -170,7 +171,8 @@ def _trim(entries: dict) -> None:
 
 
 class Estimate:
-    """An exponentially weighted mean of observations; C{initial} until the first."""
+    """An exponentially weighted mean of observations; C{initial} until the
+    first, which replaces an infinite C{initial} (nothing known) outright."""
 
     __slots__ = ("_weight", "value")
 
@@ -179,7 +181,10 @@ class Estimate:
         self._weight = weight
 
     def observe(self, value: float) -> None:
-        self.value += self._weight * (value - self.value)
+        if math.isinf(self.value):
+            self.value = value
+        else:
+            self.value += self._weight * (value - self.value)
 
 
 #: Bodies smaller than this say little about bandwidth: their time is mostly
@@ -202,6 +207,10 @@ class Residency:
         #: than it is).
         self.bandwidth = Estimate(1e8)  # a Python proxy's pace, until measured
         self.compile_seconds = Estimate(1.0)
+        #: Seconds a run holds a member's slot when its inputs were there
+        #: already (small bodies): what a run queued behind it waits. Not
+        #: known at first, so placement spreads until a run is measured.
+        self.run_seconds = Estimate(math.inf)
         #: Placements that found all their content (by the Router's belief), or not.
         self.hits = 0
         self.misses = 0
@@ -246,7 +255,9 @@ class Residency:
         if demand is None or code != 200:
             return
         held.learn(demand, self._clock.seconds())
-        if sent_bytes >= MEASURED_BODY_BYTES and seconds > 0:
+        if sent_bytes < MEASURED_BODY_BYTES:
+            self.run_seconds.observe(seconds)
+        elif seconds > 0:
             self.bandwidth.observe(sent_bytes / seconds)
 
 

@@ -52,11 +52,11 @@ class Scheduler:
         #: The next look at waiters that chose to wait for a warmer member.
         self._recheck = None
         #: Since when a member has stood free while runs waited for warmer
-        #: ones (None: not now). That idle time is what waiting costs, and
-        #: what the placement weighs against a cold placement: a run's wait
-        #: while every member was busy cost nothing a cold placement would
-        #: have saved, and a member left idle longer than a cold placement
-        #: costs takes the oldest run it can.
+        #: ones and no member has taken a run (None: not now). That time is
+        #: what waiting costs beyond what the placement expected, and what
+        #: it weighs against a cold placement: a run's wait while every
+        #: member was busy cost nothing a cold placement would have saved,
+        #: and one while warm members take runs is the wait it expected.
         self._declined_since: float | None = None
         pool.on_change = self.dispatch
 
@@ -130,6 +130,8 @@ class Scheduler:
                 break
             index, member = choice
             self.queue.grant(waiters[index], self._lease(member, waiters[index].need[0]))
+            if self._declined_since is not None:
+                self._declined_since = now
         if not len(self.queue):
             self._declined_since = None
         self._check_idle()
