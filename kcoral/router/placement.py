@@ -162,7 +162,7 @@ class Affinity:
             held = member.held
             load = (member.active + ahead.get(member, 0)) / max(member.capacity, 1)
             key = (self._cold_cost(demand, member) + self._delay(load), load,
-                   -(demand.program in held.programs), -held.held_bytes(demand),
+                   -held.compiled(demand.program), -held.held_bytes(demand),
                    -_affinity(demand.home, member))
             if best_key is None or key < best_key:
                 best, best_key = member, key
@@ -179,7 +179,7 @@ class Affinity:
         """Seconds that placing C{demand} on C{member} costs in transfers and compiles."""
         r = self._residency
         missing = demand.nbytes - member.held.held_bytes(demand)
-        compile = 0.0 if demand.program in member.held.programs else r.compile_seconds.value
+        compile = 0.0 if member.held.compiled(demand.program) else r.compile_seconds.value
         return missing / r.bandwidth.value + compile
 
 

@@ -117,11 +117,18 @@ class Holdings:
     """What the Router believes one member holds, each entry with when it was
     learned from a placement (reported ones: never)."""
 
-    __slots__ = ("contents", "programs")
+    __slots__ = ("compiling", "contents", "programs")
 
     def __init__(self) -> None:
         self.programs: dict[str, float] = {}
         self.contents: dict[str, tuple[int, float]] = {}
+        #: Programs a run was placed on the member for while it did not hold
+        #: them, not yet answered: the member is compiling them, so a second
+        #: run placed there waits for that compile too.
+        self.compiling: dict[str, None] = {}
+
+    def compiled(self, program: str) -> bool:
+        return program in self.programs and program not in self.compiling
 
     def held_bytes(self, demand: Demand) -> int:
         contents = self.contents
@@ -153,6 +160,8 @@ class Holdings:
             if at > since:
                 contents[digest] = (size, at)
         self.programs, self.contents = programs, contents
+        for program in cached.programs:
+            self.compiling.pop(program, None)
 
     def forget(self, digests: Iterable[str]) -> None:
         for digest in digests:
@@ -162,6 +171,7 @@ class Holdings:
     def clear(self) -> None:
         self.programs.clear()
         self.contents.clear()
+        self.compiling.clear()
 
 
 def _trim(entries: dict) -> None:
@@ -241,6 +251,9 @@ class Residency:
             self.misses += 1
         self.saved_bytes += held.held_bytes(demand)
         self.saved_compiles += demand.program in held.programs
+        if demand.program not in held.programs:
+            held.compiling[demand.program] = None
+            _trim(held.compiling)
         held.learn(demand, self._clock.seconds())
 
     def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
@@ -252,11 +265,17 @@ class Residency:
         """
         if code == 409:
             held.forget(missing)
-        if demand is None or code != 200:
+        if demand is None:
+            return
+        # The first answer for a program placed cold ends its compile there.
+        compiled_here = demand.program in held.compiling
+        held.compiling.pop(demand.program, None)
+        if code != 200:
             return
         held.learn(demand, self._clock.seconds())
         if sent_bytes < MEASURED_BODY_BYTES:
-            self.run_seconds.observe(seconds)
+            if not compiled_here:  # a compile's seconds are not a run's
+                self.run_seconds.observe(seconds)
         elif seconds > 0:
             self.bandwidth.observe(sent_bytes / seconds)
 
