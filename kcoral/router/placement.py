@@ -10,22 +10,24 @@ L{Affinity}, the default: each run goes where it is expected to be done
 soonest, by what the Router has measured (L{kcoral.router.residency}): the
 cold cost of a member (the bytes of the run's inputs it lacks at the
 measured bandwidth, plus the measured compile seconds if it lacks the
-program) plus its delay (a measured run's seconds for each run it is busy
-with or that waits for it, per slot). That is consistent hashing with
-bounded loads, the bound in seconds: a warm member takes a program's runs
-while waiting behind them costs less than a cold start elsewhere, so runs
-of a few milliseconds keep to their caches, and runs as long as a compile
-spread to idle members. Until a run has been measured the delay of a busy
-member is unbounded, so the first runs spread as least-loaded placement
-would. Ties go to the least loaded, then to the warmest, then to where the
-run's content hashes highest (rendezvous hashing): content no member holds
-has a stable home, and its next runs find their caches there.
+program or is still compiling it) plus its delay (a measured run's seconds
+for each run it is busy with or that waits for it, per slot). That is
+consistent hashing with bounded loads, the bound in seconds: a warm member
+takes a program's runs while waiting behind them costs less than a cold
+start elsewhere, so runs of a few milliseconds keep to their caches, and
+runs as long as a compile spread to idle members. Until a run has been
+measured the delay of a busy member is unbounded: idle members take runs
+first, and a run whose warm member is full waits for it rather than share a
+busy cold one. Ties go to the least loaded, then to the warmest, then to
+where the run's content hashes highest (rendezvous hashing): content no
+member holds has a stable home, and its next runs find their caches there.
 
 When the cheapest member for a run is full, the run waits for it, for as
-long as the wait was expected to save (the cheapest free member's cost
-less the full one's), counted while a member stood free for it; then it
-goes to the cheapest free member. Of the waiting runs, the oldest whose
-cheapest member is free goes first, before older ones that wait.
+long as the wait was expected to save (the cheapest free member's cost less
+the full one's), counted while a member stood free and no member took a run
+(the scheduler's count); then it goes to the cheapest free member. Of the
+waiting runs, the oldest whose cheapest member is free goes first, before
+older ones that wait.
 """
 
 from __future__ import annotations

@@ -239,9 +239,11 @@ class Residency:
         """
         A run of C{demand} is placed on the member holding C{held}: a hit if
         it held all the run needs. From now on the member counts as holding
-        it, so the next run of the same content goes there too rather than
-        to a second cold member while the first is still uploading and
-        compiling; an answer that says otherwise (a 409) corrects it.
+        its inputs, so the next run of the same weights goes there rather
+        than to a second cold member while the first is still uploading
+        them; its program counts as compiling there until that run answers
+        (a second run would wait for that compile). An answer that says
+        otherwise (a 409) corrects it.
         """
         if demand is None:
             return
