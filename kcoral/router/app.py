@@ -39,6 +39,7 @@ from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
+from kcoral.web.body import body_of
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -172,7 +173,7 @@ class RouterApp:
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
-            d = self.forwarder.forward(request, request.content.getvalue(), program, devices, span)
+            d = self.forwarder.forward(request, body_of(request), program, devices, span)
             d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
@@ -225,9 +226,10 @@ class RouterApp:
         return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
-        data = request.content.getvalue()
-        if len(data) > MAX_CONTROL_BYTES:
+        # A body this small is never spooled: it is in memory.
+        if body_of(request).length > MAX_CONTROL_BYTES:
             raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
+        data = request.content.getvalue()
         try:
             return json.loads(data)
         except (ValueError, RecursionError):
