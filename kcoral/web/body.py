@@ -73,26 +73,32 @@ class SpooledBody:
     serial: Serial
 
     def send(self) -> IBodyProducer:
-        return FileReader(self.file.fileno(), self.length, self.serial)
+        return FileReader(self.file, self.length, self.serial)
 
     def close(self) -> Deferred[None]:
         return self.serial.call(self.file.close)
 
 
+def _pread(file: IO[bytes], size: int, offset: int) -> bytes:
+    # The descriptor asked for at each read: a file closed meanwhile fails
+    # the read, where its number might already name another file.
+    return os.pread(file.fileno(), size, offset)
+
+
 @implementer(IBodyProducer)
 class FileReader:
     """
-    Produces C{length} bytes of the file open on C{fd} from its start, each
-    chunk read in a thread by C{serial} (C{os.pread}: no shared file position,
-    so each attempt of a forward reads with a reader of its own). It reads the
+    Produces C{length} bytes of C{file} from its start, each chunk read in a
+    thread by C{serial} (C{os.pread}: no shared file position, so each attempt
+    of a forward reads with a reader of its own). It reads the
     next chunk only once the consumer has taken the last one and is not
     paused: what a forward holds in memory is one chunk and the transport's
     buffer.
     """
 
-    def __init__(self, fd: int, length: int, serial: Serial):
+    def __init__(self, file: IO[bytes], length: int, serial: Serial):
         self.length = length
-        self._fd = fd
+        self._file = file
         self._serial = serial
         self._offset = 0
         self._paused = self._reading = self._stopped = False
@@ -111,7 +117,7 @@ class FileReader:
             self._done.callback(None)
             return
         self._reading = True
-        d = self._serial.call(os.pread, self._fd, min(READ_BYTES, self.length - self._offset),
+        d = self._serial.call(_pread, self._file, min(READ_BYTES, self.length - self._offset),
                               self._offset)
         d.addCallbacks(self._got, self._failed)
 
