@@ -82,7 +82,7 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool),
                       # It only forwards bodies: a large one need not stay in memory.
-                      spool=Spool(reactor))
+                      spool=Spool(reactor), run_guard=app.client_guard)
     return app, site
 
 

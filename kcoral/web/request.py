@@ -21,6 +21,9 @@ from kcoral.web.errors import method_not_allowed
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 
+#: The one route refused from its head alone when its site has a run guard.
+RUN_PATH = b"/v1/run"
+
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
     from kcoral.web.spool import SpoolWriter
@@ -66,14 +69,18 @@ class KCoralRequest(server.Request):
         channel = self.channel
         site = channel.site
         self._started = site.clock.seconds()
-        channel.headers_complete()
+        method, path = channel.headers_complete()
         error = site.bounds.refuse_length(length)
         if error is not None:
-            # Read by the channel once this returns: a client told to go on
-            # with a body already refused would send it for nothing.
-            self.requestHeaders.removeHeader(b"Expect")
             self._refuse(error)
             return
+        guard = site.run_guard
+        if guard is not None and path == RUN_PATH and method == b"POST":
+            # Refused before a byte of its body is read, let alone spooled.
+            answer = guard.refusal(self, self.request_id)
+            if answer is not None:
+                self._refuse_with(self.code, self._raw_answer(answer))
+                return
         self.content = RequestBody()
         spool = site.spool
         if spool is not None and (length is None or length > spool.threshold):
@@ -102,16 +109,32 @@ class KCoralRequest(server.Request):
         self._write(data)  # set by gotLength, which refused if not
 
     def _refuse(self, error: KCoralError) -> None:
+        self.channel.site.logger.warn("{request_id} refused: {message}",
+                                      request_id=self.request_id, message=error.message)
+        self._refuse_with(error.status, raw_error_response(error, self.request_id))
+
+    def _refuse_with(self, status: int, response: bytes) -> None:
+        """Answer C{response} (a whole HTTP response) at once, reading no more."""
+        # Read by the channel once gotLength returns: a client told to go on
+        # with a body already refused would send it for nothing.
+        self.requestHeaders.removeHeader(b"Expect")
         self._refused = True
         self.content = RequestBody()
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
-        site = self.channel.site
-        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id,
-                         message=error.message)
-        site.metrics.observe(self.uri or b"other", error.status, 0.0)
-        self.channel.refuse(raw_error_response(error, self.request_id))
+        self.channel.site.metrics.observe(self.uri or b"other", status, 0.0)
+        self.channel.refuse(response)
+
+    def _raw_answer(self, body: bytes) -> bytes:
+        """The whole HTTP response of C{body} with this request's status and
+        headers, for an answer given before Twisted's request machinery runs."""
+        head = [b"HTTP/1.1 %d %s" % (self.code, http.RESPONSES[self.code])]
+        self.setHeader(HEADER, self.request_id.encode())
+        for name, values in self.responseHeaders.getAllRawHeaders():
+            head.extend(name + b": " + value for value in values)
+        head.append(b"Connection: close")
+        return b"\r\n".join(head) + b"\r\n\r\n" + body
 
     def requestReceived(self, command, path, version):
         if self._refused:

@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from twisted.protocols import policies
 from twisted.web import server
 
+from kcoral.web.auth import IGuard
 from kcoral.web.badrequest import JSONBadRequest
 from kcoral.web.bounds import BodyBounds
 from kcoral.web.channel import KCoralChannel
@@ -39,7 +40,7 @@ class KCoralSite(server.Site):
     def __init__(self, resource, *, metrics, max_request_bytes: int, log: Logger,
                  idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
                  max_connections: int | Callable[[], int] | None = None,
-                 spool: Spool | None = None):
+                 spool: Spool | None = None, run_guard: IGuard | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -53,6 +54,9 @@ class KCoralSite(server.Site):
         self.bounds = BodyBounds(max_request_bytes)
         #: Where bodies over its threshold go; None: every body in memory.
         self.spool = spool
+        #: What a C{POST /v1/run} must present, checked as soon as its head is
+        #: whole (its resource checks it again, under any site).
+        self.run_guard = run_guard
         self.header_timeout = header_timeout
         self.logger = log
         self.clock = clock if clock is not None else _globalReactor
