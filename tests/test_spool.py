@@ -1,12 +1,14 @@
 """
 Large request bodies spooled to a file (L{kcoral.web.spool}) and read back
 (L{kcoral.web.body}): on a L{KCoralSite} over C{StringTransport}, with the
-spool's thread calls run one at a time by the test; and a run with a 24 MiB
+spool's thread calls run one at a time by the test; a spooled body sent
+again by the proxy after a 503, over loopback; and a run with a 24 MiB
 input through a real Router.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -20,9 +22,11 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from kcoral import Program
+from kcoral.router.proxy import NotSent
 from kcoral.web.body import READ_BYTES, FileReader, MemoryBody, SpooledBody
 from kcoral.web.spool import WAITING_BYTES, Serial, Spool
-from tests.httputil import connect, fake_site, parse_raw
+from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
+from tests.test_outgoing import Peer
 
 THRESHOLD = 1000
 
@@ -203,6 +207,42 @@ def test_a_reader_sends_the_whole_file_and_waits_while_paused(tmp_path):
     body.close()
     threads.run()
     assert file.closed
+
+
+class _BusyOnce(Resource):
+    """Answers its first run 503, then every run with the digest of its body."""
+
+    isLeaf = True
+    busy = True
+
+    def render_POST(self, request):
+        if self.busy:
+            self.busy = False
+            request.setResponseCode(503)
+            return b"busy"
+        return hashlib.sha256(request.content.read()).hexdigest().encode()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
+    """A member's 503 and then a second forward: the spooled body is read again from its start."""
+    from twisted.internet import reactor
+
+    data = os.urandom(3 * READ_BYTES + 7)
+    file = (tmp_path / "body").open("w+b")
+    file.write(data)
+    file.flush()
+    body = SpooledBody(file, len(data), Serial(Spool(reactor).in_thread))
+    peer = Peer()
+    try:
+        url = f"http://127.0.0.1:{peer.serve(_BusyOnce())}"
+        with pytest.raises(NotSent):
+            await peer.proxy.forward(url, ForwardedRequest(), body)
+        answer = await peer.proxy.forward(url, ForwardedRequest(), body)
+        assert answer.code == 200 and answer.body == hashlib.sha256(data).hexdigest().encode()
+    finally:
+        await peer.close()
+        await body.close()
 
 
 # -- through a real Router --------------------------------------------------------------------
