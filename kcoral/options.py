@@ -92,6 +92,8 @@ LISTEN = ("A Twisted server endpoint string to listen on instead of --host, --po
 TLS_CERT = "PEM certificate (chain): listen with TLS."
 TLS_KEY = "PEM private key of --tls-cert (default: inside --tls-cert)."
 TLS_CA = "PEM CA to verify https peers with (default: the system's roots)."
+ROUTING = ("Placement of runs: affinity (on a worker that holds their program and inputs, "
+           "within a bound on load) or least-loaded.")
 #: Client authentication (the Router, a standalone server).
 CLIENT_TOKEN = "Token clients must present to run and list nodes [env: KCORAL_CLIENT_TOKEN]."
 CLIENT_TOKENS_FILE = "File of client tokens, one a line (# comments), read again on SIGHUP."

@@ -13,6 +13,7 @@ import pytest
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 
+from kcoral.router.app import MAX_CONTROL_BYTES
 from kcoral.router.service import RouterConfig, build_router
 from tests.fakes import RUNTIME, node_report
 
@@ -290,9 +291,9 @@ def test_a_bad_node_id_is_refused(router):
 
 
 def test_an_oversized_report_is_refused(router):
-    """A report over 64 KiB is a 413, and registers no node."""
+    """A report over the control limit is a 413, and registers no node."""
     report = node_report()
-    report["padding"] = "x" * (65 * 1024)
+    report["padding"] = "x" * (MAX_CONTROL_BYTES + 1)
     response, body = router.put("gpu-a", report)
     assert_error(response, body, 413)
     assert router.pool.nodes == {}

@@ -404,24 +404,6 @@ def test_pick_spreads_ties(world):
     assert {first.node.node_id, second.node.node_id} == {"gpu-a", "gpu-b"}
 
 
-def test_ties_go_where_the_program_is_while_the_pool_is_idle(world):
-    """Ties go to the same member for the same program while the pool is idle."""
-    # One client's sequential runs of one program stay on one member (its
-    # caches hold the program), rather than alternating and missing: a 409
-    # and a resend on every other run. Another program may prefer another.
-    world.ready("gpu-a", report(capacities=(2, 2, 2)))
-    members = world.pool.nodes["gpu-a"].members
-    for program in ("a" * 64, "b" * 64, "c" * 64):
-        chosen = {world.pool.pick(program).name for _ in range(10)}
-        assert len(chosen) == 1, (program, chosen)
-    preferred = {world.pool.pick(f"{i:064x}").name for i in range(60)}
-    assert preferred == set(members)
-    # Load still comes first: a busy preferred member is passed over.
-    favourite = world.pool.pick("a" * 64)
-    favourite.active = 1
-    assert world.pool.pick("a" * 64) is not favourite
-
-
 def test_pick_skips_suspect_and_unhealthy_members(world):
     """pick() skips suspect and unhealthy members."""
     world.ready("gpu-a", report(capacities=(2, 2, 2), healthy=(True, True, False)))

@@ -20,6 +20,8 @@ from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
     DEVICES_HEADER,
+    INPUTS_HEADER,
+    MAX_INPUTS_LISTED,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
@@ -82,6 +84,8 @@ class RunCall:
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
+        if self.inputs_header:
+            headers[INPUTS_HEADER] = self.inputs_header
         if request_id:
             headers["X-Request-ID"] = request_id
         if redispatch:
@@ -90,6 +94,13 @@ class RunCall:
         if traceparent:
             headers["traceparent"] = traceparent
         return Send(parts, length, headers)
+
+    @property
+    def inputs_header(self) -> str:
+        """The C{X-KCoral-Inputs} value: where a Router should place this run."""
+        named = {d: a.nbytes for a, d in zip(self.arrays, self.digests) if d is not None}
+        largest = sorted(named.items(), key=lambda entry: -entry[1])[:MAX_INPUTS_LISTED]
+        return ",".join(f"{digest}={size}" for digest, size in largest)
 
     def content_digests(self) -> set[str]:
         return {self.program.digest} | {d for d in self.digests if d is not None}

@@ -29,6 +29,8 @@ class NodeConfig:
     advertise_host: str | None = None
     #: CA file to verify https Routers and workers with (default: the platform's roots).
     tls_ca: str | None = None
+    #: The gateway's placement rule (L{kcoral.router.placement.ROUTINGS}).
+    routing: str = "affinity"
     restart: RestartSettings = attrs.Factory(RestartSettings)
 
     @property

@@ -41,7 +41,7 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
         listen=server.listen, client_token=server.client_token,
         client_tokens_file=server.client_tokens_file, tls_client_ca=server.tls_client_ca,
-        tracing=server.tracing)
+        tracing=server.tracing, routing=node.routing)
 
 
 class Gateway(service.MultiService):

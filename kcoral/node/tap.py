@@ -20,11 +20,13 @@ from kcoral.options import (
     CLIENT_TOKENS_FILE,
     LISTEN,
     OBSERVING,
+    ROUTING,
     TLS_CA,
     TLS_CERT,
     TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
+    OneOf,
     check_listen,
     config_from,
     non_negative,
@@ -32,6 +34,7 @@ from kcoral.options import (
     port,
     positive,
 )
+from kcoral.router.placement import ROUTINGS
 from kcoral.server.service import ServerConfig, ServerService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
@@ -92,6 +95,7 @@ class NodeOptions(KCoralOptions):
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
         _server("listen", LISTEN),
+        _node("routing", ROUTING + " (the gateway of several workers)", OneOf(tuple(ROUTINGS))),
         _server("client_token", CLIENT_TOKEN),
         _server("client_tokens_file", CLIENT_TOKENS_FILE),
         _server("tls_client_ca", TLS_CLIENT_CA),

@@ -34,6 +34,7 @@ from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.router.report import WorkerReport
+from kcoral.router.residency import parse_cached
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
 
@@ -394,10 +395,14 @@ class Worker(service.Service):
     def report(self, url: str) -> WorkerReport:
         """This worker as a node reports it, reached at C{url}."""
         healthy = self.healthy and self.url is not None
+        try:
+            cache = parse_cached(self.health["cache"]) if healthy and "cache" in self.health else None
+        except ValueError:
+            cache = None  # a server of another version: the Router learns on its own
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
                             int(self.health.get("active", 0)) if healthy else 0,
                             # What it owns, as it lists them; what it was started with
                             # until it does.
                             devices=len(self.health.get("devices") or ()) or self.spec.devices,
-                            restarts=self._core.restart_count)
+                            restarts=self._core.restart_count, cache=cache)

@@ -36,6 +36,11 @@ MAX_ARRAYS = 4096
 REQUEST_CONTENT_TYPE = "application/x-kcoral-run"
 RESULT_CONTENT_TYPE = "application/x-kcoral-result"
 PROGRAM_HEADER = "X-KCoral-Program"
+#: The content-addressed inputs a run uses, C{digest=bytes} comma-separated,
+#: largest first: a Router places the run by them without reading the body.
+INPUTS_HEADER = "X-KCoral-Inputs"
+#: Entries the client puts in that header at most.
+MAX_INPUTS_LISTED = 64
 #: A client's consent to a second run of its request where a node was lost
 #: after it may have started ("true"; anything else, or none, is no consent).
 REDISPATCH_HEADER = "X-KCoral-Redispatch"

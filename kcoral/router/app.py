@@ -30,16 +30,17 @@ from kcoral.errors import (
     ServerBusy,
 )
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import DEVICES_HEADER, PROGRAM_HEADER
+from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.report import InvalidReport, parse_report
+from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
-from kcoral.web.body import body_of
+from kcoral.web.body import MemoryBody, body_of
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -47,8 +48,11 @@ from kcoral.web.responses import error_response, json_response, with_length
 
 log = Logger()
 
-MAX_CONTROL_BYTES = 64 * 1024
+#: A report of 64 workers, each listing its caches' most recent entries
+#: (L{kcoral.router.residency}), stays under this.
+MAX_CONTROL_BYTES = 512 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
+_INPUTS_HEADER = INPUTS_HEADER.encode()
 _DEVICES_HEADER = DEVICES_HEADER.encode()
 #: The most devices a run may ask for (a worker reports at most as many).
 MAX_DEVICES = 1024
@@ -106,6 +110,7 @@ class RouterApp:
         Gauge("kcoral_queued_requests", "Requests waiting for capacity",
               registry=registry).set_function(lambda: len(scheduler.queue))
         registry.register(_PoolCollector(pool))
+        registry.register(ResidencyCollector(pool.residency))
         #: The recent samples the dashboard plots; a service its owner starts.
         self.history = History(registry, reactor)
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
@@ -166,14 +171,14 @@ class RouterApp:
     def post_run(self, request) -> Deferred:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
-        program = (request.getHeader(_PROGRAM_HEADER) or b"").decode("ascii", "replace") or None
+        demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER))
         devices = _devices(request.getHeader(_DEVICES_HEADER))
         if devices is None:
             d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
-            d = self.forwarder.forward(request, body_of(request), program, devices, span)
+            d = self.forwarder.forward(request, body_of(request), demand, devices, span)
             d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
@@ -226,10 +231,13 @@ class RouterApp:
         return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
-        # A body this small is never spooled: it is in memory.
-        if body_of(request).length > MAX_CONTROL_BYTES:
+        # A body past the bound may be in a file (spooled, or Twisted's own
+        # content under another Site): its length first, then its bytes.
+        body = body_of(request)
+        if body.length > MAX_CONTROL_BYTES:
             raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
-        data = request.content.getvalue()
+        assert isinstance(body, MemoryBody)  # a spooled one is past the bound
+        data = body.data
         try:
             return json.loads(data)
         except (ValueError, RecursionError):

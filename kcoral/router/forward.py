@@ -22,6 +22,7 @@ from kcoral.errors import NodeFailure, ServerBusy
 from kcoral.logs import debug_enabled
 from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
+from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_SPAN, ISpan
 from kcoral.web.body import IBody
@@ -60,11 +61,11 @@ class Forwarder:
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
-    def forward(self, request, body: IBody, program: str | None, devices: int = 1,
+    def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
                 span: ISpan = NO_SPAN):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, for the program C{program} if known, exported
+        (the run of C{request}, needing the content C{demand} if known, exported
         for C{devices} devices; its steps traced within C{span}). Fails with
         L{ServerBusy} (no capacity, or no member took it), L{NotEnoughDevices}
         (no ready member owns as many devices) or L{NodeFailure} (lost after
@@ -81,11 +82,12 @@ class Forwarder:
         not_sent = lost = 0
         while not_sent < MAX_NOT_SENT:
             with span.child("kcoral.queue_wait"):
-                lease = yield self._scheduler.acquire(program, devices)
+                lease = yield self._scheduler.acquire(demand, devices)
+            leased = self._clock.seconds()
             if not (not_sent or lost):
                 # Once a run: how long it waited for capacity (not again for
                 # each member that turned it away).
-                self._observe_wait(self._clock.seconds() - arrived)
+                self._observe_wait(leased - arrived)
             member = lease.member
             if lost:
                 log.info("{request_id} attempt {attempt} -> {node_id}/{worker}", request_id=rid,
@@ -120,6 +122,9 @@ class Forwarder:
             finally:
                 lease.release()
                 forwarding.end()
+            self._scheduler.pool.residency.settled(
+                member.held, demand, answer.code, answer.missing(),
+                self._clock.seconds() - leased, body.length)
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.

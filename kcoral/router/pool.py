@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 import attrs
 from twisted.logger import Logger
 
-from kcoral.router.placement import LeastLoaded
+from kcoral.router.placement import ROUTINGS, Run, Wait
 from kcoral.router.report import NodeReport, WorkerReport
+from kcoral.router.residency import Demand, Holdings, Residency
 
 log = Logger()
 
@@ -50,6 +51,8 @@ class Member:
     suspect: bool = False
     #: When the placement rule last picked this member (its own count).
     picked: int = 0
+    #: What the Router believes the member holds in its caches.
+    held: Holdings = attrs.Factory(Holdings)
     #: The devices it owns: runs of programs exported for more go elsewhere.
     devices: int = 1
     #: Times its supervisor has restarted it, as last reported.
@@ -107,7 +110,8 @@ class Node:
 class Pool:
     def __init__(self, clock, *, max_status_age_seconds: float = 5.0, unhealthy_threshold: int = 3,
                  recovery_threshold: int = 2, node_retention_seconds: float = 600.0,
-                 on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES):
+                 on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES,
+                 routing: str = "affinity"):
         self._clock = clock
         self.max_status_age = max_status_age_seconds
         self.unhealthy_threshold = unhealthy_threshold
@@ -118,8 +122,10 @@ class Pool:
         self.nodes: dict[str, Node] = {}
         #: (gpu_target, runtime) of the pool, from its first ready node.
         self.target: tuple | None = None
+        #: Where content is; reported entries outlive learned ones by a report's age.
+        self.residency = Residency(clock, grace_seconds=max_status_age_seconds)
         #: Which member with free capacity runs what.
-        self.placement = LeastLoaded()
+        self.placement = ROUTINGS[routing](self.residency)
 
     # -- reports ------------------------------------------------------------
 
@@ -187,11 +193,14 @@ class Pool:
             member = node.members.get(worker.name)
             if member is None:
                 member = node.members[worker.name] = Member(node, worker.name, worker.url)
-            else:
+            elif member.url != worker.url or not worker.healthy:
                 # A restarted worker may have a new address: keep the same
-                # Member, whose leases still count (and release) its requests.
+                # Member, whose leases still count (and release) its requests,
+                # but not what its caches held.
                 member.url = worker.url
+                member.held.clear()
             member.capacity, member.healthy, member.suspect = worker.capacity, worker.healthy, False
+            self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
 
@@ -265,18 +274,25 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
-    def pick(self, program: str | None = None, devices: int = 1) -> Member | None:
-        """The member that runs C{program} (a digest, if known), exported for
-        C{devices} devices, next, by the pool's placement rule
-        (L{kcoral.router.placement}) among the usable members with free
-        capacity that own as many devices, or None when there is none."""
-        return self.placement.pick(self._free(devices), program)
+    def choose(self, runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
+        """Which of C{runs} (oldest first) runs next, and where, by the pool's
+        placement rule (L{kcoral.router.placement.IPlacement.choose})."""
+        return self.placement.choose(list(self._usable()), runs)
 
-    def _free(self, devices: int) -> Iterator[Member]:
+    def pick(self, demand: Demand | None = None, devices: int = 1,
+             waited: float = 0.0) -> Member | Wait | None:
+        """Where one run of C{demand}, exported for C{devices} devices and
+        waiting for C{waited} seconds, goes now: a member with free capacity
+        that owns as many devices, a L{Wait} for a warmer one, or None when
+        there is none."""
+        choice = self.choose(((demand, devices, waited),))
+        return choice[1] if isinstance(choice, tuple) else choice
+
+    def _usable(self) -> Iterator[Member]:
         for node in self.nodes.values():
             if node.state == READY:
                 for member in node.members.values():
-                    if member.free > 0 and member.devices >= devices:
+                    if member.usable:
                         yield member
 
     def most_devices(self) -> int | None:

@@ -75,6 +75,12 @@ class Answer:
     def __init__(self, code: int, headers: dict, body: bytes):
         self.code, self.headers, self.body = code, headers, body
 
+    def missing(self) -> list[str]:
+        """The digests a 409 says the member lacks (none for other answers)."""
+        if self.code != 409:
+            return []
+        return getattr(error_from_answer(self.code, self.body), "missing", None) or []
+
 
 class Proxy:
     """Forwards runs with C{client}, a treq C{HTTPClient} (or anything with

@@ -9,6 +9,7 @@ The Router, the embedded gateway and each server's admission all queue here.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Any
 
 from twisted.internet.base import DelayedCall
@@ -24,15 +25,17 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("deferred", "timer", "need")
+    __slots__ = ("deferred", "need", "since", "timer")
     deferred: Deferred
     timer: DelayedCall
+    #: What the waiter needs of a grant (L{WaitQueue.wait}), and since when it waits.
     need: Any
+    since: float
 
 
 class WaitQueue:
     def __init__(self, clock, max_waiting: int, timeout_seconds: float):
-        self._clock = clock
+        self.clock = clock
         self.max_waiting = max_waiting
         self.timeout_seconds = timeout_seconds
         self._waiters: deque[_Waiter] = deque()
@@ -42,17 +45,17 @@ class WaitQueue:
 
     def wait(self, need: Any = None) -> Deferred:
         """
-        A Deferred that fires with what L{grant_next} hands over, or fails with
-        L{QueueFull} (at once) or L{QueueTimeout}. C{need}, what the waiter
-        needs of a grant (for the Router: how many devices), is what
-        L{oldest_need} says while it waits longest.
+        A Deferred that fires with what L{grant_next} or L{grant} hands over,
+        or fails with L{QueueFull} (at once) or L{QueueTimeout}. C{need}, what
+        the waiter needs of a grant (for the Router: what its run needs), is
+        what L{oldest_need} says while it waits longest, and L{oldest} shows.
         """
         if len(self._waiters) >= self.max_waiting:
             return fail(QueueFull())
         waiter = _Waiter()
-        waiter.need = need
+        waiter.need, waiter.since = need, self.clock.seconds()
         waiter.deferred = Deferred(lambda d: self._leave(waiter))
-        waiter.timer = self._clock.callLater(self.timeout_seconds, self._expire, waiter)
+        waiter.timer = self.clock.callLater(self.timeout_seconds, self._expire, waiter)
         self._waiters.append(waiter)
         return waiter.deferred
 
@@ -65,6 +68,16 @@ class WaitQueue:
         self._waiters.remove(waiter)
         waiter.deferred.errback(QueueTimeout())
 
+    def oldest(self, count: int) -> list[_Waiter]:
+        """The C{count} oldest waiters, oldest first, each with what it
+        C{need}s and C{since} when."""
+        return list(islice(self._waiters, count))
+
+    def grant(self, waiter: _Waiter, grant: Any) -> None:
+        """Hand C{grant} to C{waiter}, one of L{oldest}, still waiting."""
+        self._waiters.remove(waiter)
+        waiter.timer.cancel()
+        waiter.deferred.callback(grant)
     def oldest_need(self) -> Any:
         """The C{need} of the oldest waiter; the queue must not be empty."""
         return self._waiters[0].need

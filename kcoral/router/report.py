@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from kcoral.router.residency import Cached, parse_cached
+
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024
 MAX_WORKER_DEVICES = 1024
@@ -29,13 +31,18 @@ class WorkerReport:
     healthy: bool
     capacity: int
     active: int
+    #: What its caches hold, when the worker says.
+    cache: Cached | None = None
     #: The devices the worker owns: a program exported for more never goes there.
     devices: int = 1
     #: Times its supervisor has restarted it.
     restarts: int = 0
 
     def to_json(self) -> dict:
-        return attrs.asdict(self)
+        json = attrs.asdict(self, filter=lambda field, value: field.name != "cache")
+        if self.cache is not None:
+            json["cache"] = self.cache.to_json()
+        return json
 
 
 @attrs.frozen
@@ -98,6 +105,15 @@ def _url(value: object, what: str) -> str:
     return f"{parts.scheme}://{host}:{port}"
 
 
+def _cache(value: object, what: str) -> Cached | None:
+    if value is None:
+        return None
+    try:
+        return parse_cached(value)
+    except ValueError as e:
+        raise InvalidReport(f"{what}: {e}") from None
+
+
 def parse_report(body: object) -> NodeReport:
     if not isinstance(body, dict):
         raise InvalidReport("a node report must be a JSON object")
@@ -114,6 +130,7 @@ def parse_report(body: object) -> NodeReport:
             healthy=w.get("healthy") is True,
             capacity=_count(w.get("capacity"), f"worker {i} capacity", MAX_WORKER_CAPACITY),
             active=_count(w.get("active", 0), f"worker {i} active", MAX_WORKER_CAPACITY),
+            cache=_cache(w.get("cache"), f"worker {i} cache"),
             devices=_count(w.get("devices", 1), f"worker {i} devices", MAX_WORKER_DEVICES, 1),
             restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
         ))

@@ -2,6 +2,11 @@
 The scheduler: hands each request a member with free capacity, or queues it.
 A member never has more requests in flight than its reported capacity: the
 only way to get one is a L{Lease}, and leases are counted against capacity.
+
+Waiting requests get freed capacity oldest first, as the placement rule
+places them: one that would rather wait for a warmer member than take the
+free one (L{kcoral.router.placement.Wait}) lets a younger request have it,
+and is considered again when that wait is over.
 """
 
 from __future__ import annotations
@@ -9,8 +14,14 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.errors import NotEnoughDevices, ServerBusy
+from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
+from kcoral.router.residency import Demand
+
+#: Waiters, oldest first, that one dispatch offers free capacity to: a bound
+#: on its work whatever the queue's length.
+DISPATCH_WINDOW = 16
 
 
 class Lease:
@@ -34,27 +45,48 @@ class Scheduler:
     def __init__(self, pool: Pool, queue: WaitQueue):
         self.pool = pool
         self.queue = queue
+        self._clock = queue.clock
         self.draining = False
         self._refusing = False
         self._idle: list[Deferred] = []
+        #: The next look at waiters that chose to wait for a warmer member.
+        self._recheck = None
+        #: Since when a member has stood free while runs waited for warmer
+        #: ones (None: not now). That idle time is what waiting costs, and
+        #: what the placement weighs against a cold placement: a run's wait
+        #: while every member was busy cost nothing a cold placement would
+        #: have saved, and a member left idle longer than a cold placement
+        #: costs takes the oldest run it can.
+        self._declined_since: float | None = None
         pool.on_change = self.dispatch
 
-    def acquire(self, program: str | None = None, devices: int = 1) -> Deferred:
+    def acquire(self, demand: Demand | None = None, devices: int = 1) -> Deferred:
         """A Deferred L{Lease} on a member that owns at least C{devices}
         devices; fails with L{ServerBusy} (503) and its reason, or with
         L{NotEnoughDevices} (422) at once when no ready member owns as many.
-        C{program}, a program digest, breaks ties between free members
-        (L{Pool.pick})."""
+        C{demand}, the content the run needs, decides where it goes
+        (L{Pool.choose})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
         refusal = self._too_few(devices)
         if refusal is not None:
             return fail(refusal)
         if not len(self.queue):
-            member = self.pool.pick(program, devices)
-            if member is not None:
-                return succeed(Lease(member, self))
-        return self.queue.wait(devices).addErrback(self._refused)
+            choice = self.pool.choose(((demand, devices, 0.0),))
+            if isinstance(choice, tuple):
+                return succeed(self._lease(choice[1], demand))
+            waiting = self.queue.wait((demand, devices)).addErrback(self._refused)
+            if isinstance(choice, Wait):
+                self._declined(choice)
+            return waiting
+        waiting = self.queue.wait((demand, devices)).addErrback(self._refused)
+        # Those ahead may be waiting for warmer members than a free one.
+        self.dispatch()
+        return waiting
+
+    def _lease(self, member: Member, demand: Demand | None) -> Lease:
+        self.pool.residency.placed(member.held, demand)
+        return Lease(member, self)
 
     def _too_few(self, devices: int) -> NotEnoughDevices | None:
         """Why no member will run a program exported for C{devices} devices,
@@ -76,20 +108,44 @@ class Scheduler:
         return failure
 
     def dispatch(self) -> None:
-        """Give free capacity to waiting requests, oldest first."""
+        """Give free capacity to waiting requests, as the placement rule
+        chooses among the oldest."""
         while len(self.queue):
-            devices = self.queue.oldest_need()
+            _, devices = self.queue.oldest_need()
             refusal = self._too_few(devices)
             if refusal is not None:
                 # The members that owned as many are gone: waiting longer
                 # would hold up every run behind this one.
                 self.queue.fail_next(refusal)
                 continue
-            member = self.pool.pick(None, devices)
-            if member is None:
+            now = self._clock.seconds()
+            idle = 0.0 if self._declined_since is None else now - self._declined_since
+            waiters = self.queue.oldest(DISPATCH_WINDOW)
+            choice = self.pool.choose([(*w.need, idle) for w in waiters])
+            if isinstance(choice, Wait):
+                self._declined(choice)
                 break
-            self.queue.grant_next(Lease(member, self))
+            if choice is None:
+                self._declined_since = None
+                break
+            index, member = choice
+            self.queue.grant(waiters[index], self._lease(member, waiters[index].need[0]))
+        if not len(self.queue):
+            self._declined_since = None
         self._check_idle()
+
+    def _declined(self, wait: Wait) -> None:
+        """A free member was left for a warmer one: dispatch again when the
+        first waiting run's patience is spent, or sooner if already due."""
+        now = self._clock.seconds()
+        if self._declined_since is None:
+            self._declined_since = now
+        due = now + wait.seconds
+        if self._recheck is not None and self._recheck.active():
+            if self._recheck.getTime() <= due:
+                return
+            self._recheck.cancel()
+        self._recheck = self._clock.callLater(wait.seconds, self.dispatch)
 
     def drain(self, refuse: bool = True) -> Deferred:
         """

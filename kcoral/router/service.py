@@ -54,6 +54,8 @@ class RouterConfig:
     tls_ca: str | None = None
     #: A Twisted server endpoint string, in place of host, port and TLS files.
     listen: str | None = None
+    #: The placement rule (L{kcoral.router.placement.ROUTINGS}).
+    routing: str = "affinity"
     #: Bearer tokens runs and the node list need (kcoral.web.auth).
     client_token: str | None = None
     client_tokens_file: str | None = None
@@ -68,7 +70,7 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     pool = Pool(reactor, max_status_age_seconds=config.max_status_age_seconds,
                 unhealthy_threshold=config.unhealthy_threshold,
                 recovery_threshold=config.recovery_threshold,
-                node_retention_seconds=config.node_retention_seconds)
+                node_retention_seconds=config.node_retention_seconds, routing=config.routing)
     scheduler = Scheduler(pool, WaitQueue(reactor, config.max_queued_requests,
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()

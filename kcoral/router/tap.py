@@ -12,11 +12,13 @@ from kcoral.options import (
     CLIENT_TOKENS_FILE,
     LISTEN,
     OBSERVING,
+    ROUTING,
     TLS_CA,
     TLS_CERT,
     TLS_CLIENT_CA,
     TLS_KEY,
     KCoralOptions,
+    OneOf,
     check_listen,
     config_from,
     non_negative,
@@ -24,6 +26,7 @@ from kcoral.options import (
     port,
     positive,
 )
+from kcoral.router.placement import ROUTINGS
 from kcoral.router.service import RouterConfig, RouterService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
@@ -48,6 +51,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_key", TLS_KEY),
     ("tls_ca", TLS_CA),
     ("listen", LISTEN),
+    ("routing", ROUTING, OneOf(tuple(ROUTINGS))),
     ("client_token", CLIENT_TOKEN),
     ("client_tokens_file", CLIENT_TOKENS_FILE),
     ("tls_client_ca", TLS_CLIENT_CA),

@@ -76,6 +76,7 @@ class ServerApp:
             "runtime": info.runtime if info else None,
             "devices": info.devices if info else [],
             "version": __version__,
+            "cache": self.executor.cached(),
         }
 
     @app.route("/health", methods=["GET"])

@@ -34,6 +34,18 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def programs(self, limit: int) -> list[str]:
+        """The digests of up to C{limit} programs compiled here, the latest
+        compiled first (a key's first part is its program's digest)."""
+        with self._lock:
+            keys = list(self._lru)
+        seen: dict[str, None] = {}
+        for key in reversed(keys):
+            seen.setdefault(key[0], None)
+            if len(seen) == limit:
+                break
+        return list(seen)
+
     def get_or_compile(self, key: Hashable, compile: Callable[[], T]) -> tuple[T, bool]:
         """What C{compile} gives for C{key} (held since an earlier call, or
         compiled now), and whether this call compiled it."""

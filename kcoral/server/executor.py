@@ -30,6 +30,7 @@ from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.node.devices import HOST_DEVICE_COUNT, host_device_flags
 from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
+from kcoral.router.residency import MAX_PROGRAMS
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
@@ -101,6 +102,8 @@ class Executor:
         # Bound once: labels() costs a lock and a dict lookup on every run.
         self._ran_ok = metrics.executions.labels("ok")
         self.info: DeviceInfo | None = None
+        self._compiles = 0
+        self._compile_seconds = 0.0
 
     def load(self) -> DeviceInfo:
         _select_platform(self._gpus, self._count)
@@ -129,6 +132,14 @@ class Executor:
             runtime={"kcoral": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__},
         )
         return self.info
+
+    def cached(self) -> dict:
+        """What this worker's caches hold, bounded, for its health report
+        (L{kcoral.router.residency.Cached})."""
+        return {"programs": self._compiled.programs(MAX_PROGRAMS),
+                "contents": [list(entry) for entry in self._uploads.recent()],
+                "compile_seconds": round(self._compile_seconds / self._compiles, 4)
+                if self._compiles else None}
 
     def _content(self, blob: Blob, what: str, missing: list[str]):
         if blob.data is None:
@@ -238,7 +249,10 @@ class Executor:
                         *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]).compile()
                 except Exception as e:
                     raise ProgramRejected(f"the program failed to compile: {_first_line(e)}") from None
-            self._metrics.compile_seconds.observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._metrics.compile_seconds.observe(seconds)
+            self._compiles += 1
+            self._compile_seconds += seconds
             return compiled, tuple(out_key_types), placements
 
         try:

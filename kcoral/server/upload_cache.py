@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import cachetools
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kcoral.protocol.wire import is_digest, sha256
+from kcoral.router.residency import MAX_CONTENTS
 
 
 class EvictingLRU(cachetools.LRUCache):
@@ -50,13 +52,18 @@ class UploadCache:
     name = "upload"
 
     def __init__(self, memory_bytes: int, metrics: CacheMetrics,
-                 directory: str | None = None, disk_bytes: int = 0):
+                 directory: str | None = None, disk_bytes: int = 0, recent: int = MAX_CONTENTS):
         self._lock = threading.Lock()
         self._metrics = metrics
         # Bound once: every run looks up its program here (labels() costs a
         # lock and a key per call).
         self._memory_hits = metrics.hits.labels(self.name, "memory")
-        self._memory = EvictingLRU(memory_bytes, len, lambda k, v: self._evicted("memory"))
+        self._memory = EvictingLRU(memory_bytes, len, self._evict_memory)
+        #: The most recently used entries and their sizes, kept apart so that
+        #: reporting them costs nothing per run (the LRU's own order is not
+        #: public).
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        self._recent_size = recent
         self._dir: Path | None = None
         self._disk: EvictingLRU | None = None
         if directory:
@@ -76,14 +83,23 @@ class UploadCache:
                 os.unlink(entry.path)  # a write that a crash interrupted
         for _, name, size in sorted(files):
             _insert_disk(disk, name, size)
+            if name in disk:
+                self._touch(name, size)
 
     def _path(self, digest: str) -> Path:
         # Only ever a validated digest: never a path built from client text.
         assert is_digest(digest) and self._dir is not None
         return self._dir / digest
 
+    def _evict_memory(self, digest: str, data: bytes) -> None:
+        self._evicted("memory")
+        if self._disk is None or digest not in self._disk:
+            self._recent.pop(digest, None)
+
     def _evict_file(self, digest: str, size: int) -> None:
         self._evicted("disk")
+        if digest not in self._memory:
+            self._recent.pop(digest, None)
         try:
             os.unlink(self._path(digest))
         except FileNotFoundError:
@@ -100,6 +116,18 @@ class UploadCache:
             m.bytes.labels(self.name, "disk").set(self._disk.currsize)
             m.entries.labels(self.name, "disk").set(len(self._disk))
 
+    def recent(self) -> list[tuple[str, int]]:
+        """The most recently used entries held, (digest, bytes), most recent first."""
+        with self._lock:
+            return list(reversed(self._recent.items()))
+
+    def _touch(self, digest: str, size: int) -> None:
+        recent = self._recent
+        recent.pop(digest, None)
+        recent[digest] = size
+        if len(recent) > self._recent_size:
+            recent.popitem(last=False)
+
     def __contains__(self, digest: str) -> bool:
         with self._lock:
             return digest in self._memory or (self._disk is not None and digest in self._disk)
@@ -112,6 +140,8 @@ class UploadCache:
             on_disk = disk is not None and digest in disk
         if data is not None:
             self._memory_hits.inc()
+            with self._lock:
+                self._touch(digest, len(data))
             return data
         if disk is not None and on_disk:
             try:
@@ -147,6 +177,7 @@ class UploadCache:
         with self._lock:
             if len(data) <= self._memory.maxsize:
                 self._memory[digest] = data
+                self._touch(digest, len(data))
             self._publish()
 
 

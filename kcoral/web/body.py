@@ -55,10 +55,13 @@ class MemoryBody:
 
 def body_of(request) -> IBody:
     """The whole body of C{request}, under any C{Site}: a KCoral request's
-    own (L{kcoral.web.request.KCoralRequest.body}), else its content, in
-    memory (under C{treq.testing.StubTreq}, for one)."""
+    own (L{kcoral.web.request.KCoralRequest.body}), else its content read
+    into memory (under C{treq.testing.StubTreq}, for one)."""
     body = getattr(request, "body", None)
-    return body if body is not None else MemoryBody(request.content.getvalue())
+    if body is not None:
+        return body
+    request.content.seek(0)
+    return MemoryBody(request.content.read())
 
 
 @implementer(IBody)

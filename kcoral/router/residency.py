@@ -1,0 +1,275 @@
+"""
+Cache residency: what each member holds (the programs it has compiled, the
+content-addressed inputs its upload cache keeps) and what a run needs.
+
+A member's holdings come from two sources. Its worker reports them in its
+health (L{Cached}, bounded to the most recently used entries), relayed by its
+supervisor; and the Router learns from its own placements, because a run
+that succeeded on a member left its program compiled and its inputs cached
+there. A new report replaces what earlier reports said: an eviction or a
+restart removes entries. What the Router learned itself survives a report for
+a grace period, since the report may have been probed before the run ended;
+a 409 from the member forgets what it names at once, and a restarted worker
+(a new URL, or unhealthy) starts empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kcoral.protocol.wire import MAX_INPUTS_LISTED, is_digest
+
+#: Entries a worker reports, most recently used first: a report stays small
+#: (a node of 64 workers stays under the Router's report limit) and the
+#: Router's per-member state bounded.
+MAX_PROGRAMS = 16
+MAX_CONTENTS = 32
+#: Entries the Router keeps per member, reported and learned together.
+MAX_HELD = 4 * MAX_CONTENTS
+#: The largest input size a report or a header may state (1 TiB).
+MAX_BYTES = 1 << 40
+
+
+@attrs.frozen
+class Cached:
+    """What one worker reports holding: program digests and content digests
+    with their sizes, and the mean seconds its compiles took (None before
+    its first)."""
+
+    programs: tuple[str, ...] = ()
+    contents: tuple[tuple[str, int], ...] = ()
+    compile_seconds: float | None = None
+
+    def to_json(self) -> dict:
+        return {"programs": list(self.programs), "contents": [list(c) for c in self.contents],
+                "compile_seconds": self.compile_seconds}
+
+
+def parse_cached(value: object) -> Cached:
+    """A worker's C{cache} report, checked (it is untrusted); ValueError says why not."""
+    if not isinstance(value, dict):
+        raise ValueError("must be an object")
+    programs = value.get("programs", [])
+    contents = value.get("contents", [])
+    seconds = value.get("compile_seconds")
+    if not isinstance(programs, list) or len(programs) > MAX_PROGRAMS \
+            or not all(is_digest(p) for p in programs):
+        raise ValueError(f"'programs' must list at most {MAX_PROGRAMS} digests")
+    if not isinstance(contents, list) or len(contents) > MAX_CONTENTS or not all(
+            isinstance(c, list) and len(c) == 2 and is_digest(c[0]) and _size(c[1])
+            for c in contents):
+        raise ValueError(f"'contents' must list at most {MAX_CONTENTS} [digest, bytes] pairs")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not 0 <= seconds < 86400):
+        raise ValueError("'compile_seconds' must be a number of seconds")
+    return Cached(tuple(programs), tuple((d, n) for d, n in contents),
+                  None if seconds is None else float(seconds))
+
+
+def _size(value: object) -> bool:
+    return type(value) is int and 0 <= value <= MAX_BYTES
+
+
+@attrs.frozen
+class Demand:
+    """What a run needs where it runs: its program and content-addressed
+    inputs (digest, bytes), as its headers name them."""
+
+    program: str
+    inputs: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, program: bytes | None, inputs: bytes | None) -> Demand | None:
+        """The demand the C{X-KCoral-Program} and C{X-KCoral-Inputs} headers
+        state, or None without a program digest. An input entry that does not
+        parse is left out: placement is a preference, never a refusal (the
+        worker checks the frame itself)."""
+        digest = (program or b"").decode("ascii", "replace")
+        if not is_digest(digest):
+            return None
+        named: list[tuple[str, int]] = []
+        for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
+            content, _, size = entry.strip().partition("=")
+            if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
+                named.append((content, int(size)))
+        return cls(digest, tuple(named))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.inputs)
+
+    @property
+    def home(self) -> str:
+        """What the run hashes by where nothing holds it: its largest input
+        (variants of one program spread by their weights), else its program."""
+        return max(self.inputs, key=lambda entry: entry[1])[0] if self.inputs else self.program
+
+
+#: When a reported entry was learned: before anything the Router learned.
+_REPORTED = float("-inf")
+
+
+class Holdings:
+    """What the Router believes one member holds, each entry with when it was
+    learned from a placement (reported ones: never)."""
+
+    __slots__ = ("contents", "programs")
+
+    def __init__(self) -> None:
+        self.programs: dict[str, float] = {}
+        self.contents: dict[str, tuple[int, float]] = {}
+
+    def held_bytes(self, demand: Demand) -> int:
+        contents = self.contents
+        return sum(size for digest, size in demand.inputs if digest in contents)
+
+    def holds_all(self, demand: Demand) -> bool:
+        return demand.program in self.programs and all(d in self.contents for d, _ in demand.inputs)
+
+    def learn(self, demand: Demand, now: float) -> None:
+        """A run of C{demand} succeeded on the member at C{now}."""
+        self.programs.pop(demand.program, None)
+        self.programs[demand.program] = now
+        for digest, size in demand.inputs:
+            self.contents.pop(digest, None)
+            self.contents[digest] = (size, now)
+        _trim(self.programs)
+        _trim(self.contents)
+
+    def replace(self, cached: Cached, now: float, grace: float) -> None:
+        """The member's own report: it replaces everything but what was
+        learned within C{grace} seconds before C{now}."""
+        since = now - grace
+        programs = dict.fromkeys(reversed(cached.programs), _REPORTED)
+        contents = {d: (n, _REPORTED) for d, n in reversed(cached.contents)}
+        for program, at in self.programs.items():
+            if at > since:
+                programs[program] = at
+        for digest, (size, at) in self.contents.items():
+            if at > since:
+                contents[digest] = (size, at)
+        self.programs, self.contents = programs, contents
+
+    def forget(self, digests: Iterable[str]) -> None:
+        for digest in digests:
+            self.programs.pop(digest, None)
+            self.contents.pop(digest, None)
+
+    def clear(self) -> None:
+        self.programs.clear()
+        self.contents.clear()
+
+
+def _trim(entries: dict) -> None:
+    # Dicts keep insertion order: the first entries are the least recent.
+    while len(entries) > MAX_HELD:
+        del entries[next(iter(entries))]
+
+
+class Estimate:
+    """An exponentially weighted mean of observations; C{initial} until the first."""
+
+    __slots__ = ("_weight", "value")
+
+    def __init__(self, initial: float, weight: float = 0.2):
+        self.value = initial
+        self._weight = weight
+
+    def observe(self, value: float) -> None:
+        self.value += self._weight * (value - self.value)
+
+
+#: Bodies smaller than this say little about bandwidth: their time is mostly
+#: the run's.
+MEASURED_BODY_BYTES = 1 << 20
+
+
+class Residency:
+    """
+    Where content is, as this Router knows it, and what moving it costs: the
+    bandwidth to members and their compile and run seconds, as measured.
+    Counts placements that found their content (hits) and what that saved.
+    """
+
+    def __init__(self, clock, *, grace_seconds: float = 5.0):
+        self._clock = clock
+        self.grace = grace_seconds
+        #: Bytes a second a run's body reaches a member at (its whole
+        #: forward, so an underestimate: a cold placement looks no cheaper
+        #: than it is).
+        self.bandwidth = Estimate(1e8)  # a Python proxy's pace, until measured
+        self.compile_seconds = Estimate(1.0)
+        #: Placements that found all their content (by the Router's belief), or not.
+        self.hits = 0
+        self.misses = 0
+        self.saved_bytes = 0
+        self.saved_compiles = 0
+
+    def reported(self, held: Holdings, cached: Cached | None) -> None:
+        """A member's report; without a C{cache} part it replaces nothing."""
+        if cached is None:
+            return
+        held.replace(cached, self._clock.seconds(), self.grace)
+        if cached.compile_seconds is not None:
+            self.compile_seconds.observe(cached.compile_seconds)
+
+    def placed(self, held: Holdings, demand: Demand | None) -> None:
+        """
+        A run of C{demand} is placed on the member holding C{held}: a hit if
+        it held all the run needs. From now on the member counts as holding
+        it, so the next run of the same content goes there too rather than
+        to a second cold member while the first is still uploading and
+        compiling; an answer that says otherwise (a 409) corrects it.
+        """
+        if demand is None:
+            return
+        if held.holds_all(demand):
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.saved_bytes += held.held_bytes(demand)
+        self.saved_compiles += demand.program in held.programs
+        held.learn(demand, self._clock.seconds())
+
+    def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
+                seconds: float, sent_bytes: int) -> None:
+        """
+        A run of C{demand} answered C{code} after C{seconds} on the member
+        holding C{held}, having been sent C{sent_bytes}: a 200 left its
+        content there, a 409 says what is not (C{missing}).
+        """
+        if code == 409:
+            held.forget(missing)
+        if demand is None or code != 200:
+            return
+        held.learn(demand, self._clock.seconds())
+        if sent_bytes >= MEASURED_BODY_BYTES and seconds > 0:
+            self.bandwidth.observe(sent_bytes / seconds)
+
+
+class ResidencyCollector:
+    """The placement series of a Router's C{/metrics}, read at scrape time."""
+
+    def __init__(self, residency: Residency):
+        self._residency = residency
+
+    def collect(self):
+        r = self._residency
+        placements = CounterMetricFamily(
+            "kcoral_placements", "Runs placed on a member that held their program and every "
+            "referenced input (hit), or not (miss)", labels=["cache"])
+        placements.add_metric(["hit"], r.hits)
+        placements.add_metric(["miss"], r.misses)
+        saved = CounterMetricFamily("kcoral_placement_saved_bytes",
+                                    "Input bytes that runs found on the member they were placed on")
+        saved.add_metric([], r.saved_bytes)
+        compiles = CounterMetricFamily("kcoral_placement_saved_compiles",
+                                       "Runs placed on a member that had compiled their program")
+        compiles.add_metric([], r.saved_compiles)
+        bandwidth = GaugeMetricFamily("kcoral_placement_bandwidth_bytes_per_second",
+                                      "Measured bandwidth of large run bodies to members")
+        bandwidth.add_metric([], r.bandwidth.value)
+        return [placements, saved, compiles, bandwidth]
