@@ -104,6 +104,15 @@ async def server(module_processes):
                                                 ready=SERVER_READY, env=server_env())
 
 
+@pytest.fixture(scope="module")
+def spin():
+    """(program, its iterations per second, x): the program that runs as long as it is told."""
+    from tests import programs  # JAX, for the tests that run programs only
+
+    program, _, x = programs.spin_program()
+    return program, programs.spin_iterations(1.0), x
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Show the recent output of every live child when a test fails."""

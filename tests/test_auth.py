@@ -5,7 +5,8 @@ Client authentication (L{kcoral.web.auth}):
    tokens file (comments, blank lines) and reads it again, keeping the
    tokens in force when the file turns bad; a Router's runs and node list
    need a client token while /health, /readyz and /metrics stay open and
-   node control keeps the node token; no refusal logs or quotes a token;
+   node control keeps the node token; a run without the token is refused
+   from its head, before its body; no refusal logs or quotes a token;
    the options that turn it on;
  - with real processes: a Router with a tokens file, a client with the
    right, a wrong and no token, C{kcoral status --token}, the file changed
@@ -41,10 +42,11 @@ from kcoral.web.auth import (
 )
 from tests.conftest import server_args, server_env
 from tests.harness import START_TIMEOUT, kcoral_argv, until
-from tests.httputil import request
+from tests.httputil import connect, fake_site, parse_raw, request
 from tests.test_routed import start_node, start_router
 from tests.test_router_app import TOKEN as NODE_TOKEN
 from tests.test_router_app import Router, assert_error
+from tests.test_spool import Bodies
 
 TOKEN = "client-t0ken.abc~+/=="
 OTHER = "another-client-token"
@@ -191,6 +193,26 @@ def test_the_client_token_admits_runs_and_the_node_list(guarded):
     assert_error(response, body, 503)
     response, body = guarded.json("GET", "/v1/nodes", headers=bearer(TOKEN))
     assert response.code == 200 and body == {"nodes": []}
+
+
+def test_a_run_without_the_token_is_refused_from_its_head(logged):
+    """A run guard answers a POST /v1/run without the token 401 from its head: no 100 Continue."""
+    resource = Bodies()
+    site = fake_site(Clock(), max_request_bytes=1 << 30, resource=resource,
+                     run_guard=TokenGuard.of([TOKEN], CLIENT_ROUTES))
+    head = (b"POST /v1/run?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 268435456\r\n"
+            b"Expect: 100-continue\r\nX-Request-ID: early-1\r\n")
+    channel, transport = connect(site)
+    channel.dataReceived(head + b"\r\n")
+    status, headers, body = parse_raw(transport.value())
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    assert headers["x-request-id"] == "early-1" and headers["connection"] == "close"
+    assert json.loads(body)["error"]["request_id"] == "early-1"
+    assert b"100 Continue" not in transport.value() and resource.requests == []
+    assert "refused a client request for early-1 with no token" in "\n".join(logged)
+    channel, transport = connect(site)
+    channel.dataReceived(head + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+    assert transport.value().startswith(b"HTTP/1.1 100 Continue")
 
 
 def test_health_readiness_and_metrics_stay_open(guarded):

@@ -15,6 +15,7 @@ from kcoral.router.proxy import Proxy
 from kcoral.router.queue import WaitQueue
 from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
+from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, FakeWorkers, node_report
 from tests.httputil import ForwardedRequest
 
@@ -43,7 +44,7 @@ class Routed:
     def forward(self, forwarder: Forwarder):
         """The outcome of one forward, settled: ('ok', answer) or ('failed', exception)."""
         done: list = []
-        d = forwarder.forward(ForwardedRequest(), b"run", None)
+        d = forwarder.forward(ForwardedRequest(), MemoryBody(b"run"), None)
         d.addCallbacks(lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
         self.client.flush()
         return d, done

@@ -23,6 +23,7 @@ from twisted.web.error import SchemeNotSupported
 
 from kcoral.logs import debug_enabled, start_console_logging
 from kcoral.router.proxy import NotSent, Proxy, _RunURL
+from kcoral.web.body import MemoryBody
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
 from tests.fakes import FakeWorker
 from tests.harness import until
@@ -189,7 +190,7 @@ async def test_a_503_from_a_worker_is_not_sent_and_says_why(peer, body, says):
     """A worker's 503 is NotSent, saying its reason or the start of its body."""
     url = f"http://127.0.0.1:{peer.serve(_Busy(body))}"
     with pytest.raises(NotSent) as caught:
-        await peer.proxy.forward(url, ForwardedRequest(), b"run")
+        await peer.proxy.forward(url, ForwardedRequest(), MemoryBody(b"run"))
     assert str(caught.value) == f"{url} turned it away with {says}"
 
 

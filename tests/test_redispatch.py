@@ -14,6 +14,7 @@ from kcoral.errors import NodeFailure
 from kcoral.protocol.wire import REDISPATCH_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.router.forward import asks_redispatch
 from kcoral.router.report import parse_report
+from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, node_report
 from tests.test_forward import Routed
 
@@ -30,7 +31,7 @@ class Redispatched:
 
 def forward(routed: Routed, forwarder, request):
     done: list = []
-    forwarder.forward(request, b"run", None).addCallbacks(
+    forwarder.forward(request, MemoryBody(b"run"), None).addCallbacks(
         lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
     routed.client.flush()
     return done

@@ -31,7 +31,6 @@ from twisted.web.client import HTTPConnectionPool
 
 from kcoral import AsyncClient, NodeFailure, ServerBusy
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
-from tests import programs
 from tests.harness import until
 from tests.httputil import post_run, request
 from tests.test_routed import (
@@ -61,13 +60,6 @@ TERMINATION_GRACE = 0.5
 NODE_OPTIONS = ("--capacity", "1", "--failure-threshold", str(FAILURE_THRESHOLD),
                 "--startup-grace-seconds", str(STARTUP_GRACE),
                 "--termination-grace-seconds", str(TERMINATION_GRACE))
-
-
-@pytest.fixture(scope="module")
-def spin():
-    """(program, iterations per second, x)."""
-    program, _, x = programs.spin_program()
-    return program, programs.spin_iterations(1.0), x
 
 
 @pytest_twisted.async_fixture(scope="module")

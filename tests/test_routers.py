@@ -25,7 +25,6 @@ from kcoral import AsyncClient, Client, NodeFailure
 from kcoral.client.exchange import Response
 from kcoral.client.failover import Failover, moves_on, urls_of
 from kcoral.protocol.wire import REDISPATCH_HEADER
-from tests import programs
 from tests.harness import until
 from tests.test_client_connection import Peer, ok
 from tests.test_routed import (
@@ -123,13 +122,6 @@ jax = pytest.importorskip("jax")
 NODE_OPTIONS = ("--capacity", "1", "--startup-grace-seconds", "10",
                 "--termination-grace-seconds", "0.5")
 NODES = ("ha-a", "ha-b")
-
-
-@pytest.fixture(scope="module")
-def spin():
-    """(program, iterations per second, x)."""
-    program, _, x = programs.spin_program()
-    return program, programs.spin_iterations(1.0), x
 
 
 @pytest_twisted.async_fixture(scope="module")

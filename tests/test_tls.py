@@ -393,19 +393,22 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
     issued = pki[certificate]
     port = await ListenAddress("127.0.0.1", 0, issued.cert, issued.key).endpoint(reactor).listen(
         Site(_Hello()))
+    from kcoral.web.body import MemoryBody
     from kcoral.web.outgoing import Outgoing
 
     outgoing = Outgoing(reactor, ca_path=pki["ca"].path)
     proxy = Proxy(outgoing.client)
     try:
         with pytest.raises(NotSent, match="TLS with"):
-            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", ForwardedRequest(), b"x")
+            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", ForwardedRequest(),
+                                MemoryBody(b"x"))
         # The same server, with the right certificate, takes the request.
         right = pki["node"]
         good = await ListenAddress("127.0.0.1", 0, right.cert, right.key).endpoint(reactor).listen(
             Site(_Hello()))
         try:
-            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", ForwardedRequest(), b"x")
+            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", ForwardedRequest(),
+                                         MemoryBody(b"x"))
             assert answer.code == 200 and answer.body == b"ran"
         finally:
             await good.stopListening()

@@ -40,6 +40,7 @@ from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
+from kcoral.web.body import MemoryBody, body_of
 from kcoral.web.directroute import DirectRoute
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -177,7 +178,7 @@ class RouterApp:
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
-            d = self.forwarder.forward(request, request.content.getvalue(), demand, devices, span)
+            d = self.forwarder.forward(request, body_of(request), demand, devices, span)
             d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
@@ -230,11 +231,13 @@ class RouterApp:
         return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
-        # A body this large may be spooled to a file: read, not getvalue().
-        request.content.seek(0)
-        data = request.content.read(MAX_CONTROL_BYTES + 1)
-        if len(data) > MAX_CONTROL_BYTES:
+        # A body past the bound may be in a file (spooled, or Twisted's own
+        # content under another Site): its length first, then its bytes.
+        body = body_of(request)
+        if body.length > MAX_CONTROL_BYTES:
             raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
+        assert isinstance(body, MemoryBody)  # a spooled one is past the bound
+        data = body.data
         try:
             return json.loads(data)
         except (ValueError, RecursionError):

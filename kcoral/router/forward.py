@@ -25,6 +25,7 @@ from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_SPAN, ISpan
+from kcoral.web.body import IBody
 
 log = Logger()
 
@@ -60,7 +61,7 @@ class Forwarder:
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
-    def forward(self, request, body: bytes, demand: Demand | None, devices: int = 1,
+    def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
                 span: ISpan = NO_SPAN):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
@@ -71,9 +72,9 @@ class Forwarder:
         it was sent, and not to be sent again).
 
         C{body} is the whole request body, which the Router's site has read
-        (within C{--max-request-bytes}) before the run gets here: sending it
-        again costs no copy, only that it stays in memory for the whole
-        forward, as it does for a run sent once.
+        (within C{--max-request-bytes}, a large one into a file) before the
+        run gets here: each attempt sends it again from its start, and it is
+        kept until the client has its answer.
         """
         rid = request.request_id
         arrived = self._clock.seconds()
@@ -123,7 +124,7 @@ class Forwarder:
                 forwarding.end()
             self._scheduler.pool.residency.settled(
                 member.held, demand, answer.code, answer.missing(),
-                self._clock.seconds() - leased, len(body))
+                self._clock.seconds() - leased, body.length)
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.

@@ -25,6 +25,7 @@ from twisted.web.http_headers import Headers
 from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.tracing import TRACEPARENT
+from kcoral.web.body import IBody
 from kcoral.web.outgoing import tls_problem
 
 log = Logger()
@@ -97,9 +98,10 @@ class Proxy:
         return parsed
 
     @inlineCallbacks
-    def forward(self, url: str, request, body: bytes, traceparent: bytes | None = None):
+    def forward(self, url: str, request, body: IBody, traceparent: bytes | None = None):
         """
-        The L{Answer} of the member at C{url} to C{body}, sent with
+        The L{Answer} of the member at C{url} to C{body} (sent afresh on each
+        call: a spooled body is read again from its start), sent with
         C{request}'s id and headers (and C{traceparent}, the span of this
         forward, in place of the client's); fails with L{NotSent} or L{NodeFailure}.
         Cancelling it closes the request to the member (or stops reading its
@@ -118,7 +120,7 @@ class Proxy:
             # A node's answer goes back as it is: never follow a redirect with
             # a program (and the body is read once, right here: no buffering).
             response = yield _cancelled_as_such(self._client.post(
-                self.run_url(url), data=body, headers=headers, allow_redirects=False,
+                self.run_url(url), data=body.send(), headers=headers, allow_redirects=False,
                 unbuffered=True))
             content = yield _cancelled_as_such(response.content())
         except CancelledError:

@@ -26,6 +26,7 @@ from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.site import KCoralSite
+from kcoral.web.spool import Spool
 
 log = Logger()
 
@@ -81,7 +82,9 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
                     max_redispatches=config.max_redispatches)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
-                      max_connections=_client_connections(connection_limit(), pool))
+                      max_connections=_client_connections(connection_limit(), pool),
+                      # It only forwards bodies: a large one need not stay in memory.
+                      spool=Spool(reactor), run_guard=app.client_guard)
     return app, site
 
 

@@ -100,7 +100,7 @@ class ServerService(service.MultiService):
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
-                          max_connections=connection_limit())
+                          max_connections=connection_limit(), run_guard=guard)
         address = ListenAddress.of(config)
         # A worker of a node with a token counts as secured: only its node
         # should reach it (doc/security.rst).

@@ -32,6 +32,8 @@ class KCoralChannel(http.HTTPChannel):
     transport: ITCPTransport | None
     _headerDeadline: IDelayedCall | None = None
     _lingering: IDelayedCall | None = None
+    #: The first line of the request whose head is being read, until it is whole.
+    _request_line = b""
 
     def connectionMade(self):
         super().connectionMade()
@@ -61,11 +63,22 @@ class KCoralChannel(http.HTTPChannel):
         assert self.transport is not None  # connectionLost cancels the deadline
         self.transport.loseConnection()
 
-    def headers_complete(self) -> None:
-        """The head of the request in progress is whole: its deadline is met."""
+    def lineReceived(self, line):
+        # Kept so that a request can be refused from its head alone, before
+        # Twisted hands it its method and path with the whole body.
+        if not self._request_line:  # an empty line before a request is skipped
+            self._request_line = line
+        super().lineReceived(line)
+
+    def headers_complete(self) -> tuple[bytes, bytes]:
+        """The head of the request in progress is whole: its deadline is met.
+        Its method and path (without the query)."""
         if self._headerDeadline is not None:
             self._headerDeadline.cancel()
             self._headerDeadline = None
+        line, self._request_line = self._request_line, b""
+        method, _, rest = line.partition(b" ")
+        return method, rest.partition(b" ")[0].partition(b"?")[0]
 
     def requestDone(self, request):
         super().requestDone(request)

@@ -1,23 +1,32 @@
 """
-KCoral's request: its body bounded while it arrives (L{kcoral.web.bounds}) and
-kept in memory, a request id on every answer, and every answer counted in the
-service's metrics.
+KCoral's request: its body bounded while it arrives (L{kcoral.web.bounds}),
+kept in memory or, when large and its site spools, in a temporary file
+(L{kcoral.web.spool}); a request id on every answer, and every answer
+counted in the service's metrics.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from twisted.internet.interfaces import IPushProducer
+from twisted.python.failure import Failure
 from twisted.web import http, server
 
-from kcoral.errors import KCoralError
+from kcoral.errors import InternalError, KCoralError
+from kcoral.web.body import IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 
+#: The one route refused from its head alone when its site has a run guard.
+RUN_PATH = b"/v1/run"
+
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
+    from kcoral.web.spool import SpoolWriter
 
 
 class RequestBody(io.BytesIO):
@@ -32,8 +41,12 @@ class KCoralRequest(server.Request):
     """
     A request whose body is refused (413, or 408 when it trickles in) as soon
     as it breaks its site's L{kcoral.web.bounds.BodyBounds}, without reading
-    or buffering the rest; bodies are kept in memory (they are bounded),
-    never in a temporary file, so no disk I/O happens on the reactor thread.
+    or buffering the rest. A body is kept in memory, unless its site has a
+    L{kcoral.web.spool.Spool} and it is larger than the spool's threshold:
+    then it is written to a file in threads while it arrives (never on the
+    reactor thread), and the request is processed once every write has
+    ended. Either way L{body} is the whole body; C{content} holds it only
+    when it is in memory.
     """
 
     channel: KCoralChannel
@@ -41,6 +54,9 @@ class KCoralRequest(server.Request):
     _refused = False
     _received = 0
     _started = None
+    _spooling: SpoolWriter | None = None
+    _body: IBody | None = None
+    _write: Callable[[bytes], object]
 
     @property
     def request_id(self) -> str:
@@ -53,15 +69,33 @@ class KCoralRequest(server.Request):
         channel = self.channel
         site = channel.site
         self._started = site.clock.seconds()
-        channel.headers_complete()
+        method, path = channel.headers_complete()
         error = site.bounds.refuse_length(length)
         if error is not None:
-            # Read by the channel once this returns: a client told to go on
-            # with a body already refused would send it for nothing.
-            self.requestHeaders.removeHeader(b"Expect")
             self._refuse(error)
             return
+        guard = site.run_guard
+        if guard is not None and path == RUN_PATH and method == b"POST":
+            # Refused before a byte of its body is read, let alone spooled.
+            answer = guard.refusal(self, self.request_id)
+            if answer is not None:
+                self._refuse_with(self.code, self._raw_answer(answer))
+                return
         self.content = RequestBody()
+        spool = site.spool
+        if spool is not None and (length is None or length > spool.threshold):
+            self._spooling = spool.writer(IPushProducer(channel.transport, None), self._spool_failed)
+            self._write = self._spooling.write
+        else:
+            self._write = self.content.write
+
+    @property
+    def body(self) -> IBody:
+        """The whole body, once the request has been received."""
+        if self._body is not None:
+            return self._body
+        assert self.content is not None  # a received request has one
+        return MemoryBody(self.content.getvalue())
 
     def handleContentChunk(self, data):
         if self._refused:
@@ -72,21 +106,69 @@ class KCoralRequest(server.Request):
         if error is not None:
             self._refuse(error)
             return
-        assert self.content is not None  # set by gotLength, which refused if not
-        self.content.write(data)
+        self._write(data)  # set by gotLength, which refused if not
 
     def _refuse(self, error: KCoralError) -> None:
+        self.channel.site.logger.warn("{request_id} refused: {message}",
+                                      request_id=self.request_id, message=error.message)
+        self._refuse_with(error.status, raw_error_response(error, self.request_id))
+
+    def _refuse_with(self, status: int, response: bytes) -> None:
+        """Answer C{response} (a whole HTTP response) at once, reading no more."""
+        # Read by the channel once gotLength returns: a client told to go on
+        # with a body already refused would send it for nothing.
+        self.requestHeaders.removeHeader(b"Expect")
         self._refused = True
         self.content = RequestBody()
-        site = self.channel.site
-        site.logger.warn("{request_id} refused: {message}", request_id=self.request_id,
-                         message=error.message)
-        site.metrics.observe(self.uri or b"other", error.status, 0.0)
-        self.channel.refuse(raw_error_response(error, self.request_id))
+        if self._spooling is not None:
+            self._spooling.discard()
+            self._spooling = None
+        self.channel.site.metrics.observe(self.uri or b"other", status, 0.0)
+        self.channel.refuse(response)
+
+    def _raw_answer(self, body: bytes) -> bytes:
+        """The whole HTTP response of C{body} with this request's status and
+        headers, for an answer given before Twisted's request machinery runs."""
+        head = [b"HTTP/1.1 %d %s" % (self.code, http.RESPONSES[self.code])]
+        self.setHeader(HEADER, self.request_id.encode())
+        for name, values in self.responseHeaders.getAllRawHeaders():
+            head.extend(name + b": " + value for value in values)
+        head.append(b"Connection: close")
+        return b"\r\n".join(head) + b"\r\n\r\n" + body
 
     def requestReceived(self, command, path, version):
-        if not self._refused:
+        if self._refused:
+            return
+        if self._spooling is None:
             super().requestReceived(command, path, version)
+            return
+        # The channel reads nothing more until this request is done: its
+        # processing may wait for the last writes.
+        d = self._spooling.finish()
+        d.addCallbacks(self._spooled, self._spool_failed, callbackArgs=(command, path, version))
+
+    def _spooled(self, body: IBody, command: bytes, path: bytes, version: bytes) -> None:
+        self._spooling = None
+        if self.channel is None:  # its client went away meanwhile
+            body.close()
+            return
+        self._body = body
+        self.notifyFinish().addBoth(lambda _: body.close())
+        super().requestReceived(command, path, version)
+
+    def _spool_failed(self, failure: Failure) -> None:
+        self._spooling = None
+        if self.channel is None or self._refused:
+            return
+        self.channel.site.logger.failure("{request_id} could not spool its body",
+                                         failure, request_id=self.request_id)
+        self._refuse(InternalError("could not buffer the request body"))
+
+    def connectionLost(self, reason):
+        if self._spooling is not None:
+            self._spooling.discard()
+            self._spooling = None
+        super().connectionLost(reason)
 
     def process(self):
         self.setHeader(HEADER, self.request_id.encode())

@@ -3,7 +3,8 @@ KCoral's Twisted C{Site}, composed of the pieces that each bound one thing
 C{twisted.web} itself leaves open:
 
  - L{kcoral.web.request}: a body refused while it arrives, past its
-   L{kcoral.web.bounds}; a request id and a metric on every answer;
+   L{kcoral.web.bounds}, and spooled to a file when large (L{kcoral.web.spool});
+   a request id and a metric on every answer;
  - L{kcoral.web.channel}: a deadline on each request head, a refusal that is
    answered before the connection closes;
  - L{kcoral.web.badrequest}: KCoral's JSON 400 for HTTP Twisted cannot parse;
@@ -21,11 +22,13 @@ from twisted.logger import Logger
 from twisted.protocols import policies
 from twisted.web import server
 
+from kcoral.web.auth import IGuard
 from kcoral.web.badrequest import JSONBadRequest
 from kcoral.web.bounds import BodyBounds
 from kcoral.web.channel import KCoralChannel
 from kcoral.web.connections import Connections, Refused
 from kcoral.web.request import KCoralRequest
+from kcoral.web.spool import Spool
 
 
 class KCoralSite(server.Site):
@@ -36,7 +39,8 @@ class KCoralSite(server.Site):
 
     def __init__(self, resource, *, metrics, max_request_bytes: int, log: Logger,
                  idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
-                 max_connections: int | Callable[[], int] | None = None):
+                 max_connections: int | Callable[[], int] | None = None,
+                 spool: Spool | None = None, run_guard: IGuard | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -48,6 +52,11 @@ class KCoralSite(server.Site):
             super().__init__(resource, timeout=idle_timeout, reactor=clock)
         self.metrics = metrics
         self.bounds = BodyBounds(max_request_bytes)
+        #: Where bodies over its threshold go; None: every body in memory.
+        self.spool = spool
+        #: What a C{POST /v1/run} must present, checked as soon as its head is
+        #: whole (its resource checks it again, under any site).
+        self.run_guard = run_guard
         self.header_timeout = header_timeout
         self.logger = log
         self.clock = clock if clock is not None else _globalReactor

@@ -1,0 +1,192 @@
+"""
+Request buffering on disk, as production proxies do it: a body over
+L{SPOOL_THRESHOLD} bytes is written, while it arrives, to an anonymous
+temporary file (in C{tempfile}'s directory: C{TMPDIR}, else the system's),
+so that a Router's memory does not grow by the size of each large body in
+flight. Smaller bodies stay in memory, untouched by any of this.
+
+The writes run in a small thread pool of their own, in order, never on the
+reactor thread; while more than L{WAITING_BYTES} wait to be written, the
+client's transport is paused, so what waits in memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import IO, Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+
+from kcoral.web.body import IBody, MemoryBody, SpooledBody
+
+#: Bodies larger than this go to a file (those of unknown length once they
+#: grow past it).
+SPOOL_THRESHOLD = 8 << 20
+#: Bytes received but not yet written beyond which the client is paused.
+WAITING_BYTES = 4 << 20
+#: Threads writing and reading spooled bodies: disk bandwidth, not threads,
+#: bounds them, and the reactor's own pool stays free for name lookups.
+SPOOL_THREADS = 2
+
+InThread = Callable[..., Deferred]
+
+
+class Serial:
+    """Runs calls with C{in_thread}, each once the one before has ended."""
+
+    def __init__(self, in_thread: InThread):
+        self._in_thread = in_thread
+        self._last: Deferred[None] = succeed(None)
+
+    def call(self, f: Callable[..., Any], *args: Any) -> Deferred:
+        """The result of C{f(*args)}, run in a thread after every earlier call."""
+        result: Deferred = Deferred()
+
+        def run(_):
+            d = self._in_thread(f, *args)
+            d.chainDeferred(result)
+            return d  # the next call waits for this one, failed or not
+
+        self._last.addCallback(run)
+        return result
+
+
+class Spool:
+    """Where a service's large bodies go: files of C{directory} (None: the
+    system's temporary directory), written by C{in_thread} (default: a pool
+    of L{SPOOL_THREADS} threads of C{reactor}'s, started when first needed)."""
+
+    def __init__(self, reactor, threshold: int = SPOOL_THRESHOLD, directory: str | None = None,
+                 in_thread: InThread | None = None):
+        self.threshold = threshold
+        self.directory = directory
+        self._reactor = reactor
+        self._in_thread = in_thread
+        self._pool: ThreadPool | None = None
+
+    def in_thread(self, f: Callable[..., Any], *args: Any) -> Deferred:
+        if self._in_thread is not None:
+            return self._in_thread(f, *args)
+        if self._pool is None:
+            self._pool = ThreadPool(0, SPOOL_THREADS, "kcoral-spool")
+            self._pool.start()
+            self._reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)
+        return deferToThreadPool(self._reactor, self._pool, f, *args)
+
+    def writer(self, producer: IPushProducer | None,
+               failed: Callable[[Failure], object]) -> SpoolWriter:
+        """A writer for one body, pausing C{producer} (its client's transport)
+        while writes lag; C{failed} is told of a write that failed."""
+        return SpoolWriter(self, producer, failed)
+
+
+def _write(file: IO[bytes] | None, directory: str | None, data: bytes) -> IO[bytes]:
+    if file is None:
+        file = tempfile.TemporaryFile(dir=directory)
+    file.write(data)
+    file.flush()  # it is read back by its descriptor (os.pread)
+    return file
+
+
+class SpoolWriter:
+    """
+    One body as it arrives: held in memory up to its spool's threshold, then
+    written to a file, one write in flight at a time with what arrived
+    meanwhile joined into the next.
+    """
+
+    def __init__(self, spool: Spool, producer: IPushProducer | None,
+                 failed: Callable[[Failure], object]):
+        self.length = 0
+        self._spool = spool
+        self._serial = Serial(spool.in_thread)
+        self._producer = producer
+        self._failed = failed
+        self._pending: list[bytes] = []
+        self._waiting = 0  # pending or being written
+        self._file: IO[bytes] | None = None
+        self._spilled = self._writing = self._paused = self._discarded = False
+        self._failure: Failure | None = None
+        self._done: Deferred[IBody] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._discarded:
+            return
+        self.length += len(data)
+        self._pending.append(data)
+        self._waiting += len(data)
+        if not self._spilled and self.length <= self._spool.threshold:
+            return
+        self._spilled = True
+        if not self._writing:
+            self._flush()
+        if self._waiting > WAITING_BYTES and not self._paused and self._producer is not None:
+            self._paused = True
+            self._producer.pauseProducing()
+
+    def _flush(self) -> None:
+        data = b"".join(self._pending)
+        self._pending = []
+        self._writing = True
+        d = self._serial.call(_write, self._file, self._spool.directory, data)
+        d.addCallbacks(self._written, self._write_failed, callbackArgs=(len(data),))
+
+    def _written(self, file: IO[bytes], size: int) -> None:
+        self._file = file
+        self._writing = False
+        self._waiting -= size
+        if self._discarded:
+            self._serial.call(file.close)
+            return
+        if self._pending:
+            self._flush()
+        if self._paused and self._waiting <= WAITING_BYTES:
+            self._paused = False
+            assert self._producer is not None  # paused only with one
+            self._producer.resumeProducing()
+        if not self._writing and self._done is not None:
+            done, self._done = self._done, None
+            done.callback(SpooledBody(file, self.length, self._serial))
+
+    def _write_failed(self, failure: Failure) -> None:
+        self._writing = False
+        self._failure = failure
+        self.discard()
+        if self._done is not None:
+            done, self._done = self._done, None
+            done.errback(failure)
+        else:
+            self._failed(failure)
+
+    def finish(self) -> Deferred[IBody]:
+        """The whole body, once every write has ended: in memory if it never
+        grew past the threshold, else in its file."""
+        if self._failure is not None:
+            return fail(self._failure)
+        if not self._spilled:
+            return succeed(MemoryBody(b"".join(self._pending)))
+        if not self._writing:  # so nothing is pending either
+            assert self._file is not None  # a write has ended
+            return succeed(SpooledBody(self._file, self.length, self._serial))
+        self._done = Deferred()
+        return self._done
+
+    def discard(self) -> None:
+        """The body will never be used (its client went away, or it was
+        refused): its file is closed once a write in progress has ended."""
+        if self._discarded:
+            return
+        self._discarded = True
+        self._pending = []
+        if self._paused:
+            # So that the connection reads (and drops) what its client sends.
+            self._paused = False
+            assert self._producer is not None
+            self._producer.resumeProducing()
+        if not self._writing and self._file is not None:
+            self._serial.call(self._file.close)
