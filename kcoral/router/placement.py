@@ -55,8 +55,8 @@ class Wait:
 
 
 #: A run waiting for a member: what content it needs (None: not known), the
-#: devices its program was exported for, and how long a free member has
-#: been left for it, in seconds.
+#: devices its program was exported for, and how long a member has stood
+#: free for it while no member took a run, in seconds.
 Run = tuple[Demand | None, int, float]
 
 
