@@ -171,12 +171,14 @@ def test_the_bound_on_load_spreads_long_runs_of_a_hot_program():
     assert sorted(placed[5:]) == ["worker1", "worker2", "worker3"]
 
 
-def test_until_a_run_is_measured_an_idle_member_beats_a_busy_warm_one():
-    """Before any run time is known, runs spread to idle members as least-loaded placement would."""
+def test_until_a_run_is_measured_runs_keep_to_their_warm_member():
+    """Before any run time is known, waiting behind a run counts nothing: runs of held
+    content fill their warm member, then wait for it as long as a cold placement costs."""
     world = World(2, 2)
-    assert world.pool.residency.run_seconds.value == float("inf")
-    first, second = place(world, Demand(P), 2)
-    assert first != second
+    world.ran("worker0", weights(P, W1))
+    assert world.pool.residency.run_seconds.value == 0.0
+    assert place(world, weights(P, W1), 2) == ["worker0"] * 2
+    assert world.pick(weights(P, W1)) == Wait(pytest.approx(16 * MIB / 1e8 + 1.0))
 
 
 def test_two_long_runs_use_both_idle_members():
@@ -313,20 +315,6 @@ def test_a_member_left_free_while_no_run_moves_takes_the_oldest_run():
     assert not second.called
     world.clock.advance(0.2)
     assert second.result.member.name == "worker1"
-
-
-def test_until_a_run_is_measured_a_run_waits_for_its_warm_member_rather_than_a_busy_cold_one():
-    """With no run time known, a run waits for its full warm member rather than share a busy
-    cold one, and gets the warm member when it frees."""
-    world = World(2, 2)
-    world.pool.residency.placed(world.member("worker0").held, weights(P, W1))
-    leases = [Lease(world.member("worker0"), world.scheduler) for _ in range(2)]
-    Lease(world.member("worker1"), world.scheduler)
-    waiting = world.scheduler.acquire(weights(P, W1))
-    world.clock.advance(60)
-    assert not waiting.called
-    leases[0].release()
-    assert waiting.result.member.name == "worker0"
 
 
 def test_a_younger_run_takes_the_member_an_older_one_declines(world):
@@ -505,10 +493,10 @@ def test_large_bodies_measure_the_bandwidth(world):
 
 def test_small_bodies_measure_the_run_seconds_but_not_a_compile(world):
     """Run seconds are measured from small bodies' runs; the first run after a cold placement,
-    which compiled, is left out, and the first measured run replaces the unknown value."""
+    which compiled, is left out, and the first measured run replaces the initial guess."""
     residency = world.pool.residency
     world.ran("worker0", Demand(P), seconds=2.0)  # placed cold: it compiled
-    assert residency.run_seconds.value == float("inf")
+    assert residency.run_seconds.value == 0.0
     world.ran("worker0", Demand(P), seconds=0.01)
     assert residency.run_seconds.value == 0.01
     world.ran("worker0", Demand(P), sent=64 * MIB, seconds=0.5)

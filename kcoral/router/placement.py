@@ -15,12 +15,13 @@ for each run it is busy with or that waits for it, per slot). That is
 consistent hashing with bounded loads, the bound in seconds: a warm member
 takes a program's runs while waiting behind them costs less than a cold
 start elsewhere, so runs of a few milliseconds keep to their caches, and
-runs as long as a compile spread to idle members. Until a run has been
-measured the delay of a busy member is unbounded: idle members take runs
-first, and a run whose warm member is full waits for it rather than share a
-busy cold one. Ties go to the least loaded, then to the warmest, then to
-where the run's content hashes highest (rendezvous hashing): content no
-member holds has a stable home, and its next runs find their caches there.
+runs as long as a compile spread to idle members. A member still compiling
+the run's program (a run was placed there for it and has not answered) costs
+the compile, so runs of a new program that arrive together spread over idle
+members. Until a run has been measured, waiting behind one counts nothing.
+Ties go to the least loaded, then to the warmest, then to where the run's
+content hashes highest (rendezvous hashing): content no member holds has a
+stable home, and its next runs find their caches there.
 
 When the cheapest member for a run is full, the run waits for it, for as
 long as the wait was expected to save (the cheapest free member's cost less
@@ -135,14 +136,9 @@ class Affinity:
             full = _owning(full_all, devices)
             if full:
                 warm, wait = self._cheapest(full, demand, ahead)
-                # Cost first, then warmth: with no run measured yet, every
-                # busy member's cost is unbounded, and a busy cold member is
-                # no better than waiting for a warm one.
-                if (wait[0], wait[2:4]) < (cost[0], cost[2:4]):
+                if wait < cost:
                     ahead[warm] = ahead.get(warm, 0) + 1
-                    if math.isinf(cost[0]):
-                        continue  # waits for a member to free, however long
-                    left = cost[0] - wait[0] - waited
+                    left = cost - wait - waited
                     if left <= 0:
                         cold = cold or (index, best)
                     else:
@@ -154,11 +150,10 @@ class Affinity:
         return Wait(patience) if patience is not None else None
 
     def _cheapest(self, members: Sequence[Member], demand: Demand,
-                  ahead: dict[Member, int]) -> tuple[Member, tuple]:
+                  ahead: dict[Member, int]) -> tuple[Member, float]:
         """The member of C{members} where C{demand} is expected to be done
-        soonest, and its key: the cost in seconds, then (for ties) the load,
-        the warmth (program, input bytes) and where the run's content hashes
-        highest, each negated where more is better."""
+        soonest, and its cost in seconds: ties go to the least loaded, then
+        to the warmest, then to where the run's content hashes highest."""
         best, best_key = members[0], None
         for member in members:
             held = member.held
@@ -169,13 +164,13 @@ class Affinity:
             if best_key is None or key < best_key:
                 best, best_key = member, key
         assert best_key is not None
-        return best, best_key
+        return best, best_key[0]
 
     def _delay(self, load: float) -> float:
         """Seconds a run is expected to lose to the runs a member is busy
         with and those queued for it, C{load} runs a slot: a run's measured
-        seconds for each; unbounded until one is measured."""
-        return load and load * self._residency.run_seconds.value
+        seconds for each."""
+        return load * self._residency.run_seconds.value
 
     def _cold_cost(self, demand: Demand, member: Member) -> float:
         """Seconds that placing C{demand} on C{member} costs in transfers and compiles."""

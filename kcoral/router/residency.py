@@ -15,7 +15,6 @@ a 409 from the member forgets what it names at once, and a restarted worker
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import attrs
@@ -181,20 +180,21 @@ def _trim(entries: dict) -> None:
 
 
 class Estimate:
-    """An exponentially weighted mean of observations; C{initial} until the
-    first, which replaces an infinite C{initial} (nothing known) outright."""
+    """An exponentially weighted mean of observations; C{initial}, a guess,
+    until the first, which replaces it."""
 
-    __slots__ = ("_weight", "value")
+    __slots__ = ("_measured", "_weight", "value")
 
     def __init__(self, initial: float, weight: float = 0.2):
         self.value = initial
         self._weight = weight
+        self._measured = False
 
     def observe(self, value: float) -> None:
-        if math.isinf(self.value):
-            self.value = value
-        else:
+        if self._measured:
             self.value += self._weight * (value - self.value)
+        else:
+            self.value, self._measured = value, True
 
 
 #: Bodies smaller than this say little about bandwidth: their time is mostly
@@ -218,9 +218,10 @@ class Residency:
         self.bandwidth = Estimate(1e8)  # a Python proxy's pace, until measured
         self.compile_seconds = Estimate(1.0)
         #: Seconds a run holds a member's slot when its inputs were there
-        #: already (small bodies): what a run queued behind it waits. Not
-        #: known at first, so placement spreads until a run is measured.
-        self.run_seconds = Estimate(math.inf)
+        #: already (small bodies): what a run queued behind it waits. Until
+        #: one is measured, waiting counts nothing: runs keep to their
+        #: content, and only a compile under way spreads them.
+        self.run_seconds = Estimate(0.0)
         #: Placements that found all their content (by the Router's belief), or not.
         self.hits = 0
         self.misses = 0
