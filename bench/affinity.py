@@ -359,13 +359,15 @@ def verdict(rows: list[dict]) -> list[str]:
     def p99(way: str) -> float:
         return max(r["p99_ms"] for r in rows if r["way"] == way)
 
+    def ratio(key: str) -> str:
+        more, fewer = total("least-loaded", key), total("affinity", key)
+        return f"{more / fewer:.1f}x" if fewer else f"{more:.0f} / 0"
+
     haproxy = max(WAYS[2:], key=rate)
-    resent = total("least-loaded", "resent_mb") / max(total("affinity", "resent_mb"), 1e-9)
-    compiles = total("least-loaded", "compiles") / max(total("affinity", "compiles"), 1e-9)
     speed = rate("affinity") / rate(haproxy)
     return [
-        f"re-sent bytes, least-loaded / affinity: {resent:.1f}x (target >= {TARGET_RESENT_RATIO:g}x)",
-        f"compiles, least-loaded / affinity: {compiles:.1f}x (target >= {TARGET_COMPILE_RATIO:g}x)",
+        f"re-sent MB, least-loaded / affinity: {ratio('resent_mb')} (target >= {TARGET_RESENT_RATIO:g}x)",
+        f"compiles, least-loaded / affinity: {ratio('compiles')} (target >= {TARGET_COMPILE_RATIO:g}x)",
         f"throughput, affinity / {haproxy}: {speed:.2f}x (target >= {TARGET_THROUGHPUT_RATIO:g}x)",
         (f"worst p99, affinity {p99('affinity'):.1f} ms, {haproxy} {p99(haproxy):.1f} ms "
          "(target: no worse)"),
