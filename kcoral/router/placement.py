@@ -152,32 +152,28 @@ class Affinity:
     def _cheapest(self, members: Sequence[Member], demand: Demand,
                   ahead: dict[Member, int]) -> tuple[Member, float]:
         """The member of C{members} where C{demand} is expected to be done
-        soonest, and its cost in seconds: ties go to the least loaded, then
-        to the warmest, then to where the run's content hashes highest."""
+        soonest, and its cost in seconds: the input bytes it lacks at the
+        measured bandwidth, a measured compile unless it has compiled the
+        program, and a measured run for each run a slot that it is busy
+        with or that waits for it. Ties go to the least loaded, then to the
+        warmest, then to where the run's content hashes highest."""
+        r = self._residency
         best, best_key = members[0], None
         for member in members:
             held = member.held
             load = (member.active + ahead.get(member, 0)) / max(member.capacity, 1)
-            key = (self._cold_cost(demand, member) + self._delay(load), load,
-                   -held.compiled(demand.program), -held.held_bytes(demand),
-                   -_affinity(demand.home, member))
-            if best_key is None or key < best_key:
+            compiled = held.compiled(demand.program)
+            stored = held.held_bytes(demand)
+            cost = ((demand.nbytes - stored) / r.bandwidth.value
+                    + (0.0 if compiled else r.compile_seconds.value)
+                    + load * r.run_seconds.value)
+            key = (cost, load, -compiled, -stored)
+            # The hash only breaks ties: most choices need none.
+            if best_key is None or key < best_key or key == best_key and \
+                    _affinity(demand.home, member) > _affinity(demand.home, best):
                 best, best_key = member, key
         assert best_key is not None
         return best, best_key[0]
-
-    def _delay(self, load: float) -> float:
-        """Seconds a run is expected to lose to the runs a member is busy
-        with and those queued for it, C{load} runs a slot: a run's measured
-        seconds for each."""
-        return load * self._residency.run_seconds.value
-
-    def _cold_cost(self, demand: Demand, member: Member) -> float:
-        """Seconds that placing C{demand} on C{member} costs in transfers and compiles."""
-        r = self._residency
-        missing = demand.nbytes - member.held.held_bytes(demand)
-        compile = 0.0 if member.held.compiled(demand.program) else r.compile_seconds.value
-        return missing / r.bandwidth.value + compile
 
 
 def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
