@@ -11,6 +11,7 @@ reactor, for the integration tests.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -322,3 +323,9 @@ def start_jax(gpus: str):
             os.environ[PREALLOCATE] = before
     jax.config.update("jax_default_device", device)
     return device
+
+
+def write_results(results: object, path: str | None) -> None:
+    """C{results} as JSON in the file C{path}, where one is given (--json)."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")

@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child import KCoralChild, child_environment, start_jax, until  # noqa: E402
+from child import KCoralChild, child_environment, start_jax, until, write_results  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from router import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready  # noqa: E402
 from server import programs  # noqa: E402
@@ -642,8 +642,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.json)
     return 0
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from child import KCoralChild  # noqa: E402
+from child import KCoralChild, write_results  # noqa: E402
 from procstat import OutsideLoad, cpu_seconds  # noqa: E402
 
 TARGET_RUN_SECONDS = 0.05
@@ -335,8 +335,7 @@ def main() -> int:
     one, two = results["throughput"][0], results["throughput"][2]
     results["scaling"] = two["runs_per_second"] / one["runs_per_second"]
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.json)
     return 0
 
 

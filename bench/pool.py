@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
+from child import write_results  # noqa: E402
 from kcoral._version import __version__  # noqa: E402
 from kcoral.protocol.wire import (  # noqa: E402
     PROGRAM_HEADER,
@@ -352,8 +353,7 @@ def main() -> int:
         print(f"{count} nodes ...", flush=True)
         results["rows"].append(asyncio.run(measure_pool(count, args, count == rss_at)))
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.json)
     return 0
 
 

@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child import KCoralChild, start_jax  # noqa: E402
+from child import KCoralChild, start_jax, write_results  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 
@@ -506,8 +506,7 @@ def main() -> int:
             service.stop()
 
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.json)
     return 0
 
 

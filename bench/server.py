@@ -26,7 +26,6 @@ C{doc/benchmarks.rst} records the results.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from child import KCoralChild, start_jax  # noqa: E402  (bench/child.py)
+from child import KCoralChild, start_jax, write_results  # noqa: E402  (bench/child.py)
 from procstat import cpu_seconds  # noqa: E402
 
 TARGET_ADDED_MS = 1.0
@@ -307,8 +306,7 @@ def main() -> int:
 
     results["load_after"] = os.getloadavg()[0]
     report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.json)
     return 0
 
 
