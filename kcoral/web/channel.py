@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from twisted.internet.interfaces import IDelayedCall, ITCPTransport
+from twisted.internet.interfaces import IDelayedCall, ISSLTransport, ITCPTransport
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -91,7 +91,11 @@ class KCoralChannel(http.HTTPChannel):
         transport = self.transport
         assert transport is not None  # called from the connection's own dataReceived
         transport.write(response)
-        loseWrite = getattr(transport, "loseWriteConnection", None)
+        # TLS has no half-close: a TLS transport's loseWriteConnection would be
+        # its TCP connection's (a protocol wrapper passes unknown names on),
+        # closing the socket under TLS's own records.
+        tls = ISSLTransport.providedBy(transport)
+        loseWrite = None if tls else getattr(transport, "loseWriteConnection", None)
         if loseWrite is not None:
             loseWrite()
         else:
