@@ -21,8 +21,12 @@ from tests.test_node_multi import node_args
 from tests.test_node_multi import start_node as start_standalone
 from tests.test_routed import pool_nodes, start_node, start_router, until_ready
 
+# A GPU run (KCORAL_TEST_GPUS) gives each worker one GPU and compares with JAX
+# on that GPU: these programs need workers of two host devices and a CPU
+# reference, which only a CPU run has (as CI's is).
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(bool(TEST_GPUS), reason="two host devices per worker: the CPU")]
+              pytest.mark.skipif(bool(TEST_GPUS), reason="workers of two host devices need a CPU run, "
+                                                         "not KCORAL_TEST_GPUS")]
 
 jax = pytest.importorskip("jax")
 
