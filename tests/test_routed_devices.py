@@ -15,20 +15,18 @@ from twisted.internet.threads import deferToThread
 
 from kcoral import Client, ProgramRejected
 from tests import conformance
-from tests.conftest import TEST_GPUS
 from tests.test_conformance import assert_identical
 from tests.test_node_multi import node_args
 from tests.test_node_multi import start_node as start_standalone
 from tests.test_routed import pool_nodes, start_node, start_router, until_ready
 
-# A GPU run (KCORAL_TEST_GPUS) gives each worker one GPU and compares with JAX
-# on that GPU: these programs need workers of two host devices and a CPU
-# reference, which only a CPU run has (as CI's is).
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(bool(TEST_GPUS), reason="workers of two host devices need a CPU run, "
-                                                         "not KCORAL_TEST_GPUS")]
+pytestmark = pytest.mark.integration
 
 jax = pytest.importorskip("jax")
+
+
+#: Workers of host devices, whatever the run's KCORAL_TEST_GPUS says.
+ON_THE_CPU = ("--gpus", "none")
 
 
 def case(name: str) -> conformance.Case:
@@ -46,8 +44,10 @@ def refused(url: str, program) -> ProgramRejected:
 async def test_a_router_sends_a_two_device_program_to_a_two_device_worker(processes):
     """Through a Router a two-device program runs, as in process bit for bit, only where a worker owns two."""
     router = await start_router(processes)
-    await start_node(processes, router.url, "one")
-    await start_node(processes, router.url, "two", "--devices-per-worker", "2")
+    # Host devices, even in a GPU run (KCORAL_TEST_GPUS): the test process's
+    # JAX, the reference, has two of them (tests/conftest.py).
+    await start_node(processes, router.url, "one", *ON_THE_CPU)
+    await start_node(processes, router.url, "two", *ON_THE_CPU, "--devices-per-worker", "2")
     nodes = await until_ready(router, "one", "two")
     assert [w["devices"] for w in nodes["one"]["workers"]] == [1]
     assert [w["devices"] for w in nodes["two"]["workers"]] == [2]
