@@ -24,7 +24,7 @@ from twisted.web.client import (
 )
 
 from kcoral.client.exchange import Response, RunCall, Send, exchange
-from kcoral.client.failover import Failover, moves_on, urls_of
+from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
@@ -86,11 +86,7 @@ class AsyncClient:
             try:
                 response = yield self._request_at(url, method, path, send)
             except NodeFailure as e:
-                # Lost after it was sent: only a run allowed to run twice is
-                # sent again (here, or where the last Router in reach is).
-                if not (self.redispatch and send is not None):
-                    raise
-                response = Response(None, problem=str(e))
+                response = after_loss(e, self.redispatch and send is not None)
             if not moves_on(response):
                 break
         return response

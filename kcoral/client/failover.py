@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from kcoral.client.exchange import Response
-from kcoral.errors import error_from_answer
+from kcoral.errors import NodeFailure, error_from_answer
 
 T = TypeVar("T")
 
@@ -33,6 +33,17 @@ def moves_on(response: Response) -> bool:
         return True
     return response.status == 503 and \
         error_from_answer(response.status, response.body).reason == "draining"
+
+
+def after_loss(failure: NodeFailure, may_run_twice: bool) -> Response:
+    """
+    What a request lost after it was sent counts as: it may have run, so only
+    a run allowed to run twice goes on (here to the next URL, where the last
+    Router in reach is); anything else fails with C{failure}.
+    """
+    if not may_run_twice:
+        raise failure
+    return Response(None, problem=str(failure))
 
 
 class Failover(Generic[T]):

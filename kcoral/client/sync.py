@@ -22,7 +22,7 @@ import attrs
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import Response, RunCall, Send, exchange
-from kcoral.client.failover import Failover, moves_on, urls_of
+from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
@@ -140,11 +140,7 @@ class Client:
             try:
                 response = self._request_at(endpoint, method, path, send, deadline)
             except NodeFailure as e:
-                # Lost after it was sent: only a run allowed to run twice is
-                # sent again (here, or where the last Router in reach is).
-                if not (self.redispatch and send is not None):
-                    raise
-                response = Response(None, problem=str(e))
+                response = after_loss(e, self.redispatch and send is not None)
             if not moves_on(response):
                 break
         return response
