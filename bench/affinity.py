@@ -15,6 +15,10 @@ in front of the same four workers, with ``balance leastconn`` and with
 ``balance hdr(X-KCoral-Program)`` and ``hash-type consistent`` (the best a
 generic proxy can do: it keeps a program on one worker, but knows nothing of
 its weights), each server's ``maxconn`` its capacity, the rest queued.
+The fifth way is the floor under the Router: ``bench/bare_proxy.py``, the
+Router's HTTP stack (Twisted's server and treq) with nothing else of it,
+hashing the program header as HAProxy does; what it falls short of HAProxy
+is the stack's cost, not KCoral's.
 
 Two workloads, one after the other, each with 16 closed-loop clients (two
 a program or weight set), each client on a keep-alive connection of its
@@ -32,8 +36,11 @@ clients sent (the workers receive exactly these: every front forwards a
 body unchanged, and a 409 goes back to the client, which sends again), the
 weight bytes among them beyond each client's first upload of its weights
 ("re-sent"), the 409s and compiles the workers counted (their ``/metrics``),
-runs per second over the workload's wall time, and the p50 and p99 of a
-run's latency, its resend after a 409 included.
+runs per second over the workload's wall time, the p50 and p99 of a
+run's latency, its resend after a 409 included, and the CPU time per run of
+the front (the Router, HAProxy or the floor) and of the four workers
+together: on a machine whose cores they share, the front's CPU is taken
+from the workers'.
 
 The exit status is 0 whatever the numbers; ``doc/benchmarks.rst``
 ("Affinity") records the results.
@@ -61,6 +68,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from child import ChildFailed, KCoralChild, start_jax, until  # noqa: E402
+from procstat import cpu_seconds  # noqa: E402
+from router import start_bare_proxy  # noqa: E402  (bench/router.py)
 from server import percentile  # noqa: E402  (bench/server.py)
 
 MIB = 1 << 20
@@ -70,7 +79,10 @@ SETS = 8
 NODES = 2
 WORKERS_PER_NODE = 2
 CAPACITY = 2
-WAYS = ("affinity", "least-loaded", "haproxy leastconn", "haproxy hdr consistent")
+WAYS = ("affinity", "least-loaded", "haproxy leastconn", "haproxy hdr consistent",
+        "twisted hdr hash")
+#: The ways a generic proxy does it, the better of which affinity's target is set against.
+HAPROXY_WAYS = ("haproxy leastconn", "haproxy hdr consistent")
 TARGET_RESENT_RATIO = 10.0
 TARGET_COMPILE_RATIO = 3.0
 TARGET_THROUGHPUT_RATIO = 1.3
@@ -84,14 +96,17 @@ def start_router(routing: str) -> KCoralChild:
                        {"url": r"kcoral router listening on (http://\S+)"}, name="router")
 
 
-def start_node(router_url: str, index: int) -> tuple[KCoralChild, list[str]]:
+def start_node(router_url: str, index: int) -> tuple[KCoralChild, list[str], list[int]]:
+    """A node of L{WORKERS_PER_NODE} CPU workers: it, their URLs and their pids."""
     names = [f"worker{i}" for i in range(WORKERS_PER_NODE)]
+    ready = {name: rf"{name} is ready at (http://\S+)" for name in names}
+    ready.update({f"{name} pid": rf"{name} started \(pid (\d+)\)" for name in names})
     node = KCoralChild(["server", "--router", router_url, "--node-id", f"node{index}",
                         "--port", "0", "--gpus", "none", "--cpu-workers", str(WORKERS_PER_NODE),
                         "--capacity", str(CAPACITY), "--health-interval-seconds", "0.5"],
-                       {name: rf"{name} is ready at (http://\S+)" for name in names},
-                       name=f"node{index}")
-    return node, [node.found[name] for name in names]
+                       ready, name=f"node{index}")
+    return (node, [node.found[name] for name in names],
+            [int(node.found[f"{name} pid"]) for name in names])
 
 
 def free_port() -> int:
@@ -289,38 +304,51 @@ def drive(url: str, calls, runs: int) -> dict:
 # -- one way of routing ------------------------------------------------------------------
 
 def measure(way: str, loads, runs: int, directory: Path) -> list[dict]:
-    routing = way if not way.startswith("haproxy") else "least-loaded"
+    routing = way if way in ("affinity", "least-loaded") else "least-loaded"
     router = start_router(routing)
-    nodes, proxy = [], None
+    nodes, proxy, floor = [], None, None
     try:
-        workers = []
+        workers, pids = [], []
         for i in range(NODES):
-            node, urls = start_node(router.found["url"], i)
+            node, urls, worker_pids = start_node(router.found["url"], i)
             nodes.append(node)
             workers += urls
+            pids += worker_pids
         capacity = NODES * WORKERS_PER_NODE * CAPACITY
         until(lambda: _router_capacity(router.found["url"]) == capacity, "the pool ready",
               timeout=120)
-        front = router.found["url"]
+        front, front_pid = router.found["url"], router.process.pid
         if way.startswith("haproxy"):
             proxy = HAProxy(workers, "leastconn" if "leastconn" in way else "hdr(X-KCoral-Program)",
                             directory)
-            front = proxy.url
+            front, front_pid = proxy.url, proxy.process.pid
+        elif way == "twisted hdr hash":
+            # The floor under the Router on this workload: the Router's
+            # HTTP stack and nothing else of it, hashing the program header
+            # as HAProxy does, at most each worker's capacity at a time.
+            floor = start_bare_proxy(workers, capacity=CAPACITY)
+            front, front_pid = floor.found["url"], floor.process.pid
         rows = []
         for name, calls in loads:
             before = worker_counts(workers)
+            cpu = [cpu_seconds(front_pid), sum(map(cpu_seconds, pids))]
             row = drive(front, calls, runs)
+            front_cpu, workers_cpu = (
+                1000 * (now - then) / row["runs"]
+                for now, then in zip([cpu_seconds(front_pid), sum(map(cpu_seconds, pids))], cpu))
             after = worker_counts(workers)
-            row.update({key: after[key] - before[key] for key in after}, way=way, workload=name)
-            if not way.startswith("haproxy"):
+            row.update({key: after[key] - before[key] for key in after}, way=way, workload=name,
+                       front_cpu_ms=front_cpu, workers_cpu_ms=workers_cpu)
+            if way in ("affinity", "least-loaded"):
                 samples = scrape(router.found["url"])
                 row["hits"] = samples.get(("kcoral_placements_total", (("cache", "hit"),)), 0.0)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         return rows
     finally:
-        if proxy is not None:
-            proxy.stop()
+        for child in (floor, proxy):
+            if child is not None:
+                child.stop()
         for node in nodes:
             node.stop()
         router.stop()
@@ -337,12 +365,13 @@ def _router_capacity(url: str) -> int:
 
 def table(rows: list[dict]) -> str:
     head = ("way", "workload", "runs", "sent MB", "re-sent MB", "409s", "compiles", "runs/s",
-            "p50 ms", "p99 ms")
+            "p50 ms", "p99 ms", "front CPU ms/run", "workers CPU ms/run")
     lines = [head]
     for r in rows:
         lines.append((r["way"], r["workload"], str(r["runs"]), f"{r['sent_mb']:.0f}",
                       f"{r['resent_mb']:.0f}", f"{r['conflicts']:.0f}", f"{r['compiles']:.0f}",
-                      f"{r['runs_per_second']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}"))
+                      f"{r['runs_per_second']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                      f"{r['front_cpu_ms']:.2f}", f"{r['workers_cpu_ms']:.2f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     rule = "  ".join("=" * w for w in widths)
     body = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
@@ -363,15 +392,20 @@ def verdict(rows: list[dict]) -> list[str]:
         more, fewer = total("least-loaded", key), total("affinity", key)
         return f"{more / fewer:.1f}x" if fewer else f"{more:.0f} / 0"
 
-    haproxy = max(WAYS[2:], key=rate)
+    haproxy = max(HAPROXY_WAYS, key=rate)
     speed = rate("affinity") / rate(haproxy)
-    return [
+    lines = [
         f"re-sent MB, least-loaded / affinity: {ratio('resent_mb')} (target >= {TARGET_RESENT_RATIO:g}x)",
         f"compiles, least-loaded / affinity: {ratio('compiles')} (target >= {TARGET_COMPILE_RATIO:g}x)",
         f"throughput, affinity / {haproxy}: {speed:.2f}x (target >= {TARGET_THROUGHPUT_RATIO:g}x)",
         (f"worst p99, affinity {p99('affinity'):.1f} ms, {haproxy} {p99(haproxy):.1f} ms "
          "(target: no worse)"),
     ]
+    if "twisted hdr hash" in {r["way"] for r in rows}:
+        floor = rate("twisted hdr hash")
+        lines.append(f"the floor, twisted hdr hash / {haproxy}: {floor / rate(haproxy):.2f}x; "
+                     f"affinity / the floor: {rate('affinity') / floor:.2f}x")
+    return lines
 
 
 def main() -> None:
@@ -399,7 +433,7 @@ def main() -> None:
     print(f"{CLIENTS} clients, {runs} runs each per workload; {NODES} nodes x "
           f"{WORKERS_PER_NODE} CPU workers, capacity {CAPACITY}\n")
     print(table(rows))
-    if set(WAYS) <= set(ways):
+    if {"affinity", "least-loaded", *HAPROXY_WAYS} <= set(ways):
         print()
         print("\n".join(verdict(rows)))
     if args.json:

@@ -2,13 +2,18 @@
 Proxies with nothing of the Router in them, for ``bench/router.py --bare``
 to measure side by side with the Router.
 
-    python bench/bare_proxy.py WORKER_URL [--plain]
+    python bench/bare_proxy.py WORKER_URL[,WORKER_URL...] [--plain] [--capacity N]
 
-Each sends every ``POST /v1/run`` to the one worker at WORKER_URL, over a
-persistent connection pool, and its answer back, and does nothing else a
-Router does: no queue, no capacity accounting, no request ids, metrics or
-logs, no cancellation when a client leaves, no failure classification, no
-bounds. Both run on Twisted's HTTP server and treq, as the Router does:
+Each sends every ``POST /v1/run`` to a worker, over a persistent connection
+pool, and its answer back, and does nothing else a Router does: no queue, no
+capacity accounting, no request ids, metrics or logs, no cancellation when a
+client leaves, no failure classification, no bounds. With several workers a
+run goes to the one its ``X-KCoral-Program`` header hashes highest with
+(rendezvous hashing: HAProxy's ``balance hdr(X-KCoral-Program)``, for
+``bench/affinity.py``). With ``--capacity N`` it sends a worker at most N
+runs at a time, the rest waiting in the proxy (a ``DeferredSemaphore`` a
+worker), the bound the Router keeps and HAProxy's ``maxconn``. Both run on
+Twisted's HTTP server and treq, as the Router does:
 
 - by default, with the outgoing client the Router uses
   (``kcoral.web.outgoing.Outgoing`` and its parsed member URL) and its
@@ -18,11 +23,13 @@ bounds. Both run on Twisted's HTTP server and treq, as the Router does:
   on an ``Agent``): what the stack costs before KCoral's tuning of it.
 """
 
+import hashlib
 import sys
 from pathlib import Path
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
+from twisted.internet.defer import DeferredSemaphore
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
@@ -34,16 +41,25 @@ from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.proxy import Proxy
 from kcoral.web.outgoing import MAX_PER_HOST, Outgoing
 
-_FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode())
+_PROGRAM = PROGRAM_HEADER.encode()
+_FORWARDED = (b"Content-Type", _PROGRAM)
 
 
 class BareProxy(resource.Resource):
     isLeaf = True
 
-    def __init__(self, client: HTTPClient, url):
+    def __init__(self, client: HTTPClient, urls, capacity: int | None = None):
         super().__init__()
         self._client = client
-        self._url = url
+        self._urls = urls
+        self._slots = None if capacity is None else {
+            url: DeferredSemaphore(capacity) for url in urls}
+
+    def _url(self, program: bytes | None):
+        if len(self._urls) == 1 or program is None:
+            return self._urls[0]
+        return max(self._urls, key=lambda url: hashlib.blake2b(
+            program + str(url).encode(), digest_size=8).digest())
 
     def render_POST(self, request):
         headers = Headers()
@@ -51,14 +67,23 @@ class BareProxy(resource.Resource):
             value = request.requestHeaders.getRawHeaders(name)
             if value:
                 headers.setRawHeaders(name, value[:1])
-        outgoing = self._client.post(self._url, data=request.content.read(), headers=headers,
-                                     allow_redirects=False, unbuffered=True)
+        url = self._url(request.getHeader(_PROGRAM))
+        data = request.content.read()
 
-        def answer(response):
+        def exchange():
+            d = self._client.post(url, data=data, headers=headers, allow_redirects=False,
+                                  unbuffered=True)
+            return d.addCallback(lambda response: response.content().addCallback(
+                lambda content: (response, content)))
+
+        outgoing = exchange() if self._slots is None else self._slots[url].run(exchange)
+
+        def answer(got):
+            response, content = got
             request.setResponseCode(response.code)
             for value in response.headers.getRawHeaders(b"Content-Type", [])[:1]:
                 request.setHeader(b"Content-Type", value)
-            return response.content()
+            return content
 
         def failed(failure):
             # Answered, so that the benchmark's load generator reports it
@@ -82,14 +107,16 @@ class _Site(server.Site):
         pass  # no access log: the Router writes none either
 
 
-def main(worker_url: str, plain: bool) -> None:
+def main(worker_urls: list[str], plain: bool, capacity: int | None) -> None:
     if plain:
         pool = HTTPConnectionPool(reactor, persistent=True)
         pool.maxPersistentPerHost = MAX_PER_HOST  # as the Router's
-        proxy = BareProxy(HTTPClient(Agent(reactor, pool=pool)), worker_url + "/v1/run")
+        proxy = BareProxy(HTTPClient(Agent(reactor, pool=pool)),
+                          [url + "/v1/run" for url in worker_urls], capacity)
     else:
         client = Outgoing(reactor).client
-        proxy = BareProxy(client, Proxy(client).run_url(worker_url))
+        runs = Proxy(client)
+        proxy = BareProxy(client, [runs.run_url(url) for url in worker_urls], capacity)
         reactor.callWhenRunning(settle)
 
     def listening(port):
@@ -101,4 +128,6 @@ def main(worker_url: str, plain: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--plain" in sys.argv[2:])
+    options = sys.argv[2:]
+    main(sys.argv[1].split(","), "--plain" in options,
+         int(options[options.index("--capacity") + 1]) if "--capacity" in options else None)

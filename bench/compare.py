@@ -10,8 +10,10 @@ Ray's Python proxy and through its HAProxy ingress.
 
 The KCoral side is ``bench/router.py``'s: a ``kcoral router`` and one node
 (a supervisor and one CPU worker of capacity 2) on ephemeral loopback
-ports, and with ``--bare`` the floor of ``bench/bare_proxy.py`` (a proxy on
-the Router's stack with nothing of the Router). HAProxy is Debian's
+ports, and with ``--bare`` the floors of ``bench/bare_proxy.py`` (a proxy on
+the Router's stack with nothing of the Router): ``floor`` sends the worker
+every run at once (its own admission queues them), ``floor-capped`` at most
+its capacity at a time, as the Router and HAProxy do. HAProxy is Debian's
 ``haproxy`` in front of that worker, configured as one would for it: one
 thread, the worker's reported capacity as its ``maxconn`` (HAProxy queues
 the rest, ``timeout queue``), ``option httpchk GET /readyz`` with ``rise 2
@@ -397,7 +399,7 @@ def measure(path: str, url: str, body: Body, connections: int, seconds: int, war
 
 # -- reporting --------------------------------------------------------------------
 
-PROXY_OF = {"router": "router", "haproxy": "haproxy", "floor": "floor",
+PROXY_OF = {"router": "router", "haproxy": "haproxy", "floor": "floor", "floor-capped": "floor-capped",
             "ray-python": "ray proxy", "ray-haproxy": "ray proxy"}
 
 
@@ -499,10 +501,12 @@ def main() -> int:
     parser.add_argument("--programs", help="comma list of trivial, 5ms, 16mib (default all; "
                                            "quick trivial,5ms)")
     parser.add_argument("--paths", default="direct,router,haproxy,ray-python,ray-haproxy",
-                        help="comma list of direct, router, haproxy, floor, ray-python, "
-                             "ray-haproxy")
+                        help="comma list of direct, router, haproxy, floor, floor-capped, "
+                             "ray-python, ray-haproxy")
     parser.add_argument("--bare", action="store_true",
-                        help="also the floor: bench/bare_proxy.py with the Router's client")
+                        help="also the floors: bench/bare_proxy.py with the Router's client, "
+                             "without a bound on what it sends the worker (floor) and with the "
+                             "Router's (floor-capped)")
     parser.add_argument("--proxy-core", type=int, metavar="N",
                         help="pin every proxy to core N, everything else to the other cores")
     parser.add_argument("--profile-router", metavar="FILE",
@@ -515,7 +519,7 @@ def main() -> int:
                                     QUICK_CONNECTIONS if args.quick else CONNECTIONS)]
     kinds = (args.programs.split(",") if args.programs else
              ["trivial", "5ms"] if args.quick else ["trivial", "5ms", "16mib"])
-    paths = args.paths.split(",") + ["floor"] * args.bare
+    paths = args.paths.split(",") + ["floor", "floor-capped"] * args.bare
     for tool in ("wrk", "haproxy", "unshare", "nsenter", "ss"):
         if shutil.which(tool) is None:
             parser.error(f"{tool} is not installed (apt-get install -y wrk haproxy util-linux iproute2)")
@@ -583,11 +587,12 @@ def main() -> int:
                 haproxy, urls["haproxy"] = start_haproxy(work, worker_url, proxy_cores)
                 services.append(haproxy)
                 groups["haproxy"] = [haproxy.pid]
-            if "floor" in paths:
-                floor = start_bare_proxy(worker_url, False, proxy_cores)
-                services.append(floor)
-                urls["floor"] = floor.found["url"]
-                groups["floor"] = [floor.pid]
+            for path, capacity in (("floor", None), ("floor-capped", CAPACITY)):
+                if path in paths:
+                    floor = start_bare_proxy([worker_url], cores=proxy_cores, capacity=capacity)
+                    services.append(floor)
+                    urls[path] = floor.found["url"]
+                    groups[path] = [floor.pid]
             for body in bodies:
                 answers[body.kind] = post(worker_url, body.first, body.digest, body.content_type)
                 for path, url in urls.items():

@@ -99,9 +99,14 @@ def start_node(router_url: str, gpus: str) -> KCoralChild:
     return node
 
 
-def start_bare_proxy(worker_url: str, plain: bool, cores: set[int] | None = None) -> KCoralChild:
-    return KCoralChild([worker_url] + ["--plain"] * plain,
-                       {"url": r"bare proxy listening on (http://\S+)"},
+def start_bare_proxy(worker_urls: list[str], plain: bool = False, cores: set[int] | None = None,
+                     capacity: int | None = None) -> KCoralChild:
+    """C{bench/bare_proxy.py} in front of C{worker_urls} (hashing runs over
+    them when there are several), sending each at most C{capacity} runs at
+    a time when given."""
+    options = ["--plain"] * plain + (["--capacity", str(capacity)] if capacity else [])
+    return KCoralChild([",".join(worker_urls), *options],
+                       {"url": r"bare proxy listening on (http://\S+)"}, name="bare proxy",
                        cores=cores, program=(str(ROOT / "bench" / "bare_proxy.py"),))
 
 
@@ -467,7 +472,7 @@ def main() -> int:
         if args.bare:
             for name, plain, what in (("floor", False, "with the Router's outgoing client"),
                                       ("plain", True, "with treq as documented")):
-                bare = start_bare_proxy(worker_url, plain, router_cores)
+                bare = start_bare_proxy([worker_url], plain, router_cores)
                 services.append(bare)
                 paths[name] = bare.found["url"]
                 pids[name] = bare.process.pid
