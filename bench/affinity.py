@@ -3,8 +3,9 @@ Benchmark of placement by cache residency: what a pool of workers is sent,
 and how fast it answers, when runs are placed by where their program and
 weights already are, against least-loaded placement and against HAProxy.
 
-    .venv/bin/python bench/affinity.py --quick    # about four minutes
-    .venv/bin/python bench/affinity.py            # about ten
+    .venv/bin/python bench/affinity.py --quick    # under a minute
+    .venv/bin/python bench/affinity.py            # about a minute
+    .venv/bin/python bench/affinity.py --warm-up 4 --runs 64   # warm: no first wave
 
 Starts real processes on ephemeral loopback ports, afresh for each way of
 routing (so every one starts cold): a ``kcoral router`` and two nodes of two
@@ -270,10 +271,13 @@ def workloads(rng):
     return [("8 programs x 16 MiB", many), ("1 program x 8 weight sets", one)]
 
 
-def drive(url: str, calls, runs: int) -> dict:
-    """C{runs} runs of each client's call, all clients at once; the figures."""
-    runners = [Runner(url, call) for call in calls]
+def drive(runners: list[Runner], runs: int) -> dict:
+    """C{runs} more runs of each client's call, all clients at once; their
+    figures."""
     failures: list[BaseException] = []
+    sent, resent = sum(r.sent for r in runners), sum(r.resent for r in runners)
+    for r in runners:
+        r.latencies = []
 
     def loop(runner: Runner) -> None:
         try:
@@ -289,21 +293,22 @@ def drive(url: str, calls, runs: int) -> dict:
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - started
-    for r in runners:
-        r.close()
     if failures:
         raise RuntimeError(f"{len(failures)} client(s) failed: {failures[0]!r}")
     latencies = [x for r in runners for x in r.latencies]
     return {"runs": len(latencies), "seconds": elapsed,
             "runs_per_second": len(latencies) / elapsed,
-            "sent_mb": sum(r.sent for r in runners) / 1e6,
-            "resent_mb": sum(r.resent for r in runners) / 1e6,
+            "sent_mb": (sum(r.sent for r in runners) - sent) / 1e6,
+            "resent_mb": (sum(r.resent for r in runners) - resent) / 1e6,
             "p50_ms": 1000 * percentile(latencies, 50), "p99_ms": 1000 * percentile(latencies, 99)}
 
 
 # -- one way of routing ------------------------------------------------------------------
 
-def measure(way: str, loads, runs: int, directory: Path) -> list[dict]:
+def measure(way: str, loads, runs: int, directory: Path, warm_up: int = 0) -> list[dict]:
+    """The rows of C{way}: each workload's figures over C{runs} runs a
+    client, after C{warm_up} runs a client that are not counted (0: the
+    first wave of uploads and compiles is measured too)."""
     routing = way if way in ("affinity", "least-loaded") else "least-loaded"
     router = start_router(routing)
     nodes, proxy, floor = [], None, None
@@ -330,9 +335,16 @@ def measure(way: str, loads, runs: int, directory: Path) -> list[dict]:
             front, front_pid = floor.found["url"], floor.process.pid
         rows = []
         for name, calls in loads:
-            before = worker_counts(workers)
-            cpu = [cpu_seconds(front_pid), sum(map(cpu_seconds, pids))]
-            row = drive(front, calls, runs)
+            runners = [Runner(front, call) for call in calls]
+            try:
+                if warm_up:
+                    drive(runners, warm_up)
+                before = worker_counts(workers)
+                cpu = [cpu_seconds(front_pid), sum(map(cpu_seconds, pids))]
+                row = drive(runners, runs)
+            finally:
+                for runner in runners:
+                    runner.close()
             front_cpu, workers_cpu = (
                 1000 * (now - then) / row["runs"]
                 for now, then in zip([cpu_seconds(front_pid), sum(map(cpu_seconds, pids))], cpu))
@@ -412,6 +424,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer runs a client (6, not 20)")
     parser.add_argument("--runs", type=int, help="runs a client in each workload")
+    parser.add_argument("--warm-up", type=int, default=0, metavar="N",
+                        help="runs a client in each workload before the measured ones (default "
+                             "0: from cold, the first uploads and compiles measured too)")
     parser.add_argument("--ways", default=",".join(WAYS), help="comma list of: " + ", ".join(WAYS))
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
@@ -426,11 +441,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kcoral-affinity-") as directory:
         for way in ways:
-            rows += measure(way, loads, runs, Path(directory))
+            rows += measure(way, loads, runs, Path(directory), args.warm_up)
     load = os.getloadavg()
     print(f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; load average after the run {load[0]:.1f}")
-    print(f"{CLIENTS} clients, {runs} runs each per workload; {NODES} nodes x "
+    warm = f" after {args.warm_up} uncounted" if args.warm_up else ", from cold"
+    print(f"{CLIENTS} clients, {runs} runs each per workload{warm}; {NODES} nodes x "
           f"{WORKERS_PER_NODE} CPU workers, capacity {CAPACITY}\n")
     print(table(rows))
     if {"affinity", "least-loaded", *HAPROXY_WAYS} <= set(ways):
