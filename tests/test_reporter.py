@@ -7,6 +7,7 @@ backoff, and one reporter for each of several Routers.
 from __future__ import annotations
 
 from twisted.internet.task import Clock
+from twisted.web.server import NOT_DONE_YET
 
 from kcoral.node.reporter import Reporter, Reporters
 from tests.fakes import FakeServers
@@ -65,6 +66,51 @@ def test_stopping_stops_the_beats_and_deregisters_the_session():
     assert http.methods() == ["PUT", "DELETE"]
     clock.advance(10)
     assert len(http.requests) == 2 and clock.getDelayedCalls() == []
+
+
+class HeldReports(FakeServers):
+    """A Router that keeps each report (PUT) unanswered until L{release},
+    and answers the rest at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = []
+
+    def render(self, request):
+        if request.method == b"PUT":
+            self.held.append(request)
+            return NOT_DONE_YET
+        return super().render(request)
+
+    def release(self):
+        for request in self.held:
+            request.write(super().render(request))
+            request.finish()
+        self.held = []
+        self.client.flush()
+
+
+def test_a_report_on_its_way_reaches_the_router_before_the_deregistration():
+    """Stopping waits for a heartbeat in flight before its DELETE: arriving after
+    it, the heartbeat would register the node again."""
+    router, clock = HeldReports(), Clock()
+    router.answer(NODE_URL, 200, {"state": "ready"})
+    r = reporter(router, clock)
+    r.startService()
+    stopped = []
+    r.stopService().addCallback(stopped.append)
+    assert router.client.methods() == ["PUT"] and stopped == []
+    router.release()
+    assert router.client.methods() == ["PUT", "DELETE"] and stopped == [None]
+
+
+def test_nothing_is_reported_after_the_deregistration():
+    """A heartbeat asked for once the node has left is not sent."""
+    r, http, clock = started("ready")
+    r.stopService()
+    sent = []
+    r.send().addCallback(sent.append)
+    assert sent == [False] and http.methods() == ["PUT", "DELETE"]
 
 
 def test_a_router_that_is_away_is_retried_without_failing():

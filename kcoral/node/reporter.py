@@ -4,7 +4,9 @@ same idempotent C{PUT}) every health interval, so a Router that restarts
 learns the node again by itself, and a Router that is away is retried after
 a capped backoff. As a service it beats while it runs and deregisters when it
 stops; it is the supervisor's first child, so it stops last, after the
-workers have drained.
+workers have drained. Its deregistration waits for heartbeats still on their
+way, and none is sent after it: one that reached the Router after the
+C{DELETE} would register the node again.
 
 A node under several Routers has one L{Reporter} for each, in
 L{Reporters}: no Router knows of another, and each is reached, retried and
@@ -21,7 +23,7 @@ from urllib.parse import urlsplit
 
 from twisted.application import service
 from twisted.application.internet import backoffPolicy
-from twisted.internet.defer import DeferredList, inlineCallbacks
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, succeed
 from twisted.logger import Logger
 
 from kcoral.errors import error_from_answer
@@ -73,6 +75,9 @@ class Reporter(service.Service):
             jitter=lambda: random.uniform(0, self._interval / 5))
         self._failures = 0
         self._next = None
+        #: Heartbeats on their way, which deregistering waits for.
+        self._sending: set[Deferred[bool]] = set()
+        self._left = False
 
     def startService(self):
         super().startService()
@@ -107,9 +112,22 @@ class Reporter(service.Service):
         report = dict(self._report(), session=self.session, draining=self.draining)
         return json.dumps(report).encode()
 
+    def send(self) -> Deferred[bool]:
+        """One heartbeat, and whether the Router took it; never fails
+        (problems are logged once each). After L{leave}, nothing is sent."""
+        if self._left:
+            return succeed(False)
+        d = self._send()
+        self._sending.add(d)
+
+        def sent(ok: bool) -> bool:
+            self._sending.discard(d)
+            return ok
+
+        return d.addCallback(sent)
+
     @inlineCallbacks
-    def send(self):
-        """One heartbeat; never fails (problems are logged once each)."""
+    def _send(self):
         try:
             response = yield self._http.put(self._url, data=self.body(),
                                             headers=self._headers, timeout=self._timeout)
@@ -140,6 +158,8 @@ class Reporter(service.Service):
 
     @inlineCallbacks
     def leave(self):
+        self._left = True
+        yield DeferredList(list(self._sending))
         try:
             response = yield self._http.delete(self._url, params={"session": self.session},
                                                headers=self._headers, timeout=self._timeout)
