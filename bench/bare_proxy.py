@@ -16,9 +16,10 @@ worker), the bound the Router keeps and HAProxy's ``maxconn``. Both run on
 Twisted's HTTP server and treq, as the Router does:
 
 - by default, with the outgoing client the Router uses
-  (``kcoral.web.outgoing.Outgoing`` and its parsed member URL) and its
-  settled heap: the floor under the Router, whose distance to it is what
-  the Router's own work costs;
+  (``kcoral.web.outgoing.Outgoing`` and its parsed member URL), its writes
+  sent at once on both sides (``kcoral.web.sendnow``) and its settled heap:
+  the floor under the Router, whose distance to it is what the Router's own
+  work costs;
 - with ``--plain``, with treq as its documentation shows (``HTTPClient``
   on an ``Agent``): what the stack costs before KCoral's tuning of it.
 """
@@ -40,6 +41,7 @@ from kcoral.heap import settle
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.proxy import Proxy
 from kcoral.web.outgoing import MAX_PER_HOST, Outgoing
+from kcoral.web.sendnow import SendNowFactory
 
 _PROGRAM = PROGRAM_HEADER.encode()
 _FORWARDED = (b"Content-Type", _PROGRAM)
@@ -123,7 +125,9 @@ def main(worker_urls: list[str], plain: bool, capacity: int | None) -> None:
         print(f"bare proxy listening on http://127.0.0.1:{port.getHost().port}", flush=True)
 
     endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
-    endpoint.listen(_Site(proxy)).addCallback(listening)
+    site = _Site(proxy)
+    # The Router's site sends its writes at once (kcoral.web.sendnow).
+    endpoint.listen(site if plain else SendNowFactory(site)).addCallback(listening)
     reactor.run()
 
 

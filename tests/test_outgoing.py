@@ -14,7 +14,6 @@ import pytest_twisted
 import treq
 from hyperlink import EncodedURL
 from twisted.internet import reactor
-from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.error import CannotListenError
 from twisted.internet.testing import StringTransport
 from twisted.web import resource, server
@@ -25,6 +24,7 @@ from kcoral.logs import debug_enabled, start_console_logging
 from kcoral.router.proxy import NotSent, Proxy, _RunURL
 from kcoral.web.body import MemoryBody
 from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Outgoing, body_producer
+from kcoral.web.sendnow import SendNowEndpoint
 from tests.fakes import FakeWorker
 from tests.harness import until
 from tests.httputil import ForwardedRequest
@@ -51,11 +51,11 @@ def test_endpoints_are_made_once_per_scheme_host_and_port():
     """One endpoint per scheme, host and port is made and reused; https ones are wrapped in TLS."""
     endpoints = Endpoints(reactor, BrowserLikePolicyForHTTPS())
     first = endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/v1/run"))
-    assert isinstance(first, HostnameEndpoint)
+    assert isinstance(first, SendNowEndpoint)  # TCP, each write sent at once
     assert endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8000/health")) is first
     assert endpoints.endpointForURI(URI.fromBytes(b"http://127.0.0.1:8001/v1/run")) is not first
     tls = endpoints.endpointForURI(URI.fromBytes(b"https://127.0.0.1:8000/v1/run"))
-    assert tls is not first and not isinstance(tls, HostnameEndpoint)  # wrapped in TLS
+    assert tls is not first and not isinstance(tls, SendNowEndpoint)  # wrapped in TLS
 
 
 def test_other_schemes_are_refused():

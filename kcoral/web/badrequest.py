@@ -5,24 +5,24 @@ channel answers to HTTP it cannot parse.
 
 from __future__ import annotations
 
-from twisted.protocols import policies
-
 from kcoral.errors import BadRequest
 from kcoral.web.channel import KCoralChannel
 from kcoral.web.request import KCoralRequest
 from kcoral.web.requestid import request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.sendnow import SendNow
 
 #: What Twisted's channel answers to HTTP it cannot parse (request line,
 #: header count or size, chunk framing), just before it closes the connection.
 TWISTED_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\n\r\n"
 
 
-class JSONBadRequest(policies.ProtocolWrapper):
+class JSONBadRequest(SendNow):
     """
     The transport of a L{KCoralChannel}, which answers HTTP that Twisted
     cannot parse with KCoral's JSON 400 and its request id in place of
     Twisted's bare one: KCoral's errors are JSON with a request id, always.
+    Its writes are sent at once (L{SendNow}).
     """
 
     wrappedProtocol: KCoralChannel

@@ -7,7 +7,8 @@ C{twisted.web} itself leaves open:
    a request id and a metric on every answer;
  - L{kcoral.web.channel}: a deadline on each request head, a refusal that is
    answered before the connection closes;
- - L{kcoral.web.badrequest}: KCoral's JSON 400 for HTTP Twisted cannot parse;
+ - L{kcoral.web.badrequest}: KCoral's JSON 400 for HTTP Twisted cannot parse,
+   in the wrapper that sends each write at once (L{kcoral.web.sendnow});
  - L{kcoral.web.connections}: a cap on open connections, and their graceful
    close when the service stops.
 """

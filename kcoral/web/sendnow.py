@@ -1,0 +1,87 @@
+"""
+Writes that leave at once. A Twisted TCP transport keeps what it is given
+and sends it on the reactor's next turn, once every other connection found
+ready with it has been served. On a busy Router that delay sits between a
+worker's answer and the next run sent to that worker, whose slot stands
+idle meanwhile while the Router parses other clients' requests: with a
+trivial program from 16 connections it halved the Router's throughput
+against HAProxy's (``bench/compare.py``; ``doc/benchmarks.rst``, "Writes
+sent at once").
+
+L{SendNow} wraps a connection's protocol; after each write it has the TCP
+transport send what it holds (C{doWrite}, the call the reactor itself makes
+once the socket is writable). Where that call could reenter a protocol (a
+producer paused, or waiting to be asked for more; a connection closing) it
+leaves the transport to the reactor's turn, as before. Twisted offers no
+such option of its own, and no library adds it.
+
+Under TLS the wrapper goes below the TLS layer of an outgoing connection
+(L{SendNowEndpoint}); a listening TLS port wraps its protocols above our
+reach, so answers over TLS wait for the reactor's turn.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from twisted.internet.abstract import FileDescriptor
+from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
+from twisted.protocols import policies
+from zope.interface import implementer
+
+
+class SendNow(policies.ProtocolWrapper):
+    """The transport of a protocol whose writes are sent at once."""
+
+    _descriptor: FileDescriptor | None = None
+
+    def makeConnection(self, transport):
+        # A TCP connection is a descriptor the reactor writes; anything else
+        # (a TLS layer, a test's transport) is written as it always was.
+        if isinstance(transport, FileDescriptor):
+            self._descriptor = transport
+        super().makeConnection(transport)
+
+    def write(self, data):
+        super().write(data)
+        self._send()
+
+    def writeSequence(self, data):
+        super().writeSequence(data)
+        self._send()
+
+    def unregisterProducer(self):
+        super().unregisterProducer()
+        self._send()
+
+    def _send(self) -> None:
+        transport = self._descriptor
+        if transport is None or transport.disconnecting:
+            return
+        producer = transport.producer
+        if producer is None or (transport.streamingProducer and not transport.producerPaused):
+            # What it returns on failure the reactor gets again on its turn:
+            # the connection stays registered for writing until all is sent.
+            transport.doWrite()
+
+
+class SendNowFactory(policies.WrappingFactory):
+    """Wraps each protocol of C{wrappedFactory} in L{SendNow}."""
+
+    protocol = SendNow
+
+
+@implementer(IStreamClientEndpoint)
+class SendNowEndpoint:
+    """Connects as C{endpoint} does, with L{SendNow} under the protocol
+    (the wrapper stays between the protocol and its transport)."""
+
+    def __init__(self, endpoint: IStreamClientEndpoint):
+        self._endpoint = endpoint
+
+    def connect(self, protocolFactory):
+        return self._endpoint.connect(SendNowFactory(protocolFactory)).addCallback(_unwrapped)
+
+
+def _unwrapped(wrapper: IProtocol) -> IProtocol:
+    return cast(SendNow, wrapper).wrappedProtocol

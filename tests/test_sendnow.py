@@ -1,0 +1,162 @@
+"""
+Writes sent at once (L{kcoral.web.sendnow}): over a real TCP connection, a
+write through L{SendNow} is on the wire before the reactor's next turn, where
+Twisted alone holds it until then; and the wrapper leaves a write to the
+reactor wherever sending it at once could reenter a protocol.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+
+import pytest_twisted
+from twisted.internet import protocol, reactor
+from twisted.internet.abstract import FileDescriptor
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.testing import MemoryReactor, StringTransport
+
+from kcoral.web.sendnow import SendNow, SendNowEndpoint, SendNowFactory
+
+#: How long a check that nothing arrived waits: the reactor does not run
+#: meanwhile, so what Twisted buffered cannot be sent during it.
+NOTHING_SECONDS = 0.2
+
+
+class Listener:
+    """A plain listening socket on loopback, outside the reactor."""
+
+    def __init__(self):
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+
+    def accept(self) -> socket.socket:
+        peer, _ = self.socket.accept()
+        peer.setblocking(False)
+        return peer
+
+    def close(self):
+        self.socket.close()
+
+
+def readable(peer: socket.socket, seconds: float) -> bytes:
+    """What C{peer} has received within C{seconds}, without running the reactor."""
+    ready, _, _ = select.select([peer], [], [], seconds)
+    return peer.recv(1 << 16) if ready else b""
+
+
+async def connected(endpoint) -> protocol.Protocol:
+    return await endpoint.connect(protocol.Factory.forProtocol(protocol.Protocol))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_write_is_sent_before_the_reactors_turn():
+    """Through SendNowEndpoint, a write is on the wire as soon as write() returns."""
+    listener = Listener()
+    try:
+        client = await connected(SendNowEndpoint(TCP4ClientEndpoint(reactor, "127.0.0.1", listener.port)))
+        peer = listener.accept()
+        assert isinstance(client.transport, SendNow)  # the protocol's own, wrapped
+        client.transport.write(b"hello")
+        client.transport.writeSequence([b" ", b"world"])
+        assert readable(peer, 5.0) == b"hello world"
+        client.transport.loseConnection()
+        peer.close()
+    finally:
+        listener.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_without_it_twisted_holds_the_write_until_its_turn():
+    """The control: on a plain endpoint the same write waits for the reactor."""
+    listener = Listener()
+    try:
+        client = await connected(TCP4ClientEndpoint(reactor, "127.0.0.1", listener.port))
+        peer = listener.accept()
+        client.transport.write(b"hello")
+        assert readable(peer, NOTHING_SECONDS) == b""
+        client.transport.loseConnection()
+        peer.close()
+    finally:
+        listener.close()
+
+
+class Descriptor(FileDescriptor):
+    """A connected descriptor whose socket takes everything: C{sent} is what
+    went out, by the real C{doWrite}, and when."""
+
+    connected = 1
+
+    def __init__(self):
+        super().__init__(reactor=MemoryReactor())
+        self.sent = b""
+
+    def writeSomeData(self, data):
+        self.sent += bytes(data)
+        return len(data)
+
+
+class Pulling:
+    """A pull producer, which a transport asks for more whenever it is empty."""
+
+    def resumeProducing(self):
+        pass
+
+    def stopProducing(self):
+        pass
+
+
+def wrapped(transport) -> SendNow:
+    wrapper = SendNowFactory(protocol.Factory.forProtocol(protocol.Protocol)).buildProtocol(None)
+    wrapper.makeConnection(transport)
+    return wrapper
+
+
+def test_each_write_is_sent():
+    """Every write and write sequence is sent at once, under a running push producer too."""
+    transport = Descriptor()
+    wrapper = wrapped(transport)
+    wrapper.write(b"a")
+    wrapper.writeSequence([b"b", b"c"])
+    assert transport.sent == b"abc"
+    wrapper.registerProducer(protocol.Protocol(), True)
+    wrapper.write(b"d")
+    assert transport.sent == b"abcd"
+
+
+def test_a_paused_producer_is_left_to_the_reactor():
+    """Sending all could resume a paused producer from inside its own write: left
+    to the reactor, and sent once the producer is gone."""
+    transport = Descriptor()
+    wrapper = wrapped(transport)
+    wrapper.registerProducer(protocol.Protocol(), True)
+    transport.producerPaused = True
+    wrapper.write(b"a")
+    assert transport.sent == b""
+    wrapper.unregisterProducer()
+    assert transport.sent == b"a"
+
+
+def test_a_pull_producer_is_left_to_the_reactor():
+    """A pull producer is asked for more when the transport empties: left to the reactor."""
+    transport = Descriptor()
+    wrapper = wrapped(transport)
+    wrapper.registerProducer(Pulling(), False)
+    wrapper.write(b"a")
+    assert transport.sent == b""
+
+
+def test_a_closing_connection_is_left_to_the_reactor():
+    """Once closing, the reactor's own turn sends the rest and then closes."""
+    transport = Descriptor()
+    wrapper = wrapped(transport)
+    transport.loseConnection()
+    wrapper.write(b"a")
+    assert transport.sent == b""
+
+
+def test_another_transport_is_written_as_before():
+    """A transport that is no write descriptor (a TLS layer, a test's) is only written."""
+    transport = StringTransport()
+    wrapped(transport).write(b"a")
+    assert transport.value() == b"a"
