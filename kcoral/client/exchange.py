@@ -134,8 +134,11 @@ def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
         error = _error(response)
         if isinstance(error, MissingContent) and not resent:
             # The server lost content we thought it held (a restart, an
-            # eviction, another node behind a Router): send it inline, once.
-            held.difference_update(error.missing or call.content_digests())
+            # eviction, another node behind a Router): send it inline, once,
+            # and the rest of the run's content with it. Behind a Router the
+            # resend may reach another worker, which could lack what the
+            # first one held: a resend by reference could be refused again.
+            held.difference_update(call.content_digests())
             resent = True
             continue
         if isinstance(error, ServerBusy):
