@@ -33,6 +33,7 @@ older ones that wait.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -62,9 +63,9 @@ Run = tuple[Demand | None, int, float]
 
 
 class IPlacement(Interface):
-    def choose(members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
+    def choose(members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         """
-        Which of C{runs} (oldest first) runs now, and on which of C{members}
+        Which of C{runs} (oldest first, read only as far as needed) runs now, and on which of C{members}
         (the usable ones, full or not) that owns as many devices as it
         needs: (its index, the member). A L{Wait}
         when a member is free but none of them should take it yet; None when
@@ -79,10 +80,11 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._picks = itertools.count(1)
 
-    def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | None:
-        if not runs:
+    def choose(self, members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | None:
+        oldest = next(iter(runs), None)
+        if oldest is None:
             return None
-        best = self.least_loaded(_owning(members, runs[0][1]))
+        best = self.least_loaded(_owning(members, oldest[1]))
         return None if best is None else (0, best)
 
     def least_loaded(self, members: Iterable[Member]) -> Member | None:
@@ -112,7 +114,7 @@ class Affinity:
         self._residency = residency
         self._least_loaded = LeastLoaded()
 
-    def choose(self, members: Sequence[Member], runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
+    def choose(self, members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         free = [m for m in members if m.free > 0]
         if not free:
             return None
@@ -183,7 +185,13 @@ def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
 
 def _affinity(content: str, member: Member) -> int:
     """A stable, evenly spread preference of C{content} (a digest) for C{member}."""
-    text = f"{content}\0{member.node.node_id}\0{member.name}".encode()
+    return _preference(content, member.node.node_id, member.name)
+
+
+# A dispatch compares the same few contents and members again and again.
+@functools.lru_cache(maxsize=4096)
+def _preference(content: str, node_id: str, name: str) -> int:
+    text = f"{content}\0{node_id}\0{name}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 

@@ -7,7 +7,7 @@ an injected clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 from twisted.logger import Logger
@@ -274,9 +274,10 @@ class Pool:
 
     # -- scheduling ---------------------------------------------------------
 
-    def choose(self, runs: Sequence[Run]) -> tuple[int, Member] | Wait | None:
-        """Which of C{runs} (oldest first) runs next, and where, by the pool's
-        placement rule (L{kcoral.router.placement.IPlacement.choose})."""
+    def choose(self, runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
+        """Which of C{runs} (oldest first, read only as far as needed) runs
+        next, and where, by the pool's placement rule
+        (L{kcoral.router.placement.IPlacement.choose})."""
         return self.placement.choose(list(self._usable()), runs)
 
     def pick(self, demand: Demand | None = None, devices: int = 1,

@@ -121,7 +121,7 @@ class Scheduler:
             now = self._clock.seconds()
             idle = 0.0 if self._declined_since is None else now - self._declined_since
             waiters = self.queue.oldest(DISPATCH_WINDOW)
-            choice = self.pool.choose([(*w.need, idle) for w in waiters])
+            choice = self.pool.choose((*w.need, idle) for w in waiters)
             if isinstance(choice, Wait):
                 self._declined(choice)
                 break
