@@ -202,6 +202,27 @@ def test_a_member_still_compiling_a_program_is_no_warmer_for_it():
     assert place(world, Demand(P), 2) == [first, first]
 
 
+def test_a_run_joins_a_compile_under_way_while_waiting_for_it_costs_less():
+    """Once runs are measured, a member compiling the run's program costs what is left
+    of that compile: a run arriving at once goes to an idle member, one arriving 0.5 s
+    into a 1 s compile joins it, behind the runs already waiting there."""
+    world = World(4, 4)
+    residency = world.pool.residency
+    residency.run_seconds.observe(0.1)  # measured: 0.025 s a run in flight on 4 slots
+    residency.compile_seconds.value = 1.0
+    first, second = place(world, Demand(P), 2)
+    assert first != second  # at once: both compile, side by side
+    world.member(second).active = 0
+    world.member(second).held.clear()
+    world.clock.advance(0.5)
+    # 0.5 s left on the first, and 0.025-0.075 s behind its runs: cheaper than a compile.
+    assert place(world, Demand(P), 3) == [first] * 3
+    # It is full: the next waits for it as long as that saves (1.0 - 0.5 - 0.1 s).
+    assert world.pick(Demand(P)) == Wait(pytest.approx(0.4))
+    world.clock.advance(0.6)  # past the compile's measured time: nothing left of it
+    assert residency.compile_cost(world.member(first).held, P) == 0.0
+
+
 def test_a_free_member_takes_a_run_when_the_others_are_full():
     """With nothing warm, the only free member takes the run whatever its load."""
     world = World(4, 1)

@@ -17,8 +17,12 @@ takes a program's runs while waiting behind them costs less than a cold
 start elsewhere, so runs of a few milliseconds keep to their caches, and
 runs as long as a compile spread to idle members. A member still compiling
 the run's program (a run was placed there for it and has not answered) costs
-the compile, so runs of a new program that arrive together spread over idle
-members. Until a run has been measured, waiting behind one counts nothing.
+what is left of that compile, so runs of a new program that arrive together
+spread over idle members, and runs that arrive once the compile is under way
+join it while waiting for it costs less than a compile elsewhere. Until a
+run has been measured, waiting behind one counts nothing, and a compile
+under way counts whole (else every run of a new program would join the
+first compile, however long its runs).
 Ties go to the least loaded, then to the warmest, then to where the run's
 content hashes highest (rendezvous hashing): content no member holds has a
 stable home, and its next runs find their caches there.
@@ -155,9 +159,9 @@ class Affinity:
                   ahead: dict[Member, int]) -> tuple[Member, float]:
         """The member of C{members} where C{demand} is expected to be done
         soonest, and its cost in seconds: the input bytes it lacks at the
-        measured bandwidth, a measured compile unless it has compiled the
-        program, and a measured run for each run a slot that it is busy
-        with or that waits for it. Ties go to the least loaded, then to the
+        measured bandwidth, the compiling it would wait for
+        (L{Residency.compile_cost}), and a measured run for each run a slot
+        that it is busy with or that waits for it. Ties go to the least loaded, then to the
         warmest, then to where the run's content hashes highest."""
         r = self._residency
         best, best_key = members[0], None
@@ -167,7 +171,7 @@ class Affinity:
             compiled = held.compiled(demand.program)
             stored = held.held_bytes(demand)
             cost = ((demand.nbytes - stored) / r.bandwidth.value
-                    + (0.0 if compiled else r.compile_seconds.value)
+                    + r.compile_cost(held, demand.program)
                     + load * r.run_seconds.value)
             key = (cost, load, -compiled, -stored)
             # The hash only breaks ties: most choices need none.

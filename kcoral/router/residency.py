@@ -122,9 +122,9 @@ class Holdings:
         self.programs: dict[str, float] = {}
         self.contents: dict[str, tuple[int, float]] = {}
         #: Programs a run was placed on the member for while it did not hold
-        #: them, not yet answered: the member is compiling them, so a second
-        #: run placed there waits for that compile too.
-        self.compiling: dict[str, None] = {}
+        #: them, not yet answered, and when: the member is compiling them, so
+        #: a second run placed there waits for what is left of that compile.
+        self.compiling: dict[str, float] = {}
 
     def compiled(self, program: str) -> bool:
         return program in self.programs and program not in self.compiling
@@ -190,6 +190,11 @@ class Estimate:
         self._weight = weight
         self._measured = False
 
+    @property
+    def measured(self) -> bool:
+        """Whether C{value} is an observation's, not the initial guess."""
+        return self._measured
+
     def observe(self, value: float) -> None:
         if self._measured:
             self.value += self._weight * (value - self.value)
@@ -228,6 +233,20 @@ class Residency:
         self.saved_bytes = 0
         self.saved_compiles = 0
 
+    def compile_cost(self, held: Holdings, program: str) -> float:
+        """The seconds of compiling a run of C{program} waits for on the
+        member holding C{held}: none where it is compiled, what is left of
+        the compile under way where one is (once a run has been measured:
+        before, the waits behind runs that it is weighed against count
+        nothing, and the whole compile is counted), else a whole compile."""
+        if held.compiled(program):
+            return 0.0
+        started = held.compiling.get(program)
+        whole = self.compile_seconds.value
+        if started is None or not self.run_seconds.measured:
+            return whole
+        return max(0.0, whole - (self._clock.seconds() - started))
+
     def reported(self, held: Holdings, cached: Cached | None) -> None:
         """A member's report; without a C{cache} part it replaces nothing."""
         if cached is None:
@@ -254,10 +273,11 @@ class Residency:
             self.misses += 1
         self.saved_bytes += held.held_bytes(demand)
         self.saved_compiles += demand.program in held.programs
+        now = self._clock.seconds()
         if demand.program not in held.programs:
-            held.compiling[demand.program] = None
+            held.compiling[demand.program] = now
             _trim(held.compiling)
-        held.learn(demand, self._clock.seconds())
+        held.learn(demand, now)
 
     def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
                 seconds: float, sent_bytes: int) -> None:
