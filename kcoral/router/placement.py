@@ -69,9 +69,9 @@ Run = tuple[Demand | None, int, float]
 class IPlacement(Interface):
     def choose(members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         """
-        Which of C{runs} (oldest first, read only as far as needed) runs now, and on which of C{members}
-        (the usable ones, full or not) that owns as many devices as it
-        needs: (its index, the member). A L{Wait}
+        Which of C{runs} (oldest first, read only as far as needed) runs
+        now, and on which of C{members} (the usable ones, full or not) that
+        owns as many devices as it needs: (its index, the member). A L{Wait}
         when a member is free but none of them should take it yet; None when
         no member has free capacity.
         """
@@ -161,8 +161,9 @@ class Affinity:
         soonest, and its cost in seconds: the input bytes it lacks at the
         measured bandwidth, the compiling it would wait for
         (L{Residency.compile_cost}), and a measured run for each run a slot
-        that it is busy with or that waits for it. Ties go to the least loaded, then to the
-        warmest, then to where the run's content hashes highest."""
+        that it is busy with or that waits for it. Ties go to the least
+        loaded, then to the warmest, then to where the run's content hashes
+        highest."""
         r = self._residency
         best, best_key = members[0], None
         for member in members:

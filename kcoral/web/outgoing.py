@@ -149,10 +149,10 @@ class Endpoints:
     The Agent's endpoints, one per (scheme, host, port), made once as Twisted
     makes them: TCP (its writes sent at once, L{kcoral.web.sendnow}), wrapped
     in TLS for https with the policy's connection creator for that host and
-    port. Twisted's own factory makes a new
-    endpoint (and, for https, new TLS options) for every request, even when
-    the pool already has a connection to reuse: IDNA-encoding the host that
-    way was about a fifth of treq's time per forwarded run in a profile.
+    port. Twisted's own factory makes a new endpoint (and, for https, new
+    TLS options) for every request, even when the pool already has a
+    connection to reuse: IDNA-encoding the host that way was about a fifth
+    of treq's time per forwarded run in a profile.
     """
 
     def __init__(self, reactor, policy):
