@@ -122,7 +122,7 @@ class Affinity:
         free = [m for m in members if m.free > 0]
         if not free:
             return None
-        full_all = [m for m in members if m.free <= 0]
+        full_all: list[Member] | None = None
         #: Runs offered before this one that wait for each full member.
         ahead: dict[Member, int] = {}
         cold: tuple[int, Member] | None = None
@@ -139,7 +139,15 @@ class Affinity:
                 assert member is not None
                 return index, member
             best, cost = self._cheapest(eligible, demand, ahead)
-            full = _owning(full_all, devices)
+            # A full member costs at least a run's seconds (a load of at
+            # least one), and one that holds nothing of the run at least what
+            # a free one that holds nothing costs: neither is worth waiting
+            # for then, and a large pool's members are not all looked at.
+            full: list[Member] = []
+            if cost > self._residency.run_seconds.value:
+                if full_all is None:
+                    full_all = [m for m in members if m.free <= 0]
+                full = [m for m in _owning(full_all, devices) if m.held.holds_any(demand)]
             if full:
                 warm, wait = self._cheapest(full, demand, ahead)
                 if wait < cost:
@@ -165,20 +173,33 @@ class Affinity:
         loaded, then to the warmest, then to where the run's content hashes
         highest."""
         r = self._residency
-        best, best_key = members[0], None
+        # Each member's cost is looked at once per run, in pools of hundreds:
+        # what is the same for all of them is worked out first, and a member
+        # that holds nothing of the run costs the cold start.
+        program, run_seconds, home = demand.program, r.run_seconds.value, demand.home
+        nbytes = demand.nbytes
+        cold = nbytes / r.bandwidth.value + r.compile_seconds.value
+        best, best_key, best_hash = members[0], None, None
         for member in members:
             held = member.held
             load = (member.active + ahead.get(member, 0)) / max(member.capacity, 1)
-            compiled = held.compiled(demand.program)
-            stored = held.held_bytes(demand)
-            cost = ((demand.nbytes - stored) / r.bandwidth.value
-                    + r.compile_cost(held, demand.program)
-                    + load * r.run_seconds.value)
+            if held.holds_any(demand):
+                compiled = held.compiled(program)
+                stored = held.held_bytes(demand)
+                cost = ((nbytes - stored) / r.bandwidth.value + r.compile_cost(held, program)
+                        + load * run_seconds)
+            else:
+                compiled, stored, cost = False, 0, cold + load * run_seconds
             key = (cost, load, -compiled, -stored)
-            # The hash only breaks ties: most choices need none.
-            if best_key is None or key < best_key or key == best_key and \
-                    _affinity(demand.home, member) > _affinity(demand.home, best):
-                best, best_key = member, key
+            if best_key is None or key < best_key:
+                best, best_key, best_hash = member, key, None
+            elif key == best_key:
+                # The hash only breaks ties: most choices need none.
+                if best_hash is None:
+                    best_hash = _affinity(home, best)
+                mine = _affinity(home, member)
+                if mine > best_hash:
+                    best, best_hash = member, mine
         assert best_key is not None
         return best, best_key[0]
 

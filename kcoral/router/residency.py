@@ -133,6 +133,11 @@ class Holdings:
         contents = self.contents
         return sum(size for digest, size in demand.inputs if digest in contents)
 
+    def holds_any(self, demand: Demand) -> bool:
+        """Whether it holds (or is compiling) the program or any input of C{demand}."""
+        contents = self.contents
+        return demand.program in self.programs or any(d in contents for d, _ in demand.inputs)
+
     def holds_all(self, demand: Demand) -> bool:
         return demand.program in self.programs and all(d in self.contents for d, _ in demand.inputs)
 
