@@ -119,7 +119,8 @@ class Affinity:
         self._least_loaded = LeastLoaded()
 
     def choose(self, members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
-        free = [m for m in members if m.free > 0]
+        # Members given are usable: free is a matter of capacity only.
+        free = [m for m in members if m.active < m.capacity]
         if not free:
             return None
         full_all: list[Member] | None = None
@@ -146,7 +147,7 @@ class Affinity:
             full: list[Member] = []
             if cost > self._residency.run_seconds.value:
                 if full_all is None:
-                    full_all = [m for m in members if m.free <= 0]
+                    full_all = [m for m in members if m.active >= m.capacity]
                 full = [m for m in _owning(full_all, devices) if m.held.holds_any(demand)]
             if full:
                 warm, wait = self._cheapest(full, demand, ahead)
@@ -182,7 +183,8 @@ class Affinity:
         best, best_key, best_hash = members[0], None, None
         for member in members:
             held = member.held
-            load = (member.active + ahead.get(member, 0)) / max(member.capacity, 1)
+            active = member.active + ahead.get(member, 0) if ahead else member.active
+            load = active / (member.capacity or 1)
             if held.holds_any(demand):
                 compiled = held.compiled(program)
                 stored = held.held_bytes(demand)
@@ -196,8 +198,8 @@ class Affinity:
             elif key == best_key:
                 # The hash only breaks ties: most choices need none.
                 if best_hash is None:
-                    best_hash = _affinity(home, best)
-                mine = _affinity(home, member)
+                    best_hash = _preference(home, best.node.node_id, best.name)
+                mine = _preference(home, member.node.node_id, member.name)
                 if mine > best_hash:
                     best, best_hash = member, mine
         assert best_key is not None
@@ -209,14 +211,11 @@ def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
     return members if devices <= 1 else [m for m in members if m.devices >= devices]
 
 
-def _affinity(content: str, member: Member) -> int:
-    """A stable, evenly spread preference of C{content} (a digest) for C{member}."""
-    return _preference(content, member.node.node_id, member.name)
-
-
 # A dispatch compares the same few contents and members again and again.
 @functools.lru_cache(maxsize=4096)
 def _preference(content: str, node_id: str, name: str) -> int:
+    """A stable, evenly spread preference of C{content} (a digest) for the
+    member C{name} of node C{node_id}."""
     text = f"{content}\0{node_id}\0{name}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 

@@ -293,7 +293,7 @@ class Pool:
         for node in self.nodes.values():
             if node.state == READY:
                 for member in node.members.values():
-                    if member.usable:
+                    if member.healthy and not member.suspect:  # usable, its node ready
                         yield member
 
     def most_devices(self) -> int | None:

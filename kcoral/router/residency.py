@@ -135,8 +135,13 @@ class Holdings:
 
     def holds_any(self, demand: Demand) -> bool:
         """Whether it holds (or is compiling) the program or any input of C{demand}."""
+        if demand.program in self.programs:
+            return True
         contents = self.contents
-        return demand.program in self.programs or any(d in contents for d, _ in demand.inputs)
+        for digest, _ in demand.inputs:
+            if digest in contents:
+                return True
+        return False
 
     def holds_all(self, demand: Demand) -> bool:
         return demand.program in self.programs and all(d in self.contents for d, _ in demand.inputs)
