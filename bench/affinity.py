@@ -82,7 +82,9 @@ WORKERS_PER_NODE = 2
 CAPACITY = 2
 WAYS = ("affinity", "least-loaded", "haproxy leastconn", "haproxy hdr consistent",
         "twisted hdr hash")
-#: The ways a generic proxy does it, the better of which affinity's target is set against.
+#: The ways the Router does it (its --routing), and the ways a generic proxy
+#: does it, the better of which affinity's target is set against.
+ROUTER_WAYS = ("affinity", "least-loaded")
 HAPROXY_WAYS = ("haproxy leastconn", "haproxy hdr consistent")
 TARGET_RESENT_RATIO = 10.0
 TARGET_COMPILE_RATIO = 3.0
@@ -305,11 +307,16 @@ def drive(runners: list[Runner], runs: int) -> dict:
 
 # -- one way of routing ------------------------------------------------------------------
 
+def used(front_pid: int, worker_pids: list[int]) -> tuple[float, float]:
+    """CPU seconds so far of the front, and of the workers together."""
+    return cpu_seconds(front_pid), sum(map(cpu_seconds, worker_pids))
+
+
 def measure(way: str, loads, runs: int, directory: Path, warm_up: int = 0) -> list[dict]:
     """The rows of C{way}: each workload's figures over C{runs} runs a
     client, after C{warm_up} runs a client that are not counted (0: the
     first wave of uploads and compiles is measured too)."""
-    routing = way if way in ("affinity", "least-loaded") else "least-loaded"
+    routing = way if way in ROUTER_WAYS else "least-loaded"
     router = start_router(routing)
     nodes, proxy, floor = [], None, None
     try:
@@ -340,18 +347,17 @@ def measure(way: str, loads, runs: int, directory: Path, warm_up: int = 0) -> li
                 if warm_up:
                     drive(runners, warm_up)
                 before = worker_counts(workers)
-                cpu = [cpu_seconds(front_pid), sum(map(cpu_seconds, pids))]
+                cpu = used(front_pid, pids)
                 row = drive(runners, runs)
             finally:
                 for runner in runners:
                     runner.close()
-            front_cpu, workers_cpu = (
-                1000 * (now - then) / row["runs"]
-                for now, then in zip([cpu_seconds(front_pid), sum(map(cpu_seconds, pids))], cpu))
+            front_cpu, workers_cpu = (1000 * (now - then) / row["runs"]
+                                      for now, then in zip(used(front_pid, pids), cpu))
             after = worker_counts(workers)
             row.update({key: after[key] - before[key] for key in after}, way=way, workload=name,
                        front_cpu_ms=front_cpu, workers_cpu_ms=workers_cpu)
-            if way in ("affinity", "least-loaded"):
+            if way in ROUTER_WAYS:
                 samples = scrape(router.found["url"])
                 row["hits"] = samples.get(("kcoral_placements_total", (("cache", "hit"),)), 0.0)
             rows.append(row)
@@ -449,7 +455,7 @@ def main() -> None:
     print(f"{CLIENTS} clients, {runs} runs each per workload{warm}; {NODES} nodes x "
           f"{WORKERS_PER_NODE} CPU workers, capacity {CAPACITY}\n")
     print(table(rows))
-    if {"affinity", "least-loaded", *HAPROXY_WAYS} <= set(ways):
+    if {*ROUTER_WAYS, *HAPROXY_WAYS} <= set(ways):
         print()
         print("\n".join(verdict(rows)))
     if args.json:
