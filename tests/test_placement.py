@@ -23,6 +23,7 @@ from kcoral.router.residency import (
     MAX_PROGRAMS,
     Cached,
     Demand,
+    Holdings,
     ResidencyCollector,
     parse_cached,
 )
@@ -221,6 +222,54 @@ def test_a_run_joins_a_compile_under_way_while_waiting_for_it_costs_less():
     assert world.pick(Demand(P)) == Wait(pytest.approx(0.4))
     world.clock.advance(0.6)  # past the compile's measured time: nothing left of it
     assert residency.compile_cost(world.member(first).held, P) == 0.0
+
+
+class Watched(Holdings):
+    """A member's holdings that count how often placement looks at them."""
+
+    __slots__ = ("looked",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looked = 0
+
+    def holds_any(self, demand: Demand) -> bool:
+        self.looked += 1
+        return super().holds_any(demand)
+
+
+def test_in_a_large_pool_the_first_idle_warm_member_on_the_ring_takes_the_run():
+    """Among 64 idle members that all hold the run, it goes to the first on its content's
+    walk that is idle, and placement looks at none after it: its cost does not grow with
+    the pool."""
+    world = World(*(2,) * 64)
+    for member in world.pool.ring.members:
+        member.held = Watched()
+        world.ran(member.name, Demand(P))
+    walk = list(world.pool.ring.walk(P))
+    walk[0].active = walk[1].active = 1
+    assert world.pick(Demand(P)) is walk[2]
+    assert [m.held.looked for m in walk[:4]] == [1, 1, 1, 0]
+    assert sum(m.held.looked for m in walk) == 3
+
+
+def test_ties_go_to_the_first_member_on_the_ring_from_the_content():
+    """Of members that cost the same, the run goes to the one its content's walk reaches first."""
+    world = World(*(2,) * 16)
+    for i in range(20):
+        demand = weights(P, digest(i))
+        assert world.pick(demand) is next(world.pool.ring.walk(demand.home))
+
+
+def test_the_ring_follows_the_pools_members():
+    """A worker that a later report adds is on the ring; one it no longer names is not."""
+    world = World(2, 2)
+    world.capacities = (2, 2, 2)
+    world.report()
+    assert sorted(m.name for m in world.pool.ring.members) == ["worker0", "worker1", "worker2"]
+    world.capacities = (2,)
+    world.report()
+    assert [m.name for m in world.pool.ring.members] == ["worker0"]
 
 
 def test_a_free_member_takes_a_run_when_the_others_are_full():

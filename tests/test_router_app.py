@@ -449,3 +449,11 @@ def test_the_router_takes_fewer_client_connections_as_its_pool_grows(router):
     before = router.site.connections.limit
     router.ready(report=node_report(capacities=(2, 3)))
     assert router.site.connections.limit == before - 5
+
+
+def test_the_router_takes_more_client_connections_when_a_node_leaves(router):
+    """A node that deregisters no longer holds connections of the cap."""
+    before = router.site.connections.limit
+    router.ready(report=node_report(capacities=(4,)))
+    router.json("DELETE", "/v1/nodes/gpu-a?session=s1")
+    assert router.site.connections.limit == before

@@ -23,9 +23,10 @@ join it while waiting for it costs less than a compile elsewhere. Until a
 run has been measured, waiting behind one counts nothing, and a compile
 under way counts whole (else every run of a new program would join the
 first compile, however long its runs).
-Ties go to the least loaded, then to the warmest, then to where the run's
-content hashes highest (rendezvous hashing): content no member holds has a
-stable home, and its next runs find their caches there.
+Ties go to the least loaded, then to the warmest, then to the member that
+comes first on the hash ring from the run's content (L{kcoral.router.ring}):
+content no member holds has a stable home, and its next runs find their
+caches there.
 
 When the cheapest member for a run is full, the run waits for it, for as
 long as the wait was expected to save (the cheapest free member's cost less
@@ -37,17 +38,16 @@ older ones that wait.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 from zope.interface import Interface, implementer
 
 from kcoral.router.residency import Demand, Residency
+from kcoral.router.ring import Ring
 
 if TYPE_CHECKING:
     from kcoral.router.pool import Member
@@ -67,10 +67,10 @@ Run = tuple[Demand | None, int, float]
 
 
 class IPlacement(Interface):
-    def choose(members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
+    def choose(ring: Ring, runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         """
         Which of C{runs} (oldest first, read only as far as needed) runs
-        now, and on which of C{members} (the usable ones, full or not) that
+        now, and on which usable member of C{ring} (the pool's members) that
         owns as many devices as it needs: (its index, the member). A L{Wait}
         when a member is free but none of them should take it yet; None when
         no member has free capacity.
@@ -84,15 +84,15 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._picks = itertools.count(1)
 
-    def choose(self, members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | None:
+    def choose(self, ring: Ring, runs: Iterable[Run]) -> tuple[int, Member] | None:
         oldest = next(iter(runs), None)
         if oldest is None:
             return None
-        best = self.least_loaded(_owning(members, oldest[1]))
+        best = self.least_loaded(_owning(ring.members, oldest[1]))
         return None if best is None else (0, best)
 
     def least_loaded(self, members: Iterable[Member]) -> Member | None:
-        """The least loaded member with free capacity, now picked."""
+        """The least loaded usable member with free capacity, now picked."""
         best: Member | None = None
         best_key = (math.inf, 0)
         for member in members:
@@ -118,69 +118,70 @@ class Affinity:
         self._residency = residency
         self._least_loaded = LeastLoaded()
 
-    def choose(self, members: Sequence[Member], runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
-        # Members given are usable: free is a matter of capacity only.
-        free = [m for m in members if m.active < m.capacity]
-        if not free:
-            return None
-        full_all: list[Member] | None = None
+    def choose(self, ring: Ring, runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
+        r = self._residency
+        #: The usable full members, found once a run needs them.
+        full_all: set[Member] | None = None
         #: Runs offered before this one that wait for each full member.
         ahead: dict[Member, int] = {}
         cold: tuple[int, Member] | None = None
         patience: float | None = None
         for index, (demand, devices, waited) in enumerate(runs):
-            eligible = _owning(free, devices)
-            if not eligible:
+            if demand is None:
+                member = self._least_loaded.least_loaded(_owning(ring.members, devices))
+                if member is None:
+                    break
+                return index, member
+            found = self._cheapest(_free(ring.walk(demand.home), devices), demand, ahead)
+            if found is None:
                 # No free member owns the devices it needs: it holds up the
                 # runs behind it, as a strict FIFO would, or it might never
                 # run. Only a run that chose to wait lets younger ones by.
                 break
-            if demand is None:
-                member = self._least_loaded.least_loaded(eligible)
-                assert member is not None
-                return index, member
-            best, cost = self._cheapest(eligible, demand, ahead)
+            best, cost = found
             # A full member costs at least a run's seconds (a load of at
             # least one), and one that holds nothing of the run at least what
             # a free one that holds nothing costs: neither is worth waiting
             # for then, and a large pool's members are not all looked at.
-            full: list[Member] = []
-            if cost > self._residency.run_seconds.value:
+            warm = None
+            if cost > r.run_seconds.value:
                 if full_all is None:
-                    full_all = [m for m in members if m.active >= m.capacity]
-                full = [m for m in _owning(full_all, devices) if m.held.holds_any(demand)]
-            if full:
-                warm, wait = self._cheapest(full, demand, ahead)
-                if wait < cost:
-                    ahead[warm] = ahead.get(warm, 0) + 1
-                    left = cost - wait - waited
-                    if left <= 0:
-                        cold = cold or (index, best)
-                    else:
-                        patience = left if patience is None else min(patience, left)
-                    continue
+                    full_all = {m for m in ring.members if m.active >= m.capacity and m.usable}
+                warm = self._cheapest(
+                    (m for m in ring.walk(demand.home) if m in full_all and m.devices >= devices
+                     and m.held.holds_any(demand)), demand, ahead)
+            if warm is not None and warm[1] < cost:
+                ahead[warm[0]] = ahead.get(warm[0], 0) + 1
+                left = cost - warm[1] - waited
+                if left <= 0:
+                    cold = cold or (index, best)
+                else:
+                    patience = left if patience is None else min(patience, left)
+                continue
             return index, best
         if cold is not None:
             return cold
         return Wait(patience) if patience is not None else None
 
-    def _cheapest(self, members: Sequence[Member], demand: Demand,
-                  ahead: dict[Member, int]) -> tuple[Member, float]:
-        """The member of C{members} where C{demand} is expected to be done
-        soonest, and its cost in seconds: the input bytes it lacks at the
-        measured bandwidth, the compiling it would wait for
-        (L{Residency.compile_cost}), and a measured run for each run a slot
-        that it is busy with or that waits for it. Ties go to the least
-        loaded, then to the warmest, then to where the run's content hashes
-        highest."""
+    def _cheapest(self, members: Iterable[Member], demand: Demand,
+                  ahead: dict[Member, int]) -> tuple[Member, float] | None:
+        """The member of C{members} (in the ring's order from the run's
+        content) where C{demand} is expected to be done soonest, and its cost
+        in seconds: the input bytes it lacks at the measured bandwidth, the
+        compiling it would wait for (L{Residency.compile_cost}), and a
+        measured run for each run a slot that it is busy with or that waits
+        for it. Ties go to the least loaded, then to the warmest, then to the
+        first. None when there is no member."""
         r = self._residency
         # Each member's cost is looked at once per run, in pools of hundreds:
-        # what is the same for all of them is worked out first, and a member
-        # that holds nothing of the run costs the cold start.
-        program, run_seconds, home = demand.program, r.run_seconds.value, demand.home
-        nbytes = demand.nbytes
+        # what is the same for all of them is worked out first, a member that
+        # holds nothing of the run costs the cold start, and an idle member
+        # that holds all of it ends the search (no member costs less, and
+        # ties go to the first).
+        program, run_seconds, nbytes = demand.program, r.run_seconds.value, demand.nbytes
         cold = nbytes / r.bandwidth.value + r.compile_seconds.value
-        best, best_key, best_hash = members[0], None, None
+        best: tuple[Member, float] | None = None
+        best_key = None
         for member in members:
             held = member.held
             active = member.active + ahead.get(member, 0) if ahead else member.active
@@ -188,36 +189,28 @@ class Affinity:
             if held.holds_any(demand):
                 compiled = held.compiled(program)
                 stored = held.held_bytes(demand)
+                if not active and compiled and stored == nbytes:
+                    return member, 0.0
                 cost = ((nbytes - stored) / r.bandwidth.value + r.compile_cost(held, program)
                         + load * run_seconds)
             else:
                 compiled, stored, cost = False, 0, cold + load * run_seconds
             key = (cost, load, -compiled, -stored)
             if best_key is None or key < best_key:
-                best, best_key, best_hash = member, key, None
-            elif key == best_key:
-                # The hash only breaks ties: most choices need none.
-                if best_hash is None:
-                    best_hash = _preference(home, best.node.node_id, best.name)
-                mine = _preference(home, member.node.node_id, member.name)
-                if mine > best_hash:
-                    best, best_hash = member, mine
-        assert best_key is not None
-        return best, best_key[0]
+                best, best_key = (member, cost), key
+        return best
+
+
+def _free(members: Iterable[Member], devices: int) -> Iterator[Member]:
+    """The usable members of C{members} with free capacity that own at least C{devices} devices."""
+    for member in members:
+        if member.active < member.capacity and member.devices >= devices and member.usable:
+            yield member
 
 
 def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
     """The members of C{members} that own at least C{devices} devices."""
     return members if devices <= 1 else [m for m in members if m.devices >= devices]
-
-
-# A dispatch compares the same few contents and members again and again.
-@functools.lru_cache(maxsize=4096)
-def _preference(content: str, node_id: str, name: str) -> int:
-    """A stable, evenly spread preference of C{content} (a digest) for the
-    member C{name} of node C{node_id}."""
-    text = f"{content}\0{node_id}\0{name}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 
 def _least_loaded(residency: Residency) -> LeastLoaded:

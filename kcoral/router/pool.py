@@ -7,7 +7,7 @@ an injected clock.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 from twisted.logger import Logger
@@ -15,6 +15,7 @@ from twisted.logger import Logger
 from kcoral.router.placement import ROUTINGS, Run, Wait
 from kcoral.router.report import NodeReport, WorkerReport
 from kcoral.router.residency import Demand, Holdings, Residency
+from kcoral.router.ring import Ring
 
 log = Logger()
 
@@ -126,6 +127,10 @@ class Pool:
         self.residency = Residency(clock, grace_seconds=max_status_age_seconds)
         #: Which member with free capacity runs what.
         self.placement = ROUTINGS[routing](self.residency)
+        #: The members on the ring placement walks, and the capacity of the
+        #: healthy ones; None when members have changed since they were known.
+        self._ring: Ring | None = None
+        self._capacity: int | None = None
 
     # -- reports ------------------------------------------------------------
 
@@ -153,7 +158,7 @@ class Pool:
         self._update(node, report.workers, report.gpu_target, report.runtime)
         if report.draining and node.state != DRAINING:
             self._move(node, DRAINING, "it reported that it is draining")
-        self.on_change()
+        self._changed()
         return node
 
     def set_static(self, node_id: str, workers: Sequence[WorkerReport], *,
@@ -167,7 +172,7 @@ class Pool:
         if node is None:
             node = self._join(node_id, None, workers, gpu_target)
         self._update(node, workers, gpu_target, runtime)
-        self.on_change()
+        self._changed()
         return node
 
     def _join(self, node_id: str, session: str | None, workers: Sequence[WorkerReport],
@@ -176,6 +181,7 @@ class Pool:
             raise PoolFull(f"the Router tracks {len(self.nodes)} nodes, the most it may; "
                            f"gone ones are forgotten after {self.retention:g} s")
         node = self.nodes[node_id] = Node(node_id, session)
+        self._ring = None
         log.info("node {node_id} joined with {workers} worker(s), target {target}",
                  node_id=node_id, workers=len(workers), target=gpu_target)
         return node
@@ -187,12 +193,14 @@ class Pool:
         for gone in set(node.members) - {w.name for w in workers}:
             if node.members[gone].active == 0:
                 del node.members[gone]
+                self._ring = None
             else:
                 node.members[gone].healthy = False
         for worker in workers:
             member = node.members.get(worker.name)
             if member is None:
                 member = node.members[worker.name] = Member(node, worker.name, worker.url)
+                self._ring = None
             elif member.url != worker.url or not worker.healthy:
                 # A restarted worker may have a new address: keep the same
                 # Member, whose leases still count (and release) its requests,
@@ -211,6 +219,7 @@ class Pool:
         node.last_seen = self._clock.seconds()
         for member in node.members.values():
             member.healthy = False
+        self._capacity = None
         self._move(node, GONE, "its supervisor deregistered")
         return True
 
@@ -240,13 +249,13 @@ class Pool:
         for node in list(self.nodes.values()):
             if node.state == GONE:
                 if node.active == 0 and now - node.last_seen >= self.retention:
-                    del self.nodes[node.node_id]
+                    self._forget(node)
                     log.info("node {node_id} forgotten", node_id=node.node_id)
                 continue
             fresh = self._fresh(node)
             if not fresh and node.active == 0 and node.reported_at is not None \
                     and now - node.reported_at >= self.retention:
-                del self.nodes[node.node_id]
+                self._forget(node)
                 log.info("node {node_id} forgotten after {seconds:.0f}s without a report",
                          node_id=node.node_id, seconds=now - node.reported_at)
                 continue
@@ -272,13 +281,22 @@ class Pool:
             self.target = None
         self.on_change()
 
+    def _forget(self, node: Node) -> None:
+        del self.nodes[node.node_id]
+        self._ring = self._capacity = None
+
+    def _changed(self) -> None:
+        """A report changed what members there are, or their health or capacity."""
+        self._capacity = None
+        self.on_change()
+
     # -- scheduling ---------------------------------------------------------
 
     def choose(self, runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         """Which of C{runs} (oldest first, read only as far as needed) runs
         next, and where, by the pool's placement rule
         (L{kcoral.router.placement.IPlacement.choose})."""
-        return self.placement.choose(list(self._usable()), runs)
+        return self.placement.choose(self.ring, runs)
 
     def pick(self, demand: Demand | None = None, devices: int = 1,
              waited: float = 0.0) -> Member | Wait | None:
@@ -289,12 +307,19 @@ class Pool:
         choice = self.choose(((demand, devices, waited),))
         return choice[1] if isinstance(choice, tuple) else choice
 
-    def _usable(self) -> Iterator[Member]:
-        for node in self.nodes.values():
-            if node.state == READY:
-                for member in node.members.values():
-                    if member.healthy and not member.suspect:  # usable, its node ready
-                        yield member
+    @property
+    def ring(self) -> Ring:
+        """Every member, usable or not, on the ring placement walks."""
+        if self._ring is None:
+            self._ring = Ring(m for node in self.nodes.values() for m in node.members.values())
+        return self._ring
+
+    def member_capacity(self) -> int:
+        """The capacity of every healthy member, its node ready or not: the
+        connections the Router may hold open to members."""
+        if self._capacity is None:
+            self._capacity = sum(node.capacity for node in self.nodes.values())
+        return self._capacity
 
     def most_devices(self) -> int | None:
         """The most devices a healthy member of a ready node owns; None when

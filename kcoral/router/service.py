@@ -92,7 +92,7 @@ def _client_connections(limit: int, pool: Pool):
     """How many client connections a Router takes: its descriptors less one
     for each run it may have in flight to its workers (each on a connection
     of its own, kept open afterwards for the next run)."""
-    return lambda: max(limit - sum(node.capacity for node in pool.nodes.values()), 1)
+    return lambda: max(limit - pool.member_capacity(), 1)
 
 
 class RouterService(service.MultiService):
