@@ -1,8 +1,8 @@
 """
 The Router's cost as its pool grows: 10, 50 and 200 simulated nodes.
 
-    .venv/bin/python bench/pool.py                 # about two minutes
-    .venv/bin/python bench/pool.py --nodes 10,200 --runs 2000
+    .venv/bin/python bench/pool.py                 # about five minutes
+    .venv/bin/python bench/pool.py --nodes 10,200 --runs 2000 --rounds 1
 
 A real ``kcoral router`` child on a loopback port, and in this process (one
 asyncio loop) that many light fake nodes: each a worker (an HTTP server on
@@ -12,7 +12,10 @@ and a supervisor's heartbeat (a ``NodeReport`` of ``kcoral/router/report.py``
 PUT every 2 s on a keep-alive connection, the nodes' phases spread over the
 interval, each with its worker's runs in flight).
 
-For each pool size, with a fresh Router:
+For each pool size, with a fresh Router, in rounds (three by default: the
+pool sizes one after another, then again), each figure the median of its
+rounds, since a 2-core machine's pace drifts over minutes by more than the
+differences looked for:
 
 - reports: the Router's CPU over a window of heartbeats and no runs, as a
   share of one core (target for 200 nodes: under 10%);
@@ -20,7 +23,7 @@ For each pool size, with a fresh Router:
   connection, so that all wait in the Router's queue at once) and the
   Router's CPU per run, from the first run sent to the last answer, with
   the heartbeats going on (target: within +-25% from 10 to 200 nodes);
-- memory (the largest pool only, or ``--rss-nodes``): the Router's resident
+- memory (the largest pool only, or ``--rss-nodes``, in the first round): the Router's resident
   size idle, then its peak (``VmHWM``) while 256 MiB request bodies pass
   through it to the fake workers, one at a time and two at once (target:
   within 64 MiB of idle).
@@ -38,6 +41,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -283,6 +287,16 @@ async def measure_pool(count: int, args, rss: bool) -> dict:
         await asyncio.gather(*(n.worker.stop() for n in nodes))
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One pool size's rounds in one row: each figure their median (the
+    memory ones, measured once, as they are)."""
+    row = rows[0] | {key: statistics.median(r[key] for r in rows)
+                     for key in ("report_core", "reports_per_second", "runs_per_second",
+                                 "placement_cpu_us")}
+    row["placement_cpu_us_rounds"] = [r["placement_cpu_us"] for r in rows]
+    return row
+
+
 def report(results: dict) -> list:
     print()
     print(f"command: {results['command']}")
@@ -296,8 +310,9 @@ def report(results: dict) -> list:
     print(f"{'':>5} {'':>9} {'% of core':>10} {'':>7} {'us':>11}")
     print("-" * len(names))
     for row in results["rows"]:
+        rounds = ", ".join(f"{us:.0f}" for us in row["placement_cpu_us_rounds"])
         print(f"{row['nodes']:>5} {row['reports_per_second']:>9.1f} {100 * row['report_core']:>9.1f}% "
-              f"{row['runs_per_second']:>7.0f} {row['placement_cpu_us']:>11.0f}")
+              f"{row['runs_per_second']:>7.0f} {row['placement_cpu_us']:>11.0f}   rounds: {rounds}")
     print()
     checks = []
     rows = results["rows"]
@@ -335,6 +350,7 @@ def main() -> int:
                         help="window over which the heartbeats' cost is measured")
     parser.add_argument("--rss-nodes", type=int, help="the pool size whose RSS is measured "
                                                       "(default: the largest)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each pool size is measured")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.nodes.split(",")]
@@ -349,9 +365,13 @@ def main() -> int:
                "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                "runs": args.runs, "delay": args.delay, "report_seconds": args.report_seconds,
                "rows": []}
-    for count in counts:
-        print(f"{count} nodes ...", flush=True)
-        results["rows"].append(asyncio.run(measure_pool(count, args, count == rss_at)))
+    measured: dict[int, list[dict]] = {count: [] for count in counts}
+    for round_ in range(args.rounds):
+        for count in counts:
+            print(f"round {round_ + 1}: {count} nodes ...", flush=True)
+            measured[count].append(
+                asyncio.run(measure_pool(count, args, count == rss_at and not round_)))
+    results["rows"] = [median_row(rows) for rows in measured.values()]
     report(results)
     write_results(results, args.json)
     return 0
