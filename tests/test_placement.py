@@ -270,6 +270,22 @@ def test_the_ring_follows_the_pools_members():
     world.capacities = (2,)
     world.report()
     assert [m.name for m in world.pool.ring.members] == ["worker0"]
+    assert list(world.pool.ring.walk(P)) == [world.member("worker0")]
+
+
+def test_a_node_started_over_or_forgotten_leaves_no_member_on_the_ring():
+    """A node that comes back with a new session has its new members on the ring, not its
+    old ones as well; a node forgotten has none."""
+    world = World(2, 2)
+    world.pool.leave("n", "s1")
+    world.report(session="s2")
+    assert sorted(m.name for m in world.pool.ring.members) == ["worker0", "worker1"]
+    assert set(world.pool.ring.members) == set(world.pool.nodes["n"].members.values())
+    world.pool.leave("n", "s2")
+    world.clock.advance(world.pool.retention)
+    world.pool.observe()
+    assert "n" not in world.pool.nodes
+    assert world.pool.ring.members == [] and list(world.pool.ring.walk(P)) == []
 
 
 def test_a_free_member_takes_a_run_when_the_others_are_full():

@@ -44,11 +44,26 @@ def test_a_member_leaving_moves_only_the_contents_it_came_first_for():
     goes to the member that came second for it."""
     pool = members(10)
     before = Ring(pool)
-    after = Ring(pool[:9])
+    after = Ring(pool)
+    after.remove(pool[9])
     for i in range(200):
         order = list(before.walk(digest(i)))
         expected = order[0] if order[0] is not pool[9] else order[1]
         assert next(after.walk(digest(i))) is expected
+
+
+def test_a_ring_changed_in_place_walks_as_one_made_anew():
+    """Members added and removed one by one leave the ring that their set would make."""
+    pool = members(6) + members(3, node_id="m")
+    ring = Ring(pool[:4])
+    for member in pool[4:]:
+        ring.add(member)
+    ring.remove(pool[1])
+    ring.remove(pool[7])
+    rest = [m for m in pool if m is not pool[1] and m is not pool[7]]
+    for i in range(50):
+        assert list(ring.walk(digest(i))) == list(Ring(rest).walk(digest(i)))
+    assert sorted(ring.members, key=rest.index) == rest
 
 
 def test_an_empty_ring_walks_nowhere():

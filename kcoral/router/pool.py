@@ -127,9 +127,10 @@ class Pool:
         self.residency = Residency(clock, grace_seconds=max_status_age_seconds)
         #: Which member with free capacity runs what.
         self.placement = ROUTINGS[routing](self.residency)
-        #: The members on the ring placement walks, and the capacity of the
-        #: healthy ones; None when members have changed since they were known.
-        self._ring: Ring | None = None
+        #: Every member, usable or not, on the ring placement walks.
+        self.ring = Ring()
+        #: The capacity of the healthy members; None once a report or a
+        #: departure may have changed it.
         self._capacity: int | None = None
 
     # -- reports ------------------------------------------------------------
@@ -180,8 +181,10 @@ class Pool:
         if node_id not in self.nodes and len(self.nodes) >= self.max_nodes:
             raise PoolFull(f"the Router tracks {len(self.nodes)} nodes, the most it may; "
                            f"gone ones are forgotten after {self.retention:g} s")
+        old = self.nodes.get(node_id)
+        if old is not None:
+            self._off_ring(old)
         node = self.nodes[node_id] = Node(node_id, session)
-        self._ring = None
         log.info("node {node_id} joined with {workers} worker(s), target {target}",
                  node_id=node_id, workers=len(workers), target=gpu_target)
         return node
@@ -192,15 +195,14 @@ class Pool:
         node.gpu_target, node.runtime = gpu_target, runtime
         for gone in set(node.members) - {w.name for w in workers}:
             if node.members[gone].active == 0:
-                del node.members[gone]
-                self._ring = None
+                self.ring.remove(node.members.pop(gone))
             else:
                 node.members[gone].healthy = False
         for worker in workers:
             member = node.members.get(worker.name)
             if member is None:
                 member = node.members[worker.name] = Member(node, worker.name, worker.url)
-                self._ring = None
+                self.ring.add(member)
             elif member.url != worker.url or not worker.healthy:
                 # A restarted worker may have a new address: keep the same
                 # Member, whose leases still count (and release) its requests,
@@ -283,7 +285,12 @@ class Pool:
 
     def _forget(self, node: Node) -> None:
         del self.nodes[node.node_id]
-        self._ring = self._capacity = None
+        self._off_ring(node)
+        self._capacity = None
+
+    def _off_ring(self, node: Node) -> None:
+        for member in node.members.values():
+            self.ring.remove(member)
 
     def _changed(self) -> None:
         """A report changed what members there are, or their health or capacity."""
@@ -306,13 +313,6 @@ class Pool:
         there is none."""
         choice = self.choose(((demand, devices, waited),))
         return choice[1] if isinstance(choice, tuple) else choice
-
-    @property
-    def ring(self) -> Ring:
-        """Every member, usable or not, on the ring placement walks."""
-        if self._ring is None:
-            self._ring = Ring(m for node in self.nodes.values() for m in node.members.values())
-        return self._ring
 
     def member_capacity(self) -> int:
         """The capacity of every healthy member, its node ready or not: the

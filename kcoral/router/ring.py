@@ -6,7 +6,8 @@ in an order that is the same for all runs of that content (consistent
 hashing): placement looks at members in that order, ties go to the first,
 and it stops at the first member no other could beat, so a run that finds
 an idle warm member early costs the same in a pool of ten or of hundreds.
-A member joining or leaving changes the order only where its points are.
+A member joining or leaving changes the order only where its points are,
+and the ring is changed in place, not made again.
 """
 
 from __future__ import annotations
@@ -27,24 +28,44 @@ POINTS = 8
 
 
 class Ring:
-    """The members of a pool on the ring; made again when they change."""
+    """The members of a pool on the ring, kept as they join and leave."""
 
     __slots__ = ("_order", "_points", "members")
 
-    def __init__(self, members: Iterable[Member]):
-        self.members: list[Member] = list(members)
-        points = sorted((_point(f"{m.node.node_id}\0{m.name}\0{i}"), n)
-                        for n, m in enumerate(self.members) for i in range(POINTS))
-        self._points = [point for point, _ in points]
-        #: Twice round, so that a walk is one slice wherever it starts.
-        self._order = [self.members[n] for _, n in points] * 2
+    def __init__(self, members: Iterable[Member] = ()):
+        self.members: list[Member] = []
+        #: The points, ascending, and the member at each.
+        self._points: list[int] = []
+        self._order: list[Member] = []
+        for member in members:
+            self.add(member)
+
+    def add(self, member: Member) -> None:
+        # One insertion per point, not a new ring: a pool of thousands of
+        # members that all join at once (a Router restarted) stays linear.
+        for point in _member_points(member):
+            at = bisect.bisect(self._points, point)
+            self._points.insert(at, point)
+            self._order.insert(at, member)
+        self.members.append(member)
+
+    def remove(self, member: Member) -> None:
+        for point in _member_points(member):
+            at = bisect.bisect_left(self._points, point)
+            while self._order[at] is not member:  # another member's equal point
+                at += 1
+            del self._points[at], self._order[at]
+        self.members.remove(member)
 
     def walk(self, content: str) -> Iterator[Member]:
         """Every member once, clockwise from C{content}'s point."""
-        start = bisect.bisect(self._points, _point(content))
+        order, everyone = self._order, len(self.members)
+        start = bisect.bisect(self._points, _content_point(content))
         seen: set[Member] = set()
-        everyone = len(self.members)
-        for member in self._order[start:start + len(self._points)]:
+        # From start - len to start: the negative indices are the points
+        # from start to the end, then come those before it.
+        for at in range(start - len(order), start):
+            member = order[at]
             if member not in seen:
                 seen.add(member)
                 yield member
@@ -52,7 +73,13 @@ class Ring:
                     return
 
 
-# A dispatch walks from the same few contents again and again.
-@functools.lru_cache(maxsize=4096)
-def _point(text: str) -> int:
+def _member_points(member: Member) -> list[int]:
+    return [_hash(f"{member.node.node_id}\0{member.name}\0{i}") for i in range(POINTS)]
+
+
+def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+#: A dispatch walks from the same few contents again and again.
+_content_point = functools.lru_cache(maxsize=4096)(_hash)
