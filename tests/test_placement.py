@@ -335,6 +335,15 @@ def test_a_warm_member_that_is_gone_is_no_reason_to_wait(world):
     assert not world.member("worker0").held.programs
 
 
+def test_a_warm_member_of_no_capacity_is_no_reason_to_wait():
+    """A healthy worker that reports no capacity holds the run's weights, yet never frees:
+    the run goes to a free member at once."""
+    world = World(0, 2)
+    world.ran("worker0", weights(P, W1))
+    measured(world, run_seconds=0.01)
+    assert world.pick(weights(P, W1)) is world.member("worker1")
+
+
 def test_a_waiting_run_takes_the_warm_member_when_it_frees():
     """A queued run that chose to wait gets the warm member as soon as it frees."""
     world = World(2, 2)
@@ -587,6 +596,14 @@ def test_small_bodies_measure_the_run_seconds_but_not_a_compile(world):
     assert residency.run_seconds.value == 0.01
     world.ran("worker0", Demand(P), sent=64 * MIB, seconds=0.5)
     assert residency.run_seconds.value == 0.01
+
+
+def test_a_run_the_clock_says_ended_before_it_began_counts_no_seconds(world):
+    """The reactor's clock is the wall clock: a step back measures a run at no seconds,
+    never fewer, so that a busy member never costs less than an idle one."""
+    world.ran("worker0", Demand(P), seconds=2.0)  # placed cold: it compiled
+    world.ran("worker0", Demand(P), seconds=-3.0)
+    assert world.pool.residency.run_seconds.value == 0.0
 
 
 def test_the_affinity_rule_is_the_default():

@@ -26,7 +26,10 @@ first compile, however long its runs).
 Ties go to the least loaded, then to the warmest, then to the member that
 comes first on the hash ring from the run's content (L{kcoral.router.ring}):
 content no member holds has a stable home, and its next runs find their
-caches there.
+caches there. Members are looked at in that order, and the first idle one
+that has compiled the program and holds every input ends the search (none
+could cost less, and ties go to the first): a run that finds one early costs
+the same in a pool of ten or of hundreds.
 
 When the cheapest member for a run is full, the run waits for it, for as
 long as the wait was expected to save (the cheapest free member's cost less
@@ -146,7 +149,9 @@ class Affinity:
             warm = None
             if cost > r.run_seconds.value:
                 if full_all is None:
-                    full_all = {m for m in ring.members if m.active >= m.capacity and m.usable}
+                    # A member of no capacity is never free: nothing waits for it.
+                    full_all = {m for m in ring.members
+                                if 0 < m.capacity <= m.active and m.usable}
                 warm = self._cheapest(
                     (m for m in ring.walk(demand.home) if m in full_all and m.devices >= devices
                      and m.held.holds_any(demand)), demand, ahead)

@@ -308,7 +308,9 @@ class Residency:
         held.learn(demand, self._clock.seconds())
         if sent_bytes < MEASURED_BODY_BYTES:
             if not compiled_here:  # a compile's seconds are not a run's
-                self.run_seconds.observe(seconds)
+                # The reactor's clock is the wall clock, which can step back:
+                # a negative run would make a busy member cheaper than an idle one.
+                self.run_seconds.observe(max(0.0, seconds))
         elif seconds > 0:
             self.bandwidth.observe(sent_bytes / seconds)
 

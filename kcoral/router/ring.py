@@ -3,11 +3,9 @@ The hash ring the affinity rule walks: every member of a pool at a few
 points of a circle of 64-bit hashes, and each run's content at a point of
 its own. Walking clockwise from the content's point gives every member once,
 in an order that is the same for all runs of that content (consistent
-hashing): placement looks at members in that order, ties go to the first,
-and it stops at the first member no other could beat, so a run that finds
-an idle warm member early costs the same in a pool of ten or of hundreds.
-A member joining or leaving changes the order only where its points are,
-and the ring is changed in place, not made again.
+hashing): placement looks at members in that order, and ties go to the
+first. A member joining or leaving changes the order only where its points
+are, and the ring is changed in place, not made again.
 """
 
 from __future__ import annotations
@@ -41,8 +39,9 @@ class Ring:
             self.add(member)
 
     def add(self, member: Member) -> None:
-        # One insertion per point, not a new ring: a pool of thousands of
-        # members that all join at once (a Router restarted) stays linear.
+        # One insertion per point, not a new ring sorted again: thousands of
+        # members that join at once (a Router restarted) each move pointers
+        # once, where a sort for each would hash and compare every point.
         for point in _member_points(member):
             at = bisect.bisect(self._points, point)
             self._points.insert(at, point)
