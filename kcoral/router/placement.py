@@ -123,8 +123,6 @@ class Affinity:
 
     def choose(self, ring: Ring, runs: Iterable[Run]) -> tuple[int, Member] | Wait | None:
         r = self._residency
-        #: The usable full members, found once a run needs them.
-        full_all: set[Member] | None = None
         #: Runs offered before this one that wait for each full member.
         ahead: dict[Member, int] = {}
         cold: tuple[int, Member] | None = None
@@ -145,16 +143,10 @@ class Affinity:
             # A full member costs at least a run's seconds (a load of at
             # least one), and one that holds nothing of the run at least what
             # a free one that holds nothing costs: neither is worth waiting
-            # for then, and a large pool's members are not all looked at.
+            # for then, and the full members are not looked at.
             warm = None
             if cost > r.run_seconds.value:
-                if full_all is None:
-                    # A member of no capacity is never free: nothing waits for it.
-                    full_all = {m for m in ring.members
-                                if 0 < m.capacity <= m.active and m.usable}
-                warm = self._cheapest(
-                    (m for m in ring.walk(demand.home) if m in full_all and m.devices >= devices
-                     and m.held.holds_any(demand)), demand, ahead)
+                warm = self._cheapest(_full(ring.walk(demand.home), devices, demand), demand, ahead)
             if warm is not None and warm[1] < cost:
                 ahead[warm[0]] = ahead.get(warm[0], 0) + 1
                 left = cost - warm[1] - waited
@@ -210,6 +202,16 @@ def _free(members: Iterable[Member], devices: int) -> Iterator[Member]:
     """The usable members of C{members} with free capacity that own at least C{devices} devices."""
     for member in members:
         if member.active < member.capacity and member.devices >= devices and member.usable:
+            yield member
+
+
+def _full(members: Iterable[Member], devices: int, demand: Demand) -> Iterator[Member]:
+    """The usable members of C{members} without free capacity that own at
+    least C{devices} devices and hold some of C{demand}: those a run may
+    wait for. A member of no capacity never frees, and is none of them."""
+    for member in members:
+        if 0 < member.capacity <= member.active and member.devices >= devices \
+                and member.usable and member.held.holds_any(demand):
             yield member
 
 
