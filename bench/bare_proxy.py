@@ -24,6 +24,7 @@ Twisted's HTTP server and treq, as the Router does:
   on an ``Agent``): what the stack costs before KCoral's tuning of it.
 """
 
+import argparse
 import hashlib
 import sys
 from pathlib import Path
@@ -132,6 +133,9 @@ def main(worker_urls: list[str], plain: bool, capacity: int | None) -> None:
 
 
 if __name__ == "__main__":
-    options = sys.argv[2:]
-    main(sys.argv[1].split(","), "--plain" in options,
-         int(options[options.index("--capacity") + 1]) if "--capacity" in options else None)
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("workers", help="comma list of worker URLs")
+    parser.add_argument("--plain", action="store_true", help="treq as its documentation shows")
+    parser.add_argument("--capacity", type=int, help="runs each worker is sent at a time")
+    args = parser.parse_args()
+    main(args.workers.split(","), args.plain, args.capacity)
