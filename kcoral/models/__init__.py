@@ -1,0 +1,1 @@
+"""Named models: bundles on disk, the model repository a worker serves."""

@@ -1,0 +1,319 @@
+"""
+A model bundle's manifest (C{model.json}): the one description of a model
+that the exporter writes, a worker loads, and the inference protocol
+answers metadata and configuration from.
+
+Datatypes are the inference protocol's names (C{FP32}, C{BF16}, ...), shapes
+have -1 for the batch dimension, and everything read is checked and
+bounded: a repository is an operator's folder, but a broken manifest must
+make its model unavailable with a reason, never crash a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+#: The inference protocol's datatypes KCoral serves, and their arrays'
+#: dtypes. BYTES (strings) has no JAX type.
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+}
+_DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+
+#: A model's or a tensor's name, and a bundle's file names: never a path.
+NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+#: Bounds on what a manifest may describe.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_TENSORS = 64
+MAX_RANK = 16
+MAX_BATCH_SIZES = 16
+MAX_BATCH_SIZE = 1 << 16
+MANIFEST = "model.json"
+FORMAT = 1
+_DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
+
+
+class InvalidManifest(ValueError):
+    """A manifest that cannot be served; the message says why."""
+
+
+class InvalidInput(ValueError):
+    """An inference's inputs do not fit the model (answered with 400)."""
+
+
+def datatype_of(dtype) -> str:
+    """The protocol's name of C{dtype}; ValueError for a type it has none of."""
+    try:
+        return _DATATYPE_OF[np.dtype(dtype).newbyteorder("=")]
+    except KeyError:
+        raise ValueError(f"dtype {np.dtype(dtype)} has no inference-protocol datatype") from None
+
+
+def dtype_of(datatype: object) -> np.dtype:
+    """The dtype of the protocol's C{datatype}; InvalidInput for BYTES or an unknown name."""
+    if datatype == "BYTES":
+        raise InvalidInput("datatype BYTES is not served: JAX has no strings")
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        raise InvalidInput(f"unknown datatype {str(datatype)[:32]!r}")
+    return DATATYPES[datatype]
+
+
+def config_type(datatype: str) -> str:
+    """Triton's model-configuration name of C{datatype} (C{TYPE_FP32} ...)."""
+    return "TYPE_" + datatype
+
+
+@attrs.frozen
+class TensorSpec:
+    """One input or output: its name, datatype and shape (-1: the batch
+    dimension, and only there)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return DATATYPES[self.datatype]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, value: object, batched: bool) -> TensorSpec:
+        if not isinstance(value, dict):
+            raise InvalidManifest("a tensor must be an object")
+        name, datatype, shape = value.get("name"), value.get("datatype"), value.get("shape")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise InvalidManifest(f"tensor name {str(name)[:64]!r} is not 1-64 of [A-Za-z0-9_.-]")
+        if datatype not in DATATYPES:
+            raise InvalidManifest(f"tensor {name}: datatype {str(datatype)[:32]!r} is not served")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+                type(d) is int and d >= -1 for d in shape):
+            raise InvalidManifest(f"tensor {name}: shape must list at most {MAX_RANK} dimensions")
+        if batched and (not shape or shape[0] != -1 or -1 in shape[1:]):
+            raise InvalidManifest(f"tensor {name}: a batched model's shapes start with -1, "
+                                  "the batch dimension, and have no other")
+        if not batched and -1 in shape:
+            raise InvalidManifest(f"tensor {name}: -1 is the batch dimension of a batched model")
+        return cls(name, datatype, tuple(shape))
+
+
+@attrs.frozen
+class ProgramFile:
+    """A serialized program of the bundle, for the batch sizes it serves
+    (all of them when it was exported with a symbolic batch dimension)."""
+
+    file: str
+    sha256: str
+    batch_sizes: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "sha256": self.sha256, "batch_sizes": list(self.batch_sizes)}
+
+
+@attrs.frozen
+class ParamsFile:
+    """The params' safetensors file: tensors C{param_0} ... C{param_<count-1>},
+    the leaves of the params pytree in C{jax.tree.leaves} order."""
+
+    file: str
+    sha256: str
+    count: int
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "sha256": self.sha256, "count": self.count}
+
+
+@attrs.frozen
+class ModelManifest:
+    """
+    What C{model.json} says. C{max_batch_size} 0: the model is not batched
+    (its shapes are fixed, C{batch_sizes} is empty); else dimension 0 of
+    every input and output is the batch, and a program is compiled for each
+    of C{batch_sizes}, the largest of which is C{max_batch_size}.
+    """
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    batch_sizes: tuple[int, ...]
+    programs: tuple[ProgramFile, ...]
+    params: ParamsFile | None
+    platforms: tuple[str, ...]
+    version: int = 1
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "name": self.name, "version": self.version,
+            "platforms": list(self.platforms),
+            "max_batch_size": self.max_batch_size, "batch_sizes": list(self.batch_sizes),
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "programs": [p.to_json() for p in self.programs],
+            "params": None if self.params is None else self.params.to_json(),
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=2).encode() + b"\n"
+
+    @classmethod
+    def loads(cls, data: bytes) -> ModelManifest:
+        """The manifest in C{data}, checked; InvalidManifest says what is wrong."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise InvalidManifest(f"{MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise InvalidManifest(f"{MANIFEST} is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise InvalidManifest(f"{MANIFEST} must hold an object")
+        return cls.from_json(value)
+
+    @classmethod
+    def from_json(cls, value: Mapping) -> ModelManifest:
+        if value.get("format") != FORMAT:
+            raise InvalidManifest(f"format {str(value.get('format'))[:16]!r} is not {FORMAT}")
+        name = value.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise InvalidManifest(f"model name {str(name)[:64]!r} is not 1-64 of [A-Za-z0-9_.-]")
+        version = value.get("version", 1)
+        if type(version) is not int or not 1 <= version < 1 << 31:
+            raise InvalidManifest("version must be a positive integer")
+        most = value.get("max_batch_size")
+        if type(most) is not int or not 0 <= most <= MAX_BATCH_SIZE:
+            raise InvalidManifest(f"max_batch_size must be an integer from 0 to {MAX_BATCH_SIZE}")
+        sizes = value.get("batch_sizes", [])
+        if not isinstance(sizes, list) or len(sizes) > MAX_BATCH_SIZES or not all(
+                type(s) is int and 1 <= s <= most for s in sizes) or len(set(sizes)) != len(sizes):
+            raise InvalidManifest(f"batch_sizes must list at most {MAX_BATCH_SIZES} distinct "
+                                  "sizes from 1 to max_batch_size")
+        if most and max(sizes, default=0) != most:
+            raise InvalidManifest("max_batch_size must be the largest of batch_sizes")
+        if not most and sizes:
+            raise InvalidManifest("a model with max_batch_size 0 has no batch_sizes")
+        batched = most > 0
+        inputs = _tensors(value.get("inputs"), "inputs", batched)
+        outputs = _tensors(value.get("outputs"), "outputs", batched)
+        programs = _programs(value.get("programs"), tuple(sorted(sizes)))
+        params = _params(value.get("params"))
+        platforms = value.get("platforms", [])
+        if not isinstance(platforms, list) or not platforms or len(platforms) > 8 or not all(
+                isinstance(p, str) and NAME.match(p) for p in platforms):
+            raise InvalidManifest("platforms must list the platforms the program was exported for")
+        return cls(name=name, version=version, inputs=inputs, outputs=outputs,
+                   max_batch_size=most, batch_sizes=tuple(sorted(sizes)), programs=programs,
+                   params=params, platforms=tuple(platforms))
+
+    def batch_size_for(self, rows: int) -> int:
+        """The smallest compiled batch size that holds C{rows} rows."""
+        for size in self.batch_sizes:
+            if size >= rows:
+                return size
+        raise InvalidInput(f"a batch of {rows} is over max_batch_size {self.max_batch_size}")
+
+    def check(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """
+        The batch's rows (1 for a model that is not batched) when C{inputs}
+        are exactly this model's inputs, by name, with their datatypes and
+        shapes; else InvalidInput, saying which input is wrong and how.
+        """
+        wanted = {t.name for t in self.inputs}
+        unknown = sorted(set(inputs) - wanted)
+        if unknown:
+            raise InvalidInput(f"model {self.name} has no input {unknown[0]!r} "
+                               f"(its inputs: {', '.join(sorted(wanted))})")
+        rows = None
+        for spec in self.inputs:
+            array = inputs.get(spec.name)
+            if array is None:
+                raise InvalidInput(f"input {spec.name!r} of model {self.name} is missing")
+            if array.dtype != spec.dtype:
+                raise InvalidInput(f"input {spec.name!r} has datatype "
+                                   f"{_datatype_or_dtype(array.dtype)}, the model takes {spec.datatype}")
+            shape = tuple(array.shape)
+            if len(shape) != len(spec.shape) or any(
+                    d != -1 and d != s for d, s in zip(spec.shape, shape)):
+                raise InvalidInput(f"input {spec.name!r} has shape {list(shape)}, the model "
+                                   f"takes {list(spec.shape)}")
+            if self.max_batch_size:
+                if rows is not None and shape[0] != rows:
+                    raise InvalidInput(f"input {spec.name!r} has {shape[0]} rows, another "
+                                       f"input {rows}: a batch's inputs have the same rows")
+                rows = shape[0]
+        if not self.max_batch_size:
+            return 1
+        assert rows is not None  # a batched model has an input
+        if not 1 <= rows <= self.max_batch_size:
+            raise InvalidInput(f"a batch of {rows} rows: model {self.name} takes 1 to "
+                               f"{self.max_batch_size} (max_batch_size)")
+        return rows
+
+
+def _datatype_or_dtype(dtype: np.dtype) -> str:
+    try:
+        return datatype_of(dtype)
+    except ValueError:
+        return str(dtype)
+
+
+def _tensors(value: object, what: str, batched: bool) -> tuple[TensorSpec, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_TENSORS:
+        raise InvalidManifest(f"{what} must list 1 to {MAX_TENSORS} tensors")
+    tensors = tuple(TensorSpec.from_json(t, batched) for t in value)
+    if len({t.name for t in tensors}) != len(tensors):
+        raise InvalidManifest(f"{what} names a tensor twice")
+    return tensors
+
+
+def _file(value: Mapping, what: str) -> tuple[str, str]:
+    file, digest = value.get("file"), value.get("sha256")
+    if not isinstance(file, str) or not NAME.match(file) or file == MANIFEST:
+        raise InvalidManifest(f"{what}: file {str(file)[:64]!r} must be a file name in the bundle")
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise InvalidManifest(f"{what}: sha256 must be the file's hex digest")
+    return file, digest
+
+
+def _programs(value: object, sizes: tuple[int, ...]) -> tuple[ProgramFile, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BATCH_SIZES:
+        raise InvalidManifest(f"programs must list 1 to {MAX_BATCH_SIZES} program files")
+    programs = []
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise InvalidManifest("a program entry must be an object")
+        file, digest = _file(entry, "a program")
+        covered = entry.get("batch_sizes", [])
+        if not isinstance(covered, list) or not all(type(s) is int for s in covered):
+            raise InvalidManifest(f"program {file}: batch_sizes must list batch sizes")
+        programs.append(ProgramFile(file, digest, tuple(sorted(covered))))
+    listed = sorted(s for p in programs for s in p.batch_sizes)
+    if tuple(listed) != sizes or (not sizes and len(programs) != 1):
+        raise InvalidManifest("programs must cover each batch size exactly once (a model that "
+                              "is not batched: one program, with no batch sizes)")
+    return tuple(programs)
+
+
+def _params(value: object) -> ParamsFile | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidManifest("params must be an object or null")
+    file, digest = _file(value, "params")
+    count = value.get("count")
+    if type(count) is not int or not 0 <= count <= 1 << 16:
+        raise InvalidManifest("params: count must be the number of params tensors")
+    return ParamsFile(file, digest, count)
