@@ -119,7 +119,7 @@ def main(worker_urls: list[str], plain: bool, capacity: int | None) -> None:
     else:
         client = Outgoing(reactor).client
         runs = Proxy(client)
-        proxy = BareProxy(client, [runs.run_url(url) for url in worker_urls], capacity)
+        proxy = BareProxy(client, [runs.url_of(url, b"/v1/run") for url in worker_urls], capacity)
         reactor.callWhenRunning(settle)
 
     def listening(port):

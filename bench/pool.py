@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 
 from child import write_results  # noqa: E402
 from kcoral._version import __version__  # noqa: E402
+from kcoral.common.report import NodeReport, WorkerReport  # noqa: E402
 from kcoral.protocol.wire import (  # noqa: E402
     PROGRAM_HEADER,
     REQUEST_CONTENT_TYPE,
@@ -62,7 +63,6 @@ from kcoral.protocol.wire import (  # noqa: E402
     encode_request,
     encode_result,
 )
-from kcoral.router.report import NodeReport, WorkerReport  # noqa: E402
 from procstat import cpu_seconds  # noqa: E402
 from router import read_answer, start_router  # noqa: E402
 

@@ -35,11 +35,11 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 
+from kcoral.common.queue import WaitQueue
 from kcoral.heap import settle
 from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import encode_request, sha256, wire_array
 from kcoral.router.proxy import Answer
-from kcoral.router.queue import WaitQueue
 from kcoral.router.service import RouterConfig, build_router
 from kcoral.server.admission import Admission
 from kcoral.server.app import OK, ServerApp

@@ -19,8 +19,8 @@ from twisted.python import usage
 from kcoral import status
 from kcoral._version import __version__
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
-from kcoral.node import tap as node_tap
-from kcoral.router import tap as router_tap
+from kcoral.taps import node as node_tap
+from kcoral.taps import router as router_tap
 
 
 class CommandOptions(usage.Options):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kcoral.web.family import family_of
+
 #: Latency buckets from sub-millisecond proxy hops to multi-minute programs.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 1800.0)
@@ -27,8 +29,13 @@ class HttpMetrics:
         self._children: dict[tuple[str, int], tuple] = {}
 
     def route_of(self, path: bytes) -> str:
-        # Bounded label values: unknown paths share one label.
-        route = path.split(b"?", 1)[0].decode("ascii", "replace")
+        # Bounded label values: an API family's paths by its routes' labels,
+        # and unknown paths share one label.
+        path = path.split(b"?", 1)[0]
+        family = family_of(path)
+        if family is not None:
+            return family.label(path) or "other"
+        route = path.decode("ascii", "replace")
         if route.startswith("/v1/nodes/"):
             return "/v1/nodes/{node_id}"
         return route if route in self._routes else "other"

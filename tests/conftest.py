@@ -22,7 +22,7 @@ import pytest_twisted
 # modules are importable (chaos, procstat, child).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from kcoral.node.devices import HOST_DEVICE_COUNT, host_device_flags
+from kcoral.common.hostdevices import HOST_DEVICE_COUNT, host_device_flags
 from tests.harness import SERVER_READY, ProcessGroup
 
 # The test process only exports programs and checks results: keep its JAX on

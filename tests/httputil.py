@@ -30,6 +30,7 @@ class ForwardedRequest:
     """What L{kcoral.router.proxy.Proxy.forward} reads of a client's request."""
 
     request_id = "forwarded-1"
+    path = b"/v1/run"
     requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
 
 

@@ -28,9 +28,9 @@ from twisted.python import usage
 
 from kcoral import Client, Program
 from kcoral.errors import Unauthorized
-from kcoral.node.tap import NodeOptions
 from kcoral.router.service import RouterConfig
-from kcoral.router.tap import RouterOptions
+from kcoral.taps.node import NodeOptions
+from kcoral.taps.router import RouterOptions
 from kcoral.web import auth
 from kcoral.web.auth import (
     CLIENT_ROUTES,
@@ -199,7 +199,7 @@ def test_a_run_without_the_token_is_refused_from_its_head(logged):
     """A run guard answers a POST /v1/run without the token 401 from its head: no 100 Continue."""
     resource = Bodies()
     site = fake_site(Clock(), max_request_bytes=1 << 30, resource=resource,
-                     run_guard=TokenGuard.of([TOKEN], CLIENT_ROUTES))
+                     client_guard=TokenGuard.of([TOKEN], CLIENT_ROUTES))
     head = (b"POST /v1/run?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 268435456\r\n"
             b"Expect: 100-continue\r\nX-Request-ID: early-1\r\n")
     channel, transport = connect(site)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.router.service import RouterConfig
-from kcoral.server.service import ServerConfig
 from tests.tools import TOP, debian_tool
 
 UNITS = TOP / "contrib" / "systemd"

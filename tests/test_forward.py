@@ -8,12 +8,12 @@ from __future__ import annotations
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
 from kcoral.errors import NodeFailure, ServerBusy
 from kcoral.router.forward import MAX_NOT_SENT, Forwarder
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
-from kcoral.router.queue import WaitQueue
-from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, FakeWorkers, node_report

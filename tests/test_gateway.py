@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from twisted.internet.testing import MemoryReactorClock
 
+from kcoral.common.report import NodeReport, WorkerReport
 from kcoral.node.gateway import NODE, Gateway
 from kcoral.router.pool import READY, SessionConflict
-from kcoral.router.report import NodeReport, WorkerReport
 from kcoral.router.service import RouterConfig
 
 WORKERS = (WorkerReport("worker0", "http://127.0.0.1:8001", True, 2, 0),

@@ -201,7 +201,8 @@ def test_a_drained_server_closes_only_once_runs_stop_arriving():
     # draining) until runs have stopped arriving for DRAIN_QUIET_SECONDS.
     from twisted.internet.task import Clock
 
-    from kcoral.server.service import DRAIN_QUIET_SECONDS, ServerConfig, ServerService
+    from kcoral.common.serverconfig import ServerConfig
+    from kcoral.server.service import DRAIN_QUIET_SECONDS, ServerService
 
     clock = Clock()
     svc = ServerService(ServerConfig(port=0, gpus="none"), clock)

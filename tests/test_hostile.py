@@ -48,8 +48,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from kcoral import Program
+from kcoral.common.report import InvalidReport, parse_report
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, REQUEST_CONTENT_TYPE, sha256
-from kcoral.router.report import InvalidReport, parse_report
 from kcoral.web.badrequest import TWISTED_BAD_REQUEST
 from kcoral.web.fdlimit import RESERVED, WANTED, connection_limit
 from tests.conftest import server_args, server_env

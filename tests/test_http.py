@@ -19,8 +19,8 @@ from twisted.internet.task import Clock
 from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 
+from kcoral.common.queue import WaitQueue
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, encode_request, sha256, wire_array
-from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache

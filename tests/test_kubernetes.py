@@ -16,8 +16,8 @@ import subprocess
 import pytest
 import yaml
 
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.router.service import RouterConfig
-from kcoral.server.service import ServerConfig
 from tests.tools import TOP, venv_tool
 
 KUBERNETES = TOP / "deploy" / "kubernetes"

@@ -21,11 +21,11 @@ from twisted.python import usage
 
 from kcoral import logs
 from kcoral.logs import log_observer
-from kcoral.node import tap as node_tap
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.supervisor import worker_argv
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
-from kcoral.router import tap as router_tap
+from kcoral.taps import node as node_tap
+from kcoral.taps import router as router_tap
 from tests.conftest import server_args, server_env
 from tests.harness import START_TIMEOUT, RunningService, kcoral_argv, until
 from tests.httputil import request

@@ -12,10 +12,11 @@ import stat
 import pytest
 from twisted.python import usage
 
+from kcoral.common.hostdevices import host_device_flags
 from kcoral.node import devices
-from kcoral.node.devices import WorkerSpec, detect_gpus, host_device_flags, plan_workers
+from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.supervisor import worker_argv
-from kcoral.node.tap import NodeOptions
+from kcoral.taps.node import NodeOptions
 
 FOUR = ["0", "1", "2", "3"]
 

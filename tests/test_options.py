@@ -11,9 +11,9 @@ import pytest
 from twisted.python import usage
 
 from kcoral import cli
-from kcoral.node import tap as node_tap
-from kcoral.router import tap as router_tap
 from kcoral.router.service import RouterConfig
+from kcoral.taps import node as node_tap
+from kcoral.taps import router as router_tap
 
 ENVIRONMENT = ("KCORAL_NODE_TOKEN", "KCORAL_ROUTER_ENDPOINT", "KCORAL_NODE_ID")
 SUPERVISOR_DEFAULTS = {
@@ -299,9 +299,9 @@ def test_worker_ports(argv, ports):
 
 def test_node_options_default_to_the_configs():
     """The node options' defaults are ServerConfig's, NodeConfig's and RestartSettings'."""
+    from kcoral.common.serverconfig import ServerConfig
     from kcoral.node.config import NodeConfig
     from kcoral.node.restart import RestartSettings
-    from kcoral.server.service import ServerConfig
 
     o = node_options()
     assert o.server_config() == ServerConfig()

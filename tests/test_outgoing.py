@@ -90,7 +90,8 @@ def test_a_run_url_may_name_an_ipv6_worker():
 def test_the_proxy_parses_each_member_url_once():
     """The proxy parses a member's URL once and reuses the result."""
     proxy = Proxy(Outgoing(reactor).client)
-    assert proxy.run_url("http://127.0.0.1:8000") is proxy.run_url("http://127.0.0.1:8000")
+    url = "http://127.0.0.1:8000"
+    assert proxy.url_of(url, b"/v1/run") is proxy.url_of(url, b"/v1/run")
 
 
 def test_debug_lines_are_skipped_only_where_no_one_sees_them(monkeypatch):
@@ -221,7 +222,7 @@ async def test_outgoing_keeps_no_cookies(peer):
 async def test_a_run_whose_client_left_is_not_sent_again(peer):
     """A client leaves while its run waits at a worker: the Router closes its
     request to the worker, and sends the run nowhere else for nobody."""
-    from kcoral.router.report import parse_report
+    from kcoral.common.report import parse_report
     from kcoral.router.service import RouterConfig, build_router
 
     worker = FakeWorker(hold=True)

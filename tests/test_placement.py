@@ -13,20 +13,12 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.task import Clock
 from zope.interface.verify import verifyObject
 
+from kcoral.common.cached import MAX_CONTENTS, MAX_PROGRAMS, Cached, parse_cached
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import InvalidReport, parse_report
 from kcoral.router.placement import Affinity, IPlacement, LeastLoaded, Wait
 from kcoral.router.pool import READY, Member, Pool
-from kcoral.router.queue import WaitQueue
-from kcoral.router.report import InvalidReport, parse_report
-from kcoral.router.residency import (
-    MAX_CONTENTS,
-    MAX_HELD,
-    MAX_PROGRAMS,
-    Cached,
-    Demand,
-    Holdings,
-    ResidencyCollector,
-    parse_cached,
-)
+from kcoral.router.residency import MAX_HELD, Demand, Holdings, ResidencyCollector
 from kcoral.router.scheduler import Lease, Scheduler
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache

@@ -9,7 +9,7 @@ import pytest
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 
-from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
+from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
 from kcoral.server.admission import Admission
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
+from kcoral.common.report import parse_report
 from kcoral.errors import NodeFailure
 from kcoral.protocol.wire import REDISPATCH_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.router.forward import asks_redispatch
-from kcoral.router.report import parse_report
 from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, node_report
 from tests.test_forward import Routed
@@ -23,6 +23,7 @@ class Redispatched:
     """A client's request that allows a second run."""
 
     request_id = "redispatched-1"
+    path = b"/v1/run"
 
     def __init__(self, value: bytes = b"true"):
         self.requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()],

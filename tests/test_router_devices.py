@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from kcoral.common.report import InvalidReport, parse_report
 from kcoral.errors import NotEnoughDevices
-from kcoral.router.report import InvalidReport, parse_report
 from tests.fakes import node_report
 from tests.test_router_app import Router, assert_error
 from tests.test_router_scheduler import Outcome, World

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
 from kcoral.router.pool import (
     DRAINING,
     GONE,
@@ -20,8 +22,6 @@ from kcoral.router.pool import (
     PoolFull,
     SessionConflict,
 )
-from kcoral.router.queue import WaitQueue
-from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Lease, Scheduler
 from tests.fakes import RUNTIME, node_report
 

@@ -10,10 +10,10 @@ import pytest
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
 from kcoral.errors import ServerBusy
 from kcoral.router.pool import Pool
-from kcoral.router.queue import WaitQueue
-from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
 from tests.fakes import node_report
 

@@ -97,7 +97,7 @@ def test_a_node_takes_a_comma_list_of_routers():
     """--router takes a comma list, one reporter each; one that names no URL is a usage error."""
     from twisted.python import usage
 
-    from kcoral.node.tap import NodeOptions
+    from kcoral.taps.node import NodeOptions
 
     options = NodeOptions()
     options.parseOptions(["--router", "http://a:9000, http://b:9000", "--node-id", "n"])

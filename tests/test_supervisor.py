@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import sys
 
-from kcoral.node.announce import URL_FD
+from kcoral.common.announce import URL_FD
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.supervisor import SupervisorService, worker_argv
-from kcoral.server.service import ServerConfig
 from tests.fakes import FakeOutgoing, ProcessReactor
 
 ROUTER = "http://127.0.0.1:9000"

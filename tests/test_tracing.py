@@ -27,10 +27,10 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web.http_headers import Headers
 
 from kcoral.client.exchange import RunCall
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
 from kcoral.router.app import RouterApp
 from kcoral.router.pool import Pool
-from kcoral.router.queue import WaitQueue
-from kcoral.router.report import parse_report
 from kcoral.router.scheduler import Scheduler
 from kcoral.server.app import OK
 from kcoral.tracing import NO_SPAN, NO_TRACING, OpenTelemetry, tracing_for
@@ -240,7 +240,8 @@ def test_no_tracing_imports_nothing_of_opentelemetry():
             "from twisted.internet import reactor\n"
             "from kcoral import cli\n"
             "from kcoral.router.service import RouterConfig, RouterService\n"
-            "from kcoral.server.service import ServerConfig, ServerService\n"
+            "from kcoral.common.serverconfig import ServerConfig\n"
+            "from kcoral.server.service import ServerService\n"
             "RouterService(RouterConfig(port=0), reactor)\n"
             "ServerService(ServerConfig(port=0, gpus='none'), reactor)\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")

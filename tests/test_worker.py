@@ -11,7 +11,7 @@ import sys
 
 from prometheus_client import CollectorRegistry, Counter
 
-from kcoral.node.announce import URL_FD, URL_FD_ENV
+from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker

@@ -13,15 +13,7 @@ import subprocess
 
 import attrs
 
-#: The XLA flag that splits the host's CPU into several JAX devices.
-HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"
-
-
-def host_device_flags(flags: str, count: int) -> str:
-    """C{flags} (an C{XLA_FLAGS} value) with the host platform split into
-    C{count} devices, any count it named before replaced."""
-    kept = [f for f in flags.split() if f.split("=", 1)[0] != HOST_DEVICE_COUNT]
-    return " ".join([*kept, f"{HOST_DEVICE_COUNT}={count}"])
+from kcoral.common.hostdevices import host_device_flags
 
 
 @attrs.frozen

@@ -13,11 +13,11 @@ from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.common.report import WorkerReport
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.node.config import NodeConfig
 from kcoral.node.metrics import merge, scrape_workers
-from kcoral.router.report import WorkerReport
 from kcoral.router.service import RouterConfig, build_router
-from kcoral.server.service import ServerConfig
 from kcoral.web.auth import watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
@@ -41,7 +41,8 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         tls_cert=server.tls_cert, tls_key=server.tls_key, tls_ca=node.tls_ca,
         listen=server.listen, client_token=server.client_token,
         client_tokens_file=server.client_tokens_file, tls_client_ca=server.tls_client_ca,
-        tracing=server.tracing, routing=node.routing)
+        tracing=server.tracing, routing=node.routing,
+        service_name="kcoral-gateway", health_lists_workers=True)
 
 
 class Gateway(service.MultiService):
@@ -49,7 +50,7 @@ class Gateway(service.MultiService):
 
     def __init__(self, config: RouterConfig, reactor):
         super().__init__()
-        self.app, site = build_router(config, reactor, name="gateway")
+        self.app, site = build_router(config, reactor)
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
         self.app.history.setServiceParent(self)

@@ -20,6 +20,8 @@ from twisted.application import service
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.common.report import WorkerReport
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.gateway import Gateway, gateway_config
@@ -27,8 +29,6 @@ from kcoral.node.reporter import Reporters
 from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
 from kcoral.options import option_name
-from kcoral.router.report import WorkerReport
-from kcoral.server.service import ServerConfig
 from kcoral.web.endpoint import url_of
 from kcoral.web.outgoing import Outgoing
 

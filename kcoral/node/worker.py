@@ -29,12 +29,12 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, globalLogPublisher
 
+from kcoral.common.announce import URL_FD, URL_FD_ENV
+from kcoral.common.cached import parse_cached
+from kcoral.common.report import WorkerReport
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
-from kcoral.node.announce import URL_FD, URL_FD_ENV
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
-from kcoral.router.report import WorkerReport
-from kcoral.router.residency import parse_cached
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
 

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral._version import __version__
+from kcoral.common.report import InvalidReport, parse_report
 from kcoral.dashboard import page
 from kcoral.dashboard.history import History
 from kcoral.errors import (
@@ -34,14 +35,14 @@ from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
-from kcoral.router.report import InvalidReport, parse_report
 from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.body import MemoryBody, body_of
-from kcoral.web.directroute import DirectRoute
+from kcoral.web.family import RUN
+from kcoral.web.front import Front
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -86,7 +87,7 @@ class RouterApp:
     def __init__(self, *, pool: Pool, scheduler: Scheduler, outgoing: Outgoing, reactor,
                  registry: CollectorRegistry, node_token: str | None = None,
                  client_guard: IGuard | None = None,
-                 name: str = "router", status_check_interval: float = 1.0,
+                 health_lists_workers: bool = False, status_check_interval: float = 1.0,
                  metrics_source=None, tracing: ITracing = NO_TRACING,
                  max_redispatches: int = MAX_REDISPATCHES):
         self.pool = pool
@@ -99,7 +100,7 @@ class RouterApp:
         self._node_guard = TokenGuard.of([node_token] if node_token else [], NODE_ROUTES)
         #: What runs and the node list need (None: nothing).
         self.client_guard = client_guard
-        self.name = name
+        self._health_lists_workers = health_lists_workers
         self._interval = status_check_interval
         #: When set, a callable returning a Deferred of the whole /metrics
         #: text (a gateway merges its workers' series in).
@@ -118,8 +119,8 @@ class RouterApp:
                                    max_redispatches=max_redispatches)
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
-                                             guard=self.client_guard))
+        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
+                                       hot={RUN.prefix: self.post_run}))
 
     # -- client routes --------------------------------------------------------
 
@@ -140,7 +141,7 @@ class RouterApp:
             "nodes": self.pool.counts(),
             "version": __version__,
         }
-        if self.name == "gateway":
+        if self._health_lists_workers:
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
                  "active": m.active, "devices": m.devices}
@@ -165,7 +166,7 @@ class RouterApp:
         return self.metrics_source()
 
     # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through DirectRoute, which cancels
+    # 405; POST requests reach post_run through Front, which cancels
     # the forward when its client goes away.
     @app.route("/v1/run", methods=["POST"])
     def post_run(self, request) -> Deferred:
@@ -203,11 +204,8 @@ class RouterApp:
 
     @app.route("/v1/nodes", methods=["GET"])
     def get_nodes(self, request):
-        # It lists every worker's URL: where programs could be sent directly.
-        if self.client_guard is not None:
-            refused = self.client_guard.refusal(request, request.request_id)
-            if refused is not None:
-                return refused
+        # It lists every worker's URL, where programs could be sent directly:
+        # guarded (kcoral.web.family.NODES) like the runs themselves.
         now = self._reactor.seconds()
         nodes = []
         for node in self.pool.nodes.values():

@@ -53,7 +53,7 @@ from kcoral.router.residency import Demand, Residency
 from kcoral.router.ring import Ring
 
 if TYPE_CHECKING:
-    from kcoral.router.pool import Member
+    from kcoral.router.member import Member
 
 @attrs.frozen
 class Wait:

@@ -1,6 +1,8 @@
 """
-The proxy: forwards one C{POST /v1/run} to the member a lease names, with a
-treq client (in a service, over L{kcoral.web.outgoing}'s persistent pool).
+The proxy: forwards one request of an API family (a C{POST /v1/run}, an
+inference) to the same path on the member a lease names, with the headers
+its family declares, with a treq client (in a service, over
+L{kcoral.web.outgoing}'s persistent pool).
 
 What a failure means depends on whether the node may have started the work:
 a connection that could not be made, or a 503 from the node (its own queue,
@@ -23,20 +25,18 @@ from twisted.web.client import RequestTransmissionFailed, ResponseFailed, Respon
 from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure, error_from_answer
-from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from kcoral.tracing import TRACEPARENT
 from kcoral.web.body import IBody
+from kcoral.web.family import RUN, family_of
 from kcoral.web.outgoing import tls_problem
 
 log = Logger()
 
-_FORWARDED = (b"Content-Type", PROGRAM_HEADER.encode(), TRACEPARENT)
-_RETURNED = (b"Content-Type", b"Retry-After")
-
 
 class _RunURL(EncodedURL):
     """
-    A member's C{/v1/run} URL, parsed once. treq turns the URL of every
+    A member's URL of one path, parsed once. treq turns the URL of every
     request into text with C{to_uri().to_text()}, which IDNA-checks the host
     label by label: the largest part of treq's own work per forwarded run,
     and an error for an IPv6 literal (C{'::1'} is no IDNA label). A member
@@ -90,11 +90,13 @@ class Proxy:
         self._client = client
         self._urls: LRUCache = LRUCache(_MAX_URLS)
 
-    def run_url(self, url: str) -> _RunURL:
-        """The C{/v1/run} URL of the member at C{url}, parsed once."""
-        parsed = self._urls.get(url)
+    def url_of(self, url: str, path: bytes) -> _RunURL:
+        """The URL of C{path} (a path of an API family, which the Router
+        has matched) on the member at C{url}, parsed once."""
+        key = (url, path)
+        parsed = self._urls.get(key)
         if parsed is None:
-            parsed = self._urls[url] = _RunURL.parse(url + "/v1/run")
+            parsed = self._urls[key] = _RunURL.parse(url + path.decode("ascii"))
         return parsed
 
     @inlineCallbacks
@@ -107,8 +109,10 @@ class Proxy:
         Cancelling it closes the request to the member (or stops reading its
         answer) and fails it with C{CancelledError}.
         """
+        path = request.path
+        family = family_of(path) or RUN
         headers = Headers({b"X-Request-ID": [request.request_id.encode()]})
-        for name in _FORWARDED:
+        for name in family.forwarded:
             value = request.requestHeaders.getRawHeaders(name)
             if value:
                 headers.setRawHeaders(name, value[:1])
@@ -120,7 +124,7 @@ class Proxy:
             # A node's answer goes back as it is: never follow a redirect with
             # a program (and the body is read once, right here: no buffering).
             response = yield _cancelled_as_such(self._client.post(
-                self.run_url(url), data=body.send(), headers=headers, allow_redirects=False,
+                self.url_of(url, path), data=body.send(), headers=headers, allow_redirects=False,
                 unbuffered=True))
             content = yield _cancelled_as_such(response.content())
         except CancelledError:
@@ -134,7 +138,7 @@ class Proxy:
             busy = error_from_answer(response.code, content)
             raise NotSent(f"{url} turned it away with 503 {busy.reason or busy.message}")
         returned = {name: response.headers.getRawHeaders(name)[0]
-                    for name in _RETURNED if response.headers.hasHeader(name)}
+                    for name in family.returned if response.headers.hasHeader(name)}
         return Answer(response.code, returned, content)
 
 

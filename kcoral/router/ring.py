@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kcoral.router.pool import Member
+    from kcoral.router.member import Member
 
 #: Points each member has on the ring: with one, the arcs that decide which
 #: member comes first for new content differ several-fold in a large pool;

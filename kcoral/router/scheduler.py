@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred, fail, succeed
 
+from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
 from kcoral.errors import NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
-from kcoral.router.queue import QueueFull, QueueTimeout, WaitQueue
 from kcoral.router.residency import Demand
 
 #: Waiters, oldest first, that one dispatch offers free capacity to: a bound

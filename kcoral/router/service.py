@@ -12,12 +12,12 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.forward import MAX_REDISPATCHES
 from kcoral.router.pool import Pool
-from kcoral.router.queue import WaitQueue
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
@@ -30,7 +30,8 @@ from kcoral.web.spool import Spool
 
 log = Logger()
 
-ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run", "/v1/nodes", "/", "/v1/dashboard"})
+#: The routes outside every API family that the metrics label by their paths.
+ROUTES = frozenset({"/health", "/readyz", "/metrics", "/", "/v1/dashboard"})
 
 
 @attrs.frozen
@@ -63,9 +64,14 @@ class RouterConfig:
     tls_client_ca: str | None = None
     log_format: str = "text"
     tracing: str = "none"
+    #: The service name its traces carry.
+    service_name: str = "kcoral-router"
+    #: Whether /health lists each member (a gateway's own workers; a
+    #: Router's pool is listed by /v1/nodes instead).
+    health_lists_workers: bool = False
 
 
-def build_router(config: RouterConfig, reactor, *, name: str = "router"):
+def build_router(config: RouterConfig, reactor):
     """The pool, scheduler and app of a Router; the gateway builds the same."""
     pool = Pool(reactor, max_status_age_seconds=config.max_status_age_seconds,
                 unhealthy_threshold=config.unhealthy_threshold,
@@ -76,15 +82,16 @@ def build_router(config: RouterConfig, reactor, *, name: str = "router"):
     registry = CollectorRegistry()
     app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
                     reactor=reactor, registry=registry, node_token=config.node_token,
-                    client_guard=client_guard(config, reactor), name=name,
+                    client_guard=client_guard(config, reactor),
+                    health_lists_workers=config.health_lists_workers,
                     status_check_interval=config.status_check_interval_seconds,
-                    tracing=tracing_for(config.tracing, f"kcoral-{name}"),
+                    tracing=tracing_for(config.tracing, config.service_name),
                     max_redispatches=config.max_redispatches)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool),
                       # It only forwards bodies: a large one need not stay in memory.
-                      spool=Spool(reactor), run_guard=app.client_guard)
+                      spool=Spool(reactor), client_guard=app.client_guard)
     return app, site
 
 

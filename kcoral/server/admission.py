@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred, succeed
 
-from kcoral.router.queue import WaitQueue
+from kcoral.common.queue import WaitQueue
 
 
 class Admission:

@@ -15,17 +15,18 @@ from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.logger import Logger
 
 from kcoral._version import __version__
+from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError, decode_request
-from kcoral.router.queue import QueueFull, QueueTimeout
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.tracing import NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard
-from kcoral.web.directroute import DirectRoute
+from kcoral.web.family import RUN
+from kcoral.web.front import Front
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
@@ -60,8 +61,8 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        return RequestIdResource(DirectRoute(b"/v1/run", self.post_run, self.app.resource(),
-                                             guard=self.client_guard))
+        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
+                                       hot={RUN.prefix: self.post_run}))
 
     # -- health -----------------------------------------------------------
 
@@ -95,7 +96,7 @@ class ServerApp:
     # -- runs -------------------------------------------------------------
 
     # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through DirectRoute, which cancels
+    # 405; POST requests reach post_run through Front, which cancels
     # the run when its client goes away.
     @app.route("/v1/run", methods=["POST"])
     @inlineCallbacks

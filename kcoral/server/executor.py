@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.logger import Logger
 
 from kcoral._version import __version__
+from kcoral.common.cached import MAX_PROGRAMS
+from kcoral.common.hostdevices import HOST_DEVICE_COUNT, host_device_flags
 from kcoral.errors import (
     BadRequest,
     MissingContent,
@@ -27,10 +29,8 @@ from kcoral.errors import (
     ProgramRejected,
 )
 from kcoral.metrics import SECONDS_BUCKETS
-from kcoral.node.devices import HOST_DEVICE_COUNT, host_device_flags
 from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
-from kcoral.router.residency import MAX_PROGRAMS
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
@@ -135,7 +135,7 @@ class Executor:
 
     def cached(self) -> dict:
         """What this worker's caches hold, bounded, for its health report
-        (L{kcoral.router.residency.Cached})."""
+        (L{kcoral.common.cached.Cached})."""
         return {"programs": self._compiled.programs(MAX_PROGRAMS),
                 "contents": [list(entry) for entry in self._uploads.recent()],
                 "compile_seconds": round(self._compile_seconds / self._compiles, 4)

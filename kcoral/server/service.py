@@ -5,7 +5,6 @@ C{--devices-per-worker}), one HTTP port.
 
 from __future__ import annotations
 
-import attrs
 from prometheus_client import CollectorRegistry
 from twisted.application import service
 from twisted.internet.defer import inlineCallbacks
@@ -14,10 +13,11 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from kcoral.common.announce import announce
+from kcoral.common.queue import WaitQueue
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import settle
 from kcoral.metrics import HttpMetrics
-from kcoral.node.announce import announce
-from kcoral.router.queue import WaitQueue
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
@@ -33,41 +33,10 @@ from kcoral.web.site import KCoralSite
 
 log = Logger()
 
-ROUTES = frozenset({"/health", "/readyz", "/metrics", "/v1/run"})
+#: The routes outside every API family that the metrics label by their paths.
+ROUTES = frozenset({"/health", "/readyz", "/metrics"})
 #: Once drained, a server closes its port only after this long without a new run.
 DRAIN_QUIET_SECONDS = 0.5
-
-
-@attrs.frozen
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    gpus: str = "0"
-    #: Devices this server owns: GPUs named by gpus, or host devices on the CPU.
-    devices_per_worker: int = 1
-    capacity: int = 2
-    max_queued_requests: int = 64
-    queue_wait_timeout_seconds: float = 1800.0
-    max_request_bytes: int = 268435456
-    cache_memory_bytes: int = 1 << 30
-    cache_dir: str | None = None
-    cache_disk_bytes: int = 10 << 30
-    compile_cache_entries: int = 64
-    device_cache_bytes: int = 1 << 30
-    compilation_cache_dir: str | None = None
-    secured: bool = False
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    #: A Twisted server endpoint string, in place of host, port and TLS files.
-    listen: str | None = None
-    #: Bearer tokens runs need (kcoral.web.auth): a standalone server's, or
-    #: its gateway's; never a worker's, which only its node reaches.
-    client_token: str | None = None
-    client_tokens_file: str | None = None
-    #: CA file client certificates must be signed by (mutual TLS).
-    tls_client_ca: str | None = None
-    log_format: str = "text"
-    tracing: str = "none"
 
 
 class ServerService(service.MultiService):
@@ -100,7 +69,7 @@ class ServerService(service.MultiService):
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
-                          max_connections=connection_limit(), run_guard=guard)
+                          max_connections=connection_limit(), client_guard=guard)
         address = ListenAddress.of(config)
         # A worker of a node with a token counts as secured: only its node
         # should reach it (doc/security.rst).

@@ -19,8 +19,8 @@ from pathlib import Path
 import cachetools
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kcoral.common.cached import MAX_CONTENTS
 from kcoral.protocol.wire import is_digest, sha256
-from kcoral.router.residency import MAX_CONTENTS
 
 
 class EvictingLRU(cachetools.LRUCache):

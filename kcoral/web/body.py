@@ -7,15 +7,14 @@ back in a thread so that no disk I/O happens on the reactor thread.
 from __future__ import annotations
 
 import os
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
 from twisted.web.iweb import IBodyProducer
 from zope.interface import Attribute, Interface, implementer
 
-if TYPE_CHECKING:
-    from kcoral.web.spool import Serial
+from kcoral.web.serial import Serial
 
 #: Bytes read from a spooled body at a time: large enough that a thread hop
 #: per chunk costs little, small enough to be all the memory a forward holds.

@@ -4,7 +4,7 @@ result of its handler's Deferred, and a client that goes away first cancels
 that Deferred, as Klein does for the routes it dispatches itself.
 
 The cancellation travels down whatever the handler waits on: the Router's
-wait for capacity (L{kcoral.router.queue}), its forwarded request and the
+wait for capacity (L{kcoral.common.queue}), its forwarded request and the
 reading of its answer (L{kcoral.router.proxy}), a server's wait for an
 admission slot (L{kcoral.server.admission}). A run already on a device
 cannot be interrupted; its answer, like any answer for a client that left,

@@ -5,15 +5,12 @@ that is answered before the connection closes, and a graceful close.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from twisted.internet.interfaces import IDelayedCall, ISSLTransport, ITCPTransport
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
 
-if TYPE_CHECKING:
-    from kcoral.web.site import KCoralSite
+from kcoral.web.isite import IKCoralSite
 
 #: After refusing a body, how long to keep reading (and discarding) it so the
 #: client sees our answer instead of a connection reset.
@@ -28,7 +25,7 @@ class KCoralChannel(http.HTTPChannel):
     """
 
     #: Set by the site that built it, as for every Twisted protocol.
-    site: KCoralSite
+    site: IKCoralSite
     transport: ITCPTransport | None
     _headerDeadline: IDelayedCall | None = None
     _lingering: IDelayedCall | None = None

@@ -18,11 +18,9 @@ from twisted.web import http, server
 from kcoral.errors import InternalError, KCoralError
 from kcoral.web.body import IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
+from kcoral.web.family import family_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
-
-#: The one route refused from its head alone when its site has a run guard.
-RUN_PATH = b"/v1/run"
 
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
@@ -74,8 +72,8 @@ class KCoralRequest(server.Request):
         if error is not None:
             self._refuse(error)
             return
-        guard = site.run_guard
-        if guard is not None and path == RUN_PATH and method == b"POST":
+        guard = site.client_guard
+        if guard is not None and method == b"POST" and _guarded(path):
             # Refused before a byte of its body is read, let alone spooled.
             answer = guard.refusal(self, self.request_id)
             if answer is not None:
@@ -211,3 +209,10 @@ class KCoralRequest(server.Request):
         if site is not None and not self.finished and self._started is not None:
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
         return super().finish()
+
+
+def _guarded(path: bytes) -> bool:
+    """Whether C{path} (with its query, if any) is guarded by its API family."""
+    path = path.split(b"?", 1)[0]
+    family = family_of(path)
+    return family is not None and family.guards(path)

@@ -22,16 +22,19 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.protocols import policies
 from twisted.web import server
+from zope.interface import implementer
 
 from kcoral.web.auth import IGuard
 from kcoral.web.badrequest import JSONBadRequest
 from kcoral.web.bounds import BodyBounds
 from kcoral.web.channel import KCoralChannel
 from kcoral.web.connections import Connections, Refused
+from kcoral.web.isite import IKCoralSite
 from kcoral.web.request import KCoralRequest
 from kcoral.web.spool import Spool
 
 
+@implementer(IKCoralSite)
 class KCoralSite(server.Site):
     # The channel itself, not Twisted's wrapper that would pick HTTP/2 or
     # HTTP/1.1 by TLS negotiation: KCoral speaks HTTP/1.1.
@@ -41,7 +44,7 @@ class KCoralSite(server.Site):
     def __init__(self, resource, *, metrics, max_request_bytes: int, log: Logger,
                  idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
                  max_connections: int | Callable[[], int] | None = None,
-                 spool: Spool | None = None, run_guard: IGuard | None = None):
+                 spool: Spool | None = None, client_guard: IGuard | None = None):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -55,9 +58,10 @@ class KCoralSite(server.Site):
         self.bounds = BodyBounds(max_request_bytes)
         #: Where bodies over its threshold go; None: every body in memory.
         self.spool = spool
-        #: What a C{POST /v1/run} must present, checked as soon as its head is
-        #: whole (its resource checks it again, under any site).
-        self.run_guard = run_guard
+        #: What a request to a guarded path of an API family must present,
+        #: checked as soon as a POST's head is whole, before its body is read
+        #: (its resource, L{kcoral.web.front.Front}, checks it again).
+        self.client_guard = client_guard
         self.header_timeout = header_timeout
         self.logger = log
         self.clock = clock if clock is not None else _globalReactor

@@ -23,6 +23,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.web.body import IBody, MemoryBody, SpooledBody
+from kcoral.web.serial import InThread, Serial
 
 #: Bodies larger than this go to a file (those of unknown length once they
 #: grow past it).
@@ -32,29 +33,6 @@ WAITING_BYTES = 4 << 20
 #: Threads writing and reading spooled bodies: disk bandwidth, not threads,
 #: bounds them, and the reactor's own pool stays free for name lookups.
 SPOOL_THREADS = 2
-
-InThread = Callable[..., Deferred]
-
-
-class Serial:
-    """Runs calls with C{in_thread}, each once the one before has ended."""
-
-    def __init__(self, in_thread: InThread):
-        self._in_thread = in_thread
-        self._last: Deferred[None] = succeed(None)
-
-    def call(self, f: Callable[..., Any], *args: Any) -> Deferred:
-        """The result of C{f(*args)}, run in a thread after every earlier call."""
-        result: Deferred = Deferred()
-
-        def run(_):
-            d = self._in_thread(f, *args)
-            d.chainDeferred(result)
-            return d  # the next call waits for this one, failed or not
-
-        self._last.addCallback(run)
-        return result
-
 
 class Spool:
     """Where a service's large bodies go: files of C{directory} (None: the

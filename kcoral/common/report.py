@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from kcoral.router.residency import Cached, parse_cached
+from kcoral.common.cached import Cached, parse_cached
 
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024

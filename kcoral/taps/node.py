@@ -10,6 +10,7 @@ from typing import Any
 
 from twisted.python import usage
 
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.node import config
 from kcoral.node.config import NodeConfig
 from kcoral.node.restart import RestartSettings
@@ -35,7 +36,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.placement import ROUTINGS
-from kcoral.server.service import ServerConfig, ServerService
+from kcoral.server.service import ServerService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
 _SUPERVISOR_ROWS: list[tuple[Any, ...]] = [

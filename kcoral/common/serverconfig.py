@@ -1,0 +1,40 @@
+"""
+A server's settings: what C{kcoral server} takes for its one process, and
+what a node passes on to each worker it starts (and to its gateway).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gpus: str = "0"
+    #: Devices this server owns: GPUs named by gpus, or host devices on the CPU.
+    devices_per_worker: int = 1
+    capacity: int = 2
+    max_queued_requests: int = 64
+    queue_wait_timeout_seconds: float = 1800.0
+    max_request_bytes: int = 268435456
+    cache_memory_bytes: int = 1 << 30
+    cache_dir: str | None = None
+    cache_disk_bytes: int = 10 << 30
+    compile_cache_entries: int = 64
+    device_cache_bytes: int = 1 << 30
+    compilation_cache_dir: str | None = None
+    secured: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: A Twisted server endpoint string, in place of host, port and TLS files.
+    listen: str | None = None
+    #: Bearer tokens runs need (kcoral.web.auth): a standalone server's, or
+    #: its gateway's; never a worker's, which only its node reaches.
+    client_token: str | None = None
+    client_tokens_file: str | None = None
+    #: CA file client certificates must be signed by (mutual TLS).
+    tls_client_ca: str | None = None
+    log_format: str = "text"
+    tracing: str = "none"

@@ -1,0 +1,87 @@
+"""
+The members of a pool: each node a Router (or an embedded gateway) knows,
+in one of its states, and the workers (members) that take its runs. The
+pool's state machine moves them; placement and the ring read them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kcoral.common.report import NodeReport
+from kcoral.router.residency import Holdings
+
+JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
+    "joining", "ready", "unhealthy", "draining", "incompatible", "gone")
+STATES = (JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE)
+
+
+@attrs.define(eq=False)
+class Member:
+    """One worker endpoint: the unit that receives programs."""
+
+    node: Node
+    name: str
+    url: str
+    capacity: int = 0
+    healthy: bool = False
+    #: Requests this Router has in flight on the member.
+    active: int = 0
+    #: Set when a connection failed; cleared by the node's next report.
+    suspect: bool = False
+    #: When the placement rule last picked this member (its own count).
+    picked: int = 0
+    #: What the Router believes the member holds in its caches.
+    held: Holdings = attrs.Factory(Holdings)
+    #: The devices it owns: runs of programs exported for more go elsewhere.
+    devices: int = 1
+    #: Times its supervisor has restarted it, as last reported.
+    restarts: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.node.state == READY and self.healthy and not self.suspect
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.active if self.usable else 0
+
+
+@attrs.define(eq=False)
+class Node:
+    node_id: str
+    #: The supervisor's session; None for static members (a gateway's own
+    #: workers), which no supervisor reports over HTTP.
+    session: str | None
+    state: str = JOINING
+    #: The last report of a reporting node (None for static members).
+    report: NodeReport | None = None
+    reported_at: float | None = None
+    members: dict = attrs.Factory(dict)
+    good: int = 0
+    bad: int = 0
+    reason: str = ""
+    last_seen: float = 0.0
+    gpu_target: str | None = None
+    runtime: dict = attrs.Factory(dict)
+
+    @property
+    def static(self) -> bool:
+        """Static members are never stale: their supervisor is this process."""
+        return self.session is None
+
+    @property
+    def healthy(self) -> bool:
+        return any(m.healthy for m in self.members.values())
+
+    @property
+    def draining(self) -> bool:
+        return self.report is not None and self.report.draining
+
+    @property
+    def active(self) -> int:
+        return sum(m.active for m in self.members.values())
+
+    @property
+    def capacity(self) -> int:
+        return sum(m.capacity for m in self.members.values() if m.healthy)

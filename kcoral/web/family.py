@@ -1,0 +1,93 @@
+"""
+API families: each protocol a KCoral front serves, declared once.
+
+A family says which paths are its own, which of them need a client token,
+which request headers a Router passes on to the member it forwards to and
+which of the member's answer headers come back, and how its paths are
+labelled in the metrics (a bounded set, whatever the clients send). The
+sites, the fronts' resources, the Router's proxy and the metrics all read
+these declarations; nothing else names a family's paths.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.tracing import TRACEPARENT
+
+#: The header the inference protocol's binary extension sizes its JSON part with.
+INFERENCE_HEADER_LENGTH = b"Inference-Header-Content-Length"
+
+
+@attrs.frozen
+class Family:
+    """
+    One API family. Its paths start with C{prefix}; all but C{open_paths}
+    need the client token where one is set; C{routes} maps a metrics label
+    to the pattern of the paths it stands for.
+    """
+
+    name: str
+    prefix: bytes
+    routes: tuple[tuple[str, re.Pattern[bytes]], ...]
+    forwarded: tuple[bytes, ...] = ()
+    returned: tuple[bytes, ...] = ()
+    open_paths: frozenset[bytes] = frozenset()
+
+    def owns(self, path: bytes) -> bool:
+        return path.startswith(self.prefix) and self.label(path) is not None
+
+    def guards(self, path: bytes) -> bool:
+        """Whether C{path}, one of this family's, needs the client token."""
+        return path not in self.open_paths
+
+    def label(self, path: bytes) -> str | None:
+        """The metrics label of C{path}, None when no route of the family matches it."""
+        for label, pattern in self.routes:
+            if pattern.fullmatch(path):
+                return label
+        return None
+
+
+def _route(label: str) -> tuple[str, re.Pattern[bytes]]:
+    """A route's label and the pattern of its paths: each C{{name}} in the
+    label stands for one path segment."""
+    pattern = re.escape(label.encode()).replace(rb"\{", b"{").replace(rb"\}", b"}")
+    return label, re.compile(re.sub(rb"{[a-z_]+}", rb"[^/]+", pattern))
+
+
+#: C{POST /v1/run}: a program and its inputs in, its outputs out.
+RUN = Family(
+    "run", b"/v1/run", routes=(_route("/v1/run"),),
+    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), TRACEPARENT),
+    returned=(b"Content-Type", b"Retry-After"))
+
+#: The pool's members and where they listen (a Router's, a gateway's).
+NODES = Family("nodes", b"/v1/nodes", routes=(_route("/v1/nodes"),))
+
+_MODEL = "/v2/models/{model}"
+_VERSION = "/v2/models/{model}/versions/{version}"
+
+#: The Open Inference Protocol (KServe v2, as Triton serves it): health
+#: and server metadata stay open, like C{/health}.
+INFERENCE = Family(
+    "inference", b"/v2",
+    routes=tuple(_route(label) for label in (
+        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index",
+        *(base + tail for base in (_MODEL, _VERSION)
+          for tail in ("", "/ready", "/config", "/infer")))),
+    forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, TRACEPARENT),
+    returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH),
+    open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}))
+
+FAMILIES = (RUN, NODES, INFERENCE)
+
+
+def family_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> Family | None:
+    for family in families:
+        if family.owns(path):
+            return family
+    return None
