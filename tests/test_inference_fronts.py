@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from tritonclient.utils import InferenceServerException
 from twisted.internet import defer, threads
 from twisted.logger import Logger
+from twisted.web.client import ResponseNeverReceived
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
@@ -310,3 +311,38 @@ async def test_grpc_errors(served):
 def test_fake_front_provides_the_interface():
     """The fake front is a whole IInferenceFront (so the tests above test the seam)."""
     assert verifyObject(IInferenceFront, DoubleFront())
+
+
+@implementer(IInferenceFront)
+class HangingFront(DoubleFront):
+    """Inferences that never end: C{arrived} fires with each one's Deferred."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived: defer.Deferred = defer.Deferred()
+        self.cancelled: defer.Deferred = defer.Deferred()
+
+    def infer(self, name, version, call):
+        d = defer.Deferred(lambda _: self.cancelled.callback(None))
+        self.arrived.callback(d)
+        return d
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_leaving_cancels_the_inference():
+    """A REST client that goes away cancels the front's Deferred."""
+    from twisted.internet import reactor
+
+    front = HangingFront()
+    site = KCoralSite(InferenceResource(front), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+                      max_request_bytes=1 << 20, log=Logger())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    try:
+        pending = treq.post(f"http://127.0.0.1:{port.getHost().port}/v2/models/double/infer",
+                            data=b'{"inputs": []}')
+        pending.addErrback(lambda failure: failure.trap(defer.CancelledError, ResponseNeverReceived))
+        await front.arrived
+        pending.cancel()
+        await front.cancelled
+    finally:
+        await port.stopListening()
