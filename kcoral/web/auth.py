@@ -66,6 +66,13 @@ class IGuard(Interface):
         a request id) that never holds what was presented.
         """
 
+    def refused(authorization: bytes | None, subject: str) -> Unauthorized | None:
+        """
+        None when an C{Authorization} value (None: absent) may proceed; else
+        the error to answer, after logging as L{refusal} does. For requests
+        that are not HTTP ones (gRPC metadata) or answered in another form.
+        """
+
 
 def _digest(token: bytes) -> bytes:
     # Compared as digests, every comparison takes the same time whatever
@@ -120,16 +127,20 @@ class TokenGuard:
             matched |= compare_digest(presented, digest)
         return matched and scheme.lower() == b"bearer"
 
-    def refusal(self, request, subject: str) -> bytes | None:
-        header = request.getHeader(b"Authorization")
-        if self.admits(header):
+    def refused(self, authorization: bytes | None, subject: str) -> Unauthorized | None:
+        if self.admits(authorization):
             return None
-        why = "no token" if not header else "a wrong token"
+        why = "no token" if not authorization else "a wrong token"
         log.warn("refused {request} for {subject} with {why}", request=self.routes.one,
                  subject=subject, why=why)
+        return Unauthorized(f"{self.routes.plural} need a valid bearer token ({why} given)")
+
+    def refusal(self, request, subject: str) -> bytes | None:
+        error = self.refused(request.getHeader(b"Authorization"), subject)
+        if error is None:
+            return None
         request.setHeader(b"WWW-Authenticate", b"Bearer")
-        return error_response(request, Unauthorized(
-            f"{self.routes.plural} need a valid bearer token ({why} given)"))
+        return error_response(request, error)
 
 
 def read_tokens(path: str) -> list[str]:
@@ -176,6 +187,9 @@ class TokensFile(service.Service):
 
     def refusal(self, request, subject: str) -> bytes | None:
         return self.guard.refusal(request, subject)
+
+    def refused(self, authorization: bytes | None, subject: str) -> Unauthorized | None:
+        return self.guard.refused(authorization, subject)
 
     def reload(self) -> None:
         try:

@@ -1,0 +1,343 @@
+"""
+The Open Inference Protocol's inference messages (KServe v2, as Triton
+serves them): the REST body, a JSON header that may be followed by binary
+tensors (the binary tensor data extension), and its gRPC form.
+
+Everything here is pure and bounded: a request is parsed into arrays that
+view its body where they can, and every way a body can be wrong is a
+L{BadRequest} that says how. The gRPC messages are converted to and from
+the REST form without a model's manifest, so that a gRPC front can forward
+an inference as REST does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from kcoral.errors import BadRequest, ProgramFailed
+from kcoral.models.manifest import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
+
+#: The most a JSON header may hold: JSON tensors are for small inputs,
+#: binary ones for the rest.
+MAX_HEADER_BYTES = 16 << 20
+#: The most inputs, and requested outputs, one inference may name.
+MAX_INPUTS = MAX_TENSORS
+#: The longest request id echoed back.
+MAX_ID_CHARS = 256
+
+_HALF_FLOATS = (DATATYPES["FP16"], DATATYPES["BF16"])
+
+#: The typed fields of a gRPC input, for the datatypes that have one
+#: (FP16 and BF16 travel only in raw_input_contents).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+}
+
+
+@attrs.frozen
+class RequestedOutput:
+    """An output a request names; C{binary} None: as the request-wide default."""
+
+    name: str
+    binary: bool | None
+
+
+@attrs.frozen
+class InferRequest:
+    """A parsed inference request: its inputs by name, in the request's order."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[RequestedOutput, ...]
+    binary_output_default: bool
+    parameters: dict
+
+
+@attrs.frozen
+class InferAnswer:
+    """An encoded inference answer: its REST body, and the length of its JSON
+    header when binary tensors follow it (None: the body is all JSON)."""
+
+    body: bytes
+    header_length: int | None
+
+
+@attrs.frozen
+class RestInfer:
+    """A gRPC inference in the REST form: the model, its version (None: any)
+    and the body a REST front takes."""
+
+    model: str
+    version: str | None
+    body: bytes
+    header_length: int | None
+
+
+def _header(body: bytes | memoryview, header_length: int | None) -> tuple[dict, int]:
+    """The JSON header of C{body} and where its binary part starts."""
+    size = len(body) if header_length is None else header_length
+    if header_length is not None and not 0 <= header_length <= len(body):
+        raise BadRequest(f"Inference-Header-Content-Length {header_length} is not within the "
+                         f"body's {len(body)} bytes")
+    if size > MAX_HEADER_BYTES:
+        raise BadRequest(f"the inference request's JSON is over {MAX_HEADER_BYTES} bytes: "
+                         "send large tensors as binary data")
+    try:
+        header = json.loads(bytes(body[:size]))
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise BadRequest(f"the inference request is not JSON: {str(e)[:200]}") from None
+    if not isinstance(header, dict):
+        raise BadRequest("the inference request must be a JSON object")
+    return header, size
+
+
+def _parameters(value: object, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{what}: parameters must be an object")
+    return value
+
+
+def parse_infer(body: bytes | memoryview, header_length: int | None) -> InferRequest:
+    """The inference request in C{body} (C{header_length}: the value of its
+    C{Inference-Header-Content-Length}); a L{BadRequest} says what is wrong."""
+    view = memoryview(body).cast("B")
+    header, offset = _header(view, header_length)
+    rid = header.get("id")
+    if rid is not None and (not isinstance(rid, str) or len(rid) > MAX_ID_CHARS):
+        raise BadRequest(f"id must be a string of at most {MAX_ID_CHARS} characters")
+    parameters = _parameters(header.get("parameters"), "the request")
+    binary_default = parameters.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise BadRequest("parameters.binary_data_output must be true or false")
+    entries = header.get("inputs")
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_INPUTS:
+        raise BadRequest(f"inputs must list 1 to {MAX_INPUTS} tensors")
+    inputs: dict[str, np.ndarray] = {}
+    for entry in entries:
+        name, array, offset = _input(entry, view, offset)
+        if name in inputs:
+            raise BadRequest(f"input {name!r} is given twice")
+        inputs[name] = array
+    if offset != len(view):
+        raise BadRequest(f"the inputs' binary_data_size add up to {offset - (header_length or 0)} "
+                         f"bytes, the body has {len(view) - (header_length or 0)} after its JSON")
+    return InferRequest(id=rid, inputs=inputs, outputs=_requested(header.get("outputs")),
+                        binary_output_default=binary_default, parameters=parameters)
+
+
+def _input(entry: object, view: memoryview, offset: int) -> tuple[str, np.ndarray, int]:
+    """An input's name, its array, and where the next binary tensor starts."""
+    if not isinstance(entry, dict):
+        raise BadRequest("an input must be an object")
+    name = entry.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise BadRequest("an input's name must be a string of 1 to 64 characters")
+    try:
+        dtype = dtype_of(entry.get("datatype"))
+    except InvalidInput as e:
+        raise BadRequest(f"input {name!r}: {e}") from None
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise BadRequest(f"input {name!r}: shape must list at most {MAX_RANK} dimensions, "
+                         "each a count of 0 or more")
+    count = math.prod(shape)
+    parameters = _parameters(entry.get("parameters"), f"input {name!r}")
+    unknown = sorted(set(parameters) - {"binary_data_size"})
+    if unknown:
+        raise BadRequest(f"input {name!r}: parameter {unknown[0][:64]!r} is not served")
+    size = parameters.get("binary_data_size")
+    if size is None:
+        if "data" not in entry:
+            raise BadRequest(f"input {name!r} has neither data nor binary_data_size")
+        return name, _json_array(name, entry["data"], dtype, shape, count), offset
+    if "data" in entry:
+        raise BadRequest(f"input {name!r} has both data and binary_data_size")
+    if type(size) is not int or size < 0:
+        raise BadRequest(f"input {name!r}: binary_data_size must be a count of bytes")
+    if size != count * dtype.itemsize:
+        raise BadRequest(f"input {name!r}: binary_data_size is {size} bytes, its shape "
+                         f"{shape} of {entry['datatype']} takes {count * dtype.itemsize}")
+    if offset + size > len(view):
+        raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the body's end")
+    array = np.frombuffer(view, dtype=dtype, count=count, offset=offset).reshape(shape)
+    # A view where the body's alignment allows; else a copy, as devices and
+    # numpy's fast paths want aligned arrays.
+    return name, array if array.flags.aligned else array.copy(), offset + size
+
+
+def _json_array(name: str, data: object, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
+    if not isinstance(data, list):
+        raise BadRequest(f"input {name!r}: data must be a list")
+    flat: list = []
+    _flatten(name, data, max(len(shape), 1), flat)
+    if len(flat) != count:
+        raise BadRequest(f"input {name!r}: data holds {len(flat)} elements, its shape {shape} "
+                         f"takes {count}")
+    if dtype == np.bool_ and not all(isinstance(v, bool) for v in flat):
+        raise BadRequest(f"input {name!r}: BOOL data must be true or false")
+    if dtype != np.bool_ and not all(type(v) in (int, float) for v in flat):
+        raise BadRequest(f"input {name!r}: data must be numbers")
+    if dtype.kind in "iu" and not all(type(v) is int for v in flat):
+        raise BadRequest(f"input {name!r}: integer data must be integers")
+    try:
+        return np.array(flat, dtype=dtype).reshape(shape)
+    except (OverflowError, ValueError) as e:
+        raise BadRequest(f"input {name!r}: {str(e)[:200]}") from None
+
+
+def _flatten(name: str, data: list, depth: int, into: list) -> None:
+    """The elements of C{data}, row-major, into C{into}: lists nested at
+    most C{depth} deep (a flat list, or nested as the shape)."""
+    for value in data:
+        if isinstance(value, list):
+            if depth <= 1:
+                raise BadRequest(f"input {name!r}: data is nested deeper than its shape")
+            _flatten(name, value, depth - 1, into)
+        else:
+            into.append(value)
+
+
+def _requested(value: object) -> tuple[RequestedOutput, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_INPUTS:
+        raise BadRequest(f"outputs must list at most {MAX_INPUTS} outputs")
+    requested = []
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise BadRequest("a requested output must be an object with a name")
+        binary = _parameters(entry.get("parameters"), f"output {entry['name'][:64]!r}").get(
+            "binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise BadRequest(f"output {entry['name'][:64]!r}: binary_data must be true or false")
+        requested.append(RequestedOutput(entry["name"], binary))
+    return tuple(requested)
+
+
+def encode_infer(model_name: str, model_version: str, request: InferRequest,
+                 outputs: Mapping[str, np.ndarray]) -> InferAnswer:
+    """The answer to C{request} with C{outputs} (by name, in the model's
+    order): those it asks for, else all, each binary or JSON as it asks."""
+    if request.outputs:
+        unknown = [r.name for r in request.outputs if r.name not in outputs]
+        if unknown:
+            raise BadRequest(f"model {model_name} has no output {unknown[0][:64]!r} "
+                             f"(its outputs: {', '.join(outputs)})")
+        chosen = [(r.name, request.binary_output_default if r.binary is None else r.binary)
+                  for r in request.outputs]
+    else:
+        chosen = [(name, request.binary_output_default) for name in outputs]
+    tensors, buffers = [], []
+    for name, binary in chosen:
+        array = outputs[name]
+        try:
+            datatype = datatype_of(array.dtype)
+        except ValueError as e:
+            raise ProgramFailed(f"output {name!r}: {e}") from None
+        tensor: dict = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            buffers.append(data.reshape(-1).view(np.uint8).data)
+        else:
+            tensor["data"] = _json_values(array)
+        tensors.append(tensor)
+    answer: dict = {"model_name": model_name, "model_version": model_version, "outputs": tensors}
+    if request.id is not None:
+        answer["id"] = request.id
+    header = json.dumps(answer).encode()
+    if not buffers:
+        return InferAnswer(header, None)
+    return InferAnswer(b"".join([header, *buffers]), len(header))
+
+
+def _json_values(array: np.ndarray) -> list:
+    flat = array.reshape(-1)
+    if flat.dtype in _HALF_FLOATS:
+        # FP16 and BF16 have no Python type of their own: JSON holds their floats.
+        flat = flat.astype(np.float32)
+    return flat.tolist()
+
+
+# -- gRPC -----------------------------------------------------------------------------------------
+
+def rest_of_grpc_infer(pb: service_pb2.ModelInferRequest) -> RestInfer:
+    """The REST form of a gRPC inference: its inputs as binary tensors,
+    every output asked for in binary."""
+    if not 1 <= len(pb.inputs) <= MAX_INPUTS:
+        raise BadRequest(f"inputs must list 1 to {MAX_INPUTS} tensors")
+    raw = list(pb.raw_input_contents)
+    if raw and len(raw) != len(pb.inputs):
+        raise BadRequest(f"raw_input_contents holds {len(raw)} tensors for {len(pb.inputs)} inputs")
+    inputs, buffers = [], []
+    for i, tensor in enumerate(pb.inputs):
+        if len(tensor.shape) > MAX_RANK:
+            raise BadRequest(f"input {tensor.name[:64]!r}: shape has more than {MAX_RANK} dimensions")
+        data = raw[i] if raw else _typed_contents(tensor)
+        inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                       "parameters": {"binary_data_size": len(data)}})
+        buffers.append(data)
+    header: dict = {"inputs": inputs, "parameters": {"binary_data_output": True}}
+    if pb.id:
+        header["id"] = pb.id
+    if pb.outputs:
+        header["outputs"] = [{"name": o.name} for o in pb.outputs]
+    encoded = json.dumps(header).encode()
+    return RestInfer(pb.model_name, pb.model_version or None, b"".join([encoded, *buffers]),
+                     len(encoded))
+
+
+def _typed_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> bytes:
+    """The little-endian bytes of an input sent in its typed contents field."""
+    try:
+        dtype = dtype_of(tensor.datatype)
+    except InvalidInput as e:
+        raise BadRequest(f"input {tensor.name[:64]!r}: {e}") from None
+    field = _CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        raise BadRequest(f"input {tensor.name[:64]!r}: {tensor.datatype} travels only in "
+                         "raw_input_contents")
+    values = getattr(tensor.contents, field)
+    try:
+        return np.array(values, dtype=dtype.newbyteorder("<")).tobytes()
+    except (OverflowError, ValueError) as e:
+        raise BadRequest(f"input {tensor.name[:64]!r}: {str(e)[:200]}") from None
+
+
+def grpc_of_rest_answer(body: bytes | memoryview, header_length: int | None
+                        ) -> service_pb2.ModelInferResponse:
+    """The gRPC form of a REST inference answer, every output in
+    raw_output_contents (the only place gRPC clients read tensors from)."""
+    view = memoryview(body).cast("B")
+    try:
+        header, offset = _header(view, header_length)
+        response = service_pb2.ModelInferResponse(
+            model_name=str(header.get("model_name", "")),
+            model_version=str(header.get("model_version", "")), id=str(header.get("id", "")))
+        for output in header.get("outputs", []):
+            name, datatype, shape = output["name"], output["datatype"], output["shape"]
+            size = _parameters(output.get("parameters"), f"output {name!r}").get("binary_data_size")
+            if size is None:
+                data = np.array(output["data"], dtype=dtype_of(datatype).newbyteorder("<")).tobytes()
+            else:
+                data = bytes(view[offset:offset + size])
+                offset += size
+            response.outputs.add(name=name, datatype=datatype, shape=shape)
+            response.raw_output_contents.append(data)
+    except (BadRequest, InvalidInput, KeyError, TypeError, ValueError) as e:
+        raise ProgramFailed(f"a malformed inference answer: {str(e)[:200]}") from None
+    return response

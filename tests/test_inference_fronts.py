@@ -1,0 +1,348 @@
+"""
+The inference protocol's REST resource and gRPC service over loopback, in
+process, for a fake front with one model, driven by tritonclient's HTTP and
+gRPC clients, unchanged (in threads: they block).
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import numpy as np
+import pytest
+import pytest_twisted
+import treq
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client import CollectorRegistry
+from tritonclient.utils import InferenceServerException
+from twisted.internet import defer, threads
+from twisted.logger import Logger
+from twisted.web.client import ResponseNeverReceived
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
+
+from kcoral.errors import BadRequest, NotFound, ServerBusy
+from kcoral.inference.front import (
+    IInferenceFront,
+    InferCall,
+    model_config_of,
+    model_metadata_of,
+    server_metadata,
+)
+from kcoral.inference.grpcfront import GrpcFront
+from kcoral.inference.rest import InferenceResource
+from kcoral.metrics import HttpMetrics
+from kcoral.models.manifest import InvalidInput, ModelManifest
+from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
+from kcoral.web.site import KCoralSite
+
+MANIFEST = ModelManifest.from_json({
+    "format": 1, "name": "double", "max_batch_size": 8, "batch_sizes": [8],
+    "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+    "programs": [{"file": "program", "sha256": "0" * 64, "batch_sizes": [8]}],
+    "params": None, "platforms": ["cpu"]})
+TOKEN = "t0ken"
+
+
+@implementer(IInferenceFront)
+class DoubleFront:
+    """One model, C{double}: 2*x, checked against its manifest; C{busy}: no member ready."""
+
+    def __init__(self):
+        self.busy = False
+        self.calls: list[InferCall] = []
+
+    def _model(self, name: str) -> ModelManifest:
+        if name != MANIFEST.name:
+            raise NotFound(f"no model {name!r}")
+        return MANIFEST
+
+    def ready(self):
+        return defer.succeed(True)
+
+    def metadata(self):
+        return defer.succeed(server_metadata("9.9"))
+
+    def model_metadata(self, name, version):
+        return defer.maybeDeferred(lambda: model_metadata_of(self._model(name)))
+
+    def model_config(self, name, version):
+        return defer.maybeDeferred(lambda: model_config_of(self._model(name)))
+
+    def model_ready(self, name, version):
+        return defer.maybeDeferred(lambda: bool(self._model(name)) and not self.busy)
+
+    def repository_index(self):
+        return defer.succeed([{"name": "double", "version": "1", "state": "READY", "reason": ""}])
+
+    def infer(self, name, version, call):
+        return defer.maybeDeferred(self._infer, name, call)
+
+    def _infer(self, name, call):
+        manifest = self._model(name)
+        self.calls.append(call)
+        if self.busy:
+            raise ServerBusy("no member has the model ready", reason="no_ready_node")
+        request = parse_infer(call.body, call.header_length)
+        try:
+            manifest.check(request.inputs)
+        except InvalidInput as e:
+            raise BadRequest(str(e)) from None
+        return encode_infer(name, "1", request, {"y": request.inputs["x"] * 2})
+
+
+@attrs.frozen
+class Served:
+    front: DoubleFront
+    http: str
+    grpc: str
+    guarded: bool
+
+    @property
+    def headers(self) -> dict | None:
+        """What a client sends to be admitted."""
+        return {"Authorization": f"Bearer {TOKEN}"} if self.guarded else None
+
+    @property
+    def metadata(self) -> dict | None:
+        """What a gRPC client sends to be admitted (gRPC's metadata keys are lower case)."""
+        return {"authorization": f"Bearer {TOKEN}"} if self.guarded else None
+
+
+@pytest_twisted.async_yield_fixture(params=[False, True], ids=["open", "guarded"])
+async def served(request):
+    """The fake front on a REST port and a gRPC port, guarded by a client token or not."""
+    from twisted.internet import reactor
+
+    front = DoubleFront()
+    guard = TokenGuard.of([TOKEN], CLIENT_ROUTES) if request.param else None
+    site = KCoralSite(InferenceResource(front, guard=guard),
+                      metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+                      max_request_bytes=1 << 20, log=Logger())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    grpc_front = GrpcFront(front, reactor=reactor, guard=guard)
+    grpc_front.startService()
+    yield Served(front, f"127.0.0.1:{port.getHost().port}", f"127.0.0.1:{grpc_front.port}",
+                 request.param)
+    await grpc_front.stopService(grace=0)
+    await port.stopListening()
+
+
+def in_thread(f, *args):
+    return defer.ensureDeferred(threads.deferToThread(f, *args))
+
+
+def http_calls(url: str, headers: dict):
+    client = httpclient.InferenceServerClient(url)
+    try:
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        results = {
+            "live": client.is_server_live(), "ready": client.is_server_ready(),
+            "server": client.get_server_metadata(),
+            "metadata": client.get_model_metadata("double", headers=headers),
+            "versioned": client.get_model_metadata("double", "1", headers=headers),
+            "config": client.get_model_config("double", headers=headers),
+            "model_ready": client.is_model_ready("double", headers=headers),
+            "index": client.get_model_repository_index(headers=headers),
+        }
+        for binary in (False, True):
+            infer_input = httpclient.InferInput("x", [2, 4], "FP32")
+            infer_input.set_data_from_numpy(x, binary_data=binary)
+            outputs = [httpclient.InferRequestedOutput("y", binary_data=binary)]
+            result = client.infer("double", [infer_input], outputs=outputs, request_id="r7",
+                                  headers=headers)
+            results[f"infer{binary}"] = (result.as_numpy("y"), result.get_response()["id"])
+        return results
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_http_client(served):
+    """tritonclient.http reads health, metadata, configuration, the index and inferences."""
+    results = await in_thread(http_calls, served.http, served.headers)
+    assert results["live"] and results["ready"] and results["model_ready"]
+    assert results["server"] == {"name": "kcoral", "version": "9.9",
+                                 "extensions": ["binary_tensor_data", "model_configuration"]}
+    assert results["metadata"] == results["versioned"] == model_metadata_of(MANIFEST)
+    assert results["metadata"]["inputs"][0]["shape"] == [-1, 4]
+    assert results["config"]["max_batch_size"] == 8
+    assert results["config"]["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}]
+    assert results["index"] == [{"name": "double", "version": "1", "state": "READY", "reason": ""}]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for binary in (False, True):
+        y, rid = results[f"infer{binary}"]
+        np.testing.assert_array_equal(y, 2 * x)
+        assert rid == "r7"
+
+
+def http_error(url: str, headers: dict | None, model: str, x: np.ndarray) -> InferenceServerException:
+    client = httpclient.InferenceServerClient(url)
+    try:
+        infer_input = httpclient.InferInput("x", list(x.shape), "FP32")
+        infer_input.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(model, [infer_input], headers=headers)
+        return caught.value
+    finally:
+        client.close()
+
+
+GOOD = np.ones((1, 4), np.float32)
+
+
+@pytest_twisted.ensureDeferred
+async def test_http_errors(served):
+    """Unknown models are 404, bad inputs 400, no ready member 503, each with its message."""
+    headers = served.headers
+    error = await in_thread(http_error, served.http, headers, "nope", GOOD)
+    assert error.status() == "404" and "no model 'nope'" in error.message()
+    error = await in_thread(http_error, served.http, headers, "double", np.ones((1, 3), np.float32))
+    assert error.status() == "400" and "shape" in error.message()
+    served.front.busy = True
+    error = await in_thread(http_error, served.http, headers, "double", GOOD)
+    assert error.status() == "503" and "no member" in error.message()
+
+
+@pytest_twisted.ensureDeferred
+async def test_guard(served):
+    """Without a token, a guarded front answers 401 / UNAUTHENTICATED and an open one serves."""
+    if served.guarded:
+        error = await in_thread(http_error, served.http, None, "double", GOOD)
+        assert error.status() == "401" and "bearer token" in error.message()
+        error = await in_thread(grpc_error, served.grpc, None, "double", GOOD)
+        assert error.status() == "StatusCode.UNAUTHENTICATED" and "bearer token" in error.message()
+        assert served.front.calls == []
+    else:
+        results = await in_thread(http_calls, served.http, None)
+        assert results["model_ready"]
+        results = await in_thread(grpc_calls, served.grpc, None)
+        assert results["model_ready"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_ids_and_error_bodies(served):
+    """Every answer has an X-Request-ID (the client's when sane); errors are {"error": message}
+    and a 503 has Retry-After."""
+    served.front.busy = True
+    headers = {b"X-Request-ID": [b"abc-1"], b"Authorization": [f"Bearer {TOKEN}".encode()]}
+    data = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4],
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    response = await treq.post(f"http://{served.http}/v2/models/double/infer", headers=headers,
+                               data=data)
+    body = json.loads(await response.content())
+    assert response.code == 503
+    assert body == {"error": "no member has the model ready"}
+    assert response.headers.getRawHeaders(b"X-Request-ID") == [b"abc-1"]
+    assert response.headers.getRawHeaders(b"Retry-After") == [b"1"]
+    assert served.front.calls[-1].request_id == "abc-1"
+    response = await treq.get(f"http://{served.http}/v2/nothing")
+    assert response.code == 404
+    assert "no route" in json.loads(await response.content())["error"]
+    assert len(response.headers.getRawHeaders(b"X-Request-ID")[0]) == 32
+
+
+def grpc_calls(url: str, headers: dict):
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        infer_input = grpcclient.InferInput("x", [2, 4], "FP32")
+        infer_input.set_data_from_numpy(x)
+        result = client.infer("double", [infer_input], request_id="g7", headers=headers)
+        return {
+            "live": client.is_server_live(), "ready": client.is_server_ready(),
+            "server": client.get_server_metadata(as_json=True),
+            "metadata": client.get_model_metadata("double", headers=headers, as_json=True),
+            "config": client.get_model_config("double", headers=headers, as_json=True),
+            "model_ready": client.is_model_ready("double", headers=headers),
+            "index": client.get_model_repository_index(headers=headers, as_json=True),
+            "infer": (result.as_numpy("y"), result.get_response().id),
+        }
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_grpc_client(served):
+    """tritonclient.grpc reads health, metadata, configuration, the index and inferences."""
+    results = await in_thread(grpc_calls, served.grpc, served.metadata)
+    assert results["live"] and results["ready"] and results["model_ready"]
+    assert results["server"]["name"] == "kcoral"
+    assert results["server"]["extensions"] == ["binary_tensor_data", "model_configuration"]
+    assert results["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
+    config = results["config"]["config"]
+    assert config["max_batch_size"] == 8
+    assert config["input"][0]["data_type"] == "TYPE_FP32" and config["input"][0]["dims"] == ["4"]
+    assert results["index"]["models"] == [{"name": "double", "version": "1", "state": "READY"}]
+    y, rid = results["infer"]
+    np.testing.assert_array_equal(y, 2 * np.arange(8, dtype=np.float32).reshape(2, 4))
+    assert rid == "g7"
+
+
+def grpc_error(url: str, headers: dict | None, model: str, x: np.ndarray) -> InferenceServerException:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        infer_input = grpcclient.InferInput("x", list(x.shape), "FP32")
+        infer_input.set_data_from_numpy(x)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(model, [infer_input], headers=headers)
+        return caught.value
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_grpc_errors(served):
+    """Unknown models are NOT_FOUND, bad inputs INVALID_ARGUMENT, no ready member UNAVAILABLE."""
+    headers = served.metadata
+    error = await in_thread(grpc_error, served.grpc, headers, "nope", GOOD)
+    assert error.status() == "StatusCode.NOT_FOUND" and "no model 'nope'" in error.message()
+    error = await in_thread(grpc_error, served.grpc, headers, "double", np.ones((1, 3), np.float32))
+    assert error.status() == "StatusCode.INVALID_ARGUMENT" and "shape" in error.message()
+    served.front.busy = True
+    error = await in_thread(grpc_error, served.grpc, headers, "double", GOOD)
+    assert error.status() == "StatusCode.UNAVAILABLE" and "no_ready_node" in error.message()
+
+
+def test_fake_front_provides_the_interface():
+    """The fake front is a whole IInferenceFront (so the tests above test the seam)."""
+    assert verifyObject(IInferenceFront, DoubleFront())
+
+
+@implementer(IInferenceFront)
+class HangingFront(DoubleFront):
+    """Inferences that never end: C{arrived} fires with each one's Deferred."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived: defer.Deferred = defer.Deferred()
+        self.cancelled: defer.Deferred = defer.Deferred()
+
+    def infer(self, name, version, call):
+        d = defer.Deferred(lambda _: self.cancelled.callback(None))
+        self.arrived.callback(d)
+        return d
+
+
+@pytest_twisted.ensureDeferred
+async def test_client_leaving_cancels_the_inference():
+    """A REST client that goes away cancels the front's Deferred."""
+    from twisted.internet import reactor
+
+    front = HangingFront()
+    site = KCoralSite(InferenceResource(front), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+                      max_request_bytes=1 << 20, log=Logger())
+    port = reactor.listenTCP(0, site, interface="127.0.0.1")
+    try:
+        pending = treq.post(f"http://127.0.0.1:{port.getHost().port}/v2/models/double/infer",
+                            data=b'{"inputs": []}')
+        pending.addErrback(lambda failure: failure.trap(defer.CancelledError, ResponseNeverReceived))
+        await front.arrived
+        pending.cancel()
+        await front.cancelled
+    finally:
+        await port.stopListening()

@@ -1,0 +1,266 @@
+"""
+The inference protocol's codec (L{kcoral.protocol.inference}) against
+tritonclient's own request builders and response parsers, REST and gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2
+
+from kcoral.errors import BadRequest
+from kcoral.models.manifest import DATATYPES
+from kcoral.protocol.inference import (
+    MAX_HEADER_BYTES,
+    InferRequest,
+    RequestedOutput,
+    encode_infer,
+    grpc_of_rest_answer,
+    parse_infer,
+    rest_of_grpc_infer,
+)
+
+#: An array of each datatype, with values its type holds.
+ARRAYS = {name: (np.arange(6).reshape(2, 3) % 2 == 1 if name == "BOOL" else
+                 (np.arange(6).reshape(2, 3) - (2 if dtype.kind in "if" or dtype == ml_dtypes.bfloat16 else 0)
+                  ).astype(dtype)) for name, dtype in DATATYPES.items()}
+JSON_DATATYPES = [d for d in DATATYPES if d != "BF16"]  # tritonclient sends BF16 only in binary
+
+
+def triton_body(arrays, binary=True, outputs=None, request_id=""):
+    inputs = []
+    for name, array in arrays.items():
+        datatype = next(d for d, t in DATATYPES.items() if t == array.dtype)
+        infer_input = httpclient.InferInput(name, list(array.shape), datatype)
+        infer_input.set_data_from_numpy(array, binary_data=binary)
+        inputs.append(infer_input)
+    return httpclient.InferenceServerClient.generate_request_body(
+        inputs, outputs=outputs, request_id=request_id)
+
+
+def body_of(header: dict, *tensors: bytes) -> tuple[bytes, int | None]:
+    encoded = json.dumps(header).encode()
+    return encoded + b"".join(tensors), len(encoded) if tensors else None
+
+
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+def test_binary_inputs_of_every_datatype(datatype):
+    """tritonclient's binary tensors parse to equal arrays, viewing the body."""
+    array = ARRAYS[datatype]
+    body, header_length = triton_body({"x": array})
+    request = parse_infer(body, header_length)
+    assert request.inputs["x"].dtype == array.dtype
+    np.testing.assert_array_equal(request.inputs["x"], array)
+    assert request.binary_output_default is True
+
+
+@pytest.mark.parametrize("datatype", JSON_DATATYPES)
+def test_json_inputs_of_every_datatype(datatype):
+    """tritonclient's JSON tensors parse to equal arrays of the named datatype."""
+    array = ARRAYS[datatype]
+    body, header_length = triton_body({"x": array}, binary=False, request_id="r1")
+    assert header_length is None
+    request = parse_infer(body, header_length)
+    assert request.id == "r1"
+    np.testing.assert_array_equal(request.inputs["x"], array)
+    assert request.inputs["x"].dtype == array.dtype
+
+
+def test_nested_json_data():
+    """JSON data nested as the shape is read row-major, like flat data."""
+    body, _ = body_of({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2, 2],
+                                   "data": [[1, 2], [3, 4]]}]})
+    np.testing.assert_array_equal(parse_infer(body, None).inputs["x"], [[1, 2], [3, 4]])
+
+
+def test_aligned_binary_inputs_are_views():
+    """An aligned binary tensor is a view of the body; a misaligned one a copy."""
+    array = np.arange(4, dtype=np.float32)
+    body, header_length = body_of({"inputs": [
+        {"name": "x", "datatype": "FP32", "shape": [4], "parameters": {"binary_data_size": 16}}]},
+        array.tobytes())
+    padded = json.dumps(json.loads(body[:header_length])).encode()
+    padded += b" " * (-len(padded) % 4)
+    buffer = bytearray(padded + array.tobytes())
+    request = parse_infer(memoryview(buffer), len(padded))
+    assert np.shares_memory(request.inputs["x"], np.frombuffer(buffer, np.uint8))
+    request = parse_infer(body, header_length)
+    np.testing.assert_array_equal(request.inputs["x"], array)
+    assert request.inputs["x"].flags.aligned
+
+
+def test_several_inputs_keep_their_order_and_outputs_are_parsed():
+    """Inputs come in the request's order; requested outputs keep their binary choice."""
+    outputs = [httpclient.InferRequestedOutput("b", binary_data=False),
+               httpclient.InferRequestedOutput("a", binary_data=True)]
+    body, header_length = triton_body({"y": ARRAYS["FP32"], "x": ARRAYS["INT64"]}, outputs=outputs)
+    request = parse_infer(body, header_length)
+    assert list(request.inputs) == ["y", "x"]
+    assert request.outputs == (RequestedOutput("b", False), RequestedOutput("a", True))
+    assert request.binary_output_default is False
+
+
+def test_bytes_refused():
+    """BYTES inputs are refused: JAX has no strings."""
+    body, _ = body_of({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [1], "data": ["a"]}]})
+    with pytest.raises(BadRequest, match="BYTES"):
+        parse_infer(body, None)
+
+
+def _input(**fields):
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], **fields}]}
+
+
+@pytest.mark.parametrize(("body", "header_length", "match"), [
+    (b"{not json", None, "not JSON"),
+    (b"[1]", None, "JSON object"),
+    (b"[" * 100000, None, "not JSON"),
+    (body_of(_input(data=[1, 2]))[0], 10**6, "not within"),
+    (body_of(_input(data=[1, 2]))[0], -1, "not within"),
+    (body_of(_input(parameters={"binary_data_size": 8}), b"\0" * 8)[0] + b"x",
+     len(json.dumps(_input(parameters={"binary_data_size": 8}))), "add up"),
+    (body_of(_input(parameters={"binary_data_size": 4}), b"\0" * 4)[0],
+     len(json.dumps(_input(parameters={"binary_data_size": 4}))), "takes 8"),
+    (body_of(_input(parameters={"binary_data_size": 8}), b"\0" * 4)[0],
+     len(json.dumps(_input(parameters={"binary_data_size": 8}))), "past the body"),
+    (body_of(_input(data=[1, 2, 3]))[0], None, "holds 3 elements"),
+    (body_of(_input(data=[[1], [2]]))[0], None, "nested deeper"),
+    (body_of(_input(data=["a", "b"]))[0], None, "numbers"),
+    (body_of(_input(data=[1, 2], parameters={"shared_memory_region": "r"}))[0], None, "not served"),
+    (body_of({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1] * 17, "data": [1]}]})[0],
+     None, "at most 16"),
+    (body_of({"inputs": [{"name": "x", "datatype": "INT8", "shape": [1], "data": [300]}]})[0],
+     None, "x"),
+    (body_of({"inputs": [{"name": "x", "datatype": "INT8", "shape": [1], "data": [1.5]}]})[0],
+     None, "integers"),
+    (body_of({"inputs": [{"name": "x", "datatype": "BOOL", "shape": [1], "data": [1]}]})[0],
+     None, "true or false"),
+    (body_of({"inputs": [{"name": "x", "datatype": "FP9", "shape": [1], "data": [1]}]})[0],
+     None, "unknown datatype"),
+    (body_of({"inputs": [{"name": f"x{i}", "datatype": "FP32", "shape": [1], "data": [1]}
+                         for i in range(65)]})[0], None, "1 to 64"),
+    (body_of({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}] * 2})[0],
+     None, "twice"),
+    (body_of({"inputs": []})[0], None, "1 to 64"),
+    (body_of({**_input(data=[1, 2]), "id": 7})[0], None, "id"),
+    (body_of({**_input(data=[1, 2]), "outputs": [{"nom": "y"}]})[0], None, "requested output"),
+    (body_of({**_input(data=[1, 2]), "parameters": {"binary_data_output": "yes"}})[0], None,
+     "binary_data_output"),
+])
+def test_malformed_requests(body, header_length, match):
+    """Every malformed request is a BadRequest that says what is wrong."""
+    with pytest.raises(BadRequest, match=match):
+        parse_infer(body, header_length)
+
+
+def test_header_over_its_bound():
+    """A JSON header over 16 MiB is refused before it is parsed."""
+    with pytest.raises(BadRequest, match="over"):
+        parse_infer(b" " * (MAX_HEADER_BYTES + 1), None)
+
+
+def request_of(outputs=(), binary=False, rid="q"):
+    return InferRequest(id=rid, inputs={}, outputs=tuple(outputs), binary_output_default=binary,
+                        parameters={})
+
+
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+@pytest.mark.parametrize("binary", [False, True])
+def test_answers_parse_with_tritonclient(datatype, binary):
+    """Answers of every datatype, JSON or binary, read back equal through tritonclient."""
+    array = ARRAYS[datatype]
+    answer = encode_infer("m", "1", request_of(binary=binary), {"y": array, "z": array[:1]})
+    assert (answer.header_length is not None) == binary
+    result = httpclient.InferenceServerClient.parse_response_body(
+        answer.body, header_length=answer.header_length)
+    assert result.get_response()["id"] == "q"
+    assert result.get_response()["model_name"] == "m"
+    for name, expected in (("y", array), ("z", array[:1])):
+        got = result.as_numpy(name)
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(got.astype(np.float64), expected.astype(np.float64))
+
+
+def test_answer_of_requested_outputs():
+    """Only the requested outputs are answered, in the request's order and encodings."""
+    a, b = np.ones(2, np.float32), np.zeros(3, np.int32)
+    answer = encode_infer("m", "1", request_of([RequestedOutput("b", True), RequestedOutput("a", None)]),
+                          {"a": a, "b": b})
+    header = json.loads(answer.body[:answer.header_length])
+    assert [o["name"] for o in header["outputs"]] == ["b", "a"]
+    assert header["outputs"][0]["parameters"] == {"binary_data_size": 12}
+    assert header["outputs"][1]["data"] == [1.0, 1.0]
+    with pytest.raises(BadRequest, match="no output 'c'"):
+        encode_infer("m", "1", request_of([RequestedOutput("c", None)]), {"a": a})
+
+
+def test_answer_without_id():
+    """An answer echoes no id when the request had none."""
+    answer = encode_infer("m", "1", request_of(rid=None), {"a": np.ones(1, np.float32)})
+    assert "id" not in json.loads(answer.body)
+
+
+def grpc_request(arrays, rid="g1", outputs=()):
+    """A ModelInferRequest as tritonclient.grpc builds one: tensors in raw_input_contents."""
+    pb = service_pb2.ModelInferRequest(model_name="m", model_version="", id=rid)
+    for name, array in arrays.items():
+        datatype = next(d for d, t in DATATYPES.items() if t == array.dtype)
+        pb.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        pb.raw_input_contents.append(array.tobytes())
+    for name in outputs:
+        pb.outputs.add(name=name)
+    return pb
+
+
+@pytest.mark.parametrize("datatype", list(DATATYPES))
+def test_grpc_round_trip(datatype):
+    """A gRPC inference in its REST form parses to its arrays, and a REST answer
+    in its gRPC form reads back through tritonclient.grpc's InferResult."""
+    array = ARRAYS[datatype]
+    rest = rest_of_grpc_infer(grpc_request({"x": array}, outputs=["y"]))
+    assert (rest.model, rest.version) == ("m", None)
+    request = parse_infer(rest.body, rest.header_length)
+    np.testing.assert_array_equal(request.inputs["x"], array)
+    assert request.id == "g1" and request.outputs == (RequestedOutput("y", None),)
+    for binary in (False, True):
+        answer = encode_infer("m", "1", request_of(binary=binary), {"y": array})
+        response = grpc_of_rest_answer(answer.body, answer.header_length)
+        got = grpcclient.InferResult(response).as_numpy("y")
+        np.testing.assert_array_equal(got.astype(np.float64), array.astype(np.float64))
+        assert response.model_version == "1" and response.id == "q"
+
+
+def test_grpc_typed_contents():
+    """Inputs in the typed contents fields become binary tensors too."""
+    pb = service_pb2.ModelInferRequest(model_name="m")
+    tensor = pb.inputs.add(name="x", datatype="INT16", shape=[3])
+    tensor.contents.int_contents.extend([1, -2, 3])
+    request = parse_infer(*_body_and_length(rest_of_grpc_infer(pb)))
+    np.testing.assert_array_equal(request.inputs["x"], np.array([1, -2, 3], np.int16))
+
+
+def _body_and_length(rest):
+    return rest.body, rest.header_length
+
+
+@pytest.mark.parametrize(("datatype", "match"), [("BYTES", "BYTES"), ("FP16", "raw_input_contents")])
+def test_grpc_typed_contents_refused(datatype, match):
+    """BYTES, and half floats outside raw_input_contents, are refused."""
+    pb = service_pb2.ModelInferRequest(model_name="m")
+    pb.inputs.add(name="x", datatype=datatype, shape=[1])
+    with pytest.raises(BadRequest, match=match):
+        rest_of_grpc_infer(pb)
+
+
+def test_grpc_raw_contents_must_match_inputs():
+    """raw_input_contents holds one tensor per input, or none."""
+    pb = grpc_request({"x": ARRAYS["FP32"], "y": ARRAYS["FP32"]})
+    del pb.raw_input_contents[1]
+    with pytest.raises(BadRequest, match="raw_input_contents"):
+        rest_of_grpc_infer(pb)
