@@ -14,7 +14,7 @@ import safetensors.numpy
 
 jax = pytest.importorskip("jax")
 
-from kcoral.models.bundle import PARAMS  # noqa: E402
+from kcoral.models.bundle import PARAMS, PROGRAM  # noqa: E402
 from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
     READY,
@@ -87,6 +87,20 @@ def test_misnamed_and_mismatched(tmp_path):
         "resized": "program.jax takes float32[32], float32[8], float32[16, 32], float32[32, 8], "
                    "float32[-1, 16]; the params and model.json say float32[4], float32[8], "
                    "float32[16, 32], float32[32, 8], float32[-1, 16]"}
+
+
+def test_not_a_program(tmp_path):
+    """A program file that jax.export cannot read makes its model UNAVAILABLE, naming the file."""
+    export_mlp(tmp_path / "mlp")
+    garbage = b"not a program"
+    (tmp_path / "mlp" / PROGRAM).write_bytes(garbage)
+    manifest = json.loads((tmp_path / "mlp" / MANIFEST).read_bytes())
+    manifest["programs"][0]["sha256"] = hashlib.sha256(garbage).hexdigest()
+    (tmp_path / "mlp" / MANIFEST).write_text(json.dumps(manifest))
+    models = ModelRepository(tmp_path)
+    models.load(jax.local_devices()[0])
+    (status,) = models.index()
+    assert status.state == UNAVAILABLE and status.reason.startswith(f"{PROGRAM}: not a jax.export program")
 
 
 def test_missing_repository(tmp_path):

@@ -298,7 +298,10 @@ def _read(folder: int, file: str, most: int) -> tuple[bytes, str]:
         digest = hashlib.sha256()
         data = bytearray()
         while len(data) <= most:
-            chunk = f.read(_CHUNK)
+            try:
+                chunk = f.read(_CHUNK)
+            except OSError as e:
+                raise BundleError(f"{file}: cannot read it: {e.strerror}") from None
             if not chunk:
                 break
             digest.update(chunk)

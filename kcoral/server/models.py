@@ -129,9 +129,13 @@ class ModelRepository:
                 bundle = read_bundle(os.path.join(self.path, name))
                 version = bundle.manifest.version
                 self._models[name] = self._load(name, bundle, device, platform)
-            except (BundleError, _Unavailable) as e:
-                log.warn("model {name} is unavailable: {reason}", name=name, reason=str(e))
-                self._models[name] = ModelStatus(name, version, UNAVAILABLE, str(e))
+            except Exception as e:
+                # Out of device memory and compile errors alike: XLA raises
+                # no class of its own for either.
+                reason = str(e) if isinstance(e, (BundleError, _Unavailable)) else (
+                    f"failed to load onto {platform}: {_first_line(e)}")
+                log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
+                self._models[name] = ModelStatus(name, version, UNAVAILABLE, reason)
             else:
                 log.info("model {name} is ready", name=name)
 
@@ -168,28 +172,21 @@ class ModelRepository:
         params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in bundle.params]
         sharding = SingleDeviceSharding(device)
         executables = {}
-        try:
-            placed = tuple(jax.device_put(bundle.params, device))
-            for program in manifest.programs:
-                try:
-                    exported = jax.export.deserialize(bytearray(bundle.programs[program.file]))
-                except Exception as e:
-                    raise _Unavailable(f"{program.file}: not a jax.export program: "
-                                       f"{_first_line(e)}") from None
-                _check_signature(program.file, exported, manifest, params)
-                for size in program.batch_sizes:
-                    inputs = [jax.ShapeDtypeStruct((size, *spec.shape[1:]), spec.dtype)
-                              for spec in manifest.inputs]
-                    started = time.perf_counter()
-                    executables[size] = jax.jit(exported.call, in_shardings=sharding).lower(
-                        *params, *inputs).compile()
-                    self._observe_compile(time.perf_counter() - started)
-        except _Unavailable:
-            raise
-        except Exception as e:
-            # Out of device memory and compile errors alike: XLA raises no
-            # class of its own for either.
-            raise _Unavailable(f"failed to load onto {platform}: {_first_line(e)}") from None
+        placed = tuple(jax.device_put(bundle.params, device))
+        for program in manifest.programs:
+            try:
+                exported = jax.export.deserialize(bytearray(bundle.programs[program.file]))
+            except Exception as e:
+                raise _Unavailable(f"{program.file}: not a jax.export program: "
+                                   f"{_first_line(e)}") from None
+            _check_signature(program.file, exported, manifest, params)
+            for size in program.batch_sizes:
+                inputs = [jax.ShapeDtypeStruct((size, *spec.shape[1:]), spec.dtype)
+                          for spec in manifest.inputs]
+                started = time.perf_counter()
+                executables[size] = jax.jit(exported.call, in_shardings=sharding).lower(
+                    *params, *inputs).compile()
+                self._observe_compile(time.perf_counter() - started)
         return LoadedModel(manifest, placed, executables)
 
     def index(self) -> list[ModelStatus]:
