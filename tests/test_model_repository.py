@@ -103,6 +103,37 @@ def test_not_a_program(tmp_path):
     assert status.state == UNAVAILABLE and status.reason.startswith(f"{PROGRAM}: not a jax.export program")
 
 
+def test_not_batched(tmp_path):
+    """A bundle written by hand as doc/bundles.rst says, with max_batch_size 0, runs at its fixed shapes."""
+    def affine(w, x):
+        return (w @ x, x.sum())
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    exported = jax.export.export(jax.jit(affine), platforms=("cpu",))(w, np.zeros(3, np.float32))
+    program = bytes(exported.serialize())
+    params = safetensors.numpy.save({"param_0": w})
+    (tmp_path / "affine").mkdir()
+    (tmp_path / "affine" / "p.jax").write_bytes(program)
+    (tmp_path / "affine" / "w.safetensors").write_bytes(params)
+    (tmp_path / "affine" / MANIFEST).write_text(json.dumps({
+        "format": 1, "name": "affine", "version": 3, "platforms": ["cpu"],
+        "max_batch_size": 0, "batch_sizes": [],
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]},
+                    {"name": "total", "datatype": "FP32", "shape": []}],
+        "programs": [{"file": "p.jax", "sha256": hashlib.sha256(program).hexdigest(), "batch_sizes": []}],
+        "params": {"file": "w.safetensors", "sha256": hashlib.sha256(params).hexdigest(), "count": 1}}))
+    compiles: list[float] = []
+    models = ModelRepository(tmp_path, observe_compile=compiles.append)
+    models.load(jax.local_devices()[0])
+    assert models.index() == [ModelStatus("affine", 3, READY)] and len(compiles) == 1
+    x = np.array([1, 2, 3], np.float32)
+    outputs = models.get("affine", 3).infer({"x": x})
+    assert list(outputs) == ["y", "total"]
+    np.testing.assert_array_equal(outputs["y"], w @ x)
+    assert outputs["total"].shape == () and outputs["total"] == 6
+
+
 def test_missing_repository(tmp_path):
     """A repository folder that does not exist fails the load, naming it."""
     with pytest.raises(RepositoryError, match=f"model repository {tmp_path}/none: No such file"):

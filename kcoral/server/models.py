@@ -66,7 +66,7 @@ class ModelStatus:
 @attrs.frozen
 class LoadedModel:
     """A model ready to run: its params on the device, a compiled executable
-    for each of its batch sizes."""
+    for each of its batch sizes (for size 0 when it is not batched)."""
 
     manifest: ModelManifest
     _params: tuple = attrs.field(repr=False)
@@ -85,10 +85,14 @@ class LoadedModel:
         padding's outputs dropped. A row's outputs do not depend on the other
         rows of its batch, as long as the model is row-wise.
         """
-        size = self.manifest.batch_size_for(rows)
-        arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
+        if self.manifest.max_batch_size:
+            size = self.manifest.batch_size_for(rows)
+            arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
+        else:
+            # Not batched: one program, of the manifest's shapes, known as size 0.
+            size, arrays = 0, [inputs[spec.name] for spec in self.manifest.inputs]
         outputs = self._executables[size](*self._params, *arrays)
-        return {spec.name: np.asarray(output)[:rows]
+        return {spec.name: np.asarray(output)[:rows] if size else np.asarray(output)
                 for spec, output in zip(self.manifest.outputs, outputs)}
 
 
@@ -180,9 +184,9 @@ class ModelRepository:
                 raise _Unavailable(f"{program.file}: not a jax.export program: "
                                    f"{_first_line(e)}") from None
             _check_signature(program.file, exported, manifest, params)
-            for size in program.batch_sizes:
-                inputs = [jax.ShapeDtypeStruct((size, *spec.shape[1:]), spec.dtype)
-                          for spec in manifest.inputs]
+            for size in program.batch_sizes or (0,):
+                inputs = [jax.ShapeDtypeStruct((size, *spec.shape[1:]) if size else spec.shape,
+                                               spec.dtype) for spec in manifest.inputs]
                 started = time.perf_counter()
                 executables[size] = jax.jit(exported.call, in_shardings=sharding).lower(
                     *params, *inputs).compile()
