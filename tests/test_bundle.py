@@ -126,10 +126,20 @@ def test_no_params(tmp_path):
 
 
 def test_unserved_dtype_refused(tmp_path):
-    """An input of a dtype no protocol datatype has is refused with a ValueError naming it."""
+    """An input or output of a dtype no protocol datatype has is refused with a ValueError naming it."""
     with pytest.raises(ValueError, match="input 0: dtype complex64"):
         export_bundle(lambda x: x, None, np.zeros((1, 2), np.complex64), dir=tmp_path / "c", name="c")
+    with pytest.raises(ValueError, match="output 1: dtype complex64"):
+        export_bundle(lambda x: (x, x.astype(np.complex64)), None, np.zeros((1, 2), np.float32),
+                      dir=tmp_path / "c", name="c")
     assert not (tmp_path / "c").exists()
+
+
+def test_output_not_batched_refused(tmp_path):
+    """An output whose first dimension is not the batch is refused, naming it."""
+    with pytest.raises(ValueError, match=r"output 1 has shape \[\] at batch size 1: the first dimension"):
+        export_bundle(lambda x: (x, x.sum()), None, np.zeros((1, 2), np.float32), dir=tmp_path / "s",
+                      name="s", batch_sizes=[1, 2])
 
 
 def test_exported_from_kcoral(tmp_path):

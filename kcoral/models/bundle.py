@@ -122,10 +122,11 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
     if symbolic is not None:
         exported = {PROGRAM: (symbolic, sizes)}
     else:
-        exported = {SIZED_PROGRAM.format(size=size): (_export_sized(export, size), (size,))
-                    for size in sizes}
-        for program, (size,) in exported.values():
-            _check_batched(program, size, exported[SIZED_PROGRAM.format(size=sizes[0])][0])
+        sized = [_export_sized(export, size) for size in sizes]
+        for program, size in zip(sized, sizes):
+            _check_batched(program, size, sized[0])
+        exported = {SIZED_PROGRAM.format(size=size): (program, (size,))
+                    for program, size in zip(sized, sizes)}
     first = next(iter(exported.values()))[0]
     inputs = _specs(first.in_avals[len(fixed):], input_names, "input")
     outputs = _specs(first.out_avals, output_names, "output")
@@ -177,6 +178,14 @@ def _export_symbolic(export, sizes: tuple[int, ...], fixed: int):
     (batch,) = jax.export.symbolic_shape(BATCH)
     try:
         program = export(batch)
+    except Exception:
+        return None
+    # Dimension 0 of every output the batch, the others fixed: what a
+    # manifest can describe.
+    if not all(a.shape and a.shape[0] == batch and all(isinstance(d, int) for d in a.shape[1:])
+               for a in program.out_avals):
+        return None
+    try:
         for size in sizes:
             # Tracing a call at each size checks the shapes that the symbolic
             # export could only assume (a reshape by two needs an even batch).
@@ -186,11 +195,6 @@ def _export_symbolic(export, sizes: tuple[int, ...], fixed: int):
             if not all(s.shape[:1] == (size,) for s in shapes):
                 return None
     except Exception:
-        return None
-    # Dimension 0 of every output the batch, the others fixed: what a
-    # manifest can describe.
-    if not all(a.shape and a.shape[0] == batch and all(isinstance(d, int) for d in a.shape[1:])
-               for a in program.out_avals):
         return None
     return program
 
@@ -221,8 +225,13 @@ def _specs(avals, names: Sequence[str] | None, kind: str) -> tuple[TensorSpec, .
         names = [kind] if len(avals) == 1 else [f"{kind}{i}" for i in range(len(avals))]
     elif len(names) != len(avals):
         raise ValueError(f"{len(names)} {kind} names for {len(avals)} {kind}s")
-    return tuple(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:]))
-                 for name, aval in zip(names, avals))
+    specs = []
+    for i, (name, aval) in enumerate(zip(names, avals)):
+        try:
+            specs.append(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:])))
+        except ValueError as e:
+            raise ValueError(f"{kind} {i}: {e}") from None
+    return tuple(specs)
 
 
 def _sha256(data: bytes) -> str:
