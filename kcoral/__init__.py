@@ -18,7 +18,8 @@ from kcoral.errors import (
 )
 
 __all__ = ["AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure", "Program",
-           "ProgramExportError", "ProgramFailed", "ProgramRejected", "ServerBusy", "__version__"]
+           "ProgramExportError", "ProgramFailed", "ProgramRejected", "ServerBusy", "__version__",
+           "export_bundle"]
 
 
 def __getattr__(name: str):
@@ -31,4 +32,7 @@ def __getattr__(name: str):
     if name == "Program":
         from kcoral.program import Program
         return Program
+    if name == "export_bundle":
+        from kcoral.models.bundle import export_bundle
+        return export_bundle
     raise AttributeError(f"module 'kcoral' has no attribute {name!r}")

@@ -210,6 +210,9 @@ class ModelManifest:
         outputs = _tensors(value.get("outputs"), "outputs", batched)
         programs = _programs(value.get("programs"), tuple(sorted(sizes)))
         params = _params(value.get("params"))
+        files = [p.file for p in programs] + ([] if params is None else [params.file])
+        if len(set(files)) != len(files):
+            raise InvalidManifest("programs and params must each have a file of their own")
         platforms = value.get("platforms", [])
         if not isinstance(platforms, list) or not platforms or len(platforms) > 8 or not all(
                 isinstance(p, str) and NAME.match(p) for p in platforms):

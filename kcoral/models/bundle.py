@@ -1,0 +1,342 @@
+"""
+Model bundles: the folder that L{export_bundle} writes and a worker reads
+with L{read_bundle}. Its layout is described in C{doc/bundles.rst}.
+
+A bundle holds C{model.json}, the serialized program(s) and the params in a
+safetensors file. Everything here blocks (JAX, hashing, disk): a server calls
+L{read_bundle} from a worker thread, never from the reactor.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
+
+import attrs
+import ml_dtypes
+import numpy as np
+
+from kcoral.errors import ProgramExportError
+from kcoral.models.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    InvalidManifest,
+    ModelManifest,
+    ParamsFile,
+    ProgramFile,
+    TensorSpec,
+    datatype_of,
+)
+from kcoral.program import DEFAULT_PLATFORMS
+
+PARAMS = "params.safetensors"
+#: The program exported with a symbolic batch dimension, serving every size.
+PROGRAM = "program.jax"
+#: The program for one batch size, when the symbolic export is not possible.
+SIZED_PROGRAM = "program_{size}.jax"
+MAX_PROGRAM_BYTES = 1 << 30
+MAX_PARAMS_BYTES = 64 << 30
+#: The batch dimension's name in a symbolically exported program.
+BATCH = "batch"
+_CHUNK = 1 << 20
+
+#: safetensors' names of the dtypes a bundle's params may have. Its own numpy
+#: loader knows no bfloat16, so params are read with its format-level
+#: deserializer and typed by this table.
+_SAFETENSORS_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8), "U16": np.dtype(np.uint16),
+    "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
+    "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+}
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be served; the message names the file and what is wrong."""
+
+
+@attrs.frozen
+class Bundle:
+    """A bundle read whole and checked: its manifest, its programs' bytes by
+    file name, and its params in C{param_0} ... order."""
+
+    manifest: ModelManifest
+    programs: dict[str, bytes] = attrs.field(repr=False)
+    params: list[np.ndarray] = attrs.field(repr=False)
+
+
+def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike, name: str,
+                  batch_sizes: Sequence[int] = (1,), input_names: Sequence[str] | None = None,
+                  output_names: Sequence[str] | None = None,
+                  platforms: Sequence[str] = DEFAULT_PLATFORMS) -> ModelManifest:
+    """
+    Write the model C{fn(params, *inputs)} (C{fn(*inputs)} when C{params} is
+    None) to the bundle folder C{dir}, created if missing, and return its
+    manifest.
+
+    C{params} is any pytree of arrays; the first dimension of every example
+    input and of every output is the batch dimension, and only the example
+    inputs' other dimensions and dtypes matter. The program is exported once
+    with a symbolic batch dimension when JAX can trace C{fn} so, else once
+    for each of C{batch_sizes}. C{model.json} is written last, so a reader
+    never sees a manifest whose files are not all there.
+    """
+    import jax
+
+    sizes = tuple(sorted(set(batch_sizes)))
+    if not sizes or sizes[0] < 1:
+        raise ValueError("batch_sizes must list one or more sizes of at least 1")
+    if not example_inputs:
+        raise ValueError("a model takes one or more inputs: pass an example of each")
+    leaves, tree = jax.tree.flatten(params)
+    leaves = [_host(leaf, f"param {i}") for i, leaf in enumerate(leaves)]
+    examples = [_host(x, f"input {i}") for i, x in enumerate(example_inputs)]
+    for i, x in enumerate(examples):
+        if x.ndim == 0:
+            raise ValueError(f"input {i} is a scalar: its first dimension must be the batch")
+    bound = params is not None
+
+    def flat(*arrays):
+        # The program takes and returns flat arrays, so that the server (and
+        # a writer in another language) needs no pytree of the caller's.
+        args = arrays[len(leaves):]
+        if bound:
+            args = (jax.tree.unflatten(tree, arrays[:len(leaves)]), *args)
+        return tuple(jax.tree.leaves(fn(*args)))
+
+    jitted = jax.jit(flat)
+    fixed = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+
+    def export(batch):
+        return jax.export.export(jitted, platforms=tuple(platforms))(
+            *fixed, *[jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype) for x in examples])
+
+    symbolic = _export_symbolic(export, sizes, len(fixed))
+    if symbolic is not None:
+        exported = {PROGRAM: (symbolic, sizes)}
+    else:
+        sized = [_export_sized(export, size) for size in sizes]
+        for program, size in zip(sized, sizes):
+            _check_batched(program, size, sized[0])
+        exported = {SIZED_PROGRAM.format(size=size): (program, (size,))
+                    for program, size in zip(sized, sizes)}
+    first = next(iter(exported.values()))[0]
+    inputs = _specs(first.in_avals[len(fixed):], input_names, "input")
+    outputs = _specs(first.out_avals, output_names, "output")
+
+    files = {file: bytes(program.serialize()) for file, (program, _) in exported.items()}
+    programs = tuple(ProgramFile(file, _sha256(files[file]), covered)
+                     for file, (_, covered) in exported.items())
+    params_file = None
+    if bound:
+        import safetensors.numpy
+
+        files[PARAMS] = safetensors.numpy.save({f"param_{i}": leaf for i, leaf in enumerate(leaves)})
+        params_file = ParamsFile(PARAMS, _sha256(files[PARAMS]), len(leaves))
+    manifest = ModelManifest(name=name, inputs=inputs, outputs=outputs, max_batch_size=sizes[-1],
+                             batch_sizes=sizes, programs=programs, params=params_file,
+                             platforms=tuple(platforms))
+    # What is written is what a worker will accept.
+    try:
+        ModelManifest.loads(manifest.dumps())
+    except InvalidManifest as e:
+        raise ValueError(f"the model cannot be bundled: {e}") from None
+    os.makedirs(dir, exist_ok=True)
+    for file, data in files.items():
+        _write(dir, file, data)
+    _write(dir, MANIFEST, manifest.dumps())
+    return manifest
+
+
+def _host(value, what: str) -> np.ndarray:
+    """C{value} as a host array of the dtype JAX will trace it with (64-bit
+    types narrowed unless JAX runs 64-bit), which must be a served datatype."""
+    import jax
+
+    array = np.asarray(value)
+    array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
+    try:
+        datatype_of(array.dtype)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return array
+
+
+def _export_symbolic(export, sizes: tuple[int, ...], fixed: int):
+    """The program exported with a symbolic batch dimension, when JAX can
+    export C{fn} so and the program then runs at every one of C{sizes}; else
+    None."""
+    import jax
+
+    (batch,) = jax.export.symbolic_shape(BATCH)
+    try:
+        program = export(batch)
+    except Exception:
+        return None
+    # Dimension 0 of every output the batch, the others fixed: what a
+    # manifest can describe.
+    if not all(a.shape and a.shape[0] == batch and all(isinstance(d, int) for d in a.shape[1:])
+               for a in program.out_avals):
+        return None
+    try:
+        for size in sizes:
+            # Tracing a call at each size checks the shapes that the symbolic
+            # export could only assume (a reshape by two needs an even batch).
+            shapes = jax.eval_shape(program.call, *[
+                jax.ShapeDtypeStruct((size, *a.shape[1:]) if i >= fixed else a.shape, a.dtype)
+                for i, a in enumerate(program.in_avals)])
+            if not all(s.shape[:1] == (size,) for s in shapes):
+                return None
+    except Exception:
+        return None
+    return program
+
+
+def _export_sized(export, size: int):
+    try:
+        return export(size)
+    except Exception as e:
+        raise ProgramExportError(f"jax.export could not export the model at batch size "
+                                 f"{size}: {type(e).__name__}: {e}") from e
+
+
+def _check_batched(program, size: int, first) -> None:
+    """Check that the program exported at batch size C{size} has the batch as
+    dimension 0 of every output, and the other dimensions of C{first}'s."""
+    for i, aval in enumerate(program.out_avals):
+        if aval.shape[:1] != (size,):
+            raise ValueError(f"output {i} has shape {list(aval.shape)} at batch size {size}: "
+                             "the first dimension of every output must be the batch")
+        if aval.shape[1:] != first.out_avals[i].shape[1:]:
+            raise ValueError(f"output {i} has shape {list(aval.shape)} at batch size {size}, "
+                             f"{list(first.out_avals[i].shape)} at {first.out_avals[i].shape[0]}: "
+                             "only its first dimension, the batch, may change with the batch")
+
+
+def _specs(avals, names: Sequence[str] | None, kind: str) -> tuple[TensorSpec, ...]:
+    if names is None:
+        names = [kind] if len(avals) == 1 else [f"{kind}{i}" for i in range(len(avals))]
+    elif len(names) != len(avals):
+        raise ValueError(f"{len(names)} {kind} names for {len(avals)} {kind}s")
+    specs = []
+    for i, (name, aval) in enumerate(zip(names, avals)):
+        try:
+            specs.append(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:])))
+        except ValueError as e:
+            raise ValueError(f"{kind} {i}: {e}") from None
+    return tuple(specs)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write(dir: str | os.PathLike, file: str, data: bytes) -> None:
+    """Write C{data} to C{file} in C{dir} by renaming a complete copy over it."""
+    with tempfile.NamedTemporaryFile(dir=os.fspath(dir), prefix=f".{file}.", delete=False) as out:
+        try:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        except BaseException:
+            os.unlink(out.name)
+            raise
+    os.replace(out.name, os.path.join(dir, file))
+
+
+def read_bundle(path: str | os.PathLike) -> Bundle:
+    """
+    The bundle in the folder C{path}, every file checked against its manifest
+    (a plain file in the folder, not a link; bounded; its SHA-256), and its
+    params against their count and the datatypes served. A BundleError says
+    which file is wrong and how.
+    """
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise BundleError(f"{path}: cannot open the bundle folder: {e.strerror}") from None
+    try:
+        data, _ = _read(folder, MANIFEST, MAX_MANIFEST_BYTES)
+        try:
+            manifest = ModelManifest.loads(data)
+        except InvalidManifest as e:
+            raise BundleError(f"{MANIFEST}: {e}") from None
+        programs = {}
+        for program in manifest.programs:
+            programs[program.file] = _verified(folder, program.file, program.sha256, MAX_PROGRAM_BYTES)
+        params: list[np.ndarray] = []
+        if manifest.params is not None:
+            params = _params(_verified(folder, manifest.params.file, manifest.params.sha256,
+                                       MAX_PARAMS_BYTES), manifest.params)
+    finally:
+        os.close(folder)
+    return Bundle(manifest, programs, params)
+
+
+def _verified(folder: int, file: str, digest: str, most: int) -> bytes:
+    data, actual = _read(folder, file, most)
+    if actual != digest:
+        raise BundleError(f"{file}: its SHA-256 is {actual}, {MANIFEST} says {digest} "
+                          "(a corrupt or partly copied file: export the bundle again)")
+    return data
+
+
+def _read(folder: int, file: str, most: int) -> tuple[bytes, str]:
+    """The bytes of the regular file C{file} directly in C{folder}, and their
+    SHA-256; never a link's target, never more than C{most} bytes."""
+    try:
+        # O_NONBLOCK: a FIFO planted in the folder must not hang the worker.
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise BundleError(f"{file}: a link; a bundle's files are plain files in its folder") from None
+        raise BundleError(f"{file}: cannot open it: {e.strerror}") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BundleError(f"{file}: not a regular file")
+        if info.st_size > most:
+            raise BundleError(f"{file}: {info.st_size} bytes, over the {most} a bundle may hold")
+        digest = hashlib.sha256()
+        data = bytearray()
+        while len(data) <= most:
+            try:
+                chunk = f.read(_CHUNK)
+            except OSError as e:
+                raise BundleError(f"{file}: cannot read it: {e.strerror}") from None
+            if not chunk:
+                break
+            digest.update(chunk)
+            data += chunk
+        if len(data) > most:
+            raise BundleError(f"{file}: grew over the {most} bytes a bundle may hold while read")
+    return bytes(data), digest.hexdigest()
+
+
+def _params(data: bytes, described: ParamsFile) -> list[np.ndarray]:
+    import safetensors
+
+    try:
+        tensors = dict(safetensors.deserialize(data))
+    except Exception as e:
+        raise BundleError(f"{described.file}: not a safetensors file: {e}") from None
+    names = [f"param_{i}" for i in range(described.count)]
+    if set(tensors) != set(names):
+        raise BundleError(f"{described.file}: holds {len(tensors)} tensors, {MANIFEST} says "
+                          f"{described.count}, named param_0 to param_{described.count - 1}")
+    params = []
+    for name in names:
+        tensor = tensors[name]
+        dtype = _SAFETENSORS_DTYPES.get(tensor["dtype"])
+        if dtype is None:
+            raise BundleError(f"{described.file}: tensor {name} has dtype {tensor['dtype']}, "
+                              "which no served datatype has")
+        params.append(np.frombuffer(tensor["data"], dtype).reshape(tensor["shape"]))
+    return params

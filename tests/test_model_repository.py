@@ -1,0 +1,194 @@
+"""
+L{kcoral.server.models.ModelRepository}: a worker's models loaded from
+bundles with real JAX on the CPU, the broken ones listed with their reasons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+jax = pytest.importorskip("jax")
+
+from kcoral.models.bundle import PARAMS, PROGRAM  # noqa: E402
+from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
+from kcoral.server.models import (  # noqa: E402
+    READY,
+    UNAVAILABLE,
+    ModelRepository,
+    ModelStatus,
+    ModelUnavailable,
+    RepositoryError,
+    UnknownModel,
+)
+from tests.test_bundle import export_mlp, mlp, mlp_params  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    """A repository of a good MLP beside three broken models, loaded; and the
+    seconds of each compile of the load."""
+    path = tmp_path_factory.mktemp("models")
+    export_mlp(path / "mlp")
+    export_mlp(path / "broken", name="broken")
+    (path / "broken" / MANIFEST).write_text('{"format": 1, "name": "broken"')
+    export_mlp(path / "cuda_only", name="cuda_only", platforms=("cuda",))
+    export_mlp(path / "corrupt", name="corrupt")
+    (path / "corrupt" / PARAMS).write_bytes(b"\0" * 16)
+    (path / "not_a_model").mkdir()
+    compiles: list[float] = []
+    models = ModelRepository(path, observe_compile=compiles.append)
+    models.load(jax.local_devices()[0])
+    return models, compiles
+
+
+def rows(count: int, seed: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, 16)).astype(np.float32)
+
+
+def test_index(repository):
+    """The index lists every model folder in name order: the good one READY, the others UNAVAILABLE."""
+    models, _ = repository
+    assert [(s.name, s.version, s.state) for s in models.index()] == [
+        ("broken", 1, UNAVAILABLE), ("corrupt", 1, UNAVAILABLE), ("cuda_only", 1, UNAVAILABLE),
+        ("mlp", 1, READY)]
+    assert models.index()[-1] == ModelStatus("mlp", 1, READY, "")
+
+
+def test_reasons(repository):
+    """An unavailable model's reason names the file and the problem."""
+    models, _ = repository
+    reasons = {s.name: s.reason for s in models.index()}
+    assert reasons["broken"].startswith(f"{MANIFEST}: {MANIFEST} is not JSON")
+    assert reasons["corrupt"].startswith(f"{PARAMS}: its SHA-256 is")
+    assert reasons["cuda_only"] == "exported for cuda, this worker runs cpu: export it for cpu too"
+
+
+def test_misnamed_and_mismatched(tmp_path):
+    """A folder whose model.json names another model, or whose params misfit the program, is UNAVAILABLE."""
+    export_mlp(tmp_path / "renamed", name="other")
+    export_mlp(tmp_path / "resized", name="resized")
+    leaves = jax.tree.leaves(mlp_params())
+    leaves[0] = leaves[0][:4]
+    data = safetensors.numpy.save({f"param_{i}": leaf for i, leaf in enumerate(leaves)})
+    (tmp_path / "resized" / PARAMS).write_bytes(data)
+    manifest = json.loads((tmp_path / "resized" / MANIFEST).read_bytes())
+    manifest["params"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (tmp_path / "resized" / MANIFEST).write_text(json.dumps(manifest))
+    models = ModelRepository(tmp_path)
+    models.load(jax.local_devices()[0])
+    reasons = {s.name: s.reason for s in models.index()}
+    assert reasons == {
+        "renamed": f"{MANIFEST} names the model 'other': a model's folder has its name",
+        "resized": "program.jax takes float32[32], float32[8], float32[16, 32], float32[32, 8], "
+                   "float32[-1, 16]; the params and model.json say float32[4], float32[8], "
+                   "float32[16, 32], float32[32, 8], float32[-1, 16]"}
+
+
+def test_not_a_program(tmp_path):
+    """A program file that jax.export cannot read makes its model UNAVAILABLE, naming the file."""
+    export_mlp(tmp_path / "mlp")
+    garbage = b"not a program"
+    (tmp_path / "mlp" / PROGRAM).write_bytes(garbage)
+    manifest = json.loads((tmp_path / "mlp" / MANIFEST).read_bytes())
+    manifest["programs"][0]["sha256"] = hashlib.sha256(garbage).hexdigest()
+    (tmp_path / "mlp" / MANIFEST).write_text(json.dumps(manifest))
+    models = ModelRepository(tmp_path)
+    models.load(jax.local_devices()[0])
+    (status,) = models.index()
+    assert status.state == UNAVAILABLE and status.reason.startswith(f"{PROGRAM}: not a jax.export program")
+
+
+def test_not_batched(tmp_path):
+    """A bundle written by hand as doc/bundles.rst says, with max_batch_size 0, runs at its fixed shapes."""
+    def affine(w, x):
+        return (w @ x, x.sum())
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    exported = jax.export.export(jax.jit(affine), platforms=("cpu",))(w, np.zeros(3, np.float32))
+    program = bytes(exported.serialize())
+    params = safetensors.numpy.save({"param_0": w})
+    (tmp_path / "affine").mkdir()
+    (tmp_path / "affine" / "p.jax").write_bytes(program)
+    (tmp_path / "affine" / "w.safetensors").write_bytes(params)
+    (tmp_path / "affine" / MANIFEST).write_text(json.dumps({
+        "format": 1, "name": "affine", "version": 3, "platforms": ["cpu"],
+        "max_batch_size": 0, "batch_sizes": [],
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [2]},
+                    {"name": "total", "datatype": "FP32", "shape": []}],
+        "programs": [{"file": "p.jax", "sha256": hashlib.sha256(program).hexdigest(), "batch_sizes": []}],
+        "params": {"file": "w.safetensors", "sha256": hashlib.sha256(params).hexdigest(), "count": 1}}))
+    compiles: list[float] = []
+    models = ModelRepository(tmp_path, observe_compile=compiles.append)
+    models.load(jax.local_devices()[0])
+    assert models.index() == [ModelStatus("affine", 3, READY)] and len(compiles) == 1
+    x = np.array([1, 2, 3], np.float32)
+    outputs = models.get("affine", 3).infer({"x": x})
+    assert list(outputs) == ["y", "total"]
+    np.testing.assert_array_equal(outputs["y"], w @ x)
+    assert outputs["total"].shape == () and outputs["total"] == 6
+
+
+def test_missing_repository(tmp_path):
+    """A repository folder that does not exist fails the load, naming it."""
+    with pytest.raises(RepositoryError, match=f"model repository {tmp_path}/none: No such file"):
+        ModelRepository(tmp_path / "none").load(jax.local_devices()[0])
+
+
+@pytest.mark.parametrize("count", [1, 3, 8])
+def test_infer(repository, count):
+    """Inference on 1, 3 (padded to 8) and 8 rows answers what the function answers in process."""
+    models, _ = repository
+    x = rows(count)
+    outputs = models.get("mlp").infer({"input": x})
+    assert list(outputs) == ["output"]
+    assert outputs["output"].shape == (count, 8) and outputs["output"].dtype == np.float32
+    np.testing.assert_allclose(outputs["output"], jax.jit(mlp)(mlp_params(), x), rtol=1e-6)
+
+
+def test_rows_independent(repository):
+    """A row's outputs are the same bytes alone, padded, or among other rows of a batch."""
+    model = repository[0].get("mlp")
+    batch = rows(8)
+    whole = model.infer({"input": batch})["output"]
+    for start, count in [(0, 1), (0, 3), (5, 3), (2, 6)]:
+        part = model.infer({"input": batch[start:start + count]})["output"]
+        assert part.tobytes() == whole[start:start + count].tobytes()
+
+
+@pytest.mark.parametrize(("inputs", "message"), [
+    ({"pixels": rows(1)}, "model mlp has no input 'pixels'"),
+    ({"input": rows(1)[:, :15]}, r"input 'input' has shape \[1, 15\], the model takes \[-1, 16\]"),
+    ({"input": rows(1).astype(np.float64)}, "input 'input' has datatype FP64, the model takes FP32"),
+    ({"input": rows(9)}, "a batch of 9 rows: model mlp takes 1 to 8"),
+])
+def test_invalid_input(repository, inputs, message):
+    """Inputs of a wrong name, shape or datatype, or too many rows, raise InvalidInput."""
+    with pytest.raises(InvalidInput, match=message):
+        repository[0].get("mlp").infer(inputs)
+
+
+def test_compiled_once_per_batch_size(repository):
+    """The load compiled the good model once per batch size; inference compiles nothing."""
+    models, compiles = repository
+    assert len(compiles) == 2 and all(seconds > 0 for seconds in compiles)
+    models.get("mlp").infer({"input": rows(5)})
+    assert len(compiles) == 2
+
+
+def test_get(repository):
+    """get() raises UnknownModel for a model or version not there, ModelUnavailable for a broken one."""
+    models, _ = repository
+    assert models.get("mlp", 1).manifest.name == "mlp"
+    with pytest.raises(UnknownModel, match="no model 'nothing'"):
+        models.get("nothing")
+    with pytest.raises(UnknownModel, match="no version 2 of model 'mlp'"):
+        models.get("mlp", 2)
+    with pytest.raises(ModelUnavailable, match="model 'cuda_only' is unavailable: exported for cuda") as e:
+        models.get("cuda_only")
+    assert e.value.reason.startswith("exported for cuda")
