@@ -20,8 +20,49 @@ MAX_RESTARTS = 10**9
 MAX_TEXT = 200
 
 
+#: Models a worker lists (its repository's folders past this are not served).
+MAX_MODELS = 64
+_MODEL_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+READY = "READY"
+
+
 class InvalidReport(ValueError):
     pass
+
+
+@attrs.frozen
+class ModelState:
+    """One model of a worker's repository: its version, C{READY} or not, and why not."""
+
+    name: str
+    version: str = "1"
+    state: str = READY
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
+    """A worker's C{models} list, checked (it is untrusted)."""
+    if not isinstance(value, list) or len(value) > MAX_MODELS:
+        raise InvalidReport(f"{what} must list at most {MAX_MODELS} models")
+    models = []
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                or not _MODEL_NAME.match(entry["name"]):
+            raise InvalidReport(f"{what}: each model needs a name of 1-64 of [A-Za-z0-9_.-]")
+        version, state, reason = entry.get("version", "1"), entry.get("state", ""), entry.get("reason", "")
+        if not (isinstance(version, str) and version.isdigit() and len(version) <= 9
+                and isinstance(state, str) and 0 < len(state) <= 32
+                and isinstance(reason, str) and len(reason) <= 4 * MAX_TEXT):
+            raise InvalidReport(f"{what}: model {entry['name']} has a malformed version, state or reason")
+        models.append(ModelState(entry["name"], version, state, reason))
+    return tuple(models)
 
 
 @attrs.frozen
@@ -37,9 +78,13 @@ class WorkerReport:
     devices: int = 1
     #: Times its supervisor has restarted it.
     restarts: int = 0
+    #: Its repository's models and their states.
+    models: tuple[ModelState, ...] = ()
 
     def to_json(self) -> dict:
-        json = attrs.asdict(self, filter=lambda field, value: field.name != "cache")
+        json = attrs.asdict(self, filter=lambda field, value: field.name not in ("cache", "models"))
+        if self.models:
+            json["models"] = [m.to_json() for m in self.models]
         if self.cache is not None:
             json["cache"] = self.cache.to_json()
         return json
@@ -133,6 +178,7 @@ def parse_report(body: object) -> NodeReport:
             cache=_cache(w.get("cache"), f"worker {i} cache"),
             devices=_count(w.get("devices", 1), f"worker {i} devices", MAX_WORKER_DEVICES, 1),
             restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
+            models=parse_models(w.get("models", []), f"worker {i} models"),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")

@@ -38,3 +38,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     log_format: str = "text"
     tracing: str = "none"
+    #: A folder of model bundles every worker loads and compiles before it is ready.
+    model_repository: str | None = None
+    #: The port of the Open Inference Protocol over gRPC (None: gRPC off).
+    grpc_port: int | None = None

@@ -43,6 +43,8 @@ class NodeConfig:
 SECTIONS = {"cache": "cache-", "supervisor": ""}
 _SECTION_ALIASES = {"cache-compile-entries": "compile-cache-entries",
                     "cache-compilation-dir": "compilation-cache-dir"}
+#: Other names a node file may give a key (the sibling system's node files say model_repo).
+_KEY_ALIASES = {"model-repo": "model-repository"}
 
 
 class NodeFileError(usage.UsageError):
@@ -60,7 +62,7 @@ def _flatten(data: dict, path: str) -> dict[str, tuple[str, object]]:
                 option = SECTIONS[name] + str(inner).replace("_", "-")
                 flat[_SECTION_ALIASES.get(option, option)] = (f"{key}.{inner}", inner_value)
         else:
-            flat[name] = (key, value)
+            flat[_KEY_ALIASES.get(name, name)] = (key, value)
     return flat
 
 

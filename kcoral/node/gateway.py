@@ -42,7 +42,7 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         listen=server.listen, client_token=server.client_token,
         client_tokens_file=server.client_tokens_file, tls_client_ca=server.tls_client_ca,
         tracing=server.tracing, routing=node.routing,
-        service_name="kcoral-gateway", health_lists_workers=True)
+        service_name="kcoral-gateway", health_lists_workers=True, grpc_port=server.grpc_port)
 
 
 class Gateway(service.MultiService):

@@ -31,7 +31,7 @@ from twisted.logger import Logger, globalLogPublisher
 
 from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.common.cached import parse_cached
-from kcoral.common.report import WorkerReport
+from kcoral.common.report import InvalidReport, WorkerReport, parse_models
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
@@ -399,10 +399,14 @@ class Worker(service.Service):
             cache = parse_cached(self.health["cache"]) if healthy and "cache" in self.health else None
         except ValueError:
             cache = None  # a server of another version: the Router learns on its own
+        try:
+            models = parse_models(self.health.get("models", []), "models") if healthy else ()
+        except InvalidReport:
+            models = ()
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
                             int(self.health.get("active", 0)) if healthy else 0,
                             # What it owns, as it lists them; what it was started with
                             # until it does.
                             devices=len(self.health.get("devices") or ()) or self.spec.devices,
-                            restarts=self._core.restart_count, cache=cache)
+                            restarts=self._core.restart_count, cache=cache, models=models)

@@ -50,8 +50,8 @@ from kcoral.web.responses import error_response, json_response, with_length
 log = Logger()
 
 #: A report of 64 workers, each listing its caches' most recent entries
-#: (L{kcoral.router.residency}), stays under this.
-MAX_CONTROL_BYTES = 512 * 1024
+#: (L{kcoral.router.residency}) and its models, stays under this.
+MAX_CONTROL_BYTES = 2 * 1024 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _INPUTS_HEADER = INPUTS_HEADER.encode()
 _DEVICES_HEADER = DEVICES_HEADER.encode()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from kcoral.common.report import NodeReport
-from kcoral.router.residency import Holdings
+from kcoral.common.report import ModelState, NodeReport
+from kcoral.router.residency import Demand, Holdings
 
 JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
     "joining", "ready", "unhealthy", "draining", "incompatible", "gone")
@@ -37,6 +37,16 @@ class Member:
     devices: int = 1
     #: Times its supervisor has restarted it, as last reported.
     restarts: int = 0
+    #: Its repository's models and their states, as last reported.
+    models: tuple[ModelState, ...] = ()
+    #: The names of those it reports ready: an inference of another model never goes there.
+    ready_models: frozenset[str] = frozenset()
+
+    def fits(self, devices: int, demand: Demand | None) -> bool:
+        """Whether a run that needs C{devices} devices (and C{demand}'s model,
+        if it names one) may go here: the hard constraints, beside capacity."""
+        return self.devices >= devices and (
+            demand is None or demand.model is None or demand.model in self.ready_models)
 
     @property
     def usable(self) -> bool:

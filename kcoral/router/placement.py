@@ -91,7 +91,7 @@ class LeastLoaded:
         oldest = next(iter(runs), None)
         if oldest is None:
             return None
-        best = self.least_loaded(_owning(ring.members, oldest[1]))
+        best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]))
         return None if best is None else (0, best)
 
     def least_loaded(self, members: Iterable[Member]) -> Member | None:
@@ -128,8 +128,10 @@ class Affinity:
         cold: tuple[int, Member] | None = None
         patience: float | None = None
         for index, (demand, devices, waited) in enumerate(runs):
-            if demand is None:
-                member = self._least_loaded.least_loaded(_owning(ring.members, devices))
+            if demand is None or demand.model is not None:
+                # Every member that has a model ready has compiled it: where
+                # it goes is a question of load alone.
+                member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand))
                 if member is None:
                     break
                 return index, member
@@ -215,9 +217,12 @@ def _full(members: Iterable[Member], devices: int, demand: Demand) -> Iterator[M
             yield member
 
 
-def _owning(members: Sequence[Member], devices: int) -> Sequence[Member]:
-    """The members of C{members} that own at least C{devices} devices."""
-    return members if devices <= 1 else [m for m in members if m.devices >= devices]
+def _owning(members: Sequence[Member], devices: int, demand: Demand | None) -> Sequence[Member]:
+    """The members of C{members} that own at least C{devices} devices (and
+    have C{demand}'s model ready, if it names one)."""
+    if devices <= 1 and (demand is None or demand.model is None):
+        return members
+    return [m for m in members if m.fits(devices, demand)]
 
 
 def _least_loaded(residency: Residency) -> LeastLoaded:

@@ -147,6 +147,8 @@ class Pool:
             self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
+            member.models = worker.models
+            member.ready_models = frozenset(m.name for m in worker.models if m.ready)
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)

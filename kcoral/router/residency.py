@@ -15,6 +15,7 @@ a 409 from the member forgets what it names at once, and a restarted worker
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import attrs
@@ -34,6 +35,8 @@ class Demand:
 
     program: str
     inputs: tuple[tuple[str, int], ...] = ()
+    #: The model an inference runs: only members that report it ready take it.
+    model: str | None = None
 
     @classmethod
     def of(cls, program: bytes | None, inputs: bytes | None) -> Demand | None:
@@ -50,6 +53,13 @@ class Demand:
             if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
                 named.append((content, int(size)))
         return cls(digest, tuple(named))
+
+    @classmethod
+    def of_model(cls, name: str) -> Demand:
+        """What an inference of model C{name} needs: a member that has it
+        ready. Its program, for the residency it shares with runs, is the
+        digest of the model's name."""
+        return cls(hashlib.sha256(f"model:{name}".encode()).hexdigest(), model=name)
 
     @property
     def nbytes(self) -> int:

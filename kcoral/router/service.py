@@ -64,6 +64,8 @@ class RouterConfig:
     tls_client_ca: str | None = None
     log_format: str = "text"
     tracing: str = "none"
+    #: The port of the inference protocol over gRPC (None: gRPC off).
+    grpc_port: int | None = None
     #: The service name its traces carry.
     service_name: str = "kcoral-router"
     #: Whether /health lists each member (a gateway's own workers; a

@@ -9,6 +9,8 @@ probes are answered within milliseconds while a long program runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from klein import Klein
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
@@ -17,15 +19,17 @@ from twisted.logger import Logger
 from kcoral._version import __version__
 from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
+from kcoral.inference.rest import InferenceResource
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError, decode_request
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
-from kcoral.tracing import NO_TRACING, ISpan, ITracing
+from kcoral.server.inference import ServerInference
+from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard
-from kcoral.web.family import RUN
+from kcoral.web.family import INFERENCE, RUN
 from kcoral.web.front import Front
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -41,7 +45,8 @@ class ServerApp:
 
     def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
                  registry: CollectorRegistry, tracing: ITracing = NO_TRACING,
-                 client_guard: IGuard | None = None):
+                 client_guard: IGuard | None = None,
+                 inference: Callable[[ServerApp], ServerInference] | None = None):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
@@ -53,6 +58,8 @@ class ServerApp:
         self.status = STARTING
         #: When the last run arrived (reactor seconds), for the drain's quiet period.
         self.last_run_at: float | None = None
+        #: The models it serves on the inference protocol, made from this app.
+        self.inference = None if inference is None else inference(self)
         self._queue_wait = Histogram("kcoral_queue_wait_seconds", "Time runs waited for a slot",
                                      buckets=SECONDS_BUCKETS, registry=registry)
         Gauge("kcoral_active_runs", "Runs holding a slot", registry=registry).set_function(
@@ -61,8 +68,9 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
+        mounts = {} if self.inference is None else {INFERENCE: InferenceResource(self.inference)}
         return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
-                                       hot={RUN.prefix: self.post_run}))
+                                       hot={RUN.prefix: self.post_run}, mounts=mounts))
 
     # -- health -----------------------------------------------------------
 
@@ -78,6 +86,7 @@ class ServerApp:
             "devices": info.devices if info else [],
             "version": __version__,
             "cache": self.executor.cached(),
+            "models": [] if self.inference is None else self.inference.index(),
         }
 
     @app.route("/health", methods=["GET"])
@@ -102,12 +111,11 @@ class ServerApp:
     @inlineCallbacks
     def post_run(self, request):
         rid = request.request_id
-        self.last_run_at = self._reactor.seconds()
         span = self.tracing.start("kcoral.server.run", request.requestHeaders, request_id=rid)
         try:
-            if self.status != OK:
-                raise ServerBusy(f"the server is {self.status}", reason="draining"
-                                 if self.status == DRAINING else "starting")
+            refusal = self.arrived()
+            if refusal is not None:
+                raise refusal
             try:
                 run = decode_request(request.content.getbuffer())
             except WireError as e:
@@ -115,8 +123,7 @@ class ServerApp:
             announced = request.getHeader(PROGRAM_HEADER)
             if announced is not None and announced != run.program.digest:
                 raise BadRequest(f"{PROGRAM_HEADER} does not match the frame's program digest")
-            yield self._admitted(rid, span)
-            result = yield self._run(run, rid, span)
+            result = yield self.in_slot(rid, self.executor.execute, run, rid, span, span=span)
         except KCoralError as e:
             span.failed(e)
             log.info("{request_id} answered {status} {type}: {message}", request_id=rid,
@@ -124,8 +131,38 @@ class ServerApp:
             return error_response(request, e)
         finally:
             span.end()
+        # Debug, not info: formatting and writing this line cost ~13% of the
+        # server's CPU per trivial run, and even a dropped debug event costs
+        # ~10 us to build and filter. Errors, compiles and refusals are still
+        # logged at info with their request ids.
+        if debug_enabled():
+            log.debug("{request_id} ran program {digest} ({size} result bytes)",
+                      request_id=rid, digest=(run.program.digest or "")[:12], size=len(result))
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, result)
+
+    def arrived(self) -> ServerBusy | None:
+        """
+        Notes that a run or an inference arrived (a drain waits for them to
+        stop arriving), and says why this server takes none now (starting,
+        draining); None when it does.
+        """
+        self.last_run_at = self._reactor.seconds()
+        if self.status == OK:
+            return None
+        return ServerBusy(f"the server is {self.status}",
+                          reason="draining" if self.status == DRAINING else "starting")
+
+    @inlineCallbacks
+    def in_slot(self, rid: str, f: Callable, *args, span: ISpan = NO_SPAN):
+        """
+        The result of C{f(*args)} on a worker thread, once this request
+        holds an admission slot: the one way runs and inferences reach the
+        device.
+        """
+        yield self._admitted(rid, span)
+        result = yield self._in_thread(rid, f, *args)
+        return result
 
     @inlineCallbacks
     def _admitted(self, rid: str, span: ISpan):
@@ -145,15 +182,14 @@ class ServerApp:
             waiting.end()
         self._queue_wait.observe(self._reactor.seconds() - arrived)
 
-    def _run(self, run, rid: str, span: ISpan) -> Deferred:
+    def _in_thread(self, rid: str, f: Callable, *args) -> Deferred:
         """
-        The result of C{run} on a worker thread, holding its admission slot
-        until the thread is done. Cancelling the result (the client went
-        away) does not stop the run, which a device cannot interrupt: the slot
-        stays taken until it ends, and its answer is dropped.
+        The result of C{f(*args)} on a worker thread, holding its admission
+        slot until the thread is done. Cancelling the result (the client went
+        away) does not stop the work, which a device cannot interrupt: the
+        slot stays taken until it ends, and its answer is dropped.
         """
         answer: Deferred = Deferred()
-        digest = run.program.digest[:12]
 
         def ran(ok: bool, result) -> None:
             # On the reactor, once the worker thread is done (result: a Failure if not ok).
@@ -161,13 +197,6 @@ class ServerApp:
             if answer.called:
                 log.info("{request_id} answer dropped: the client went away", request_id=rid)
             elif ok:
-                # Debug, not info: formatting and writing this line cost ~13% of
-                # the server's CPU per trivial run, and even a dropped debug event
-                # costs ~10 us to build and filter. Errors, compiles and refusals
-                # are still logged at info with their request ids.
-                if debug_enabled():
-                    log.debug("{request_id} ran program {digest} ({size} result bytes)",
-                              request_id=rid, digest=digest, size=len(result))
                 answer.callback(result)
             elif result.check(KCoralError):
                 answer.errback(result)
@@ -178,6 +207,5 @@ class ServerApp:
         # Not deferToThreadPool: its Deferred, cancelled, would fire at once,
         # and the slot of a run still on the device would be freed with it.
         self._threadpool.callInThreadWithCallback(
-            lambda ok, result: self._reactor.callFromThread(ran, ok, result),
-            self.executor.execute, run, rid, span)
+            lambda ok, result: self._reactor.callFromThread(ran, ok, result), f, *args)
         return answer

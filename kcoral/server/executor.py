@@ -133,6 +133,11 @@ class Executor:
         )
         return self.info
 
+    @property
+    def device(self):
+        """The device single-device programs and models run on (once loaded)."""
+        return self._device
+
     def cached(self) -> dict:
         """What this worker's caches hold, bounded, for its health report
         (L{kcoral.common.cached.Cached})."""

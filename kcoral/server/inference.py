@@ -148,8 +148,7 @@ class ServerInference:
             raise BadRequest(str(e)) from None
         self._metrics.batch_size.labels(manifest.name).observe(
             next(iter(outputs.values())).shape[0] if manifest.max_batch_size else 1)
-        body, header_length = encode_infer(manifest.name, str(manifest.version), request, outputs)
-        return InferAnswer(body=body, header_length=header_length)
+        return encode_infer(manifest.name, str(manifest.version), request, outputs)
 
 
 def _version(version: str | None) -> int | None:

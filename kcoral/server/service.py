@@ -17,12 +17,15 @@ from kcoral.common.announce import announce
 from kcoral.common.queue import WaitQueue
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import settle
+from kcoral.inference.grpcfront import GrpcFront
 from kcoral.metrics import HttpMetrics
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
+from kcoral.server.inference import InferenceMetrics, ServerInference
+from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
@@ -62,10 +65,20 @@ class ServerService(service.MultiService):
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
         guard = client_guard(config, reactor)
+        #: The models every worker loads before it is ready (None: no repository).
+        self.repository = None if config.model_repository is None else ModelRepository(
+            config.model_repository, observe_compile=metrics.compile_seconds.observe)
+        inference_metrics = InferenceMetrics(registry)
+
+        def inference(app: ServerApp) -> ServerInference:
+            return ServerInference(self.repository, is_ready=lambda: app.status == OK,
+                                   busy=app.arrived, in_slot=app.in_slot, clock=reactor,
+                                   metrics=inference_metrics)
+
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
                              tracing=tracing_for(config.tracing, "kcoral-server"),
-                             client_guard=guard)
+                             client_guard=guard, inference=inference)
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
@@ -77,6 +90,12 @@ class ServerService(service.MultiService):
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          secured)
         self.listener.setServiceParent(self)
+        if config.grpc_port is not None:
+            assert self.app.inference is not None  # a server always serves the protocol
+            GrpcFront(self.app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
+                      max_message_bytes=config.max_request_bytes, guard=guard,
+                      tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
+                      else None, client_ca=config.tls_client_ca).setServiceParent(self)
 
     def privilegedStartService(self):
         super().privilegedStartService()
@@ -94,6 +113,16 @@ class ServerService(service.MultiService):
     def _load(self):
         try:
             info = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.load)
+            if self.repository is not None:
+                # Every model compiled before the server says it is ready.
+                yield deferToThreadPool(self._reactor, self._threadpool, self.repository.load,
+                                        self.executor.device)
+        except RepositoryError as e:
+            self.app.status = FAILED
+            log.error("the server could not read its model repository: {why}", why=e)
+            self.exit_status = 1
+            self._reactor.stop()
+            return
         except Exception:
             self.app.status = FAILED
             log.failure("the server could not initialise its device")

@@ -92,6 +92,10 @@ class NodeOptions(KCoralOptions):
                 "Large inputs kept on each worker's device between runs, in bytes (0: none).",
                 non_negative(int)),
         _server("compilation_cache_dir", "Directory for JAX's persistent compilation cache."),
+        _server("model_repository", "A folder of model bundles (kcoral.export_bundle) every worker "
+                "loads and compiles before it is ready [node file: model_repository or model_repo]."),
+        _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
+                "workers; default: gRPC off).", port),
         _server("tls_cert", TLS_CERT),
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),

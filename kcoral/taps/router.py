@@ -55,6 +55,7 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("client_token", CLIENT_TOKEN),
     ("client_tokens_file", CLIENT_TOKENS_FILE),
     ("tls_client_ca", TLS_CLIENT_CA),
+    ("grpc_port", "Port of the inference protocol over gRPC (default: gRPC off).", port),
     *OBSERVING,
 ]
 
