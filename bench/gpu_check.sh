@@ -81,7 +81,11 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output kept
     shift 2
     echo "== $name (limit ${limit} s)"
     local started=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+    # In the background: bash runs a trap (a TERM at the outer limit) only
+    # once the command in the foreground has ended; a wait it interrupts.
+    # Standard input stays the step's (a script on it), not /dev/null.
+    timeout --kill-after=10 "$limit" "$@" <&0 > "$RESULTS/$name.log" 2>&1 &
+    wait $!
     local rc=$?
     tail -n "${TAIL:-25}" "$RESULTS/$name.log"
     echo "== $name: exit $rc after $((SECONDS - started)) s"
@@ -122,7 +126,8 @@ summary() {
     } | tee "$RESULTS/summary.txt"
 }
 
-step install 90 bash -c '"$0" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+step install 60 bash -c '[ -f "$2/requirements.txt" ] || { echo "no wheels in $2: make gpu-carry here first"; exit 1; }
+    "$0" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
         --target "$1" "$2"/*.whl && "$0" bench/gpu_carry.py check "$2"' "$PY" "$SITE" "$WHEELS" || {
     summary
     exit "$failed"
@@ -187,9 +192,9 @@ conformance=(tests/test_conformance.py -q -p no:cacheprovider --maxfail=10)
 [ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && conformance+=(-k "identity or pytree")
 if [ "$MODE" = gpu ]; then
     # JAX_PLATFORMS=cuda: the in-process reference on the same GPU as the server.
-    TAIL=8 step conformance 180 env KCORAL_TEST_GPUS=0 JAX_PLATFORMS=cuda "$PY" -m pytest "${conformance[@]}"
+    TAIL=8 step conformance 170 env KCORAL_TEST_GPUS=0 JAX_PLATFORMS=cuda "$PY" -m pytest "${conformance[@]}"
 else
-    TAIL=8 step conformance 180 "$PY" -m pytest "${conformance[@]}"
+    TAIL=8 step conformance 170 "$PY" -m pytest "${conformance[@]}"
 fi
 
 step two-devices 60 "$PY" - <<'EOF'
@@ -235,8 +240,8 @@ EOF
 
 # The hooks' scripts take --gpus (a device index, or none for the CPU) and
 # say what they measured in their last line of output.
-hook serving 60 "import kcoral.models.bundle" bench/serving.py --gpus "$GPUS" --seconds 3
-hook training 40 "from kcoral import RemoteArray" bench/training.py --gpus "$GPUS" --steps 50
+hook serving 50 "import kcoral.models.bundle" bench/serving.py --gpus "$GPUS" --seconds 3
+hook training 30 "from kcoral import RemoteArray" bench/training.py --gpus "$GPUS" --steps 50
 
 summary
 exit "$failed"
