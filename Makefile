@@ -51,3 +51,10 @@ image:
 	  echo "make image: $(BUILDAH) is not installed (Debian: apt-get install buildah)" >&2; exit 1; }
 	$(BUILDAH) build --format docker --build-arg JAX_EXTRA=$(JAX_EXTRA) \
 	  --tag $(IMAGE):$(JAX_EXTRA) --file Containerfile .
+
+# The wheels bench/gpu_check.sh installs on a GPU machine that reaches no
+# package index (into .whl/, for Python 3.12 on x86-64); for this machine's
+# Python, to rehearse: make gpu-carry GPU_CARRY_ARGS="--python-version 3.11 --glibc 2.36"
+.PHONY: gpu-carry
+gpu-carry:
+	$(PYTHON) bench/gpu_carry.py prepare $(GPU_CARRY_ARGS)
