@@ -204,6 +204,9 @@ def error_from_body(status: int, body: dict | None, fallback: str) -> KCoralErro
     if cls is None:
         cls = BadRequest if 400 <= status < 500 else ProgramFailed
     info = (body or {}).get("error") if isinstance(body, dict) else None
+    if isinstance(info, str):
+        # The inference protocol's form: the message alone.
+        return cls(info[:1000])
     if not isinstance(info, dict):
         return cls(f"HTTP {status}: {fallback}")
     details = {k: v for k, v in info.items()

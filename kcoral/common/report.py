@@ -22,7 +22,7 @@ MAX_TEXT = 200
 
 #: Models a worker lists (its repository's folders past this are not served).
 MAX_MODELS = 64
-_MODEL_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
+MODEL_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 READY = "READY"
 
 
@@ -54,7 +54,7 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
     models = []
     for entry in value:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
-                or not _MODEL_NAME.match(entry["name"]):
+                or not MODEL_NAME.match(entry["name"]):
             raise InvalidReport(f"{what}: each model needs a name of 1-64 of [A-Za-z0-9_.-]")
         version, state, reason = entry.get("version", "1"), entry.get("state", ""), entry.get("reason", "")
         if not (isinstance(version, str) and version.isdigit() and len(version) <= 9

@@ -17,7 +17,7 @@ from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.node.config import NodeConfig
 from kcoral.node.metrics import merge, scrape_workers
-from kcoral.router.service import RouterConfig, build_router
+from kcoral.router.service import RouterConfig, build_router, grpc_front
 from kcoral.web.auth import watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.listener import DrainingListener
@@ -60,6 +60,7 @@ class Gateway(service.MultiService):
         self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
                                          secured)
         self.listener.setServiceParent(self)
+        grpc_front(config, self.app, reactor).setServiceParent(self)
 
     def update(self, workers: Sequence[WorkerReport], *, gpu_target: str | None,
                runtime: dict) -> None:

@@ -30,9 +30,11 @@ from kcoral.errors import (
     PayloadTooLarge,
     ServerBusy,
 )
+from kcoral.inference.rest import InferenceResource
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
+from kcoral.router.inference import RouterInference
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
 from kcoral.router.proxy import Proxy
 from kcoral.router.residency import Demand, ResidencyCollector
@@ -41,7 +43,7 @@ from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.body import MemoryBody, body_of
-from kcoral.web.family import RUN
+from kcoral.web.family import INFERENCE, RUN
 from kcoral.web.front import Front
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -117,10 +119,15 @@ class RouterApp:
         self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
                                    observe_wait=self._queue_wait.observe,
                                    max_redispatches=max_redispatches)
+        #: Its members' models, on the inference protocol.
+        self.inference = RouterInference(pool=pool, forwarder=self.forwarder,
+                                         get=outgoing.client.get,
+                                         is_ready=lambda: self.status() == "ok", tracing=tracing)
 
     def resource(self):
         return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
-                                       hot={RUN.prefix: self.post_run}))
+                                       hot={RUN.prefix: self.post_run},
+                                       mounts={INFERENCE: InferenceResource(self.inference)}))
 
     # -- client routes --------------------------------------------------------
 
@@ -144,7 +151,8 @@ class RouterApp:
         if self._health_lists_workers:
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
-                 "active": m.active, "devices": m.devices}
+                 "active": m.active, "devices": m.devices,
+                 "models": [s.to_json() for s in m.models]}
                 for n in self.pool.nodes.values() for m in n.members.values()]
         return health
 
@@ -219,7 +227,7 @@ class RouterApp:
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
                              "capacity": m.capacity, "active": m.active, "devices": m.devices,
-                             "restarts": m.restarts}
+                             "restarts": m.restarts, "models": [s.to_json() for s in m.models]}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})

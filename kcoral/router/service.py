@@ -14,6 +14,7 @@ from twisted.logger import Logger
 
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
+from kcoral.inference.grpcfront import GrpcFront
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.forward import MAX_REDISPATCHES
@@ -97,6 +98,17 @@ def build_router(config: RouterConfig, reactor):
     return app, site
 
 
+def grpc_front(config: RouterConfig, app: RouterApp, reactor) -> service.IService:
+    """The inference protocol over gRPC on C{config.grpc_port}; a service
+    that does nothing without one."""
+    if config.grpc_port is None:
+        return service.Service()
+    return GrpcFront(app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
+                     max_message_bytes=config.max_request_bytes, guard=app.client_guard,
+                     tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
+                     else None, client_ca=config.tls_client_ca)
+
+
 def _client_connections(limit: int, pool: Pool):
     """How many client connections a Router takes: its descriptors less one
     for each run it may have in flight to its workers (each on a connection
@@ -119,6 +131,7 @@ class RouterService(service.MultiService):
         self.listener = DrainingListener(name, address, reactor, site, self._drain, secured,
                                          close_port_first=True)
         self.listener.setServiceParent(self)
+        grpc_front(config, self.app, reactor).setServiceParent(self)
         SettledHeap().setServiceParent(self)
 
     def _drain(self) -> Deferred:

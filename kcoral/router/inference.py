@@ -1,0 +1,156 @@
+"""
+The inference protocol on a Router and on a gateway: each inference placed
+like a run (the same queue, leases, placement, forwarder and 503s), only on
+members that report its model ready, and forwarded in the protocol's own
+REST form; a model's metadata and configuration asked of one such member;
+the repository index the union of what the members report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import attrs
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.web.http_headers import Headers
+from zope.interface import implementer
+
+from kcoral._version import __version__
+from kcoral.common.report import MODEL_NAME
+from kcoral.errors import KCoralError, NotFound, ServerBusy, error_from_answer
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, server_metadata
+from kcoral.router.forward import Forwarder
+from kcoral.router.member import Member
+from kcoral.router.pool import Pool
+from kcoral.router.residency import Demand
+from kcoral.tracing import NO_TRACING, ITracing
+from kcoral.web.body import MemoryBody
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
+
+
+@attrs.frozen
+class _Forwarded:
+    """An inference as the forwarder and the proxy read a client's request."""
+
+    request_id: str
+    path: bytes
+    requestHeaders: Headers
+
+
+def _path(name: str, version: str | None, tail: str = "") -> bytes:
+    """The path of model C{name} (a checked name), of C{version} if given."""
+    base = f"/v2/models/{name}" + ("" if version is None else f"/versions/{version}")
+    return (base + tail).encode("ascii")
+
+
+@implementer(IInferenceFront)
+class RouterInference:
+    """
+    The models of C{pool}'s members, served through C{forwarder}; C{get}
+    (treq's) asks one member for a model's metadata; C{is_ready} says
+    whether the front takes work at all.
+    """
+
+    def __init__(self, *, pool: Pool, forwarder: Forwarder, get: Callable[..., Deferred],
+                 is_ready: Callable[[], bool], tracing: ITracing = NO_TRACING):
+        self._pool = pool
+        self._forwarder = forwarder
+        self._get = get
+        self._is_ready = is_ready
+        self._tracing = tracing
+
+    def _ready_members(self, name: str, version: str | None) -> list[Member]:
+        """The usable members that have the model ready; NotFound when no
+        member has it at all (ready or not)."""
+        if not MODEL_NAME.match(name) or (version is not None and not (
+                version.isdigit() and len(version) <= 9)):
+            raise NotFound(f"unknown model {name[:64]!r}")
+        listed = False
+        ready = []
+        for node in self._pool.nodes.values():
+            for member in node.members.values():
+                for state in member.models:
+                    if state.name == name and (version is None or state.version == version):
+                        listed = True
+                        if state.ready and member.usable:
+                            ready.append(member)
+        if not listed:
+            raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else ""))
+        return ready
+
+    def _holder(self, name: str, version: str | None) -> Member:
+        ready = self._ready_members(name, version)
+        if not ready:
+            raise ServerBusy(f"no member has model {name!r} ready", reason="no_ready_node")
+        return min(ready, key=lambda m: m.active / (m.capacity or 1))
+
+    @inlineCallbacks
+    def _ask(self, name: str, version: str | None, tail: str):
+        """The JSON a member that has the model ready answers for its C{tail} route."""
+        member = self._holder(name, version)
+        response = yield self._get(member.url + _path(name, version, tail).decode())
+        content = yield response.content()
+        if response.code != 200:
+            raise error_from_answer(response.code, content)
+        return json.loads(content)
+
+    def _guarded(self, f: Callable[[], Deferred]) -> Deferred:
+        try:
+            return f()
+        except KCoralError as e:
+            return fail(e)
+
+    def ready(self) -> Deferred:
+        return succeed(self._is_ready())
+
+    def metadata(self) -> Deferred:
+        return succeed(server_metadata(__version__))
+
+    def model_metadata(self, name, version) -> Deferred:
+        return self._guarded(lambda: self._ask(name, version, ""))
+
+    def model_config(self, name, version) -> Deferred:
+        return self._guarded(lambda: self._ask(name, version, "/config"))
+
+    def model_ready(self, name, version) -> Deferred:
+        return self._guarded(lambda: succeed(bool(self._ready_members(name, version))))
+
+    def repository_index(self) -> Deferred:
+        # A model ready anywhere is ready here; else the first reason given.
+        models: dict[tuple[str, str], dict] = {}
+        for node in self._pool.nodes.values():
+            for member in node.members.values():
+                for state in member.models:
+                    key = (state.name, state.version)
+                    if key not in models or state.ready and member.usable:
+                        models[key] = {"name": state.name, "version": state.version,
+                                       "state": state.state if member.usable else "UNAVAILABLE",
+                                       "reason": state.reason}
+        return succeed([models[key] for key in sorted(models)])
+
+    def infer(self, name, version, call: InferCall) -> Deferred:
+        return self._guarded(lambda: self._infer(name, version, call))
+
+    def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
+        self._holder(name, version)
+        headers = Headers({b"Content-Type": [b"application/octet-stream" if call.header_length
+                                             is not None else b"application/json"]})
+        if call.header_length is not None:
+            headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [str(call.header_length).encode()])
+        for header, value in call.headers.items():
+            headers.setRawHeaders(header, [value])
+        request = _Forwarded(call.request_id, _path(name, version, "/infer"), headers)
+        span = self._tracing.start("kcoral.router.infer", headers, request_id=call.request_id)
+        d = self._forwarder.forward(request, MemoryBody(bytes(call.body)), Demand.of_model(name),
+                                    1, span)
+        d.addBoth(span.ended)
+        d.addCallback(_answered)
+        return d
+
+
+def _answered(answer) -> InferAnswer:
+    if answer.code != 200:
+        raise error_from_answer(answer.code, answer.body)
+    length = answer.headers.get(INFERENCE_HEADER_LENGTH)
+    return InferAnswer(body=answer.body, header_length=None if length is None else int(length))
