@@ -12,7 +12,7 @@ from io import BytesIO
 
 import treq
 from twisted.internet import error as netError
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.web.client import (
@@ -23,11 +23,13 @@ from twisted.web.client import (
     ResponseNeverReceived,
 )
 
-from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
+from kcoral.client.inference import InferCall
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
 from kcoral.web.outgoing import tls_policy
 
 #: Inputs larger than this are prepared in a thread.
@@ -118,8 +120,10 @@ class AsyncClient:
         if send is not None:
             self.bytes_sent += send.length
         retry_after = answer.headers.getRawHeaders(b"Retry-After", [None])[0]
+        length = answer.headers.getRawHeaders(INFERENCE_HEADER_LENGTH, [b""])[0]
         return Response(answer.code, content,
-                        _retry_after(retry_after.decode() if retry_after else None))
+                        _retry_after(retry_after.decode() if retry_after else None),
+                        header_length=int(length) if length.isdigit() else None)
 
     @inlineCallbacks
     def run(self, program, *args, request_id: str | None = None, **kwargs):
@@ -130,6 +134,24 @@ class AsyncClient:
         """
         call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
             (yield deferToThread(RunCall.prepare, program, args, kwargs))
+        outputs = yield self._call(call, request_id)
+        return outputs
+
+    def infer(self, model: str, inputs, *, request_id: str | None = None) -> Deferred:
+        """A Deferred of the outputs by name of model C{model} for C{inputs}
+        (one array, or a dict of arrays by input name)."""
+        return self._call(InferCall.prepare(model, inputs), request_id)
+
+    @inlineCallbacks
+    def models(self):
+        """A Deferred of the repository index: each model's name, version, state and reason."""
+        answer = yield self._request("POST", "/v2/repository/index", Send([b"{}"], 2, {}))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
+
+    @inlineCallbacks
+    def _call(self, call: ICall, request_id: str | None):
         steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
                          request_id=request_id, redispatch=self.redispatch,
                          clock=self._reactor.seconds)
@@ -140,7 +162,7 @@ class AsyncClient:
             except StopIteration as done:
                 return done.value
             if isinstance(step, Send):
-                answer = yield self._request("POST", "/v1/run", step)
+                answer = yield self._request("POST", step.path, step)
             else:
                 yield deferLater(self._reactor, step.seconds, lambda: None)
                 answer = None

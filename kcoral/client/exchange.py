@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 from twisted.application.internet import backoffPolicy
+from zope.interface import Interface, implementer
 
 from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
@@ -41,6 +42,8 @@ class Send:
     parts: list
     length: int
     headers: dict
+    #: The route it is posted to.
+    path: str = "/v1/run"
 
 
 @attrs.frozen
@@ -57,10 +60,29 @@ class Response:
     body: bytes = b""
     retry_after: float | None = None
     problem: str = ""
+    #: The length of an inference answer's JSON part, before its binary tensors.
+    header_length: int | None = None
 
 
+class ICall(Interface):
+    """One request a client makes with the exchange: a run or an inference."""
+
+    def send(held: set[str], request_id: str | None, redispatch: bool) -> Send:
+        """The request, sending inline what C{held} (digests the server is
+        known to hold) does not name."""
+
+    def content_digests() -> set[str]:
+        """The content the server holds once it answered 200."""
+
+    def outputs(response: Response) -> Any:
+        """What the call returns, from its 200 answer."""
+
+
+@implementer(ICall)
 @attrs.define
 class RunCall:
+    """A run of a program (L{ICall})."""
+
     program: Program
     arrays: list[np.ndarray]
     digests: list[str | None]
@@ -105,14 +127,19 @@ class RunCall:
     def content_digests(self) -> set[str]:
         return {self.program.digest} | {d for d in self.digests if d is not None}
 
+    def outputs(self, response: Response):
+        """The run's outputs, in the program's structure, from its answer."""
+        return self.program.unflatten_outputs(*decode_outputs(response.body))
 
-def _error(response: Response) -> KCoralError:
+
+def error_of(response: Response) -> KCoralError:
+    """The error an answer that is not 200 stands for (one that never came: busy)."""
     if response.status is None:
         return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable")
     return error_from_answer(response.status, response.body)
 
 
-def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
+def exchange(call: ICall, held: set[str], *, busy_timeout: float,
              request_id: str | None = None, redispatch: bool = False,
              clock=time.monotonic) -> Generator[Send | Sleep, Response | None, Any]:
     """
@@ -130,8 +157,8 @@ def exchange(call: RunCall, held: set[str], *, busy_timeout: float,
         assert response is not None
         if response.status == 200:
             held.update(call.content_digests())
-            return call.program.unflatten_outputs(*decode_outputs(response.body))
-        error = _error(response)
+            return call.outputs(response)
+        error = error_of(response)
         if isinstance(error, MissingContent) and not resent:
             # The server lost content we thought it held (a restart, an
             # eviction, another node behind a Router): send it inline, once,

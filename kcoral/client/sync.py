@@ -19,14 +19,17 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import attrs
+import numpy as np
 
 from kcoral.client.connection import Connection, ProtocolError
-from kcoral.client.exchange import Response, RunCall, Send, exchange
+from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
+from kcoral.client.inference import InferCall
 from kcoral.client.progress import upload_bar
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
 from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -186,15 +189,36 @@ class Client:
             self.bytes_sent += send.length
         if answer.will_close:
             self.close()
-        return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")))
+        length = answer.header(INFERENCE_HEADER_LENGTH)
+        return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")),
+                        header_length=int(length) if length and length.isdigit() else None)
 
     def run(self, program: Program, *args, request_id: str | None = None, **kwargs):
         """Run C{program} on C{args}; returns outputs in the structure it returns."""
+        return self._call(RunCall.prepare(program, args, kwargs), request_id)
+
+    def infer(self, model: str, inputs, *, request_id: str | None = None) -> dict[str, np.ndarray]:
+        """
+        The outputs by name of model C{model} (of the service's repository)
+        for C{inputs}: one array (the model's one input) or a dict of arrays
+        by input name.
+        """
+        return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def models(self) -> list[dict]:
+        """The repository index: each model's name, version, state and reason."""
+        with self._lock:
+            answer = self._request("POST", "/v2/repository/index", Send([b"{}"], 2, {}),
+                                   None if self.timeout is None else time.monotonic() + self.timeout)
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
+
+    def _call(self, call: ICall, request_id: str | None):
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._lock:
-            steps = exchange(RunCall.prepare(program, args, kwargs), self._held,
-                             busy_timeout=self.busy_timeout, request_id=request_id,
-                             redispatch=self.redispatch)
+            steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
+                             request_id=request_id, redispatch=self.redispatch)
             answer = None
             while True:
                 try:
@@ -202,7 +226,7 @@ class Client:
                 except StopIteration as done:
                     return done.value
                 if isinstance(step, Send):
-                    answer = self._request("POST", "/v1/run", step, deadline)
+                    answer = self._request("POST", step.path, step, deadline)
                 else:
                     if deadline is not None and time.monotonic() + step.seconds > deadline:
                         raise TimeoutError("the client's timeout passed while the server was busy")

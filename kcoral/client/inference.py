@@ -1,0 +1,96 @@
+"""
+The clients' side of an inference: a model's inputs by name, sent as the
+inference protocol's binary tensors (no JSON lists of numbers), its outputs
+read back the same way. The exchange (L{kcoral.client.exchange}) retries it
+after 503s like a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+from zope.interface import implementer
+
+from kcoral.client.exchange import ICall, Response, Send
+from kcoral.errors import BadRequest, ProgramFailed
+from kcoral.models.manifest import DATATYPES, InvalidInput, datatype_of
+from kcoral.protocol.wire import byte_view
+from kcoral.tracing import current_traceparent
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
+
+_CONTENT_TYPE = "application/octet-stream"
+_HEADER_LENGTH = INFERENCE_HEADER_LENGTH.decode()
+
+
+@implementer(ICall)
+@attrs.define
+class InferCall:
+    """An inference of C{model} on C{inputs} (L{kcoral.client.exchange.ICall})."""
+
+    model: str
+    inputs: dict[str, np.ndarray]
+
+    @classmethod
+    def prepare(cls, model: str, inputs) -> InferCall:
+        """C{inputs}: one array (a model's one input, C{input}) or a dict by name."""
+        named = inputs if isinstance(inputs, Mapping) else {"input": inputs}
+        arrays = {}
+        for name, value in named.items():
+            array = np.ascontiguousarray(value)
+            try:
+                datatype_of(array.dtype)
+            except ValueError as e:
+                raise BadRequest(f"input {name!r}: {e}") from None
+            arrays[str(name)] = array
+        return cls(model, arrays)
+
+    @property
+    def path(self) -> str:
+        return f"/v2/models/{self.model}/infer"
+
+    def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
+        header = json.dumps({
+            "inputs": [{"name": name, "datatype": datatype_of(a.dtype), "shape": list(a.shape),
+                        "parameters": {"binary_data_size": a.nbytes}}
+                       for name, a in self.inputs.items()],
+            "parameters": {"binary_data_output": True},
+        }).encode()
+        parts = [header, *(byte_view(a) for a in self.inputs.values())]
+        headers = {"Content-Type": _CONTENT_TYPE, _HEADER_LENGTH: str(len(header))}
+        if request_id:
+            headers["X-Request-ID"] = request_id
+        traceparent = current_traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
+        return Send(parts, sum(len(p) for p in parts), headers, self.path)
+
+    def content_digests(self) -> set[str]:
+        return set()
+
+    def outputs(self, response: Response) -> dict[str, np.ndarray]:
+        return outputs_of(response.body, response.header_length)
+
+
+def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
+    """The outputs by name of an inference's answer (binary tensors after a
+    JSON part of C{header_length} bytes, or JSON alone)."""
+    try:
+        header: Any = json.loads(body if header_length is None else body[:header_length])
+        offset = len(body) if header_length is None else header_length
+        outputs = {}
+        for output in header["outputs"]:
+            dtype, shape = DATATYPES[output["datatype"]], tuple(output["shape"])
+            size = (output.get("parameters") or {}).get("binary_data_size")
+            if size is None:
+                outputs[output["name"]] = np.asarray(output["data"], dtype).reshape(shape)
+                continue
+            outputs[output["name"]] = np.frombuffer(body, dtype, int(np.prod(shape)),
+                                                    offset).reshape(shape)
+            offset += size
+    except (ValueError, KeyError, TypeError, InvalidInput) as e:
+        raise ProgramFailed(f"the server's inference answer could not be read: {e}") from None
+    return outputs
