@@ -1,0 +1,426 @@
+"""
+Integration tests of named models (SPEC 11.1 and 11.2) with real processes on
+loopback and real JAX: a bundle written by C{kcoral.export_bundle} (an MLP,
+batch sizes 1 and 8) beside a broken model folder, served from
+C{--model-repository} by a standalone server, by a node of two CPU workers
+(its node file naming the repository with seed 004's C{model_repo} key), and
+by two nodes behind a Router; each front driven over REST and gRPC by
+tritonclient's own clients, unchanged (in threads: they block), and by plain
+HTTP requests where status codes and headers matter.
+
+Each topology is started once for the module; its tests share it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import attrs
+import numpy as np
+import pytest
+import pytest_twisted
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.threads import deferToThread
+
+from tests.conftest import server_args, server_env
+from tests.harness import SERVER_READY, ChildProcess, kcoral_argv, until
+from tests.httputil import request
+from tests.test_routed import start_node as start_routed_node
+from tests.test_routed import start_router, until_ready
+
+pytestmark = pytest.mark.integration
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+#: The gRPC line of the process itself (not a worker's, prefixed "[workerN]").
+GRPC = re.compile(r"^(?!.*\[worker\d+\]).*serving the inference protocol over gRPC on "
+                  r"(?P<host>[\d.]+):(?P<port>\d+)")
+GATEWAY = re.compile(r"kcoral gateway listening on (?P<url>https?://\S+)")
+START_TIMEOUT = 120.0
+ROWS = (3, 8)
+
+
+def mlp(p, x):
+    return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+# -- the model repository ----------------------------------------------------------------
+
+@attrs.frozen
+class Repository:
+    path: str
+    params: dict
+
+    def expected(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(mlp(self.params, x))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Repository:
+    """A repository with the MLP bundle (16 -> 32 -> 8, batch sizes 1 and 8) and a broken model."""
+    import kcoral
+
+    root = tmp_path_factory.mktemp("models")
+    rng = np.random.default_rng(7)
+    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
+              "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+    kcoral.export_bundle(mlp, params, np.zeros((1, 16), np.float32), dir=str(root / "mlp"),
+                         name="mlp", batch_sizes=[1, 8])
+    (root / "broken").mkdir()
+    (root / "broken" / "model.json").write_text("{this is not JSON")
+    return Repository(str(root), params)
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+
+# -- clients (blocking: each call runs in a thread) -----------------------------------------
+
+def http_infer(address: str, x: np.ndarray, binary: bool, model: str = "mlp") -> np.ndarray:
+    client = httpclient.InferenceServerClient(address, network_timeout=60)
+    try:
+        given = httpclient.InferInput("input", list(x.shape), "FP32")
+        given.set_data_from_numpy(x, binary_data=binary)
+        wanted = httpclient.InferRequestedOutput("output", binary_data=binary)
+        return client.infer(model, [given], outputs=[wanted]).as_numpy("output")
+    finally:
+        client.close()
+
+
+def grpc_infer(address: str, x: np.ndarray, model: str = "mlp") -> np.ndarray:
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        given = grpcclient.InferInput("input", list(x.shape), "FP32")
+        given.set_data_from_numpy(x)
+        return client.infer(model, [given], client_timeout=60).as_numpy("output")
+    finally:
+        client.close()
+
+
+def http_checks(address: str) -> dict:
+    """What tritonclient.http reads of a front, by call."""
+    client = httpclient.InferenceServerClient(address, network_timeout=60)
+    try:
+        return {"live": client.is_server_live(), "ready": client.is_server_ready(),
+                "server": client.get_server_metadata(),
+                "metadata": client.get_model_metadata("mlp"),
+                "config": client.get_model_config("mlp"),
+                "model_ready": client.is_model_ready("mlp"),
+                "index": client.get_model_repository_index()}
+    finally:
+        client.close()
+
+
+def grpc_checks(address: str) -> dict:
+    """What tritonclient.grpc reads of a front, by call (as JSON)."""
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        return {"live": client.is_server_live(), "ready": client.is_server_ready(),
+                "server": client.get_server_metadata(as_json=True),
+                "metadata": client.get_model_metadata("mlp", as_json=True),
+                "config": client.get_model_config("mlp", as_json=True)["config"],
+                "model_ready": client.is_model_ready("mlp"),
+                "index": client.get_model_repository_index(as_json=True).get("models", [])}
+    finally:
+        client.close()
+
+
+def grpc_error(address: str, model: str, x: np.ndarray, name: str = "input",
+               datatype: str = "FP32") -> InferenceServerException:
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        given = grpcclient.InferInput(name, list(x.shape), datatype)
+        given.set_data_from_numpy(x)
+        client.infer(model, [given], client_timeout=60)
+    except InferenceServerException as e:
+        return e
+    finally:
+        client.close()
+    raise AssertionError(f"{model} {name} {x.shape} {datatype}: no error")
+
+
+def check_http_reads(got: dict, *, broken: bool = True) -> None:
+    assert got["live"] is True and got["ready"] is True and got["model_ready"] is True
+    assert got["server"]["name"] == "kcoral"
+    metadata = got["metadata"]
+    assert metadata["name"] == "mlp"
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [
+        ("input", "FP32", [-1, 16])]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
+        ("output", "FP32", [-1, 8])]
+    config = got["config"]
+    assert config["name"] == "mlp" and config["max_batch_size"] == 8
+    assert [(t["name"], t["data_type"], list(t["dims"])) for t in config["input"]] == [
+        ("input", "TYPE_FP32", [16])]
+    check_index(got["index"], broken=broken)
+
+
+def check_index(index: list, *, broken: bool = True) -> None:
+    by_name = {entry["name"]: entry for entry in index}
+    assert by_name["mlp"]["state"] == "READY", index
+    if broken:
+        assert by_name["broken"]["state"] == "UNAVAILABLE", index
+        assert by_name["broken"].get("reason"), index
+
+
+def check_grpc_reads(got: dict) -> None:
+    assert got["live"] is True and got["ready"] is True and got["model_ready"] is True
+    assert got["server"]["name"] == "kcoral"
+    metadata = got["metadata"]
+    assert metadata["name"] == "mlp"
+    assert [(t["name"], t["datatype"], [int(d) for d in t["shape"]])
+            for t in metadata["inputs"]] == [("input", "FP32", [-1, 16])]
+    config = got["config"]
+    assert config["name"] == "mlp" and int(config["max_batch_size"]) == 8
+    assert [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]] == [
+        ("input", "TYPE_FP32", [16])]
+    assert {m["name"]: m.get("state") for m in got["index"]}["mlp"] == "READY", got["index"]
+
+
+async def check_inferences(repository: Repository, http: str, grpc: str) -> None:
+    """JSON and binary REST and gRPC inferences of 3 and 8 rows equal the MLP run here."""
+    for n in ROWS:
+        x = rows(n, seed=n)
+        expected = repository.expected(x)
+        for binary in (False, True):
+            got = await deferToThread(http_infer, http, x, binary)
+            assert got.shape == (n, 8) and got.dtype == np.float32
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        got = await deferToThread(grpc_infer, grpc, x)
+        assert got.shape == (n, 8) and got.dtype == np.float32
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+async def scrape(url: str) -> tuple[str, dict]:
+    """The /metrics text and its samples by (name, sorted labels)."""
+    answer = await request("GET", url + "/metrics", timeout=10)
+    assert answer.code == 200, answer
+    text = answer.body.decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return text, samples
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    """The sum of C{name}'s samples whose labels include C{labels}."""
+    return sum(value for (n, keys), value in samples.items()
+               if n == name and set(labels.items()) <= set(keys))
+
+
+async def grpc_address(child: ChildProcess) -> str:
+    found = await child.wait_for_line(GRPC, START_TIMEOUT)
+    return f"127.0.0.1:{found.group('port')}"
+
+
+def infer_body(name: str = "input", shape=(1, 16), datatype: str = "FP32", data=None) -> bytes:
+    count = int(np.prod(shape))
+    return json.dumps({"id": "req-7", "inputs": [{
+        "name": name, "shape": list(shape), "datatype": datatype,
+        "data": data if data is not None else [0.5] * count}]}).encode()
+
+
+# -- a standalone server ----------------------------------------------------------------------
+
+@attrs.define
+class Front:
+    url: str       # http://host:port
+    grpc: str      # host:port
+    process: ChildProcess
+
+    @property
+    def http(self) -> str:
+        return self.url.split("://", 1)[1]
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def server(module_processes, repository) -> Front:
+    service = await module_processes.start_service(
+        server_args("--model-repository", repository.path, "--grpc-port", "0"),
+        name="server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
+    return Front(service.url, await grpc_address(service.process), service.process)
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_reads_and_infers(server, repository):
+    """A standalone server answers tritonclient's reads and inferences (REST JSON and binary,
+    gRPC) equal to the MLP, compiled before it was ready, counted by model."""
+    ready = await request("GET", server.url + "/readyz")
+    assert ready.code == 200
+    check_http_reads(await deferToThread(http_checks, server.http))
+    check_grpc_reads(await deferToThread(grpc_checks, server.grpc))
+    _, before = await scrape(server.url)
+    compiles = total(before, "kcoral_compile_seconds_count")
+    assert compiles >= 1  # both batch sizes compiled before /readyz said 200
+    await check_inferences(repository, server.http, server.grpc)
+    _, after = await scrape(server.url)
+    assert total(after, "kcoral_compile_seconds_count") == compiles
+    counted = (total(after, "kcoral_inference_requests_total", model="mlp")
+               - total(before, "kcoral_inference_requests_total", model="mlp"))
+    assert counted == 3 * len(ROWS), counted
+    # The broken model is logged with its reason; the server serves mlp anyway.
+    assert server.process.matching(r"broken"), server.process.tail()
+
+
+BAD_REQUESTS = [
+    ("wrong input name", "mlp", infer_body(name="x"), 400),
+    ("wrong shape", "mlp", infer_body(shape=(2, 15)), 400),
+    ("batch over max_batch_size", "mlp", infer_body(shape=(9, 16)), 400),
+    ("FP64 for an FP32 input", "mlp", infer_body(datatype="FP64"), 400),
+    ("unknown model", "nope", infer_body(), 404),
+]
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_refuses_bad_inferences(server, repository):
+    """Bad inputs are 400 / INVALID_ARGUMENT, an unknown model 404 / NOT_FOUND, each with a
+    request id and an {"error": message} body; the server stays ready."""
+    for what, model, body, code in BAD_REQUESTS:
+        answer = await request("POST", f"{server.url}/v2/models/{model}/infer", body=body,
+                               headers={"Content-Type": "application/json"})
+        assert answer.code == code, (what, answer)
+        assert answer.request_id, (what, answer.headers)
+        error = answer.json["error"]
+        assert isinstance(error, str) and error, (what, answer.body)
+
+    x = rows(1)
+    cases = [("x", "mlp", x, "FP32", "INVALID_ARGUMENT"),
+             ("input", "mlp", rows(2)[:, :15].copy(), "FP32", "INVALID_ARGUMENT"),
+             ("input", "mlp", rows(9), "FP32", "INVALID_ARGUMENT"),
+             ("input", "mlp", x.astype(np.float64), "FP64", "INVALID_ARGUMENT"),
+             ("input", "nope", x, "FP32", "NOT_FOUND")]
+    for name, model, data, datatype, status in cases:
+        error = await deferToThread(grpc_error, server.grpc, model, data, name, datatype)
+        assert status in str(error.status()), (name, model, data.shape, datatype, error)
+
+    ready = await request("GET", server.url + "/readyz")
+    assert ready.code == 200
+    got = await deferToThread(http_infer, server.http, x, True)
+    np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
+
+
+# -- a node of two CPU workers, from a node file ----------------------------------------------
+
+@attrs.define
+class NodeFront(Front):
+    workers: int = 2
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def node(module_processes, repository, tmp_path_factory) -> NodeFront:
+    """A node of two CPU workers whose node file names the repository with C{model_repo}."""
+    path = tmp_path_factory.mktemp("node") / "node.yaml"
+    path.write_text(yaml.safe_dump({"host": "127.0.0.1", "gpus": "none", "cpu_workers": 2,
+                                    "model_repo": repository.path}))
+    child = module_processes.spawn(kcoral_argv("server", "--config", str(path), "--port", "0",
+                                    "--grpc-port", "0", "--health-interval-seconds", "0.5"),
+                        name="node", env=server_env())
+    try:
+        url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
+        for i in range(2):
+            await child.wait_for_line(rf"worker{i} is ready at ", START_TIMEOUT)
+        grpc = await grpc_address(child)
+
+        async def ready():
+            return (await request("GET", url + "/readyz", timeout=10)).code == 200
+        await until(ready, "the gateway ready", 60)
+    except Exception:
+        await child.stop()
+        raise
+    return NodeFront(url, grpc, child)
+
+
+@pytest_twisted.ensureDeferred
+async def test_node_serves_models_through_its_gateway(node, repository):
+    """A two-worker node (node file key model_repo) is ready on its gateway and each worker,
+    infers through the gateway over REST and gRPC, and merges every worker's metrics."""
+    health = (await request("GET", node.url + "/health", timeout=10)).json
+    workers = {w["name"]: w["url"] for w in health["workers"]}
+    assert sorted(workers) == ["worker0", "worker1"], health
+    for name, url in workers.items():
+        answer = await request("GET", url + "/readyz", timeout=10)
+        assert answer.code == 200, (name, answer)
+        index = await request("POST", url + "/v2/repository/index", body=b"{}")
+        assert index.code == 200, (name, index)
+        check_index(index.json)
+    assert (await request("GET", node.url + "/readyz")).code == 200
+
+    check_http_reads(await deferToThread(http_checks, node.http))
+    check_grpc_reads(await deferToThread(grpc_checks, node.grpc))
+    await check_inferences(repository, node.http, node.grpc)
+
+    text, samples = await scrape(node.url)
+    assert 'worker="worker0"' in text and 'worker="worker1"' in text
+    assert total(samples, "kcoral_inference_requests_total", model="mlp") >= 3 * len(ROWS)
+
+
+@pytest_twisted.ensureDeferred
+async def test_node_exits_0_on_sigterm(node):
+    """SIGTERM to a node serving models drains it and exits with status 0."""
+    node.process.signal("TERM")
+    assert await node.process.exited(60) == 0, node.process.tail()
+    assert node.process.output.exit_signal is None
+
+
+# -- a Router in front of two nodes -----------------------------------------------------------
+
+@attrs.define
+class Routed:
+    router: Front
+    nodes: dict
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def routed(module_processes, repository) -> Routed:
+    router = await start_router(module_processes, "--grpc-port", "0")
+    nodes = await gatherResults([
+        Deferred.fromCoroutine(start_routed_node(module_processes, router.url, node_id,
+                                                 "--model-repository", repository.path))
+        for node_id in ("n0", "n1")], consumeErrors=True)
+    await until_ready(router, "n0", "n1", timeout=START_TIMEOUT)
+    return Routed(Front(router.url, await grpc_address(router.process), router.process),
+                  {n.node_id: n for n in nodes})
+
+
+@pytest_twisted.ensureDeferred
+async def test_router_serves_models_of_its_nodes(routed, repository):
+    """A Router with two nodes lists their models, infers through them over REST and gRPC
+    equal to the MLP, and answers 404 for a model no node has."""
+    router = routed.router
+
+    async def both_ready():
+        health = (await request("GET", router.url + "/health", timeout=10)).json
+        return health if health["nodes"]["ready"] == 2 else None
+    await until(both_ready, "the Router's /health: 2 ready nodes", 60)
+
+    answer = await request("GET", router.url + "/v1/nodes", timeout=10)
+    assert answer.code == 200
+    for node in answer.json["nodes"]:
+        for worker in node["workers"]:
+            states = {m["name"]: m["state"] for m in worker["models"]}
+            assert states.get("mlp") == "READY" and states.get("broken") == "UNAVAILABLE", worker
+
+    index = await request("POST", router.url + "/v2/repository/index", body=b"{}")
+    assert index.code == 200, index
+    check_index(index.json)
+
+    check_http_reads(await deferToThread(http_checks, router.http))
+    check_grpc_reads(await deferToThread(grpc_checks, router.grpc))
+    await check_inferences(repository, router.http, router.grpc)
+
+    missing = await request("POST", router.url + "/v2/models/nope/infer", body=infer_body(),
+                            headers={"Content-Type": "application/json"})
+    assert missing.code == 404 and missing.request_id, missing
+    assert isinstance(missing.json["error"], str)
+    error = await deferToThread(grpc_error, router.grpc, "nope", rows(1))
+    assert "NOT_FOUND" in str(error.status()), error
+    assert (await request("GET", router.url + "/readyz")).code == 200
