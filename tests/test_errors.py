@@ -94,13 +94,20 @@ def test_unknown_statuses_fall_back_by_class(status, cls):
     assert type(error_from_body(status, {"error": {"message": "x"}}, "")) is cls
 
 
-@pytest.mark.parametrize("body", [None, [], "text", {"error": "flat"}, {"other": 1}])
+@pytest.mark.parametrize("body", [None, [], "text", {"other": 1}])
 def test_bodies_without_an_error_object(body):
     """A body with no error object gives a NodeFailure naming the status and quoting the content."""
     error = error_from_body(502, body, "<html>bad gateway</html>")
     assert isinstance(error, NodeFailure)
     assert "HTTP 502" in error.message and "bad gateway" in error.message
     assert error.request_id is None
+
+
+def test_the_inference_protocols_flat_error_gives_its_message():
+    """The inference protocol's C{{"error": "message"}} rebuilds as the status's class with that message."""
+    error = error_from_body(400, {"error": "input 'x' has shape [3]"}, "")
+    assert type(error) is BadRequest and error.message == "input 'x' has shape [3]"
+    assert type(error_from_body(503, {"error": "flat"}, "")) is ServerBusy
 
 
 def test_payload_too_large_is_a_bad_request():

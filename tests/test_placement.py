@@ -633,3 +633,40 @@ def test_a_supervisor_relays_its_workers_caches_and_drops_a_bad_part():
     s.http.answer(URL + "/health", 200, dict(HEALTHY, cache={"programs": "x"}))
     s.reactor.advance(2)
     assert s.worker.report(URL).cache is None
+
+
+def _with_model(world: World, *ready: str, unavailable: tuple[str, ...] = ()) -> None:
+    """A report in which the workers named in C{ready} have model C{mlp} ready, and those in
+    C{unavailable} list it as unavailable."""
+    body = node_report(capacities=world.capacities)
+    for worker in body["workers"]:
+        if worker["name"] in ready:
+            worker["models"] = [{"name": "mlp", "version": "1", "state": "READY", "reason": ""}]
+        elif worker["name"] in unavailable:
+            worker["models"] = [{"name": "mlp", "version": "1", "state": "UNAVAILABLE",
+                                 "reason": "params.safetensors: digest mismatch"}]
+    world.pool.report("n", parse_report(body))
+
+
+@pytest.mark.parametrize("routing", ["affinity", "least-loaded"])
+def test_an_inference_goes_only_to_members_that_have_its_model_ready(routing):
+    """Of four free members, an inference goes only to the two that report its model ready,
+    the less loaded first, under either routing."""
+    world = World(routing=routing)
+    _with_model(world, "worker1", "worker3", unavailable=("worker0",))
+    demand = Demand.of_model("mlp")
+    picks = []
+    for _ in range(4):
+        member = world.pick(demand)
+        picks.append(member.name)
+        member.active += 1
+    assert sorted(picks) == ["worker1", "worker1", "worker3", "worker3"]
+    assert world.pick(demand) is None  # both full: it waits, never elsewhere
+
+
+def test_an_inference_of_a_model_no_member_has_ready_is_placed_nowhere():
+    """A model listed only as unavailable gets no member, however free the pool."""
+    world = World()
+    _with_model(world, unavailable=("worker0", "worker1"))
+    assert world.pick(Demand.of_model("mlp")) is None
+    assert world.pick(Demand.of_model("other")) is None
