@@ -28,6 +28,8 @@ from twisted.internet.threads import deferToThread
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, ChildProcess, kcoral_argv, until
 from tests.httputil import request
+from tests.test_node_multi import Node as MultiNode
+from tests.test_node_multi import assert_reaped
 from tests.test_routed import start_node as start_routed_node
 from tests.test_routed import start_router, until_ready
 
@@ -168,7 +170,7 @@ def check_index(index: list, *, broken: bool = True) -> None:
     assert by_name["mlp"]["state"] == "READY", index
     if broken:
         assert by_name["broken"]["state"] == "UNAVAILABLE", index
-        assert by_name["broken"].get("reason"), index
+        assert "model.json" in by_name["broken"].get("reason", ""), index
 
 
 def check_grpc_reads(got: dict) -> None:
@@ -256,6 +258,8 @@ async def test_server_reads_and_infers(server, repository):
     gRPC) equal to the MLP, compiled before it was ready, counted by model."""
     ready = await request("GET", server.url + "/readyz")
     assert ready.code == 200
+    health = (await request("GET", server.url + "/health")).json
+    check_index(health["models"])
     check_http_reads(await deferToThread(http_checks, server.http))
     check_grpc_reads(await deferToThread(grpc_checks, server.grpc))
     _, before = await scrape(server.url)
@@ -267,8 +271,19 @@ async def test_server_reads_and_infers(server, repository):
     counted = (total(after, "kcoral_inference_requests_total", model="mlp")
                - total(before, "kcoral_inference_requests_total", model="mlp"))
     assert counted == 3 * len(ROWS), counted
-    # The broken model is logged with its reason; the server serves mlp anyway.
-    assert server.process.matching(r"broken"), server.process.tail()
+    # The broken model is logged with its reason, and is not ready; mlp serves anyway.
+    assert server.process.matching(r"broken.*model\.json"), server.process.tail()
+    assert (await request("GET", server.url + "/v2/models/broken/ready")).code != 200
+    # A valid REST inference echoes the request's id.
+    answer = await request("POST", server.url + "/v2/models/mlp/infer", body=infer_body(),
+                           headers={"Content-Type": "application/json"})
+    assert answer.code == 200, answer
+    assert answer.json["id"] == "req-7" and answer.request_id
+    [output] = answer.json["outputs"]
+    assert output["name"] == "output" and output["shape"] == [1, 8]
+    np.testing.assert_allclose(np.asarray(output["data"], np.float32).reshape(1, 8),
+                               repository.expected(np.full((1, 16), 0.5, np.float32)),
+                               rtol=1e-5, atol=1e-6)
 
 
 BAD_REQUESTS = [
@@ -365,10 +380,11 @@ async def test_node_serves_models_through_its_gateway(node, repository):
 
 @pytest_twisted.ensureDeferred
 async def test_node_exits_0_on_sigterm(node):
-    """SIGTERM to a node serving models drains it and exits with status 0."""
+    """SIGTERM to a node serving models drains it, exits with status 0 and leaves no worker."""
     node.process.signal("TERM")
     assert await node.process.exited(60) == 0, node.process.tail()
     assert node.process.output.exit_signal is None
+    await assert_reaped([MultiNode(node.process, node.url, 2)])
 
 
 # -- a Router in front of two nodes -----------------------------------------------------------
@@ -380,12 +396,16 @@ class Routed:
 
 
 @pytest_twisted.async_fixture(scope="module")
-async def routed(module_processes, repository) -> Routed:
+async def routed(module_processes, repository, tmp_path_factory) -> Routed:
+    """A Router (with gRPC) and two nodes: n0 given the repository on its command line, n1 in
+    its node file (key model_repository)."""
+    path = tmp_path_factory.mktemp("n1") / "node.yaml"
+    path.write_text(yaml.safe_dump({"model_repository": repository.path}))
     router = await start_router(module_processes, "--grpc-port", "0")
     nodes = await gatherResults([
-        Deferred.fromCoroutine(start_routed_node(module_processes, router.url, node_id,
-                                                 "--model-repository", repository.path))
-        for node_id in ("n0", "n1")], consumeErrors=True)
+        Deferred.fromCoroutine(start_routed_node(module_processes, router.url, node_id, *extra))
+        for node_id, extra in (("n0", ("--model-repository", repository.path)),
+                               ("n1", ("--config", str(path))))], consumeErrors=True)
     await until_ready(router, "n0", "n1", timeout=START_TIMEOUT)
     return Routed(Front(router.url, await grpc_address(router.process), router.process),
                   {n.node_id: n for n in nodes})
@@ -404,6 +424,7 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
 
     answer = await request("GET", router.url + "/v1/nodes", timeout=10)
     assert answer.code == 200
+    assert sorted(node["node_id"] for node in answer.json["nodes"]) == ["n0", "n1"]
     for node in answer.json["nodes"]:
         for worker in node["workers"]:
             states = {m["name"]: m["state"] for m in worker["models"]}
@@ -423,4 +444,10 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     assert isinstance(missing.json["error"], str)
     error = await deferToThread(grpc_error, router.grpc, "nope", rows(1))
     assert "NOT_FOUND" in str(error.status()), error
+    # A member's 400 reaches the client as it is.
+    over = await request("POST", router.url + "/v2/models/mlp/infer",
+                         body=infer_body(shape=(9, 16)), headers={"Content-Type": "application/json"})
+    assert over.code == 400 and over.request_id, over
+    error = await deferToThread(grpc_error, router.grpc, "mlp", rows(9))
+    assert "INVALID_ARGUMENT" in str(error.status()), error
     assert (await request("GET", router.url + "/readyz")).code == 200
