@@ -50,11 +50,14 @@ def podman(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
 
 
 class Container:
-    """A container of the image, started detached (C{podman run -d})."""
+    """A container of the image, by its name."""
 
-    def __init__(self, image: str, args: list[str], name: str):
+    def __init__(self, name: str):
         self.name = name
-        started = podman("run", "--detach", "--name", name, "--network", "host", image, *args)
+
+    def run(self, image: str, args: list[str]) -> None:
+        """Starts it detached, on the host's network."""
+        started = podman("run", "--detach", "--name", self.name, "--network", "host", image, *args)
         assert started.returncode == 0, started.stderr
 
     def logs(self) -> str:
@@ -80,8 +83,10 @@ def containers(image):
     started: list[Container] = []
 
     def start(*args: str) -> Container:
-        container = Container(image, list(args), f"kcoral-test-{uuid.uuid4().hex[:12]}")
+        container = Container(f"kcoral-test-{uuid.uuid4().hex[:12]}")
+        # Podman may have created it even where it fails to start it.
         started.append(container)
+        container.run(image, list(args))
         return container
 
     yield start
