@@ -18,11 +18,11 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -126,20 +126,31 @@ def get(url: str) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-def wait_ready(container: Container, url: str, timeout: float = START_SECONDS) -> None:
-    """Polls C{url}'s /readyz until it answers 200; fails at the deadline or
-    as soon as the container exits."""
+def until(container: Container, check, what: str, timeout: float = START_SECONDS):
+    """Polls C{check()} until it returns something true, and returns that;
+    fails at the deadline, or as soon as the container exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if get(f"{url}/readyz")[0] == 200:
-                return
+            found = check()
         except OSError:
-            pass  # Not listening yet.
+            found = None  # Not listening yet.
+        if found:
+            return found
         if not container.state()["Running"]:
-            pytest.fail(f"{container.name} exited before {url} was ready:\n{container.logs()}")
+            pytest.fail(f"{container.name} exited before {what}:\n{container.logs()}")
         time.sleep(0.25)
-    pytest.fail(f"{url}/readyz did not answer 200 within {timeout} s:\n{container.logs()}")
+    pytest.fail(f"no {what} within {timeout} s:\n{container.logs()}")
+
+
+def wait_ready(container: Container, url: str) -> None:
+    until(container, lambda: get(f"{url}/readyz")[0] == 200, f"200 from {url}/readyz")
+
+
+def healthy_workers(gateway: str, count: int) -> list[dict]:
+    """The workers behind C{gateway}, once it sees C{count} of them healthy."""
+    workers = json.loads(get(f"{gateway}/health")[1])["workers"]
+    return workers if sum(w["healthy"] for w in workers) == count else []
 
 
 def affine():
@@ -169,7 +180,8 @@ def test_standalone_node(containers):
     node = containers("server", "--cpu-workers", "2", "--host", "127.0.0.1", "--port", str(port))
     gateway = f"http://127.0.0.1:{port}"
     wait_ready(node, gateway)
-    workers = json.loads(get(f"{gateway}/health")[1])["workers"]
+    # The gateway is ready with one worker, and scrapes only those it sees healthy.
+    workers = until(node, lambda: healthy_workers(gateway, 2), "two healthy workers behind the gateway")
     assert sorted(w["name"] for w in workers) == ["worker0", "worker1"]
     for worker in workers:
         wait_ready(node, worker["url"])
@@ -200,17 +212,14 @@ def test_stop_drains(containers):
     wait_ready(node, gateway)
     program, local, x = spin_program()
     n = np.int32(spin_iterations(5.0))
-    answers: list = []
-    with Client(gateway, timeout=120) as client:
-        running = threading.Thread(target=lambda: answers.append(client.run(program, n, x)))
-        running.start()
+    with Client(gateway, timeout=120) as client, ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.run, program, n, x)
         deadline = time.monotonic() + 30
         while json.loads(get(f"{gateway}/health")[1])["active"] == 0:
-            assert time.monotonic() < deadline and running.is_alive(), "the run never started"
+            assert time.monotonic() < deadline and not running.done(), "the run never started"
             time.sleep(0.05)
         node.stop(timeout=60)
-        running.join(timeout=60)
-    np.testing.assert_allclose(answers[0], local(n, x), rtol=1e-6)
+        np.testing.assert_allclose(running.result(timeout=60), local(n, x), rtol=1e-6)
     logs = node.logs()
     assert "node stopping: draining 2 worker(s)" in logs
     # The gateway holds the run until it is done: its workers have none left.
@@ -231,7 +240,8 @@ def test_image_contents(image):
     found = podman("run", "--rm", "--user", "0", "--entrypoint", "sh", image, "-c",
                    "command -v cc gcc c++ clang ld make pip pip3;"
                    " find / -xdev \\( -name .cache -o -name '*.deb' -o -path /src \\) -print;"
-                   " find /var/lib/apt/lists /tmp -mindepth 1 ! -name lock ! -name partial -print")
-    assert found.stdout == ""
+                   " find /var/lib/apt/lists /tmp -mindepth 1 ! -name lock ! -name partial -print;"
+                   " echo checked")
+    assert found.stdout == "checked\n", found.stderr
     version = podman("run", "--rm", image, "--version")
     assert (version.returncode, version.stdout.strip()) == (0, f"kcoral {__version__}")
