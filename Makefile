@@ -41,16 +41,69 @@ clean:
 
 # The container image of the Router and the nodes (Containerfile), with
 # buildah: `make image` for CUDA 12, `make image JAX_EXTRA=cpu` for the CPU.
-# --format docker: OCI images have no HEALTHCHECK.
+# Where no container registry is reachable, `make base-image` first makes a
+# Debian base from Debian's package repositories, which `make image` then
+# builds on (BASE names another). `make test-image` builds the CPU image and
+# runs it with podman (tests/image), then removes it unless KEEP_IMAGE=1.
+# Each target installs Debian's packages it needs where they are missing.
 BUILDAH ?= buildah
+PODMAN ?= podman
 JAX_EXTRA ?= cuda12
 IMAGE ?= localhost/kcoral
-.PHONY: image
+DEBIAN_SUITE ?= bookworm
+BASE_IMAGE ?= localhost/debian:$(DEBIAN_SUITE)
+# Expanded when `make image` runs, after a `make base-image` before it.
+BASE ?= $(shell $(PODMAN) image exists $(BASE_IMAGE) 2>/dev/null && echo $(BASE_IMAGE))
+# The engines' settings (the runtime, limits) from the repository, not /etc.
+CONTAINERS_CONF ?= $(CURDIR)/deploy/containers.conf
+export CONTAINERS_CONF
+# The CAs this host trusts (a TLS-inspecting proxy's among them, where there
+# is one) for the build's pip: mounted into its steps, never saved in the image.
+HOST_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+.PHONY: base-image image test-image
+
+# $(call require,COMMAND,PACKAGES): Debian's PACKAGES installed (as root)
+# where COMMAND is missing; the target fails, saying so, if it still is.
+define require
+command -v $(1) >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || { \
+  export DEBIAN_FRONTEND=noninteractive; \
+  apt-get -o DPkg::Lock::Timeout=600 install -y $(2) >/dev/null 2>&1 \
+  || { apt-get update >/dev/null && apt-get -o DPkg::Lock::Timeout=600 install -y $(2) >/dev/null; }; }; \
+command -v $(1) >/dev/null 2>&1 || { \
+  echo "make $@: $(1) is not installed (Debian: apt-get install $(2))" >&2; exit 1; }
+endef
+
+# Debian's Python (3.11 in bookworm) and the CAs; dpkg leaves out the
+# documentation but its copyright files, and mmdebstrap the package lists.
+base-image:
+	@$(call require,mmdebstrap,mmdebstrap)
+	@$(call require,$(PODMAN),podman runc)
+	rootfs=$$(mktemp -d) && trap 'rm -rf "$$rootfs"' EXIT && \
+	mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+	  --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+	  --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+	  $(DEBIAN_SUITE) "$$rootfs/rootfs.tar" && \
+	$(PODMAN) import "$$rootfs/rootfs.tar" $(BASE_IMAGE)
+
+# --format docker: OCI images have no HEALTHCHECK.
 image:
-	@command -v $(BUILDAH) >/dev/null 2>&1 || { \
-	  echo "make image: $(BUILDAH) is not installed (Debian: apt-get install buildah)" >&2; exit 1; }
+	@$(call require,$(BUILDAH),buildah runc)
 	$(BUILDAH) build --format docker --build-arg JAX_EXTRA=$(JAX_EXTRA) \
+	  $(if $(BASE),--build-arg BASE=$(BASE)) \
+	  $(if $(HOST_CA),--volume $(HOST_CA):/etc/ssl/certs/ca-certificates.crt:ro) \
 	  --tag $(IMAGE):$(JAX_EXTRA) --file Containerfile .
+
+# Runs after `make test`, in the same virtualenv: the tests drive podman and
+# compare the image's answers with JAX here. On a machine that has neither a
+# base image of its own nor a registry, BASE=$(BASE_IMAGE) is made first.
+test-image: $(STAMP)
+	@$(call require,$(PODMAN),podman runc)
+	$(PODMAN) image exists $(BASE_IMAGE) || $(MAKE) base-image
+	$(MAKE) image JAX_EXTRA=cpu
+	status=0; KCORAL_IMAGE=$(IMAGE):cpu PODMAN=$(PODMAN) \
+	  $(PY) -m pytest tests/image $(PYTEST_ARGS) || status=$$?; \
+	[ "$(KEEP_IMAGE)" = 1 ] || $(PODMAN) rmi --force $(IMAGE):cpu >/dev/null || status=1; \
+	exit $$status
 
 # The wheels bench/gpu_check.sh installs on a GPU machine that reaches no
 # package index (into .whl/, for Python 3.12 on x86-64); for this machine's
