@@ -55,9 +55,10 @@ class Container:
     def __init__(self, name: str):
         self.name = name
 
-    def run(self, image: str, args: list[str]) -> None:
-        """Starts it detached, on the host's network."""
-        started = podman("run", "--detach", "--name", self.name, "--network", "host", image, *args)
+    def run(self, image: str, args: list[str], options: tuple[str, ...] = ()) -> None:
+        """Starts it detached, on the host's network, with podman's C{options}."""
+        started = podman("run", "--detach", "--name", self.name, "--network", "host", *options,
+                         image, *args)
         assert started.returncode == 0, started.stderr
 
     def logs(self) -> str:
@@ -78,15 +79,15 @@ class Container:
 
 @pytest.fixture
 def containers(image):
-    """Starts containers of the image (C{start(*args)}); removes them all
-    after the test, their logs shown where it failed."""
+    """Starts containers of the image (C{start(*args, options=...)}); removes
+    them all after the test, their logs shown where it failed."""
     started: list[Container] = []
 
-    def start(*args: str) -> Container:
+    def start(*args: str, options: tuple[str, ...] = ()) -> Container:
         container = Container(f"kcoral-test-{uuid.uuid4().hex[:12]}")
         # Podman may have created it even where it fails to start it.
         started.append(container)
-        container.run(image, list(args))
+        container.run(image, list(args), options)
         return container
 
     yield start
@@ -189,6 +190,49 @@ def test_standalone_node(containers):
     status, metrics = get(f"{gateway}/metrics")
     assert status == 200
     assert b'worker="worker0"' in metrics and b'worker="worker1"' in metrics
+
+
+def test_node_serves_a_mounted_model_repository(containers, tmp_path):
+    """A node whose repository is mounted read-only compiles its model before it is ready,
+    and tritonclient (REST and gRPC) gets the model's answers through its gateway."""
+    import jax
+    import jax.numpy as jnp
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    import kcoral
+
+    def mlp(p, x):
+        return jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+    rng = np.random.default_rng(3)
+    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32),
+              "w2": rng.standard_normal((32, 8)).astype(np.float32)}
+    repository = tmp_path / "models"
+    kcoral.export_bundle(mlp, params, np.zeros((1, 16), np.float32), dir=repository / "mlp",
+                         name="mlp", batch_sizes=[1, 8])
+    # The image's user is not this one: what it reads must be readable by all.
+    for path in [repository, *repository.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    port = free_ports(4)  # the gateway, two workers, and gRPC on the last
+    grpc_port = port + 3
+    node = containers("server", "--cpu-workers", "2", "--host", "127.0.0.1", "--port", str(port),
+                      "--grpc-port", str(grpc_port), "--model-repository", "/models",
+                      options=("--volume", f"{repository}:/models:ro"))
+    gateway = f"http://127.0.0.1:{port}"
+    wait_ready(node, gateway)
+    until(node, lambda: healthy_workers(gateway, 2), "two healthy workers behind the gateway")
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    expected = np.asarray(jax.jit(mlp)(params, x))
+    rest = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+    tensor = httpclient.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=True)
+    np.testing.assert_allclose(rest.infer("mlp", [tensor]).as_numpy("output"), expected, rtol=1e-5)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_allclose(grpc.infer("mlp", [tensor]).as_numpy("output"), expected, rtol=1e-5)
+    assert "model mlp is ready" in node.logs()
 
 
 def test_router_and_node(containers):
