@@ -296,6 +296,32 @@ BAD_REQUESTS = [
 
 
 @pytest_twisted.ensureDeferred
+async def test_concurrent_inferences_are_batched_and_each_gets_its_own_rows_bit_for_bit(server):
+    """Sixteen clients at once, each with rows of its own (1 to 3 of them): fewer executions
+    than requests, and each answer the same bytes as the same rows sent alone."""
+    from kcoral import AsyncClient
+
+    inputs = [rows(1 + i % 3, seed=100 + i) for i in range(16)]
+    client = AsyncClient(server.url)
+    try:
+        alone = [await client.infer("mlp", x) for x in inputs]
+        _, before = await scrape(server.url)
+        together = await gatherResults([client.infer("mlp", x, request_id=f"batch-{i}")
+                                        for i, x in enumerate(inputs)])
+        _, after = await scrape(server.url)
+    finally:
+        await client.close()
+    for one, batched in zip(alone, together):
+        assert one["output"].tobytes() == batched["output"].tobytes()
+    executions = (total(after, "kcoral_inference_batch_size_count", model="mlp")
+                  - total(before, "kcoral_inference_batch_size_count", model="mlp"))
+    batched_rows = (total(after, "kcoral_inference_batch_size_sum", model="mlp")
+                    - total(before, "kcoral_inference_batch_size_sum", model="mlp"))
+    assert batched_rows == sum(len(x) for x in inputs)
+    assert executions < len(inputs), executions
+
+
+@pytest_twisted.ensureDeferred
 async def test_server_refuses_bad_inferences(server, repository):
     """Bad inputs are 400 / INVALID_ARGUMENT, an unknown model 404 / NOT_FOUND, each with a
     request id and an {"error": message} body; the server stays ready."""

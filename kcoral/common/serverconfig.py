@@ -42,3 +42,6 @@ class ServerConfig:
     model_repository: str | None = None
     #: The port of the Open Inference Protocol over gRPC (None: gRPC off).
     grpc_port: int | None = None
+    #: How long a short batch of a batched model waits for more rows (0: it
+    #: takes what is queued and never waits).
+    max_batch_delay_microseconds: int = 0

@@ -39,7 +39,7 @@ log = Logger()
 WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "queue_wait_timeout_seconds",
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
-                   "model_repository",
+                   "model_repository", "max_batch_delay_microseconds",
                    "tls_cert", "tls_key", "log_format", "tracing")
 
 

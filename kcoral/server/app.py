@@ -160,13 +160,14 @@ class ServerApp:
         holds an admission slot: the one way runs and inferences reach the
         device.
         """
-        yield self._admitted(rid, span)
-        result = yield self._in_thread(rid, f, *args)
+        yield self.admitted(rid, span)
+        result = yield self.in_thread(rid, f, *args)
         return result
 
     @inlineCallbacks
-    def _admitted(self, rid: str, span: ISpan):
-        """Fires once this run holds an admission slot."""
+    def admitted(self, rid: str, span: ISpan = NO_SPAN):
+        """Fires once this request holds an admission slot (released by L{in_thread}
+        when its work is done, or by C{admission.release()})."""
         arrived = self._reactor.seconds()
         waiting = span.child("kcoral.queue_wait")
         try:
@@ -182,7 +183,7 @@ class ServerApp:
             waiting.end()
         self._queue_wait.observe(self._reactor.seconds() - arrived)
 
-    def _in_thread(self, rid: str, f: Callable, *args) -> Deferred:
+    def in_thread(self, rid: str, f: Callable, *args) -> Deferred:
         """
         The result of C{f(*args)} on a worker thread, holding its admission
         slot until the thread is done. Cancelling the result (the client went

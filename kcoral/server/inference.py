@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -17,7 +19,6 @@ from kcoral._version import __version__
 from kcoral.errors import BadRequest, KCoralError, NotFound, ServerBusy
 from kcoral.inference.front import (
     IInferenceFront,
-    InferAnswer,
     InferCall,
     model_config_of,
     model_metadata_of,
@@ -26,7 +27,8 @@ from kcoral.inference.front import (
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
 from kcoral.protocol.inference import encode_infer, parse_infer
-from kcoral.server.models import ModelRepository, ModelUnavailable, UnknownModel
+from kcoral.server.batcher import Batcher
+from kcoral.server.models import LoadedModel, ModelRepository, ModelUnavailable, UnknownModel
 
 log = Logger()
 
@@ -47,24 +49,42 @@ class InferenceMetrics:
                                        buckets=SECONDS_BUCKETS, registry=registry)
 
 
+@attrs.frozen
+class Slots:
+    """
+    How work reaches a server's device: C{admitted(rid)} fires once a
+    request holds one of its admission slots, C{release()} gives one back
+    unused, and C{in_thread(rid, f, *args)} runs C{f} on a worker thread
+    with the slot, giving it back when done (the server's one path to its
+    device, for runs and inferences alike).
+    """
+
+    admitted: Callable[[str], Deferred]
+    release: Callable[[], None]
+    in_thread: Callable[..., Deferred]
+
+
 @implementer(IInferenceFront)
 class ServerInference:
     """
     The models of C{repository} (None: a server without one, which serves
-    none), ready once C{is_ready()} says the server is. C{in_slot(rid, f,
-    *args)} runs C{f} on a worker thread once the run holds an admission
-    slot, and fires with its result: the server's one path to its device.
+    none), ready once C{is_ready()} says the server is; C{busy()} notes an
+    arrival and says why the server takes none now. A batched model's
+    inferences go through its L{Batcher}, whose short batches wait up to
+    C{batch_delay} seconds for more rows.
     """
 
     def __init__(self, repository: ModelRepository | None, *, is_ready: Callable[[], bool],
-                 busy: Callable[[], ServerBusy | None],
-                 in_slot: Callable[..., Deferred], clock, metrics: InferenceMetrics):
+                 busy: Callable[[], ServerBusy | None], slots: Slots, clock,
+                 metrics: InferenceMetrics, batch_delay: float = 0.0):
         self._repository = repository
         self._is_ready = is_ready
         self._busy = busy
-        self._in_slot = in_slot
+        self._slots = slots
         self._clock = clock
         self._metrics = metrics
+        self._batch_delay = batch_delay
+        self._batchers: dict[str, Batcher] = {}
 
     def _model(self, name: str, version: str | None):
         """The loaded model C{name}, of C{version} if given; its manifest or the error."""
@@ -125,10 +145,18 @@ class ServerInference:
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
-            arrived = self._clock.seconds()
-            answer = yield self._in_slot(call.request_id, self._run, model, call,
-                                         lambda: self._metrics.queue_seconds.labels(counted).observe(
-                                             self._clock.seconds() - arrived))
+            manifest = model.manifest
+            request = yield _off_reactor(len(call.body), parse_infer, call.body, call.header_length)
+            try:
+                rows = manifest.check(request.inputs)
+            except InvalidInput as e:
+                raise BadRequest(str(e)) from None
+            if manifest.max_batch_size:
+                outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id)
+            else:
+                outputs = yield self._alone(model, request.inputs, call.request_id)
+            answer = yield _off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
+                                        manifest.name, str(manifest.version), request, outputs)
         except KCoralError as e:
             if not isinstance(e, NotFound):
                 self._metrics.requests.labels(counted, str(e.status)).inc()
@@ -136,19 +164,46 @@ class ServerInference:
         self._metrics.requests.labels(counted, "200").inc()
         return answer
 
-    def _run(self, model, call: InferCall, started: Callable[[], None]) -> InferAnswer:
-        """One inference, on a worker thread: parsed, run and encoded there
-        (a large body's decoding never holds the reactor)."""
-        started()
-        manifest = model.manifest
-        request = parse_infer(call.body, call.header_length)
+    def _batcher(self, model: LoadedModel) -> Batcher:
+        name = model.manifest.name
+        batcher = self._batchers.get(name)
+        if batcher is None:
+            def observe(rows: int, waited: list[float]) -> None:
+                self._metrics.batch_size.labels(name).observe(rows)
+                queued = self._metrics.queue_seconds.labels(name)
+                for seconds in waited:
+                    queued.observe(seconds)
+
+            batcher = self._batchers[name] = Batcher(
+                model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
+                release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
+                delay=self._batch_delay, observe=observe)
+        return batcher
+
+    @inlineCallbacks
+    def _alone(self, model: LoadedModel, inputs, rid: str):
+        """The outputs of a model that is not batched: each request its own execution."""
+        name, arrived = model.manifest.name, self._clock.seconds()
+        yield self._slots.admitted(rid)
+        self._metrics.queue_seconds.labels(name).observe(self._clock.seconds() - arrived)
+        self._metrics.batch_size.labels(name).observe(1)
+        outputs = yield self._slots.in_thread(rid, model.run_batch, inputs, 1)
+        return outputs
+
+
+#: Bodies and answers up to this size are decoded and encoded on the reactor's
+#: thread (a JSON header and views of the tensors: microseconds); larger ones,
+#: which may be long JSON lists of numbers, in a thread.
+_ON_REACTOR_BYTES = 64 * 1024
+
+
+def _off_reactor(size: int, f: Callable, *args) -> Deferred:
+    if size <= _ON_REACTOR_BYTES:
         try:
-            outputs = model.infer(request.inputs)
-        except InvalidInput as e:
-            raise BadRequest(str(e)) from None
-        self._metrics.batch_size.labels(manifest.name).observe(
-            next(iter(outputs.values())).shape[0] if manifest.max_batch_size else 1)
-        return encode_infer(manifest.name, str(manifest.version), request, outputs)
+            return succeed(f(*args))
+        except Exception:
+            return fail()
+    return deferToThread(f, *args)
 
 
 def _version(version: str | None) -> int | None:

@@ -24,7 +24,7 @@ from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
-from kcoral.server.inference import InferenceMetrics, ServerInference
+from kcoral.server.inference import InferenceMetrics, ServerInference, Slots
 from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
@@ -71,9 +71,12 @@ class ServerService(service.MultiService):
         inference_metrics = InferenceMetrics(registry)
 
         def inference(app: ServerApp) -> ServerInference:
-            return ServerInference(self.repository, is_ready=lambda: app.status == OK,
-                                   busy=app.arrived, in_slot=app.in_slot, clock=reactor,
-                                   metrics=inference_metrics)
+            return ServerInference(
+                self.repository, is_ready=lambda: app.status == OK, busy=app.arrived,
+                slots=Slots(admitted=app.admitted, release=app.admission.release,
+                            in_thread=app.in_thread),
+                clock=reactor, metrics=inference_metrics,
+                batch_delay=config.max_batch_delay_microseconds / 1e6)
 
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,

@@ -94,6 +94,8 @@ class NodeOptions(KCoralOptions):
         _server("compilation_cache_dir", "Directory for JAX's persistent compilation cache."),
         _server("model_repository", "A folder of model bundles (kcoral.export_bundle) every worker "
                 "loads and compiles before it is ready [node file: model_repository or model_repo]."),
+        _server("max_batch_delay_microseconds", "Longest wait of a batched model's short batch "
+                "for more requests (0: run what is queued at once).", non_negative(int)),
         _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
                 "workers; default: gRPC off).", port),
         _server("tls_cert", TLS_CERT),
