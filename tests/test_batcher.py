@@ -217,3 +217,15 @@ def test_each_batch_is_observed_with_its_rows():
     server.finish()
     server.finish()
     assert observed == [1, 3]
+
+
+def test_past_its_bound_a_request_is_refused_at_once():
+    """Once most_waiting requests wait, the next gets 503 queue_full without waiting."""
+    model, server, clock = RecordingModel(), Server(), Clock()
+    b = Batcher(model, admitted=server.admitted, release=server.release,
+                in_thread=server.in_thread, clock=clock, most_waiting=2)
+    b.infer({"input": rows(0)}, 1, "busy")
+    b.infer({"input": rows(1)}, 1, "a")
+    b.infer({"input": rows(2)}, 1, "b")
+    got = results([b.infer({"input": rows(3)}, 1, "c")])
+    assert got[0].value.reason == "queue_full"

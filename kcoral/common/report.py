@@ -38,6 +38,8 @@ class ModelState:
     version: str = "1"
     state: str = READY
     reason: str = ""
+    #: The most rows of one batch (0: not batched).
+    max_batch_size: int = 0
 
     @property
     def ready(self) -> bool:
@@ -61,7 +63,10 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
                 and isinstance(state, str) and 0 < len(state) <= 32
                 and isinstance(reason, str) and len(reason) <= 4 * MAX_TEXT):
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed version, state or reason")
-        models.append(ModelState(entry["name"], version, state, reason))
+        most = entry.get("max_batch_size", 0)
+        if type(most) is not int or not 0 <= most <= 1 << 16:
+            raise InvalidReport(f"{what}: model {entry['name']} has a malformed max_batch_size")
+        models.append(ModelState(entry["name"], version, state, reason, most))
     return tuple(models)
 
 

@@ -39,8 +39,19 @@ class Member:
     restarts: int = 0
     #: Its repository's models and their states, as last reported.
     models: tuple[ModelState, ...] = ()
-    #: The names of those it reports ready: an inference of another model never goes there.
-    ready_models: frozenset[str] = frozenset()
+    #: Those it reports ready, by name, each with its max_batch_size: an
+    #: inference of another model never goes there.
+    ready_models: dict[str, int] = attrs.Factory(dict)
+
+    def capacity_for(self, demand: Demand | None) -> int:
+        """
+        How many of C{demand}'s requests it takes at once: its capacity, in
+        runs; for a batched model, that many batches of its max_batch_size
+        inferences each, so that its batcher has the rows to fill them.
+        """
+        if demand is None or demand.model is None:
+            return self.capacity
+        return self.capacity * max(self.ready_models.get(demand.model, 1), 1)
 
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,

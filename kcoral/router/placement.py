@@ -91,16 +91,18 @@ class LeastLoaded:
         oldest = next(iter(runs), None)
         if oldest is None:
             return None
-        best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]))
+        best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]), oldest[0])
         return None if best is None else (0, best)
 
-    def least_loaded(self, members: Iterable[Member]) -> Member | None:
-        """The least loaded usable member with free capacity, now picked."""
+    def least_loaded(self, members: Iterable[Member], demand: Demand | None = None) -> Member | None:
+        """The least loaded usable member with free capacity for C{demand}
+        (L{Member.capacity_for}), now picked."""
         best: Member | None = None
         best_key = (math.inf, 0)
         for member in members:
-            if member.free > 0:
-                key = (member.active / member.capacity, member.picked)
+            capacity = member.capacity_for(demand)
+            if member.active < capacity and member.usable:
+                key = (member.active / capacity, member.picked)
                 if key < best_key:
                     best, best_key = member, key
         if best is not None:
@@ -131,7 +133,7 @@ class Affinity:
             if demand is None or demand.model is not None:
                 # Every member that has a model ready has compiled it: where
                 # it goes is a question of load alone.
-                member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand))
+                member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand), demand)
                 if member is None:
                     break
                 return index, member

@@ -148,7 +148,7 @@ class Pool:
             member.devices = worker.devices
             member.restarts = worker.restarts
             member.models = worker.models
-            member.ready_models = frozenset(m.name for m in worker.models if m.ready)
+            member.ready_models = {m.name: m.max_batch_size for m in worker.models if m.ready}
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)

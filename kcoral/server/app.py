@@ -86,7 +86,7 @@ class ServerApp:
             "devices": info.devices if info else [],
             "version": __version__,
             "cache": self.executor.cached(),
-            "models": [] if self.inference is None else self.inference.index(),
+            "models": [] if self.inference is None else self.inference.health(),
         }
 
     @app.route("/health", methods=["GET"])

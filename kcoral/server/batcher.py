@@ -24,11 +24,12 @@ from collections.abc import Callable, Mapping
 
 import attrs
 import numpy as np
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.errors import ServerBusy
 from kcoral.server.models import LoadedModel
 
 log = Logger()
@@ -50,13 +51,13 @@ class Batcher:
     The batches of one batched C{model}. C{admitted()} fires once a batch
     holds an admission slot (C{release()} gives one back unused);
     C{in_thread(rid, f, *args)} runs C{f} on a worker thread with that slot
-    and releases it when done. C{observe(rows, waited)} is told each
+    and releases it when done. At most C{most_waiting} requests wait. C{observe(rows, waited)} is told each
     executed batch's rows and how long each of its requests waited.
     """
 
     def __init__(self, model: LoadedModel, *, admitted: Callable[[], Deferred],
                  release: Callable[[], None], in_thread: Callable[..., Deferred], clock,
-                 delay: float = 0.0,
+                 delay: float = 0.0, most_waiting: int = 1024,
                  observe: Callable[[int, list[float]], None] = lambda rows, waited: None):
         self.model = model
         self._most = model.manifest.max_batch_size
@@ -66,6 +67,7 @@ class Batcher:
         self._clock = clock
         self._delay = delay
         self._observe = observe
+        self._most_waiting = most_waiting
         self._queue: deque[_Request] = deque()
         #: Whether a slot has been asked for and not yet used.
         self._asking = False
@@ -76,8 +78,12 @@ class Batcher:
         """
         The outputs by name of one request's C{inputs} (C{rows} rows, checked
         against the model), run in a batch. Cancelling it before its batch
-        starts takes it out of the queue.
+        starts takes it out of the queue. Past C{most_waiting} requests
+        waiting, it fails at once with L{ServerBusy} C{queue_full}.
         """
+        if len(self._queue) >= self._most_waiting:
+            return fail(ServerBusy(f"{len(self._queue)} inferences of {self.model.manifest.name} "
+                                   "are already waiting", reason="queue_full"))
         request = _Request(inputs, rows, tuple(a.shape[1:] for a in inputs.values()),
                            Deferred(lambda d: self._cancelled(request)), self._clock.seconds(),
                            request_id)

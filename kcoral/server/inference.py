@@ -28,7 +28,13 @@ from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
-from kcoral.server.models import LoadedModel, ModelRepository, ModelUnavailable, UnknownModel
+from kcoral.server.models import (
+    READY,
+    LoadedModel,
+    ModelRepository,
+    ModelUnavailable,
+    UnknownModel,
+)
 
 log = Logger()
 
@@ -71,12 +77,13 @@ class ServerInference:
     none), ready once C{is_ready()} says the server is; C{busy()} notes an
     arrival and says why the server takes none now. A batched model's
     inferences go through its L{Batcher}, whose short batches wait up to
-    C{batch_delay} seconds for more rows.
+    C{batch_delay} seconds for more rows, and where up to C{most_waiting}
+    batches' worth of them wait.
     """
 
     def __init__(self, repository: ModelRepository | None, *, is_ready: Callable[[], bool],
                  busy: Callable[[], ServerBusy | None], slots: Slots, clock,
-                 metrics: InferenceMetrics, batch_delay: float = 0.0):
+                 metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024):
         self._repository = repository
         self._is_ready = is_ready
         self._busy = busy
@@ -84,6 +91,7 @@ class ServerInference:
         self._clock = clock
         self._metrics = metrics
         self._batch_delay = batch_delay
+        self._most_waiting = most_waiting
         self._batchers: dict[str, Batcher] = {}
 
     def _model(self, name: str, version: str | None):
@@ -137,6 +145,16 @@ class ServerInference:
         return [{"name": m.name, "version": str(m.version), "state": m.state, "reason": m.reason}
                 for m in self._repository.index()]
 
+    def health(self) -> list[dict]:
+        """The index as /health lists it, with what a Router needs to keep a
+        ready model's batches full: its max_batch_size."""
+        listed = self.index()
+        for model in listed:
+            if model["state"] == READY:
+                assert self._repository is not None  # else nothing is listed
+                model["max_batch_size"] = self._repository.get(model["name"]).manifest.max_batch_size
+        return listed
+
     @inlineCallbacks
     def infer(self, name, version, call: InferCall):
         counted = name
@@ -177,7 +195,8 @@ class ServerInference:
             batcher = self._batchers[name] = Batcher(
                 model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
                 release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
-                delay=self._batch_delay, observe=observe)
+                delay=self._batch_delay, observe=observe,
+                most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
 
     @inlineCallbacks

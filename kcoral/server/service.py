@@ -76,7 +76,9 @@ class ServerService(service.MultiService):
                 slots=Slots(admitted=app.admitted, release=app.admission.release,
                             in_thread=app.in_thread),
                 clock=reactor, metrics=inference_metrics,
-                batch_delay=config.max_batch_delay_microseconds / 1e6)
+                batch_delay=config.max_batch_delay_microseconds / 1e6,
+                # As many batches as runs may hold or wait for its slots.
+                most_waiting=config.capacity + config.max_queued_requests)
 
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
