@@ -12,13 +12,13 @@ import json
 from collections.abc import Callable
 
 import attrs
-from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME
-from kcoral.errors import KCoralError, NotFound, ServerBusy, error_from_answer
+from kcoral.errors import NotFound, ServerBusy, error_from_answer
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, server_metadata
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
@@ -95,12 +95,6 @@ class RouterInference:
             raise error_from_answer(response.code, content)
         return json.loads(content)
 
-    def _guarded(self, f: Callable[[], Deferred]) -> Deferred:
-        try:
-            return f()
-        except KCoralError as e:
-            return fail(e)
-
     def ready(self) -> Deferred:
         return succeed(self._is_ready())
 
@@ -108,13 +102,13 @@ class RouterInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return self._guarded(lambda: self._ask(name, version, ""))
+        return maybeDeferred(lambda: self._ask(name, version, ""))
 
     def model_config(self, name, version) -> Deferred:
-        return self._guarded(lambda: self._ask(name, version, "/config"))
+        return maybeDeferred(lambda: self._ask(name, version, "/config"))
 
     def model_ready(self, name, version) -> Deferred:
-        return self._guarded(lambda: succeed(bool(self._ready_members(name, version))))
+        return maybeDeferred(lambda: bool(self._ready_members(name, version)))
 
     def repository_index(self) -> Deferred:
         # A model ready anywhere is ready here; else the first reason given.
@@ -130,7 +124,7 @@ class RouterInference:
         return succeed([models[key] for key in sorted(models)])
 
     def infer(self, name, version, call: InferCall) -> Deferred:
-        return self._guarded(lambda: self._infer(name, version, call))
+        return maybeDeferred(lambda: self._infer(name, version, call))
 
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
         self._holder(name, version)

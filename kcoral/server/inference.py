@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from twisted.internet.defer import Deferred, fail, inlineCallbacks, succeed
+from twisted.internet.defer import Deferred, fail, inlineCallbacks, maybeDeferred, succeed
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -108,12 +108,6 @@ class ServerInference:
             raise ServerBusy(f"model {name!r} is unavailable: {e.reason}",
                              reason="model_unavailable") from None
 
-    def _answer(self, f, *args) -> Deferred:
-        try:
-            return succeed(f(*args))
-        except KCoralError as e:
-            return fail(e)
-
     def ready(self) -> Deferred:
         return succeed(self._is_ready())
 
@@ -121,10 +115,10 @@ class ServerInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return self._answer(lambda: model_metadata_of(self._model(name, version).manifest))
+        return maybeDeferred(lambda: model_metadata_of(self._model(name, version).manifest))
 
     def model_config(self, name, version) -> Deferred:
-        return self._answer(lambda: model_config_of(self._model(name, version).manifest))
+        return maybeDeferred(lambda: model_config_of(self._model(name, version).manifest))
 
     def model_ready(self, name, version) -> Deferred:
         def ready() -> bool:
@@ -133,7 +127,7 @@ class ServerInference:
             except ServerBusy:
                 return False
             return self._is_ready()
-        return self._answer(ready)
+        return maybeDeferred(ready)
 
     def repository_index(self) -> Deferred:
         return succeed(self.index())
