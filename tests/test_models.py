@@ -476,4 +476,12 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     assert over.code == 400 and over.request_id, over
     error = await deferToThread(grpc_error, router.grpc, "mlp", rows(9))
     assert "INVALID_ARGUMENT" in str(error.status()), error
+    # Members list "broken", none has it ready: 503 no_ready_node, at once, not queued.
+    unready = await request("POST", router.url + "/v2/models/broken/infer", body=infer_body(),
+                            headers={"Content-Type": "application/json"})
+    assert unready.code == 503 and unready.request_id, unready
+    assert "no member has model 'broken' ready" in unready.json["error"]
+    assert unready.headers.getRawHeaders(b"Retry-After"), unready
+    error = await deferToThread(grpc_error, router.grpc, "broken", rows(1))
+    assert "UNAVAILABLE" in str(error.status()), error
     assert (await request("GET", router.url + "/readyz")).code == 200
