@@ -35,7 +35,8 @@ every front (a machine with no package index, such as the GPU check's).
 CPU per inference is the CPU time of each front's whole process tree (the
 node's supervisor, gateway and workers; the Router and its node;
 PyTriton, tritonserver and its Python stub; KServe) over a cell, from
-``/proc``, divided by the inferences in it. The gateway's mean executed
+``/proc``, divided by the inferences in it; ``others`` is the cores the
+rest of the machine used meanwhile. The gateway's mean executed
 batch comes from its ``kcoral_inference_batch_size`` histogram, read
 before and after each cell.
 
@@ -77,7 +78,7 @@ import numpy as np  # noqa: E402
 
 import serving_model as model  # noqa: E402
 from child import ChildFailed, KCoralChild, start_jax, until, write_results  # noqa: E402
-from procstat import cpu_seconds  # noqa: E402
+from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 64)
 QUICK_CONCURRENCY = (1, 16)
@@ -109,17 +110,17 @@ def free_port() -> int:
 
 # -- the peers' venvs and perf_analyzer ---------------------------------------
 
-def ensure_venv(name: str, packages: list[str], probe: str) -> Path:
-    """The interpreter of C{.bench-venv/NAME}, made and filled when C{probe}
-    (a module to import, whose C{__version__} it prints) does not print the
-    version C{packages[0]} pins."""
+def ensure_venv(name: str, packages: list[str]) -> Path:
+    """The interpreter of C{.bench-venv/NAME}, made and filled unless it
+    holds every one of C{packages}, each pinned C{name==version}."""
     python = VENVS / name / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(python.parent.parent)], check=True)
-    wanted = packages[0].split("==")[1]
-    check = subprocess.run([str(python), "-c", f"import {probe}; print({probe}.__version__)"],
-                           capture_output=True, text=True)
-    if check.stdout.strip() != wanted:
+    pins = [re.sub(r"\[.*\]", "", package).split("==") for package in packages]
+    check = subprocess.run([str(python), "-c", ("import sys; from importlib.metadata import version; "
+                            "print(' '.join(version(name) for name in sys.argv[1:]))"),
+                            *(name for name, _ in pins)], capture_output=True, text=True)
+    if check.stdout.split() != [wanted for _, wanted in pins]:
         print(f"installing {' '.join(packages)} into {python.parent.parent} ...", flush=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
     return python
@@ -224,16 +225,22 @@ def workers_ready(gpus: str) -> dict[str, str]:
 
 
 def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
+    """The node's gateway in front of its two CPU workers; on one GPU a node
+    is one server, with no gateway: that server."""
     grpc = free_port()
+    if gpus == "none":
+        ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
+    else:
+        ready = {"url": r"kcoral server listening on http://(\S+)"}
     node = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc),
-                        *node_options(repository, gpus, delay)],
-                       {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)},
-                       name="gateway", timeout=300)
+                        *node_options(repository, gpus, delay)], ready, name="gateway", timeout=300)
     front = Front("gateway", [node], node.found["url"], f"127.0.0.1:{grpc}",
                   f"http://{node.found['url']}/metrics")
     started.append(front)
     front.wait_ready()
     return front
+
+
 
 
 def start_router(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
@@ -285,6 +292,14 @@ def check_answer(front: Front, protocol: str, params: dict[str, np.ndarray]) -> 
         raise AssertionError(f"{front.name} over {protocol}: not the model's answer")
 
 
+def machine_split(roots: list[int]) -> tuple[float, float, float]:
+    """The time, the machine's busy CPU seconds, and those of this benchmark
+    (this process, its ended children such as the load, and the front's tree)."""
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    ours = sum(usage.ru_utime + usage.ru_stime for usage in usages)
+    return time.perf_counter(), machine_busy_seconds(), ours + tree_cpu(roots)
+
+
 def batch_totals(front: Front) -> tuple[float, float] | None:
     """The sum and count of C{kcoral_inference_batch_size} over the front's
     workers, or None where its /metrics has none."""
@@ -308,8 +323,14 @@ def cell(front: Front, protocol: str, concurrency: int, load, **options) -> dict
     tree's CPU time (C{load}'s fourth argument) around its window; the
     executed batches are read around the whole load."""
     before_batches = batch_totals(front)
+    before = machine_split(front.roots)
     result = load(front.targets[protocol], protocol, concurrency, lambda: tree_cpu(front.roots), **options)
+    after = machine_split(front.roots)
     after_batches = batch_totals(front)
+    # What the rest of the machine used meanwhile, in cores: on a shared
+    # machine, how far to trust the cell.
+    elapsed, busy, ours = (a - b for a, b in zip(after, before, strict=True))
+    result["outside_cores"] = max(0.0, busy - ours) / elapsed
     result.update(front=front.name, protocol=protocol, concurrency=concurrency)
     inferences, cpu = result.pop("inferences"), result.pop("cpu")
     result["cpu_ms_per_inference"] = 1000 * cpu / inferences if inferences else None
@@ -412,11 +433,12 @@ def fmt(value, spec: str) -> str:
 
 def report(cells: list[dict]) -> dict:
     print(f"\n{'front':<16} {'proto':<5} {'load':<13} {'c':>4} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'CPU ms/inf':>10} {'batch':>6}")
+          f"{'CPU ms/inf':>10} {'batch':>6} {'others':>6}")
     for c in cells:
         print(f"{c['front']:<16} {c['protocol']:<5} {c['load']:<13} {c['concurrency']:>4} "
               f"{fmt(c['throughput'], ',.0f'):>9} {fmt(c['p50_ms'], '.2f'):>8} {fmt(c['p99_ms'], '.2f'):>8} "
-              f"{fmt(c.get('cpu_ms_per_inference'), '.3f'):>10} {fmt(c.get('mean_batch'), '.1f'):>6}")
+              f"{fmt(c.get('cpu_ms_per_inference'), '.3f'):>10} {fmt(c.get('mean_batch'), '.1f'):>6} "
+              f"{fmt(c.get('outside_cores'), '.2f'):>6}")
     by = {(c["front"], c["protocol"], c["concurrency"]): c for c in cells}
     ratios = []
 
@@ -500,11 +522,9 @@ def main() -> int:
     pythons = {}
     if "triton" in fronts:
         pythons["triton"] = ensure_venv("triton", [f"nvidia-pytriton=={PYTRITON}",
-                                                   "tritonclient[http,grpc]==2.60.0", f"jax=={TRITON_JAX}"],
-                                        "pytriton")
+                                                   "tritonclient[http,grpc]==2.60.0", f"jax=={TRITON_JAX}"])
     if "kserve" in fronts:
-        pythons["kserve"] = ensure_venv("kserve", [f"kserve=={KSERVE}", f"jax=={metadata.version('jax')}"],
-                                        "kserve")
+        pythons["kserve"] = ensure_venv("kserve", [f"kserve=={KSERVE}", f"jax=={metadata.version('jax')}"])
     measured = [f for f in fronts if f in ("gateway", "router", "triton")]
     perf_analyzer = ensure_perf_analyzer() if args.load == "perf_analyzer" and measured else None
 
@@ -570,7 +590,12 @@ def main() -> int:
     results.update(report(results["cells"]))
     results["wall_seconds"] = time.monotonic() - began
     write_results(results, args.json)
-    print(f"\nserving: {len(results['cells'])} cells in {results['wall_seconds']:.0f} s")
+    # The last line says what was measured (the GPU check keeps it).
+    top = [c for c in results["cells"] if c["front"] == "gateway" and c["concurrency"] == max(concurrency)]
+    found = [f"gateway {c['protocol']} c={c['concurrency']} {c['throughput']:,.0f}/s" for c in top]
+    found += [f"floor {c['concurrency']} {c['throughput']:,.0f}/s"
+              for c in results["cells"] if c["front"] == "floor"]
+    print(f"\nserving: {len(results['cells'])} cells in {results['wall_seconds']:.0f} s; {'; '.join(found)}")
     return 0
 
 
