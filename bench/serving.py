@@ -274,7 +274,8 @@ def start_peer(started: list[Front], which: str, python: Path, params: Path, del
 
 
 def check_answer(front: Front, protocol: str, params: dict[str, np.ndarray]) -> None:
-    """The front answers a row as the function does here, before it is measured."""
+    """The front answers a row as the function does here, requested as the
+    load requests it, before it is measured."""
     if protocol == "http":
         import tritonclient.http as client_module
     else:
@@ -284,7 +285,8 @@ def check_answer(front: Front, protocol: str, params: dict[str, np.ndarray]) -> 
     try:
         tensor = client_module.InferInput(model.INPUT, list(x.shape), "FP32")
         tensor.set_data_from_numpy(x)
-        got = client.infer(model.NAME, [tensor]).as_numpy(model.OUTPUT)
+        got = client.infer(model.NAME, [tensor], outputs=[client_module.InferRequestedOutput(model.OUTPUT)]
+                           ).as_numpy(model.OUTPUT)
     finally:
         client.close()
     want = np.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
@@ -393,6 +395,8 @@ def loop_load(target: str, protocol: str, concurrency: int, cpu, *, seconds: flo
     finally:
         for loader in loaders:
             loader.stop()
+    if errors:
+        raise RuntimeError(f"{errors} of the requests to {target} over {protocol} failed")
     return {"load": "loop", "throughput": len(latencies) / seconds,
             "p50_ms": 1000 * float(np.percentile(latencies, 50)) if latencies else None,
             "p99_ms": 1000 * float(np.percentile(latencies, 99)) if latencies else None,

@@ -104,8 +104,10 @@ def kserve(args) -> None:
             y = run(payload.inputs[0].as_numpy())
             output = InferOutput(name=model.OUTPUT, shape=list(y.shape), datatype="FP32")
             output.set_data_from_numpy(y, binary_data=payload.use_binary_outputs)
+            # The request's outputs say, one by one, which come back as binary.
             return InferResponse(response_id=payload.id, model_name=model.NAME, infer_outputs=[output],
-                                 use_binary_outputs=payload.use_binary_outputs)
+                                 use_binary_outputs=payload.use_binary_outputs,
+                                 requested_outputs=payload.request_outputs)
 
     print("peer ready", flush=True)  # printed early; serving.py polls the model's readiness
     kserve.ModelServer(http_port=args.http, grpc_port=args.grpc).start([MLP()])
