@@ -520,8 +520,10 @@ def main() -> int:
     protocols = args.protocols.split(",")
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     began = time.monotonic()
-    # A SIGTERM ends this process as a Ctrl+C does: through the finally that stops every child.
+    # A SIGTERM ends this process as a Ctrl+C does: through the finally that
+    # stops every child. A background job starts with SIGINT ignored.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     pythons = {}
     if "triton" in fronts:
