@@ -20,9 +20,10 @@
 #    bit against JAX on the same GPU (tests/test_conformance.py);
 # 5. two-devices: a program exported for two devices, refused by a worker of
 #    one GPU with not_enough_devices;
-# 6. serving, training: the named models' serving benchmark and the training
-#    loop on kept arrays, each skipped with a line saying why until the tree
-#    holds the feature and its benchmark script.
+# 6. serving, training: the named models' serving benchmark (KCoral and the
+#    in-process floor only) and the training loop on kept arrays, each
+#    skipped with a line saying why until the tree holds the feature and its
+#    benchmark script.
 #
 # A failed step is reported and the next one runs (except after a failed
 # install: nothing else could). The exit status is the number of failed steps;
@@ -242,7 +243,11 @@ EOF
 
 # The hooks' scripts take --gpus (a device index, or none for the CPU) and
 # say what they measured in their last line of output.
-hook serving 50 "import kcoral.models.bundle" bench/serving.py --gpus "$GPUS" --seconds 3
+# On the device: no peer can be installed there and no perf_analyzer fetched,
+# so KCoral (its node, and the same node behind a Router) and the in-process
+# floor, under the benchmark's own tritonclient load.
+hook serving 90 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
+    --quick --protocols grpc --gpus "$GPUS"
 hook training 30 "from kcoral import RemoteArray" bench/training.py --gpus "$GPUS" --steps 50
 
 summary
