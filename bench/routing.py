@@ -1,6 +1,6 @@
 """
 What Klein's routing costs per ``POST /v1/run``, against the bypass that
-KCoral's services put before it (``kcoral.web.directroute``), in process:
+KCoral's services put before it (``kcoral.web.front``), in process:
 
     .venv/bin/python bench/routing.py [--requests 2000] [--rounds 30]
 
@@ -11,7 +11,7 @@ member's answer for the Router; for the server, an executor that returns a
 result on a thread pool that runs it on the spot (the request's frame is
 still decoded and its slot taken and released). Each tree is served two
 ways that answer the same bytes (checked): ``resource()`` as the service
-builds it (``DirectRoute`` sends ``POST /v1/run`` to its handler), and the
+builds it (``Front`` sends ``POST /v1/run`` to its handler), and the
 Klein app's own resource (URL map bound and matched, the request adapted,
 its maybeDeferreds and error-handler chain).
 
@@ -53,12 +53,12 @@ RESULT = b"\0" * 64
 class Forwarder:
     """Answers every run at once, as a member that took it would."""
 
-    def forward(self, request, body, program):
+    def forward(self, request, body, demand, devices=1, span=None):
         return succeed(Answer(200, {b"Content-Type": b"application/x-kcoral-result"}, RESULT))
 
 
 class Executor:
-    def execute(self, run, rid):
+    def execute(self, run, rid, span=None):
         return RESULT
 
 
@@ -122,9 +122,9 @@ def main():
     request = run_request()
     ways = {f"{name} {way}": connection(service, way == "Klein")
             for name, service in (("router", router), ("server", server))
-            for way in ("DirectRoute", "Klein")}
+            for way in ("Front", "Klein")}
     for name in ("router", "server"):
-        direct, klein = (answer(*ways[f"{name} {way}"], request) for way in ("DirectRoute", "Klein"))
+        direct, klein = (answer(*ways[f"{name} {way}"], request) for way in ("Front", "Klein"))
         assert direct == klein and direct.startswith(b"HTTP/1.1 200 OK"), (direct, klein)
     settle()  # as a service does once started
     cpu: dict[str, list[float]] = {way: [] for way in ways}
@@ -142,8 +142,8 @@ def main():
     print(f"{args.rounds} rounds of {args.requests} requests; CPU us per request")
     print(f"{'':27} {'median':>7} {'q1':>7} {'q3':>7} {'min':>7} {'max':>7}")
     for name in ("router", "server"):
-        cpu[f"{name} Klein - DirectRoute"] = [
-            k - d for k, d in zip(cpu[f"{name} Klein"], cpu[f"{name} DirectRoute"])]
+        cpu[f"{name} Klein - Front"] = [
+            k - d for k, d in zip(cpu[f"{name} Klein"], cpu[f"{name} Front"])]
     for way, figures in cpu.items():
         q1, _, q3 = statistics.quantiles(figures, n=4, method="inclusive")
         print(f"{way:27} {statistics.median(figures):7.1f} {q1:7.1f} {q3:7.1f} "
