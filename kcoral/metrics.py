@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kcoral.web.family import family_of
+from kcoral.web.family import route_of
 
 #: Latency buckets from sub-millisecond proxy hops to multi-minute programs.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -32,9 +32,9 @@ class HttpMetrics:
         # Bounded label values: an API family's paths by its routes' labels,
         # and unknown paths share one label.
         path = path.split(b"?", 1)[0]
-        family = family_of(path)
-        if family is not None:
-            return family.label(path) or "other"
+        found = route_of(path)
+        if found is not None:
+            return found[1]
         route = path.decode("ascii", "replace")
         if route.startswith("/v1/nodes/"):
             return "/v1/nodes/{node_id}"

@@ -43,7 +43,7 @@ from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
 from kcoral.web.body import MemoryBody, body_of
-from kcoral.web.family import INFERENCE, RUN
+from kcoral.web.family import INFERENCE
 from kcoral.web.front import Front
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
@@ -125,9 +125,10 @@ class RouterApp:
                                          is_ready=lambda: self.status() == "ok", tracing=tracing)
 
     def resource(self):
+        inference = InferenceResource(self.inference)
         return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
-                                       hot={RUN.prefix: self.post_run},
-                                       mounts={INFERENCE: InferenceResource(self.inference)}))
+                                       hot={"/v1/run": self.post_run, **inference.hot()},
+                                       mounts={INFERENCE: inference}))
 
     # -- client routes --------------------------------------------------------
 

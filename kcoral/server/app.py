@@ -29,7 +29,7 @@ from kcoral.server.inference import ServerInference
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard
-from kcoral.web.family import INFERENCE, RUN
+from kcoral.web.family import INFERENCE
 from kcoral.web.front import Front
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -68,9 +68,14 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        mounts = {} if self.inference is None else {INFERENCE: InferenceResource(self.inference)}
-        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
-                                       hot={RUN.prefix: self.post_run}, mounts=mounts))
+        hot = {"/v1/run": self.post_run}
+        mounts = {}
+        if self.inference is not None:
+            inference = InferenceResource(self.inference)
+            hot.update(inference.hot())
+            mounts[INFERENCE] = inference
+        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard, hot=hot,
+                                       mounts=mounts))
 
     # -- health -----------------------------------------------------------
 

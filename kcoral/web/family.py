@@ -70,6 +70,8 @@ NODES = Family("nodes", b"/v1/nodes", routes=(_route("/v1/nodes"),))
 
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
+#: The routes of an inference: a front sends them straight to their handler.
+INFER_ROUTES = (_MODEL + "/infer", _VERSION + "/infer")
 
 #: The Open Inference Protocol (KServe v2, as Triton serves it): health
 #: and server metadata stay open, like C{/health}.
@@ -86,8 +88,16 @@ INFERENCE = Family(
 FAMILIES = (RUN, NODES, INFERENCE)
 
 
-def family_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> Family | None:
+def route_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> tuple[Family, str] | None:
+    """The family C{path} belongs to and the label of its route; None when it is none's."""
     for family in families:
-        if family.owns(path):
-            return family
+        if path.startswith(family.prefix):
+            label = family.label(path)
+            if label is not None:
+                return family, label
     return None
+
+
+def family_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> Family | None:
+    found = route_of(path, families)
+    return None if found is None else found[0]

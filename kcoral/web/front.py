@@ -28,12 +28,13 @@ from twisted.web.server import NOT_DONE_YET
 
 from kcoral.web.auth import IGuard
 from kcoral.web.cancellation import answer_with
-from kcoral.web.family import FAMILIES, Family, family_of
+from kcoral.web.family import FAMILIES, Family, route_of
 
 
 class Front(Resource):
     """
-    C{POST} to a path of C{hot} goes to its handler (a request to a
+    C{POST} to a path of a route in C{hot} (by its family's label, such as
+    C{/v2/models/{model}/infer}) goes to its handler (a request to a
     Deferred of the body), a path of a family in C{mounts} to that family's
     resource, and every other request to C{fallback}; each once C{guard}
     (if any) admits it, where its family guards the path.
@@ -42,7 +43,7 @@ class Front(Resource):
     isLeaf = True
 
     def __init__(self, fallback: IResource, *, guard: IGuard | None = None,
-                 hot: Mapping[bytes, Callable[..., Deferred]] | None = None,
+                 hot: Mapping[str, Callable[..., Deferred]] | None = None,
                  mounts: Mapping[Family, IResource] | None = None,
                  families: tuple[Family, ...] = FAMILIES):
         super().__init__()
@@ -54,14 +55,17 @@ class Front(Resource):
 
     def render(self, request):
         path = request.path
-        family = family_of(path, self._families)
-        if family is not None and self._guard is not None and family.guards(path):
+        route = route_of(path, self._families)
+        if route is None:
+            return self._fallback.render(request)
+        family, label = route
+        if self._guard is not None and family.guards(path):
             refused = self._guard.refusal(request, request.request_id)
             if refused is not None:
                 return refused
         if request.method == b"POST":
-            handler = self._hot.get(path)
+            handler = self._hot.get(label)
             if handler is not None:
                 answer_with(request, handler(request))
                 return NOT_DONE_YET
-        return self._mounts.get(family, self._fallback).render(request)  # type: ignore[arg-type]
+        return self._mounts.get(family, self._fallback).render(request)
