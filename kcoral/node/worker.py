@@ -410,4 +410,7 @@ class Worker(service.Service):
                             # until it does.
                             devices=len(self.health.get("devices") or ()) or self.spec.devices,
                             restarts=self._core.restart_count, cache=cache, models=models,
-                            instance=parse_instance(self.health.get("instance")) if healthy else None)
+                            # Also while unhealthy: a live worker that missed a
+                            # probe still holds its kept arrays (a restart
+                            # forgets its health, and the id with it).
+                            instance=parse_instance(self.health.get("instance")))

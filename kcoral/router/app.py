@@ -258,7 +258,8 @@ class RouterApp:
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
                              "capacity": m.capacity, "active": m.active, "devices": m.devices,
-                             "restarts": m.restarts, "models": [s.to_json() for s in m.models]}
+                             "restarts": m.restarts, "models": [s.to_json() for s in m.models],
+                             "instance": m.instance}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
