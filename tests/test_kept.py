@@ -64,7 +64,7 @@ def assert_same(fetched, expected):
 
 @pytest_twisted.ensureDeferred
 async def test_a_training_loop_keeps_its_parameters_on_the_worker(start_server):
-    """20 SGD steps with kept parameters send less than the parameters once, and equal the loop in process bit for bit."""
+    """20 SGD steps on kept parameters send less than them once and equal the loop in process bit for bit."""
     server = await start_server()
     params, x, y = mlp_data()
     step = Program.from_function(mlp_step, params, x, y)
@@ -103,7 +103,7 @@ async def test_a_training_loop_keeps_its_parameters_on_the_worker(start_server):
 
 @pytest_twisted.ensureDeferred
 async def test_outputs_past_the_kept_bound_are_refused_before_the_run(start_server):
-    """Kept outputs that would pass --kept-bytes are 507 kept_memory_full, the program not run; fetched outputs still run."""
+    """Kept outputs past --kept-bytes are 507 kept_memory_full, not run; fetched outputs still run."""
     server = await start_server("--kept-bytes", "1000")
     program = Program.from_function(lambda v: jnp.zeros(1000, jnp.float32) + v, np.float32(0))
 
@@ -134,7 +134,7 @@ async def two_routers(module_processes):
 
 @pytest_twisted.ensureDeferred
 async def test_a_kept_array_is_used_through_either_router(two_routers):
-    """An array kept through Router A runs, fetches and deletes through Router B, on the worker that holds it."""
+    """An array kept through Router A runs, fetches and deletes through Router B, on its worker."""
     (a, b), _ = two_routers
     double = Program.from_function(lambda v: v * 2, np.zeros(3, np.float32))
     via_a, via_b = AsyncClient(a.url, busy_timeout=30), AsyncClient(b.url, busy_timeout=30)
@@ -175,7 +175,7 @@ async def test_arrays_kept_on_two_workers_are_apart(two_routers):
 
 @pytest_twisted.ensureDeferred
 async def test_a_killed_workers_arrays_are_lost_and_named(two_routers):
-    """After its worker is SIGKILLed and restarted, a run or a fetch of its arrays is ArrayLost naming them, never a re-run."""
+    """A SIGKILLed worker's arrays are ArrayLost, named, in runs and fetches through either Router."""
     (a, b), node = two_routers
     add = Program.from_function(lambda u, v: u + v, np.zeros(2, np.float32), np.zeros(2, np.float32))
     client = AsyncClient([a.url], busy_timeout=30)
@@ -207,7 +207,7 @@ async def test_a_killed_workers_arrays_are_lost_and_named(two_routers):
 
 @pytest_twisted.ensureDeferred
 async def test_the_async_client_keeps_and_fetches(two_routers):
-    """AsyncClient's run(keep=True) gives RemoteArrays in the program's structure, which fetch with Deferreds."""
+    """AsyncClient's run(keep=True) gives RemoteArrays in the program's structure, fetched as Deferreds."""
     (a, _), _ = two_routers
     pair = Program.from_function(lambda v: {"twice": v * 2, "key": jax.random.key(1)}, np.float32(0))
     client = AsyncClient(a.url, busy_timeout=30)
