@@ -132,13 +132,22 @@ def test_idle_arrays_expire_on_the_reactors_timer():
 
 # -- the executor -----------------------------------------------------------------------------
 
-def executor(kept: KeptStore) -> tuple[Executor, ExecutorMetrics]:
-    metrics = ExecutorMetrics(CollectorRegistry())
-    ex = Executor(uploads=UploadCache(1 << 20, metrics.caches),
-                  compiled=CompileCache(4, metrics.caches),
-                  placed=DeviceCache(0, metrics.caches), metrics=metrics, gpus="none", kept=kept)
-    ex.load()
-    return ex, metrics
+@pytest.fixture
+def executor():
+    """C{executor(kept)}: a loaded executor keeping arrays in C{kept}, and its metrics. Loading
+    turns x64 on for the whole process, as a server does: it is turned back after the test."""
+    x64 = jax.config.jax_enable_x64
+
+    def make(kept: KeptStore) -> tuple[Executor, ExecutorMetrics]:
+        metrics = ExecutorMetrics(CollectorRegistry())
+        ex = Executor(uploads=UploadCache(1 << 20, metrics.caches),
+                      compiled=CompileCache(4, metrics.caches),
+                      placed=DeviceCache(0, metrics.caches), metrics=metrics, gpus="none", kept=kept)
+        ex.load()
+        return ex, metrics
+
+    yield make
+    jax.config.update("jax_enable_x64", x64)
 
 
 def run_of(program, *inputs, keep: bool = False) -> RunRequest:
@@ -148,7 +157,7 @@ def run_of(program, *inputs, keep: bool = False) -> RunRequest:
     return decode_request(b"".join(parts))
 
 
-def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run():
+def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run(executor):
     """Kept outputs past --kept-bytes: 507 before the program runs, nothing kept; within it, kept."""
     from kcoral import Program
 
@@ -163,7 +172,7 @@ def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run():
     assert ref.shape == (64,) and ex.kept.nbytes == 256
 
 
-def test_kept_outputs_feed_a_run_on_the_device():
+def test_kept_outputs_feed_a_run_on_the_device(executor):
     """Kept outputs stay device arrays; a run given their references takes them as they are."""
     from kcoral import Program
 
