@@ -133,7 +133,7 @@ class AsyncClient:
     def run(self, program, *args, keep: bool = False, request_id: str | None = None, **kwargs):
         """
         A Deferred of C{program}'s outputs for C{args} and C{kwargs}, in the
-        structure the program returns (with C{keep}, L{RemoteArray}s that
+        structure the program returns (with C{keep}, L{kcoral.RemoteArray}s that
         stay on the worker that ran it); it fails with the
         L{kcoral.errors.KCoralError} of the answer. Large inputs are hashed
         and framed in a thread.
@@ -144,7 +144,7 @@ class AsyncClient:
         return outputs
 
     def put(self, array, *, request_id: str | None = None) -> Deferred:
-        """A Deferred L{RemoteArray}: C{array} uploaded and kept on a worker."""
+        """A Deferred L{kcoral.RemoteArray}: C{array} uploaded and kept on a worker."""
         import jax
 
         aval = jax.typeof(array)

@@ -201,7 +201,7 @@ class Client:
         """
         Run C{program} on C{args}; returns outputs in the structure it
         returns. With C{keep}, the outputs stay on the worker that ran it:
-        L{RemoteArray}s, which later runs take as inputs where they are.
+        L{kcoral.RemoteArray}s, which later runs take as inputs where they are.
         """
         return self._call(RunCall.prepare(program, args, kwargs, keep=keep, owner=self), request_id)
 
@@ -220,7 +220,7 @@ class Client:
         return fetched(answer.body)
 
     def delete(self, *arrays: RemoteArray) -> None:
-        """Free C{arrays} on their workers; L{kcoral.ArrayLost} for one already gone."""
+        """Free C{arrays} on their workers; L{kcoral.errors.ArrayLost} for one already gone."""
         for array in arrays:
             answer = self._simple("DELETE", path_of(array))
             if answer.status != 200:
