@@ -8,6 +8,7 @@ loaded on first use.
 
 from kcoral._version import __version__
 from kcoral.errors import (
+    ArrayLost,
     BadRequest,
     KCoralError,
     NodeFailure,
@@ -17,9 +18,9 @@ from kcoral.errors import (
     ServerBusy,
 )
 
-__all__ = ["AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure", "Program",
-           "ProgramExportError", "ProgramFailed", "ProgramRejected", "ServerBusy", "__version__",
-           "export_bundle"]
+__all__ = ["ArrayLost", "AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure",
+           "Program", "ProgramExportError", "ProgramFailed", "ProgramRejected", "RemoteArray",
+           "ServerBusy", "__version__", "export_bundle"]
 
 
 def __getattr__(name: str):
@@ -29,6 +30,9 @@ def __getattr__(name: str):
     if name == "AsyncClient":
         from kcoral.client.asynchronous import AsyncClient
         return AsyncClient
+    if name == "RemoteArray":
+        from kcoral.client.remote import RemoteArray
+        return RemoteArray
     if name == "Program":
         from kcoral.program import Program
         return Program

@@ -18,7 +18,8 @@ class KCoralError(Exception):
     @ivar status: the HTTP status code that carries this error.
     @ivar type: the stable machine-readable name sent in the JSON body.
     @ivar reason: a finer reason (for 503: C{queue_full}, C{queue_timeout},
-        C{no_ready_node}, C{draining}; for 422: C{not_enough_devices}).
+        C{no_ready_node}, C{draining}; for 422: C{not_enough_devices},
+        C{arrays_apart}).
     @ivar request_id: the request id the service reported, if any.
     """
 
@@ -117,6 +118,39 @@ class NotEnoughDevices(ProgramRejected):
         super().__init__(message, **kwargs)
 
 
+class ArraysApart(ProgramRejected):
+    """422, reason C{arrays_apart}: a run's kept arrays are held by
+    different workers, and a run takes them all where they are."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("reason", "arrays_apart")
+        super().__init__(message, **kwargs)
+
+
+class ArrayLost(KCoralError):
+    """410: a kept array its worker no longer holds (deleted, expired, or
+    the worker restarted or is gone); C{lost} names them."""
+
+    status = 410
+    type = "array_lost"
+
+    @property
+    def lost(self) -> list[str]:
+        return list(self.details.get("lost", []))
+
+
+class KeptMemoryFull(KCoralError):
+    """507, reason C{kept_memory_full}: the outputs a run would keep pass the
+    worker's C{--kept-bytes}; it did not run."""
+
+    status = 507
+    type = "kept_memory_full"
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("reason", "kept_memory_full")
+        super().__init__(message, **kwargs)
+
+
 class ProgramFailed(KCoralError):
     """500: the program failed while running, or an internal error."""
 
@@ -160,7 +194,9 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
     MissingContent,
     PayloadTooLarge,
     ProgramRejected,
+    ArrayLost,
     ProgramFailed,
+    KeptMemoryFull,
     NodeFailure,
     ServerBusy,
 )
@@ -173,6 +209,7 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     RequestTimeout,
     NodeConflict,
     NotEnoughDevices,
+    ArraysApart,
     InternalError,
 )
 

@@ -6,6 +6,7 @@ caller's reactor never blocks on them.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from io import BytesIO
@@ -22,11 +23,13 @@ from twisted.web.client import (
     ResponseFailed,
     ResponseNeverReceived,
 )
+from zope.interface import implementer
 
 from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import CountingProducer, upload_bar
+from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import NodeFailure
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
@@ -36,6 +39,7 @@ from kcoral.web.outgoing import tls_policy
 _THREAD_BYTES = 1 << 20
 
 
+@implementer(IArrayOwner)
 class AsyncClient:
     """
     The client of L{kcoral.Client} on treq, for programs that run a Twisted
@@ -126,16 +130,41 @@ class AsyncClient:
                         header_length=int(length) if length.isdigit() else None)
 
     @inlineCallbacks
-    def run(self, program, *args, request_id: str | None = None, **kwargs):
+    def run(self, program, *args, keep: bool = False, request_id: str | None = None, **kwargs):
         """
         A Deferred of C{program}'s outputs for C{args} and C{kwargs}, in the
-        structure the program returns; it fails with the L{kcoral.errors.KCoralError}
-        of the answer. Large inputs are hashed and framed in a thread.
+        structure the program returns (with C{keep}, L{kcoral.RemoteArray}s that
+        stay on the worker that ran it); it fails with the
+        L{kcoral.errors.KCoralError} of the answer. Large inputs are hashed
+        and framed in a thread.
         """
-        call = RunCall.prepare(program, args, kwargs) if _small(args, kwargs) else \
-            (yield deferToThread(RunCall.prepare, program, args, kwargs))
+        prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, owner=self)
+        call = prepare() if _small(args, kwargs) else (yield deferToThread(prepare))
         outputs = yield self._call(call, request_id)
         return outputs
+
+    def put(self, array, *, request_id: str | None = None) -> Deferred:
+        """A Deferred L{kcoral.RemoteArray}: C{array} uploaded and kept on a worker."""
+        import jax
+
+        aval = jax.typeof(array)
+        return self.run(identity(aval.shape, aval.dtype), array, keep=True, request_id=request_id)
+
+    @inlineCallbacks
+    def fetch(self, array: RemoteArray):
+        """A Deferred of the bytes of C{array}, copied back from its worker."""
+        answer = yield self._request("GET", path_of(array), None)
+        if answer.status != 200:
+            raise error_of(answer)
+        return fetched(answer.body)
+
+    @inlineCallbacks
+    def delete(self, *arrays: RemoteArray):
+        """A Deferred that fires once C{arrays} are freed on their workers."""
+        for array in arrays:
+            answer = yield self._request("DELETE", path_of(array), None)
+            if answer.status != 200:
+                raise error_of(answer)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> Deferred:
         """A Deferred of the outputs by name of model C{model} for C{inputs}

@@ -16,17 +16,21 @@ import numpy as np
 from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
+from kcoral.client.remote import IArrayOwner, RemoteArray
 from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
     DEVICES_HEADER,
     INPUTS_HEADER,
+    KEPT_HEADER,
     MAX_INPUTS_LISTED,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
+    Reference,
     decode_outputs,
+    decode_references,
     encode_request,
     sha256,
     wire_array,
@@ -81,33 +85,58 @@ class ICall(Interface):
 @implementer(ICall)
 @attrs.define
 class RunCall:
-    """A run of a program (L{ICall})."""
+    """
+    A run of a program (L{ICall}). An input that is a kept array has its
+    L{Reference} in C{references} (its entry of C{arrays} is a placeholder
+    never sent); with C{keep}, the outputs stay on the worker, as
+    L{RemoteArray}s of C{owner}.
+    """
 
     program: Program
     arrays: list[np.ndarray]
     digests: list[str | None]
     key_types: list[str | None]
+    references: list[Reference | None]
+    keep: bool
+    owner: IArrayOwner | None
 
     @classmethod
-    def prepare(cls, program: Program, args: tuple, kwargs: dict) -> RunCall:
+    def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep: bool = False,
+                owner: IArrayOwner | None = None) -> RunCall:
         """Check and flatten the inputs, hashing the large ones (may block)."""
+        import jax
+
+        leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
+        references = [leaf.reference if isinstance(leaf, RemoteArray) else None for leaf in leaves]
+        if any(references):
+            # Checked against the signature by stand-ins of their types.
+            args, kwargs = jax.tree.unflatten(tree, [
+                leaf.placeholder() if isinstance(leaf, RemoteArray) else leaf for leaf in leaves])
         inputs = program.flatten_inputs(args, kwargs)
-        arrays = [wire_array(a) for a in inputs.arrays]
-        digests = [sha256(a) if a.nbytes >= CACHE_THRESHOLD_BYTES else None for a in arrays]
-        return cls(program, arrays, digests, inputs.key_types)
+        arrays = [a if r is not None else wire_array(a)
+                  for a, r in zip(inputs.arrays, references, strict=True)]
+        digests = [sha256(a) if r is None and a.nbytes >= CACHE_THRESHOLD_BYTES else None
+                   for a, r in zip(arrays, references)]
+        return cls(program, arrays, digests, inputs.key_types, references, keep, owner)
 
     @property
     def nbytes(self) -> int:
-        return len(self.program.serialized) + sum(a.nbytes for a in self.arrays)
+        return len(self.program.serialized) + sum(
+            a.nbytes for a, r in zip(self.arrays, self.references) if r is None)
 
     def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
         program = None if self.program.digest in held else self.program.serialized
-        inputs = [(a, d, d is None or d not in held) for a, d in zip(self.arrays, self.digests)]
-        parts, length = encode_request(self.program.digest, program, inputs, self.key_types)
+        inputs = [(a, d, d is None or d not in held) if r is None else r
+                  for a, d, r in zip(self.arrays, self.digests, self.references)]
+        parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
+                                       keep=self.keep)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
             headers[INPUTS_HEADER] = self.inputs_header
+        kept = {r.kept for r in self.references if r is not None}
+        if kept:
+            headers[KEPT_HEADER] = ",".join(sorted(kept))
         if request_id:
             headers["X-Request-ID"] = request_id
         if redispatch:
@@ -128,7 +157,14 @@ class RunCall:
         return {self.program.digest} | {d for d in self.digests if d is not None}
 
     def outputs(self, response: Response):
-        """The run's outputs, in the program's structure, from its answer."""
+        """The run's outputs, in the program's structure, from its answer:
+        L{RemoteArray}s where it kept them."""
+        if self.keep:
+            import jax
+
+            assert self.owner is not None, "a run that keeps its outputs has an owner"
+            return jax.tree.unflatten(self.program.exported.out_tree, [
+                RemoteArray(r, self.owner) for r in decode_references(response.body)])
         return self.program.unflatten_outputs(*decode_outputs(response.body))
 
 

@@ -20,12 +20,14 @@ from urllib.parse import urlsplit
 
 import attrs
 import numpy as np
+from zope.interface import implementer
 
 from kcoral.client.connection import Connection, ProtocolError
 from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import upload_bar
+from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.errors import NodeFailure
 from kcoral.program import Program
 from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
@@ -71,6 +73,7 @@ class Endpoint:
                    ssl_context if parts.scheme == "https" else None)
 
 
+@implementer(IArrayOwner)
 class Client:
     """
     A blocking client for a KCoral server or Router, or for several Routers
@@ -193,9 +196,35 @@ class Client:
         return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")),
                         header_length=int(length) if length and length.isdigit() else None)
 
-    def run(self, program: Program, *args, request_id: str | None = None, **kwargs):
-        """Run C{program} on C{args}; returns outputs in the structure it returns."""
-        return self._call(RunCall.prepare(program, args, kwargs), request_id)
+    def run(self, program: Program, *args, keep: bool = False, request_id: str | None = None,
+            **kwargs):
+        """
+        Run C{program} on C{args}; returns outputs in the structure it
+        returns. With C{keep}, the outputs stay on the worker that ran it:
+        L{kcoral.RemoteArray}s, which later runs take as inputs where they are.
+        """
+        return self._call(RunCall.prepare(program, args, kwargs, keep=keep, owner=self), request_id)
+
+    def put(self, array, *, request_id: str | None = None) -> RemoteArray:
+        """Upload C{array} and keep it on a worker (a run of the identity program)."""
+        import jax
+
+        aval = jax.typeof(array)
+        return self.run(identity(aval.shape, aval.dtype), array, keep=True, request_id=request_id)
+
+    def fetch(self, array: RemoteArray):
+        """The bytes of C{array}, copied back from its worker."""
+        answer = self._simple("GET", path_of(array))
+        if answer.status != 200:
+            raise error_of(answer)
+        return fetched(answer.body)
+
+    def delete(self, *arrays: RemoteArray) -> None:
+        """Free C{arrays} on their workers; L{kcoral.errors.ArrayLost} for one already gone."""
+        for array in arrays:
+            answer = self._simple("DELETE", path_of(array))
+            if answer.status != 200:
+                raise error_of(answer)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> dict[str, np.ndarray]:
         """
@@ -207,12 +236,16 @@ class Client:
 
     def models(self) -> list[dict]:
         """The repository index: each model's name, version, state and reason."""
-        with self._lock:
-            answer = self._request("POST", "/v2/repository/index", Send([b"{}"], 2, {}),
-                                   None if self.timeout is None else time.monotonic() + self.timeout)
+        answer = self._simple("POST", "/v2/repository/index", Send([b"{}"], 2, {}))
         if answer.status != 200:
             raise error_of(answer)
         return json.loads(answer.body)
+
+    def _simple(self, method: str, path: str, send: Send | None = None) -> Response:
+        """The answer to one request, within the client's timeout."""
+        with self._lock:
+            return self._request(method, path, send,
+                                 None if self.timeout is None else time.monotonic() + self.timeout)
 
     def _call(self, call: ICall, request_id: str | None):
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -235,9 +268,7 @@ class Client:
 
     def health(self) -> dict:
         """The service's C{/health} document (also when it answers 503)."""
-        with self._lock:
-            answer = self._request("GET", "/health", None, None if self.timeout is None
-                                   else time.monotonic() + self.timeout)
+        answer = self._simple("GET", "/health")
         if answer.status is None:
             raise ConnectionError(f"could not reach {self.url}: {answer.problem}")
         return json.loads(answer.body)

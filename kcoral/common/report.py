@@ -30,6 +30,15 @@ class InvalidReport(ValueError):
     pass
 
 
+_INSTANCE = re.compile(r"\A[0-9a-f]{16}\Z")
+
+
+def parse_instance(value: object) -> str | None:
+    """A worker's instance id as its health says it (None: it says none,
+    or not in the form KCoral gives it)."""
+    return value if isinstance(value, str) and _INSTANCE.match(value) else None
+
+
 @attrs.frozen
 class ModelState:
     """One model of a worker's repository: its version, C{READY} or not, and why not."""
@@ -85,6 +94,8 @@ class WorkerReport:
     restarts: int = 0
     #: Its repository's models and their states.
     models: tuple[ModelState, ...] = ()
+    #: The id it drew when it started, which its kept arrays' ids start with.
+    instance: str | None = None
 
     def to_json(self) -> dict:
         json = attrs.asdict(self, filter=lambda field, value: field.name not in ("cache", "models"))
@@ -184,6 +195,7 @@ def parse_report(body: object) -> NodeReport:
             devices=_count(w.get("devices", 1), f"worker {i} devices", MAX_WORKER_DEVICES, 1),
             restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
             models=parse_models(w.get("models", []), f"worker {i} models"),
+            instance=parse_instance(w.get("instance")),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")

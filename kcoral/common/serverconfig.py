@@ -24,6 +24,10 @@ class ServerConfig:
     cache_disk_bytes: int = 10 << 30
     compile_cache_entries: int = 64
     device_cache_bytes: int = 1 << 30
+    #: Bytes of the arrays runs keep on a worker's devices, and how long one
+    #: unused is kept.
+    kept_bytes: int = 1 << 30
+    kept_idle_seconds: float = 3600.0
     compilation_cache_dir: str | None = None
     secured: bool = False
     tls_cert: str | None = None

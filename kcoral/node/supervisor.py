@@ -38,7 +38,8 @@ log = Logger()
 #: The server settings a worker is started with, as they are on the node.
 WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "queue_wait_timeout_seconds",
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
-                   "compile_cache_entries", "device_cache_bytes", "compilation_cache_dir",
+                   "compile_cache_entries", "device_cache_bytes", "kept_bytes",
+                   "kept_idle_seconds", "compilation_cache_dir",
                    "model_repository", "max_batch_delay_microseconds",
                    "tls_cert", "tls_key", "log_format", "tracing")
 

@@ -31,7 +31,7 @@ from twisted.logger import Logger, globalLogPublisher
 
 from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.common.cached import parse_cached
-from kcoral.common.report import InvalidReport, WorkerReport, parse_models
+from kcoral.common.report import InvalidReport, WorkerReport, parse_instance, parse_models
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.devices import WorkerSpec
 from kcoral.node.restart import RestartPolicy
@@ -409,4 +409,8 @@ class Worker(service.Service):
                             # What it owns, as it lists them; what it was started with
                             # until it does.
                             devices=len(self.health.get("devices") or ()) or self.spec.devices,
-                            restarts=self._core.restart_count, cache=cache, models=models)
+                            restarts=self._core.restart_count, cache=cache, models=models,
+                            # Also while unhealthy: a live worker that missed a
+                            # probe still holds its kept arrays (a restart
+                            # forgets its health, and the id with it).
+                            instance=parse_instance(self.health.get("instance")))

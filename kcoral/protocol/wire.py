@@ -47,11 +47,17 @@ REDISPATCH_HEADER = "X-KCoral-Redispatch"
 #: The devices the run's program was exported for (absent: 1), so that a
 #: Router picks a member that owns as many without reading the body.
 DEVICES_HEADER = "X-KCoral-Devices"
+#: The kept arrays a run uses, their ids comma-separated: a Router sends the
+#: run to the worker that holds them without reading the body.
+KEPT_HEADER = "X-KCoral-Kept"
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024
 
 _DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
+#: A kept array's id: the id of the worker instance that holds it, a dash,
+#: and its own random part.
+_KEPT_ID = re.compile(r"\A([0-9a-f]{16})-[0-9a-f]{16}\Z")
 #: The name of a PRNG implementation, as C{jax.random.key_impl} gives it.
 _KEY_TYPE = re.compile(r"\A[A-Za-z0-9_]{1,64}\Z")
 
@@ -66,6 +72,13 @@ def sha256(data) -> str:
 
 def is_digest(value: object) -> bool:
     return isinstance(value, str) and _DIGEST.match(value) is not None
+
+
+def holder_of(kept: str) -> str | None:
+    """The instance id of the worker that holds kept array C{kept}; None
+    when C{kept} is no kept array's id."""
+    match = _KEPT_ID.match(kept)
+    return None if match is None else match.group(1)
 
 
 def _pad(size: int) -> int:
@@ -94,6 +107,9 @@ class ArraySpec:
     shape: tuple[int, ...]
     blob: Blob
     key_type: str | None = None
+    #: The id of a kept array this input names, in place of content (C{blob}
+    #: then has neither digest nor data).
+    kept: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +131,24 @@ class ArraySpec:
 class RunRequest:
     program: Blob
     inputs: tuple[ArraySpec, ...]
+    #: Whether its outputs stay on the worker (the answer names them).
+    keep: bool = False
+
+
+@attrs.frozen
+class Reference:
+    """A kept array as a frame names it: its id, dtype, shape and key type."""
+
+    kept: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    key_type: str | None = None
+
+    def entry(self) -> dict:
+        entry = {"dtype": name_of(self.dtype), "shape": list(self.shape), "kept": self.kept}
+        if self.key_type is not None:
+            entry["key_type"] = self.key_type
+        return entry
 
 
 def byte_view(buffer) -> memoryview:
@@ -208,7 +242,7 @@ def _shape(value: object, what: str) -> tuple[int, ...]:
 def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
     if not isinstance(entry, dict):
         raise WireError(f"{what} must be a JSON object")
-    unknown = set(entry) - {"dtype", "shape", "data", "digest", "key_type"}
+    unknown = set(entry) - {"dtype", "shape", "data", "digest", "key_type", "kept"}
     if unknown:
         raise WireError(f"{what}: unknown field {sorted(unknown)[0][:40]!r}")
     key_type = entry.get("key_type")
@@ -224,6 +258,13 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
         extent *= max(dim, 1)
         if extent > MAX_EXTENT_BYTES:
             raise WireError(f"{what}: shape {list(shape)[:8]} is too large")
+    kept = entry.get("kept")
+    if kept is not None:
+        if not isinstance(kept, str) or holder_of(kept) is None:
+            raise WireError(f"{what}: 'kept' must be a kept array's id")
+        if "data" in entry or "digest" in entry:
+            raise WireError(f"{what}: a kept array has neither 'data' nor 'digest'")
+        return ArraySpec(dtype, shape, Blob(None), key_type, kept)
     spec = ArraySpec(dtype, shape, _blob(payload, entry, what, digest_required=False), key_type)
     if spec.blob.data is not None:
         spec.view(spec.blob.data)  # checks the length against the shape
@@ -232,7 +273,7 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
 
 def decode_request(body) -> RunRequest:
     header, payload = read_frame(body)
-    unknown = set(header) - {"program", "inputs"}
+    unknown = set(header) - {"program", "inputs", "keep"}
     if unknown:
         raise WireError(f"unknown header field {sorted(unknown)[0][:40]!r}")
     program = header.get("program")
@@ -243,7 +284,10 @@ def decode_request(body) -> RunRequest:
     if not isinstance(inputs, list) or len(inputs) > MAX_ARRAYS:
         raise WireError(f"'inputs' must be a list of at most {MAX_ARRAYS} arrays")
     specs = tuple(_array_spec(payload, e, f"input {i}") for i, e in enumerate(inputs))
-    return RunRequest(blob, specs)
+    keep = header.get("keep", False)
+    if not isinstance(keep, bool):
+        raise WireError("'keep' must be true or false")
+    return RunRequest(blob, specs, keep)
 
 
 def _describe(writer: FrameWriter, array: np.ndarray, digest: str | None,
@@ -268,19 +312,23 @@ def wire_array(array) -> np.ndarray:
 
 
 def encode_request(program_digest: str, program: bytes | None,
-                   inputs: Sequence[tuple[np.ndarray, str | None, bool]],
-                   key_types: Sequence[str | None] = ()) -> tuple[list, int]:
+                   inputs: Sequence[tuple[np.ndarray, str | None, bool] | Reference],
+                   key_types: Sequence[str | None] = (), keep: bool = False) -> tuple[list, int]:
     """
-    Frame a run. Each input is C{(array, digest or None, send inline)}; the
-    arrays must already be L{wire_array}s. C{key_types}, when given, has one
-    entry per input: the key type of an input that is key data, else None.
+    Frame a run. Each input is C{(array, digest or None, send inline)}, or
+    the L{Reference} of a kept array; the arrays must already be
+    L{wire_array}s. C{key_types}, when given, has one entry per input: the
+    key type of an input that is key data, else None (a reference carries
+    its own). With C{keep}, the outputs are to stay on the worker.
     """
     writer = FrameWriter()
     head: dict = {"program": {"digest": program_digest}}
     if program is not None:
         head["program"]["data"] = writer.add(program)
-    head["inputs"] = [_describe(writer, a, d, inline, k)
-                      for (a, d, inline), k in zip(inputs, _each(key_types, len(inputs)), strict=True)]
+    head["inputs"] = [i.entry() if isinstance(i, Reference) else _describe(writer, *i, k)
+                      for i, k in zip(inputs, _each(key_types, len(inputs)), strict=True)]
+    if keep:
+        head["keep"] = True
     return writer.finish(head)
 
 
@@ -290,6 +338,28 @@ def encode_result(outputs: Sequence[np.ndarray],
     entries = [_describe(writer, wire_array(a), None, True, k)
                for a, k in zip(outputs, _each(key_types, len(outputs)), strict=True)]
     return writer.finish({"outputs": entries})
+
+
+def encode_references(references: Sequence[Reference]) -> bytes:
+    """The result frame of a run whose outputs stayed on the worker: each
+    output names its kept array, and no buffer follows."""
+    parts, _ = FrameWriter().finish({"outputs": [r.entry() for r in references]})
+    return b"".join(parts)
+
+
+def decode_references(body) -> list[Reference]:
+    """The kept arrays a result frame of L{encode_references} names."""
+    header, payload = read_frame(body)
+    outputs = header.get("outputs")
+    if not isinstance(outputs, list):
+        raise WireError("result frame lacks an 'outputs' list")
+    references = []
+    for i, entry in enumerate(outputs):
+        spec = _array_spec(payload, entry, f"output {i}")
+        if spec.kept is None:
+            raise WireError(f"output {i} names no kept array")
+        references.append(Reference(spec.kept, spec.dtype, spec.shape, spec.key_type))
+    return references
 
 
 def _each(key_types: Sequence[str | None], count: int) -> Iterable[str | None]:

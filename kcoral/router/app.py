@@ -22,6 +22,7 @@ from kcoral.common.report import InvalidReport, parse_report
 from kcoral.dashboard import page
 from kcoral.dashboard.history import History
 from kcoral.errors import (
+    ArrayLost,
     BadRequest,
     KCoralError,
     NodeConflict,
@@ -32,11 +33,17 @@ from kcoral.errors import (
 )
 from kcoral.inference.rest import InferenceResource
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import DEVICES_HEADER, INPUTS_HEADER, PROGRAM_HEADER
+from kcoral.protocol.wire import (
+    DEVICES_HEADER,
+    INPUTS_HEADER,
+    KEPT_HEADER,
+    PROGRAM_HEADER,
+    holder_of,
+)
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.inference import RouterInference
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
-from kcoral.router.proxy import Proxy
+from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
@@ -57,6 +64,8 @@ MAX_CONTROL_BYTES = 2 * 1024 * 1024
 _PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _INPUTS_HEADER = INPUTS_HEADER.encode()
 _DEVICES_HEADER = DEVICES_HEADER.encode()
+_KEPT_HEADER = KEPT_HEADER.encode()
+NO_BODY = MemoryBody(b"")
 #: The most devices a run may ask for (a worker reports at most as many).
 MAX_DEVICES = 1024
 _NODE_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")
@@ -116,7 +125,8 @@ class RouterApp:
         registry.register(ResidencyCollector(pool.residency))
         #: The recent samples the dashboard plots; a service its owner starts.
         self.history = History(registry, reactor)
-        self.forwarder = Forwarder(scheduler, Proxy(outgoing.client), reactor,
+        self._proxy = Proxy(outgoing.client)
+        self.forwarder = Forwarder(scheduler, self._proxy, reactor,
                                    observe_wait=self._queue_wait.observe,
                                    max_redispatches=max_redispatches)
         #: Its members' models, on the inference protocol.
@@ -181,15 +191,36 @@ class RouterApp:
     def post_run(self, request) -> Deferred:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
-        demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER))
         devices = _devices(request.getHeader(_DEVICES_HEADER))
-        if devices is None:
-            d = fail(BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}"))
+        try:
+            if devices is None:
+                raise BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}")
+            demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER),
+                               request.getHeader(_KEPT_HEADER))
+        except KCoralError as e:
+            d = fail(e)
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
             d = self.forwarder.forward(request, body_of(request), demand, devices, span)
             d.addBoth(span.ended)
+        d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
+        return d
+
+    # -- kept arrays ----------------------------------------------------------
+
+    # Straight to the member that holds the array, outside the queue: a fetch
+    # or a delete does not wait behind runs, and only that member can answer.
+    @app.route("/v1/arrays/<kept>", methods=["GET", "DELETE"])
+    def array(self, request, kept) -> Deferred:
+        instance = holder_of(kept)
+        member = None if instance is None else self.pool.holder(instance)
+        if member is None:
+            d = fail(ArrayLost(f"no worker of this pool holds kept array {kept} (it restarted, "
+                               f"or is gone)", details={"lost": [kept]}))
+        else:
+            d = self._proxy.forward(member.url, request, NO_BODY, method=request.method)
+            d.addErrback(_not_sent)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 
@@ -228,7 +259,8 @@ class RouterApp:
                 "endpoints": [m.url for m in node.members.values()],
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
                              "capacity": m.capacity, "active": m.active, "devices": m.devices,
-                             "restarts": m.restarts, "models": [s.to_json() for s in m.models]}
+                             "restarts": m.restarts, "models": [s.to_json() for s in m.models],
+                             "instance": m.instance}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})
@@ -299,6 +331,12 @@ def _devices(header: bytes | None) -> int | None:
     if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
         return None
     return int(header)
+
+
+def _not_sent(failure: Failure):
+    """A member that did not take a fetch or a delete: busy, as for a run."""
+    failure.trap(NotSent)
+    raise ServerBusy(str(failure.value), reason="no_ready_node")
 
 
 def _relayed(answer, request) -> bytes:

@@ -78,7 +78,9 @@ class Forwarder:
         """
         rid = request.request_id
         arrived = self._clock.seconds()
-        redispatches = self.max_redispatches if asks_redispatch(request) else 0
+        # A run of kept arrays is never run again: they live on its node.
+        redispatches = self.max_redispatches if asks_redispatch(request) and (
+            demand is None or demand.kept is None) else 0
         not_sent = lost = 0
         while not_sent < MAX_NOT_SENT:
             with span.child("kcoral.queue_wait"):

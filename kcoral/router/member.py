@@ -42,6 +42,8 @@ class Member:
     #: Those it reports ready, by name, each with its max_batch_size: an
     #: inference of another model never goes there.
     ready_models: dict[str, int] = attrs.Factory(dict)
+    #: The instance id it reports: runs of the arrays it keeps go only here.
+    instance: str | None = None
 
     def capacity_for(self, demand: Demand | None) -> int:
         """
@@ -55,9 +57,11 @@ class Member:
 
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,
-        if it names one) may go here: the hard constraints, beside capacity."""
-        return self.devices >= devices and (
-            demand is None or demand.model is None or demand.model in self.ready_models)
+        or the worker that holds its kept arrays, if it names one) may go
+        here: the hard constraints, beside capacity."""
+        return self.devices >= devices and (demand is None or (
+            (demand.model is None or demand.model in self.ready_models)
+            and (demand.kept is None or demand.kept == self.instance)))
 
     @property
     def usable(self) -> bool:

@@ -130,9 +130,10 @@ class Affinity:
         cold: tuple[int, Member] | None = None
         patience: float | None = None
         for index, (demand, devices, waited) in enumerate(runs):
-            if demand is None or demand.model is not None:
-                # Every member that has a model ready has compiled it: where
-                # it goes is a question of load alone.
+            if demand is None or demand.pinned:
+                # Every member that has a model ready has compiled it, and
+                # kept arrays have one member: where it goes is a question
+                # of load alone.
                 member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand), demand)
                 if member is None:
                     break
@@ -221,8 +222,8 @@ def _full(members: Iterable[Member], devices: int, demand: Demand) -> Iterator[M
 
 def _owning(members: Sequence[Member], devices: int, demand: Demand | None) -> Sequence[Member]:
     """The members of C{members} that own at least C{devices} devices (and
-    have C{demand}'s model ready, if it names one)."""
-    if devices <= 1 and (demand is None or demand.model is None):
+    meet C{demand}'s other hard constraints: L{Member.fits})."""
+    if devices <= 1 and (demand is None or not demand.pinned):
         return members
     return [m for m in members if m.fits(devices, demand)]
 

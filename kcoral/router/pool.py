@@ -149,6 +149,7 @@ class Pool:
             member.restarts = worker.restarts
             member.models = worker.models
             member.ready_models = {m.name: m.max_batch_size for m in worker.models if m.ready}
+            member.instance = worker.instance
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)
@@ -249,6 +250,14 @@ class Pool:
         there is none."""
         choice = self.choose(((demand, devices, waited),))
         return choice[1] if isinstance(choice, tuple) else choice
+
+    def holder(self, instance: str) -> Member | None:
+        """The member that reports instance id C{instance}, if any does."""
+        for node in self.nodes.values():
+            for member in node.members.values():
+                if member.instance == instance:
+                    return member
+        return None
 
     def member_capacity(self) -> int:
         """The capacity of every healthy member, its node ready or not: the

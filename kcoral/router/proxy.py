@@ -100,12 +100,14 @@ class Proxy:
         return parsed
 
     @inlineCallbacks
-    def forward(self, url: str, request, body: IBody, traceparent: bytes | None = None):
+    def forward(self, url: str, request, body: IBody, traceparent: bytes | None = None,
+                method: bytes = b"POST"):
         """
         The L{Answer} of the member at C{url} to C{body} (sent afresh on each
         call: a spooled body is read again from its start), sent with
-        C{request}'s id and headers (and C{traceparent}, the span of this
-        forward, in place of the client's); fails with L{NotSent} or L{NodeFailure}.
+        C{method}, C{request}'s id and headers (and C{traceparent}, the span
+        of this forward, in place of the client's); fails with L{NotSent} or
+        L{NodeFailure}.
         Cancelling it closes the request to the member (or stops reading its
         answer) and fails it with C{CancelledError}.
         """
@@ -123,9 +125,9 @@ class Proxy:
         try:
             # A node's answer goes back as it is: never follow a redirect with
             # a program (and the body is read once, right here: no buffering).
-            response = yield _cancelled_as_such(self._client.post(
-                self.url_of(url, path), data=body.send(), headers=headers, allow_redirects=False,
-                unbuffered=True))
+            response = yield _cancelled_as_such(self._client.request(
+                method.decode("ascii"), self.url_of(url, path), data=body.send(), headers=headers,
+                allow_redirects=False, unbuffered=True))
             content = yield _cancelled_as_such(response.content())
         except CancelledError:
             raise

@@ -22,7 +22,8 @@ import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
-from kcoral.protocol.wire import MAX_INPUTS_LISTED, is_digest
+from kcoral.errors import ArraysApart, BadRequest
+from kcoral.protocol.wire import KEPT_HEADER, MAX_ARRAYS, MAX_INPUTS_LISTED, holder_of, is_digest
 
 #: Entries the Router keeps per member, reported and learned together.
 MAX_HELD = 4 * MAX_CONTENTS
@@ -37,22 +38,36 @@ class Demand:
     inputs: tuple[tuple[str, int], ...] = ()
     #: The model an inference runs: only members that report it ready take it.
     model: str | None = None
+    #: The instance id of the worker that holds the kept arrays the run
+    #: uses (C{arrays}, their ids): only that member takes it.
+    kept: str | None = None
+    arrays: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, program: bytes | None, inputs: bytes | None) -> Demand | None:
-        """The demand the C{X-KCoral-Program} and C{X-KCoral-Inputs} headers
-        state, or None without a program digest. An input entry that does not
-        parse is left out: placement is a preference, never a refusal (the
-        worker checks the frame itself)."""
+    def of(cls, program: bytes | None, inputs: bytes | None,
+           kept: bytes | None = None) -> Demand | None:
+        """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs} and
+        C{X-KCoral-Kept} headers state, or None without a program digest. An
+        input entry that does not parse is left out: placement by content is
+        a preference, never a refusal (the worker checks the frame itself).
+        Kept arrays are a hard constraint: L{ArraysApart} when they name
+        several workers, L{BadRequest} for an id that is none."""
         digest = (program or b"").decode("ascii", "replace")
         if not is_digest(digest):
             return None
+        arrays = tuple(kept.decode("ascii", "replace").split(",")[:MAX_ARRAYS]) if kept else ()
+        holders = {holder_of(a) for a in arrays}
+        if None in holders:
+            raise BadRequest(f"{KEPT_HEADER} must list kept arrays' ids")
+        if len(holders) > 1:
+            raise ArraysApart("the run's kept arrays are held by different workers; "
+                              "a run takes them where they are, all on one worker")
         named: list[tuple[str, int]] = []
         for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
             content, _, size = entry.strip().partition("=")
             if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
                 named.append((content, int(size)))
-        return cls(digest, tuple(named))
+        return cls(digest, tuple(named), kept=holders.pop() if holders else None, arrays=arrays)
 
     @classmethod
     def of_model(cls, name: str) -> Demand:
@@ -64,6 +79,12 @@ class Demand:
     @property
     def nbytes(self) -> int:
         return sum(size for _, size in self.inputs)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a hard constraint picks its members (a model, kept
+        arrays): where it goes among them is a question of load alone."""
+        return self.model is not None or self.kept is not None
 
     @property
     def home(self) -> str:

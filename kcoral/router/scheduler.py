@@ -14,7 +14,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
-from kcoral.errors import NotEnoughDevices, ServerBusy
+from kcoral.errors import ArrayLost, NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.residency import Demand
@@ -68,7 +68,7 @@ class Scheduler:
         (L{Pool.choose})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
-        refusal = self._too_few(devices)
+        refusal = self._too_few(devices) or self._lost(demand)
         if refusal is not None:
             return fail(refusal)
         if not len(self.queue):
@@ -97,6 +97,16 @@ class Scheduler:
         return NotEnoughDevices(f"the program was exported for {devices} devices; no ready "
                                 f"member owns more than {most}")
 
+    def _lost(self, demand: Demand | None) -> ArrayLost | None:
+        """Why a run of C{demand} will never find its kept arrays (no member
+        reports the instance that holds them: it restarted, or this Router
+        never heard of it), or None."""
+        if demand is None or demand.kept is None or self.pool.holder(demand.kept) is not None:
+            return None
+        return ArrayLost(f"no worker of this pool holds the kept arrays of instance "
+                         f"{demand.kept} (it restarted, or is gone)",
+                         details={"lost": list(demand.arrays)})
+
     def _refused(self, failure):
         self._check_idle()
         if failure.check(QueueFull):
@@ -111,11 +121,11 @@ class Scheduler:
         """Give free capacity to waiting requests, as the placement rule
         chooses among the oldest."""
         while len(self.queue):
-            _, devices = self.queue.oldest_need()
-            refusal = self._too_few(devices)
+            demand, devices = self.queue.oldest_need()
+            refusal = self._too_few(devices) or self._lost(demand)
             if refusal is not None:
-                # The members that owned as many are gone: waiting longer
-                # would hold up every run behind this one.
+                # The members that owned as many, or its kept arrays, are
+                # gone: waiting longer would hold up every run behind this one.
                 self.queue.fail_next(refusal)
                 continue
             now = self._clock.seconds()

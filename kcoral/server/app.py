@@ -1,6 +1,6 @@
 """
-The server's HTTP API: C{/health}, C{/readyz}, C{/metrics} and
-C{POST /v1/run}.
+The server's HTTP API: C{/health}, C{/readyz}, C{/metrics},
+C{POST /v1/run} and the kept arrays under C{/v1/arrays}.
 
 The reactor only parses the small JSON frame header and moves bytes; digest
 checks, cache I/O and JAX all run on the server's worker threads, so health
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from klein import Klein
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from kcoral._version import __version__
@@ -92,6 +93,7 @@ class ServerApp:
             "version": __version__,
             "cache": self.executor.cached(),
             "models": [] if self.inference is None else self.inference.health(),
+            "instance": self.executor.kept.instance,
         }
 
     @app.route("/health", methods=["GET"])
@@ -145,6 +147,28 @@ class ServerApp:
                       request_id=rid, digest=(run.program.digest or "")[:12], size=len(result))
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, result)
+
+    # -- kept arrays ------------------------------------------------------
+
+    # Not in a slot: a copy from the device, or a freed reference, does not
+    # wait behind the runs that hold the slots.
+    @app.route("/v1/arrays/<kept>", methods=["GET"])
+    @inlineCallbacks
+    def get_array(self, request, kept):
+        try:
+            frame = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.fetch, kept)
+        except KCoralError as e:
+            return error_response(request, e)
+        request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
+        return with_length(request, frame)
+
+    @app.route("/v1/arrays/<kept>", methods=["DELETE"])
+    def delete_array(self, request, kept):
+        try:
+            self.executor.kept.delete(kept)
+        except KCoralError as e:
+            return error_response(request, e)
+        return json_response(request, 200, {"deleted": kept})
 
     def arrived(self) -> ServerBusy | None:
         """

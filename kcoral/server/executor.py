@@ -8,6 +8,7 @@ and L{Executor.execute} from worker threads, never from the reactor.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -30,9 +31,18 @@ from kcoral.errors import (
 )
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.protocol.dtypes import SUB_BYTE
-from kcoral.protocol.wire import Blob, RunRequest, WireError, encode_result, sha256
+from kcoral.protocol.wire import (
+    ArraySpec,
+    Blob,
+    RunRequest,
+    WireError,
+    encode_references,
+    encode_result,
+    sha256,
+)
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
+from kcoral.server.kept import Kept, KeptStore
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
 from kcoral.tracing import NO_SPAN, ISpan
 
@@ -89,8 +99,10 @@ def gpu_target_of(device) -> str:
 class Executor:
     def __init__(self, *, uploads: UploadCache, compiled: CompileCache, placed: DeviceCache,
                  metrics: ExecutorMetrics, gpus: str = "0", devices: int = 1,
-                 compilation_cache_dir: str | None = None):
+                 compilation_cache_dir: str | None = None, kept: KeptStore | None = None):
         self._uploads = uploads
+        #: The arrays runs kept on this server's devices.
+        self.kept = KeptStore() if kept is None else kept
         self._compiled = compiled
         self._placed = placed
         self._metrics = metrics
@@ -210,14 +222,18 @@ class Executor:
 
         digest = run.program.digest
         assert digest is not None  # the decoder requires the program's
+        # Lost arrays first: resending content would not bring them back.
+        kept = self.kept.take(spec.kept for spec in run.inputs if spec.kept is not None)
         missing: list[str] = []
         serialized = self._content(run.program, "program", missing)
-        contents = [self._content(spec.blob, f"input {i}", missing) for i, spec in enumerate(run.inputs)]
+        contents = [None if spec.kept is not None else self._content(spec.blob, f"input {i}", missing)
+                    for i, spec in enumerate(run.inputs)]
         if missing:
             raise MissingContent(f"the server does not hold {len(missing)} referenced upload(s)",
                                  details={"missing": missing})
         try:
-            arrays = [spec.view(data) for spec, data in zip(run.inputs, contents)]
+            arrays = [spec.view(data) if spec.kept is None else _kept_input(spec, kept[spec.kept], i)
+                      for i, (spec, data) in enumerate(zip(run.inputs, contents))]
         except WireError as e:
             raise BadRequest(str(e)) from None
         exported = self._exported(digest, serialized)
@@ -269,6 +285,8 @@ class Executor:
         if fresh:
             log.info("{request_id} compiled program {digest}", request_id=request_id,
                      digest=digest[:12])
+        # Refused before it runs: the compiled program says what it returns.
+        reservation = self.kept.reserve(_output_bytes(executable)) if run.keep else None
         started = time.perf_counter()
         try:
             try:
@@ -283,10 +301,14 @@ class Executor:
                          "input(s), running once more", request_id=request_id, count=dropped)
                 outputs = self._call(executable, run, arrays, placements, span)
         except Exception as e:
+            if reservation is not None:
+                self.kept.release(reservation)
             self._metrics.executions.labels("failed").inc()
             raise ProgramFailed(f"the program failed while running: {_first_line(e)}") from None
         self._metrics.execution_seconds.observe(time.perf_counter() - started)
         self._ran_ok.inc()
+        if reservation is not None:
+            return encode_references(self.kept.keep(reservation, outputs, result_key_types))
         parts, _ = encode_result([np.asarray(o) for o in outputs], result_key_types)
         return b"".join(parts)
 
@@ -313,10 +335,16 @@ class Executor:
             return (whole,) * len(exported.in_avals)
         return tuple(whole if s is None else s for s in exported.in_shardings_jax(mesh))
 
-    def _call(self, executable, run: RunRequest, arrays: list[np.ndarray], placements,
+    def fetch(self, kept: str) -> bytes:
+        """The result frame of kept array C{kept}, copied from its device."""
+        entry = self.kept.take([kept])[kept]
+        parts, _ = encode_result([np.asarray(entry.array)], [entry.key_type])
+        return b"".join(parts)
+
+    def _call(self, executable, run: RunRequest, arrays: list, placements,
               span: ISpan) -> list:
-        """The outputs of one run, as host arrays (a sharded output gathered
-        whole)."""
+        """The outputs of one run: as device arrays where it keeps them,
+        else as host arrays (a sharded output gathered whole)."""
         import jax
 
         # Small numpy inputs go straight to the compiled executable: its C++
@@ -326,16 +354,36 @@ class Executor:
         # narrower than a byte, which device_put lays out unpacked while the
         # executable wants them packed. A failed transfer (device out of
         # memory) is a failed run.
+        # Kept inputs are device arrays already, and have no digest.
         arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
                   else self._placed.get(spec.blob.digest, array,
                                         self._device if placements is None else placements[i])
                   for i, (spec, array) in enumerate(zip(run.inputs, arrays))]
         with span.child("kcoral.execute"):
             outputs = executable(*arrays)
+            if run.keep:
+                return list(outputs)
             # jax.device_get overlaps the copies of several outputs; for the
             # common single output, np.asarray is the same copy without its
             # tree walk.
             return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+
+
+def _kept_input(spec: ArraySpec, kept: Kept, index: int):
+    """The device array of kept input C{index}, which C{spec} describes as
+    its client knows it."""
+    array = kept.array
+    if (spec.dtype, spec.shape, spec.key_type) != (array.dtype, tuple(array.shape), kept.key_type):
+        raise WireError(f"input {index}: kept array {spec.kept} is "
+                        f"{list(array.shape)} {array.dtype}, not {list(spec.shape)} {spec.dtype}")
+    return array
+
+
+def _output_bytes(executable) -> int:
+    """The bytes of a compiled program's outputs (key data, for keys)."""
+    import jax
+
+    return sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(executable.out_info))
 
 
 def _mesh(exported, devices: list):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 from twisted.application import service
+from twisted.application.internet import TimerService
 from twisted.internet.defer import inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -25,6 +26,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.inference import InferenceMetrics, ServerInference, Slots
+from kcoral.server.kept import KeptStore, kept_metrics
 from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
@@ -56,7 +58,12 @@ class ServerService(service.MultiService):
         self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
         uploads = UploadCache(config.cache_memory_bytes, metrics.caches,
                               config.cache_dir, config.cache_disk_bytes)
-        self.executor = Executor(uploads=uploads,
+        kept = KeptStore(config.kept_bytes, config.kept_idle_seconds, now=reactor.seconds)
+        kept_metrics(kept, registry)
+        sweep = TimerService(kept.sweep_seconds, kept.expire)
+        sweep.clock = reactor
+        sweep.setServiceParent(self)
+        self.executor = Executor(uploads=uploads, kept=kept,
                                  compiled=CompileCache(config.compile_cache_entries, metrics.caches),
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,

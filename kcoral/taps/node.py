@@ -91,6 +91,11 @@ class NodeOptions(KCoralOptions):
         _server("device_cache_bytes",
                 "Large inputs kept on each worker's device between runs, in bytes (0: none).",
                 non_negative(int)),
+        _server("kept_bytes", "Bytes of the arrays runs keep on each worker's devices (keep=True); "
+                "a run whose kept outputs would pass it is refused before it runs.",
+                non_negative(int)),
+        _server("kept_idle_seconds", "A kept array no run or fetch used for this long is freed.",
+                positive(float)),
         _server("compilation_cache_dir", "Directory for JAX's persistent compilation cache."),
         _server("model_repository", "A folder of model bundles (kcoral.export_bundle) every worker "
                 "loads and compiles before it is ready [node file: model_repository or model_repo]."),

@@ -65,6 +65,10 @@ RUN = Family(
     forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), TRACEPARENT),
     returned=(b"Content-Type", b"Retry-After"))
 
+#: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end.
+ARRAYS = Family("arrays", b"/v1/arrays/", routes=(_route("/v1/arrays/{id}"),),
+                forwarded=(TRACEPARENT,), returned=(b"Content-Type", b"Retry-After"))
+
 #: The pool's members and where they listen (a Router's, a gateway's).
 NODES = Family("nodes", b"/v1/nodes", routes=(_route("/v1/nodes"),))
 
@@ -85,7 +89,7 @@ INFERENCE = Family(
     returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH),
     open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}))
 
-FAMILIES = (RUN, NODES, INFERENCE)
+FAMILIES = (RUN, ARRAYS, NODES, INFERENCE)
 
 
 def route_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> tuple[Family, str] | None:

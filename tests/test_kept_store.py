@@ -1,0 +1,285 @@
+"""
+Kept arrays without processes: the worker's store (its bound, refused before
+a run runs; expiry on a fake clock; delete; lost arrays), the frame's
+references, the report that carries a worker's instance id, and the Router's
+hard constraint (a run of kept arrays goes only to the member that holds
+them; 422 arrays_apart; 410 array_lost where no member does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from twisted.application.internet import TimerService
+from twisted.internet.task import Clock
+
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
+from kcoral.errors import ArrayLost, ArraysApart, BadRequest, KeptMemoryFull
+from kcoral.protocol.wire import (
+    Reference,
+    RunRequest,
+    WireError,
+    decode_references,
+    decode_request,
+    encode_references,
+    encode_request,
+    holder_of,
+    sha256,
+)
+from kcoral.router.pool import READY, Pool
+from kcoral.router.residency import Demand
+from kcoral.router.scheduler import Scheduler
+from kcoral.server.compile_cache import CompileCache
+from kcoral.server.device_cache import DeviceCache
+from kcoral.server.executor import Executor, ExecutorMetrics
+from kcoral.server.kept import KeptStore
+from kcoral.server.upload_cache import UploadCache
+from tests.fakes import node_report
+from tests.test_worker import HEALTHY, URL, Supervised
+
+jax = pytest.importorskip("jax")
+
+P = "a" * 64
+A, B = "0123456789abcdef", "fedcba9876543210"
+
+
+class Array:
+    """A stand-in for a device array: what the store reads of one."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.dtype, self.shape = nbytes, np.dtype(np.uint8), (nbytes,)
+
+
+def kept(store: KeptStore, *sizes: int) -> list[str]:
+    """Ids of arrays of C{sizes} bytes, kept in C{store} as one run's outputs."""
+    reservation = store.reserve(sum(sizes))
+    return [r.kept for r in store.keep(reservation, [Array(n) for n in sizes], [None] * len(sizes))]
+
+
+# -- the store -------------------------------------------------------------------------------
+
+def test_a_reservation_past_the_bound_is_refused_with_507():
+    """Kept and reserved bytes together never pass --kept-bytes: past it, 507 kept_memory_full."""
+    store = KeptStore(100)
+    kept(store, 60)
+    held = store.reserve(30)
+    with pytest.raises(KeptMemoryFull) as refused:
+        store.reserve(11)
+    assert refused.value.status == 507 and refused.value.reason == "kept_memory_full"
+    store.release(held)
+    kept(store, 40)
+    assert (store.count, store.nbytes) == (2, 100)
+
+
+def test_ids_name_the_worker_instance():
+    """Each kept array's id starts with its store's random instance id; two stores draw two."""
+    first, second = KeptStore(), KeptStore()
+    assert first.instance != second.instance
+    [one] = kept(first, 1)
+    assert holder_of(one) == first.instance and holder_of("not-an-id") is None
+
+
+def test_a_deleted_array_is_lost_and_named():
+    """A deleted array is freed, and a run or a second delete of it gets 410 array_lost naming it."""
+    store = KeptStore()
+    one, two = kept(store, 10, 20)
+    store.delete(one)
+    assert (store.count, store.nbytes) == (1, 20)
+    with pytest.raises(ArrayLost) as lost:
+        store.take([two, one])
+    assert lost.value.status == 410 and lost.value.lost == [one]
+    with pytest.raises(ArrayLost):
+        store.delete(one)
+
+
+def test_arrays_of_another_instance_are_lost_here():
+    """An id of another instance (a restarted worker's) names nothing: lost, never another array."""
+    store, before = KeptStore(), KeptStore()
+    [old] = kept(before, 8)
+    with pytest.raises(ArrayLost) as lost:
+        store.take([old])
+    assert lost.value.lost == [old]
+
+
+def test_arrays_of_two_instances_are_apart():
+    """A run that names arrays of two instances is refused with 422 arrays_apart."""
+    [a], [b] = kept(KeptStore(), 1), kept(KeptStore(), 1)
+    with pytest.raises(ArraysApart) as apart:
+        KeptStore().take([a, b])
+    assert apart.value.status == 422 and apart.value.reason == "arrays_apart"
+
+
+def test_idle_arrays_expire_on_the_reactors_timer():
+    """An array no run or fetch used for --kept-idle-seconds is freed by the sweep; a used one lives on."""
+    clock = Clock()
+    store = KeptStore(idle_seconds=100, now=clock.seconds)
+    sweep = TimerService(store.sweep_seconds, store.expire)
+    sweep.clock = clock
+    sweep.startService()
+    idle, used = kept(store, 5, 7)
+    clock.advance(60)
+    store.take([used])
+    clock.advance(60)
+    assert store.count == 1
+    with pytest.raises(ArrayLost):
+        store.take([idle])
+    clock.advance(100)
+    assert store.count == 0 and store.nbytes == 0
+    sweep.stopService()
+
+
+# -- the executor -----------------------------------------------------------------------------
+
+@pytest.fixture
+def executor():
+    """C{executor(kept)}: a loaded executor keeping arrays in C{kept}, and its metrics. Loading
+    turns x64 on for the whole process, as a server does: it is turned back after the test."""
+    x64 = jax.config.jax_enable_x64
+
+    def make(kept: KeptStore) -> tuple[Executor, ExecutorMetrics]:
+        metrics = ExecutorMetrics(CollectorRegistry())
+        ex = Executor(uploads=UploadCache(1 << 20, metrics.caches),
+                      compiled=CompileCache(4, metrics.caches),
+                      placed=DeviceCache(0, metrics.caches), metrics=metrics, gpus="none", kept=kept)
+        ex.load()
+        return ex, metrics
+
+    yield make
+    jax.config.update("jax_enable_x64", x64)
+
+
+def run_of(program, *inputs, keep: bool = False) -> RunRequest:
+    """The decoded run of C{program} on C{inputs}: arrays inline, or references."""
+    entries = [i if isinstance(i, Reference) else (np.asarray(i), None, True) for i in inputs]
+    parts, _ = encode_request(program.digest, program.serialized, entries, keep=keep)
+    return decode_request(b"".join(parts))
+
+
+def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run(executor):
+    """Kept outputs past --kept-bytes: 507 before the program runs, nothing kept; within it, kept."""
+    from kcoral import Program
+
+    program = Program.from_function(lambda x: jax.numpy.zeros(64, np.float32) + x, np.float32(0))
+    ex, metrics = executor(KeptStore(255))
+    with pytest.raises(KeptMemoryFull):
+        ex.execute(run_of(program, np.float32(1), keep=True), "r1")
+    assert ex.kept.count == 0 and ex.kept.nbytes == 0
+    assert metrics.executions.labels("ok")._value.get() == 0
+    ex.kept.limit_bytes = 256
+    [ref] = decode_references(ex.execute(run_of(program, np.float32(1), keep=True), "r2"))
+    assert ref.shape == (64,) and ex.kept.nbytes == 256
+
+
+def test_kept_outputs_feed_a_run_on_the_device(executor):
+    """Kept outputs stay device arrays; a run given their references takes them as they are."""
+    from kcoral import Program
+
+    double = Program.from_function(lambda x: x * 2, np.zeros(3, np.float32))
+    ex, _ = executor(KeptStore())
+    [ref] = decode_references(ex.execute(run_of(double, np.arange(3, dtype=np.float32), keep=True), "r"))
+    assert isinstance(ex.kept.take([ref.kept])[ref.kept].array, jax.Array)
+    [again] = decode_references(ex.execute(run_of(double, ref, keep=True), "r"))
+    from kcoral.protocol.wire import decode_result
+
+    assert decode_result(ex.fetch(again.kept))[0].tolist() == [0, 4, 8]
+    ex.kept.delete(ref.kept)
+    with pytest.raises(ArrayLost):
+        ex.execute(run_of(double, ref), "r")
+
+
+# -- the frame --------------------------------------------------------------------------------
+
+def test_references_travel_in_the_frame():
+    """An input may name a kept array instead of data; a kept result lists ids, shapes and dtypes."""
+    ref = Reference(f"{A}-{B}", np.dtype(np.float32), (2, 3))
+    parts, _ = encode_request(P, None, [ref, (np.ones(2, np.int8), None, True)], keep=True)
+    run = decode_request(b"".join(parts))
+    assert run.keep and run.inputs[0].kept == ref.kept and run.inputs[0].shape == (2, 3)
+    assert run.inputs[1].kept is None
+    assert decode_references(encode_references([ref])) == [ref]
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": "float32", "shape": [1], "kept": "nope"},
+    {"dtype": "float32", "shape": [1], "kept": f"{A}-{B}", "digest": sha256(b"x")},
+])
+def test_a_malformed_reference_is_a_bad_frame(entry):
+    """A reference that is no kept array's id, or that also carries content, is refused (400)."""
+    from kcoral.protocol.wire import FrameWriter
+
+    parts, _ = FrameWriter().finish({"program": {"digest": P}, "inputs": [entry]})
+    with pytest.raises(WireError):
+        decode_request(b"".join(parts))
+
+
+# -- the report and the Router ----------------------------------------------------------------
+
+def test_a_supervisor_relays_its_workers_instance():
+    """The instance id of a worker's /health is in its node's report; a malformed one is left out."""
+    s = Supervised()
+    s.worker.startService()
+    s.listening()
+    s.http.answer(URL + "/health", 200, dict(HEALTHY, instance=A))
+    s.reactor.advance(2)
+    assert s.worker.report(URL).instance == A
+    s.http.answer(URL + "/health", 200, dict(HEALTHY, instance="../x"))
+    s.reactor.advance(2)
+    assert s.worker.report(URL).instance is None
+
+
+class Routed:
+    """A Router's pool of one node with two workers, instances A and B."""
+
+    def __init__(self):
+        self.clock = Clock()
+        self.pool = Pool(self.clock, recovery_threshold=1)
+        self.scheduler = Scheduler(self.pool, WaitQueue(self.clock, 64, 10.0))
+        body = node_report(capacities=(1, 1))
+        for worker, instance in zip(body["workers"], (A, B)):
+            worker["instance"] = instance
+        self.pool.report("n", parse_report(body))
+        self.pool.observe()
+        assert self.pool.nodes["n"].state == READY
+        self.a, self.b = (self.pool.nodes["n"].members[f"worker{i}"] for i in (0, 1))
+
+
+def demand(*ids: str) -> Demand | None:
+    return Demand.of(P.encode(), None, ",".join(ids).encode())
+
+
+def test_kept_arrays_pin_a_run_to_their_member():
+    """A run of kept arrays goes to the member of their instance, never to a freer one."""
+    routed = Routed()
+    routed.b.held.learn(Demand(P), 0.0)  # a warm member, for affinity's sake
+    assert routed.pool.pick(demand(f"{A}-{B}")) is routed.a
+    assert routed.b.fits(1, demand(f"{B}-{A}")) and not routed.a.fits(1, demand(f"{B}-{A}"))
+
+
+def test_a_run_waits_for_the_busy_holder():
+    """With its holder full, a run of kept arrays waits for it while the other member stands idle."""
+    routed = Routed()
+    first = routed.scheduler.acquire(demand(f"{A}-{B}"))
+    waiting = routed.scheduler.acquire(demand(f"{A}-{A}"))
+    assert first.result.member is routed.a and not waiting.called
+    first.result.release()
+    assert waiting.result.member is routed.a
+
+
+def test_arrays_of_no_member_are_lost_at_the_router():
+    """A run of arrays of an instance no member reports (restarted, gone) fails at once with 410."""
+    routed = Routed()
+    lost = routed.scheduler.acquire(demand(f"{'1' * 16}-{B}"))
+    assert isinstance(lost.result.value, ArrayLost)
+    assert lost.result.value.lost == [f"{'1' * 16}-{B}"]
+    lost.addErrback(lambda _: None)
+
+
+def test_the_router_refuses_arrays_apart_and_bad_ids():
+    """The kept header naming two instances is 422 arrays_apart; an id that is none, 400."""
+    with pytest.raises(ArraysApart):
+        demand(f"{A}-{B}", f"{B}-{A}")
+    with pytest.raises(BadRequest):
+        demand("junk")
+    assert demand() == Demand(P)
