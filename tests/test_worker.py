@@ -97,6 +97,20 @@ def test_the_first_good_probe_makes_the_worker_healthy():
     assert not s.worker.healthy and s.worker.report(URL).capacity == 0
 
 
+def test_a_worker_compiling_its_models_past_the_startup_grace_is_left_alone():
+    """A worker that answers 503 starting (its models still compiling) is alive: no signal,
+    however long past the startup grace, and not healthy until it answers 200."""
+    s = Supervised()
+    s.worker.startService()
+    s.listening()
+    s.http.answer(URL + "/health", 503, {"status": "starting"})
+    s.reactor.advance_to(300)
+    assert s.process.signals == [] and not s.worker.healthy
+    s.http.answer(URL + "/health", 200, HEALTHY)
+    s.reactor.advance(2)
+    assert s.worker.healthy
+
+
 def test_an_unresponsive_worker_is_left_alone_during_startup_grace():
     """Failed probes within the startup grace send no signal."""
     s = Supervised()

@@ -367,9 +367,12 @@ class Worker(service.Service):
             health = json.loads(body)
             core.health = health if isinstance(health, dict) else {}
             serving = response.code == 200
-            # A draining worker answers 503 while it finishes its runs: it is
-            # alive, though it takes no new work.
-            ok = serving or (response.code == 503 and core.health.get("status") == "draining")
+            # A draining worker answers 503 while it finishes its runs, and a
+            # starting one while it compiles its models (minutes, on a GPU,
+            # for a large repository): either is alive, though it takes no
+            # new work.
+            ok = serving or (response.code == 503
+                             and core.health.get("status") in ("draining", "starting"))
             why = f"/health answered {response.code} ({core.health.get('status')})"
             self._tls_refused = None
         except Exception as e:
