@@ -229,3 +229,17 @@ def test_past_its_bound_a_request_is_refused_at_once():
     b.infer({"input": rows(2)}, 1, "b")
     got = results([b.infer({"input": rows(3)}, 1, "c")])
     assert got[0].value.reason == "queue_full"
+
+
+def test_a_short_batch_that_cannot_grow_does_not_wait_for_the_delay():
+    """With a delay, a batch goes at once when the request behind it could not join it."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(0)}, 1, "busy")
+    clock.advance(0.5)
+    b.infer({"input": rows(*range(5))}, 5, "five")
+    b.infer({"input": rows(*range(4))}, 4, "four")
+    server.finish()
+    assert len(server.running) == 1  # the five rows went without waiting
+    server.finish()
+    assert [len(e) for e in model.executions] == [1, 5]

@@ -17,7 +17,7 @@ from zope.interface import implementer
 
 from kcoral.client.exchange import ICall, Response, Send
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.models.manifest import DATATYPES, InvalidInput, datatype_of
+from kcoral.models.manifest import DATATYPES, NAME, InvalidInput, datatype_of
 from kcoral.protocol.wire import byte_view
 from kcoral.tracing import current_traceparent
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
@@ -37,10 +37,15 @@ class InferCall:
     @classmethod
     def prepare(cls, model: str, inputs) -> InferCall:
         """C{inputs}: one array (a model's one input, C{input}) or a dict by name."""
+        if not NAME.match(model):
+            raise BadRequest(f"{model[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
         named = inputs if isinstance(inputs, Mapping) else {"input": inputs}
         arrays = {}
         for name, value in named.items():
-            array = np.ascontiguousarray(value)
+            # The protocol's binary tensors are little-endian and C-ordered.
+            array = np.require(value, requirements="C")
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("<"))
             try:
                 datatype_of(array.dtype)
             except ValueError as e:

@@ -20,8 +20,11 @@ MAX_RESTARTS = 10**9
 MAX_TEXT = 200
 
 
-#: Models a worker lists (its repository's folders past this are not served).
-MAX_MODELS = 64
+#: Models a worker serves and lists (its repository's folders past this are
+#: not served), and the longest reason one gives for being unavailable: a
+#: report of 64 workers stays within a Router's bound on node reports.
+REPORTED_MODELS = 64
+MAX_REASON = 400
 MODEL_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 READY = "READY"
 
@@ -60,8 +63,8 @@ class ModelState:
 
 def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
     """A worker's C{models} list, checked (it is untrusted)."""
-    if not isinstance(value, list) or len(value) > MAX_MODELS:
-        raise InvalidReport(f"{what} must list at most {MAX_MODELS} models")
+    if not isinstance(value, list) or len(value) > REPORTED_MODELS:
+        raise InvalidReport(f"{what} must list at most {REPORTED_MODELS} models")
     models = []
     for entry in value:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
@@ -70,7 +73,7 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
         version, state, reason = entry.get("version", "1"), entry.get("state", ""), entry.get("reason", "")
         if not (isinstance(version, str) and version.isdigit() and len(version) <= 9
                 and isinstance(state, str) and 0 < len(state) <= 32
-                and isinstance(reason, str) and len(reason) <= 4 * MAX_TEXT):
+                and isinstance(reason, str) and len(reason) <= MAX_REASON):
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed version, state or reason")
         most = entry.get("max_batch_size", 0)
         if type(most) is not int or not 0 <= most <= 1 << 16:

@@ -66,7 +66,8 @@ class GrpcFront(service.Service):
     """
 
     def __init__(self, front: IInferenceFront, *, reactor, host: str = "127.0.0.1", port: int = 0,
-                 max_message_bytes: int = 64 << 20, threads: int = 16,
+                 max_message_bytes: int = 64 << 20, threads: int = 128,
+                 max_calls: int = 1024,
                  guard: IGuard | None = None, tls: tuple[str, str] | None = None,
                  client_ca: str | None = None):
         self.front = front
@@ -76,6 +77,7 @@ class GrpcFront(service.Service):
         self._reactor = reactor
         self._max_message_bytes = max_message_bytes
         self._threads = threads
+        self._max_calls = max_calls
         self._tls = tls
         self._client_ca = client_ca
         self._server: grpc.Server | None = None
@@ -88,8 +90,13 @@ class GrpcFront(service.Service):
                                            require_client_auth=ca is not None)
 
     def startService(self) -> None:
+        # Each call holds a thread while the front answers it (a batch, a
+        # queue wait): enough threads that a front's batches fill from many
+        # clients at once, and a bound on the calls waiting for one, past
+        # which gRPC answers RESOURCE_EXHAUSTED.
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="grpc"),
+            maximum_concurrent_rpcs=self._max_calls,
             options=[("grpc.max_receive_message_length", self._max_message_bytes),
                      ("grpc.max_send_message_length", self._max_message_bytes)])
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self), server)

@@ -43,7 +43,7 @@ class NodeConfig:
 SECTIONS = {"cache": "cache-", "supervisor": ""}
 _SECTION_ALIASES = {"cache-compile-entries": "compile-cache-entries",
                     "cache-compilation-dir": "compilation-cache-dir"}
-#: Other names a node file may give a key (the sibling system's node files say model_repo).
+#: Other names a node file may give a key (model_repo: the name other node supervisors use).
 _KEY_ALIASES = {"model-repo": "model-repository"}
 
 

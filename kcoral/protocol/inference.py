@@ -23,6 +23,10 @@ from tritonclient.grpc import service_pb2
 from kcoral.errors import BadRequest, ProgramFailed
 from kcoral.models.manifest import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
 
+#: The most elements of one dimension, and of all of them together (zeros
+#: counted as one): numpy cannot shape more, even an empty array.
+MAX_DIM = 1 << 48
+
 #: The most a JSON header may hold: JSON tensors are for small inputs,
 #: binary ones for the rest.
 MAX_HEADER_BYTES = 16 << 20
@@ -151,9 +155,10 @@ def _input(entry: object, view: memoryview, offset: int) -> tuple[str, np.ndarra
         raise BadRequest(f"input {name!r}: {e}") from None
     shape = entry.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
-            type(d) is int and d >= 0 for d in shape):
+            type(d) is int and 0 <= d <= MAX_DIM for d in shape) or math.prod(
+            max(d, 1) for d in shape) > MAX_DIM:
         raise BadRequest(f"input {name!r}: shape must list at most {MAX_RANK} dimensions, "
-                         "each a count of 0 or more")
+                         f"each a count of 0 or more, their product at most {MAX_DIM}")
     count = math.prod(shape)
     parameters = _parameters(entry.get("parameters"), f"input {name!r}")
     unknown = sorted(set(parameters) - {"binary_data_size"})

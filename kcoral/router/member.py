@@ -16,6 +16,11 @@ JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
 STATES = (JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE)
 
 
+#: The most inferences of a batched model a member takes per slot: its
+#: max_batch_size, up to this (each one holds a connection of the Router's).
+ROWS_PER_SLOT = 64
+
+
 @attrs.define(eq=False)
 class Member:
     """One worker endpoint: the unit that receives programs."""
@@ -45,6 +50,13 @@ class Member:
     #: The instance id it reports: runs of the arrays it keeps go only here.
     instance: str | None = None
 
+    @property
+    def connections(self) -> int:
+        """The most requests it may have in flight from one Router (each on a
+        connection of its own): a batched model's count in rows."""
+        most = max(self.ready_models.values(), default=1)
+        return self.capacity * min(max(most, 1), ROWS_PER_SLOT)
+
     def capacity_for(self, demand: Demand | None) -> int:
         """
         How many of C{demand}'s requests it takes at once: its capacity, in
@@ -53,7 +65,7 @@ class Member:
         """
         if demand is None or demand.model is None:
             return self.capacity
-        return self.capacity * max(self.ready_models.get(demand.model, 1), 1)
+        return self.capacity * min(max(self.ready_models.get(demand.model, 1), 1), ROWS_PER_SLOT)
 
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,

@@ -260,11 +260,16 @@ class Pool:
         return None
 
     def member_capacity(self) -> int:
-        """The capacity of every healthy member, its node ready or not: the
-        connections the Router may hold open to members."""
+        """The requests every healthy member may have in flight, its node
+        ready or not: the connections the Router may hold open to members."""
         if self._capacity is None:
-            self._capacity = sum(node.capacity for node in self.nodes.values())
+            self._capacity = sum(m.connections for node in self.nodes.values()
+                                 for m in node.members.values() if m.healthy)
         return self._capacity
+
+    def serves(self, model: str) -> bool:
+        """Whether a usable member has C{model} ready."""
+        return any(model in m.ready_models and m.usable for m in self.ring.members)
 
     def most_devices(self) -> int | None:
         """The most devices a healthy member of a ready node owns; None when

@@ -258,9 +258,10 @@ class Residency:
         than to a second cold member while the first is still uploading
         them; its program counts as compiling there until that run answers
         (a second run would wait for that compile). An answer that says
-        otherwise (a 409) corrects it.
+        otherwise (a 409) corrects it. An inference is none of this: every
+        member that has its model ready has compiled it and holds its params.
         """
-        if demand is None:
+        if demand is None or demand.model is not None:
             return
         if held.holds_all(demand):
             self.hits += 1
@@ -281,6 +282,8 @@ class Residency:
         holding C{held}, having been sent C{sent_bytes}: a 200 left its
         content there, a 409 says what is not (C{missing}).
         """
+        if demand is not None and demand.model is not None:
+            return  # its seconds are a batch's share, not a run's
         if code == 409:
             held.forget(missing)
         if demand is None:

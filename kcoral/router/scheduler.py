@@ -14,7 +14,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
-from kcoral.errors import ArrayLost, NotEnoughDevices, ServerBusy
+from kcoral.errors import ArrayLost, KCoralError, NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.residency import Demand
@@ -68,7 +68,7 @@ class Scheduler:
         (L{Pool.choose})."""
         if self._refusing:
             return _busy("the router is draining", "draining")
-        refusal = self._too_few(devices) or self._lost(demand)
+        refusal = self._refusal(demand, devices)
         if refusal is not None:
             return fail(refusal)
         if not len(self.queue):
@@ -87,6 +87,14 @@ class Scheduler:
     def _lease(self, member: Member, demand: Demand | None) -> Lease:
         self.pool.residency.placed(member.held, demand)
         return Lease(member, self)
+
+    def _refusal(self, demand: Demand | None, devices: int) -> KCoralError | None:
+        """Why no member will take a run of C{demand} exported for C{devices}
+        devices (L{_too_few}), that uses arrays no member holds (L{_lost}), or
+        an inference of a model no usable member has ready; None when one may."""
+        if demand is not None and demand.model is not None and not self.pool.serves(demand.model):
+            return ServerBusy(f"no member has model {demand.model!r} ready", reason="no_ready_node")
+        return self._too_few(devices) or self._lost(demand)
 
     def _too_few(self, devices: int) -> NotEnoughDevices | None:
         """Why no member will run a program exported for C{devices} devices,
@@ -122,7 +130,7 @@ class Scheduler:
         chooses among the oldest."""
         while len(self.queue):
             demand, devices = self.queue.oldest_need()
-            refusal = self._too_few(devices) or self._lost(demand)
+            refusal = self._refusal(demand, devices)
             if refusal is not None:
                 # The members that owned as many, or its kept arrays, are
                 # gone: waiting longer would hold up every run behind this one.

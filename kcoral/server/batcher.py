@@ -88,7 +88,7 @@ class Batcher:
                            Deferred(lambda d: self._cancelled(request)), self._clock.seconds(),
                            request_id)
         self._queue.append(request)
-        if self._waiting is not None and self._batch_rows() >= self._most:
+        if self._waiting is not None and not self._may_grow():
             self._waiting.cancel()
             self._waiting = None
             self._start()
@@ -124,7 +124,7 @@ class Batcher:
             self._release()
             return
         left = self._queue[0].arrived + self._delay - self._clock.seconds()
-        if left > 0 and self._batch_rows() < self._most:
+        if left > 0 and self._may_grow():
             self._waiting = self._clock.callLater(left, self._waited)
             return
         self._start()
@@ -147,8 +147,12 @@ class Batcher:
             rows += request.rows
         return batch
 
-    def _batch_rows(self) -> int:
-        return sum(r.rows for r in self._head()) if self._queue else 0
+    def _may_grow(self) -> bool:
+        """Whether the next batch could take more requests: it is short of
+        max_batch_size rows, and no request already waits behind it (which
+        would have joined it if it could)."""
+        head = self._head()
+        return sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
 
     def _start(self) -> None:
         """Run the next batch with the slot held."""

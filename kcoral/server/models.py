@@ -19,13 +19,14 @@ import attrs
 import numpy as np
 from twisted.logger import Logger
 
+from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
 
 log = Logger()
 
 #: The most model folders a repository may hold.
-MAX_MODELS = 256
+MAX_MODELS = REPORTED_MODELS
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
 
@@ -136,8 +137,8 @@ class ModelRepository:
             except Exception as e:
                 # Out of device memory and compile errors alike: XLA raises
                 # no class of its own for either.
-                reason = str(e) if isinstance(e, (BundleError, _Unavailable)) else (
-                    f"failed to load onto {platform}: {_first_line(e)}")
+                reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
+                    f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
                 log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
                 self._models[name] = ModelStatus(name, version, UNAVAILABLE, reason)
             else:
