@@ -346,3 +346,39 @@ async def test_client_leaving_cancels_the_inference():
         await front.cancelled
     finally:
         await port.stopListening()
+
+
+def grpc_tls_infer(url: str, ca: str, cert: str | None, key: str | None) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=ca,
+                                              private_key=key, certificate_chain=cert)
+    try:
+        infer_input = grpcclient.InferInput("x", [1, 4], "FP32")
+        infer_input.set_data_from_numpy(np.ones((1, 4), np.float32))
+        return client.infer("double", [infer_input]).as_numpy("y")
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_grpc_over_mutual_tls(tmp_path):
+    """With a certificate and a client CA, gRPC answers only clients whose certificate that CA
+    signed, over TLS."""
+    from twisted.internet import reactor
+
+    from tests.tlsutil import TestCA
+
+    ca = TestCA(tmp_path / "ca")
+    served = ca.issue("server", dns=("localhost",))
+    clients = TestCA(tmp_path / "clients", name="KCoral test client CA")
+    client = clients.issue("client", dns=("client",), client=True)
+    front = GrpcFront(DoubleFront(), reactor=reactor, host="127.0.0.1",
+                      tls=(served.cert, served.key), client_ca=clients.path)
+    front.startService()
+    try:
+        url = f"localhost:{front.port}"
+        y = await in_thread(grpc_tls_infer, url, ca.path, client.cert, client.key)
+        np.testing.assert_array_equal(y, np.full((1, 4), 2, np.float32))
+        with pytest.raises(InferenceServerException):
+            await in_thread(grpc_tls_infer, url, ca.path, None, None)
+    finally:
+        await front.stopService(grace=0)
