@@ -35,8 +35,8 @@ second over the timed steps; the bytes each step moved on the client's
 connection, as the kernel counts them (``TCP_INFO``: HTTP heads included;
 the client's own ``bytes_sent`` counts request bodies only, and it counts
 nothing received). The final parameters of every way must equal the
-floor's, bit for bit, and so must the losses: otherwise the exit status is
-1 (0 whatever the speed).
+floor's, and so must the losses, bit for bit on the CPU (on a GPU, within
+float32 rounding): otherwise the exit status is 1 (0 whatever the speed).
 
 Targets: the kept ways' request bodies (``bytes_sent``) are at most the
 batch plus 64 KiB a step; they run
@@ -77,7 +77,7 @@ TARGET_RESEND_RATIO = 5.0
 
 def initial_state(rng):
     """The parameters and Adam's state, as numpy arrays."""
-    params = [{"w": (rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) / np.sqrt(WIDTH)),
+    params = [{"w": rng.standard_normal((WIDTH, WIDTH), dtype=np.float32) / np.float32(np.sqrt(WIDTH)),
                "b": np.zeros(WIDTH, np.float32)} for _ in range(LAYERS)]
     zeros = [{k: np.zeros_like(a) for k, a in layer.items()} for layer in params]
     opt_state = {"count": np.zeros((), np.int32), "m": zeros,
@@ -121,13 +121,13 @@ def step(params, opt_state, x, y):
 
 # -- the ways -----------------------------------------------------------------------
 
-def zeros_like(tree):
-    """Zeros in C{tree}'s structure: a way warmed on the loop's own state or
-    first batch would find them in the server's content cache, and spare
-    its first step."""
+def stand_in(tree):
+    """Ones in C{tree}'s structure, which the loop never sends: a way warmed
+    on the loop's own arrays (its first batch, the zero moments) would leave
+    them in the server's content cache, and spare its first step."""
     import jax
 
-    return jax.tree.map(np.zeros_like, tree)
+    return jax.tree.map(np.ones_like, tree)
 
 
 class Floor(Way):
@@ -204,7 +204,7 @@ class Resend(Way):
     def __init__(self, client, program, params, opt_state, warm):
         super().__init__()
         self._client, self._program = client, program
-        client.run(program, *zeros_like((params, opt_state)), *warm)
+        client.run(program, *stand_in((params, opt_state)), *warm)
         self._state = params, opt_state
         self.traffic = Traffic(client)
 
@@ -242,9 +242,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     params, opt_state = initial_state(rng)
     data = list(batches(rng, args.steps))
-    warm = zeros_like(data[0])
+    warm = stand_in(data[0])
     results = {"command": " ".join([Path(sys.executable).name] + sys.argv), **machine(),
                "jax": jax.__version__, "device": str(device), "steps": args.steps,
+               "exact": args.gpus == "none",
                "state_bytes": sum(a.nbytes for a in jax.tree.leaves((params, opt_state))),
                "batch_bytes": sum(a.nbytes for a in data[0])}
     print(f"device: {device}; state {results['state_bytes']:,} B, batch {results['batch_bytes']:,} B, "
@@ -278,6 +279,12 @@ def summary(way: Way) -> dict:
     return found
 
 
+def matches(a, b, exact: bool) -> bool:
+    """Bit for bit on the CPU; on a GPU, where the worker's compiled program
+    and C{jax.jit}'s may fuse differently, within float32 rounding."""
+    return np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def judge(results: dict, finals: dict) -> bool:
     """Print the table and the targets; whether every way's final
     parameters and losses equal the floor's."""
@@ -289,9 +296,9 @@ def judge(results: dict, finals: dict) -> bool:
     for name, way in ways.items():
         way["steps_per_second"] = steps / way["seconds"]
         if base is not None and way is not base:
-            way["equal"] = (way["losses"] == base["losses"] and all(
-                np.array_equal(a, b) for a, b in zip(jax.tree.leaves(finals[name]),
-                                                     jax.tree.leaves(finals["floor"]), strict=True)))
+            pairs = zip(jax.tree.leaves((finals[name], way["losses"])),
+                        jax.tree.leaves((finals["floor"], base["losses"])), strict=True)
+            way["equal"] = all(matches(a, b, results["exact"]) for a, b in pairs)
             same = same and way["equal"]
         rows.append([
             name, f"{way['steps_per_second']:.2f}", f"{1000 * way['seconds'] / steps:.1f}",
@@ -334,7 +341,9 @@ def judge(results: dict, finals: dict) -> bool:
         for what, met, value in checks:
             print(f"{name}: {what}: {value} ({'met' if met else 'NOT met'})")
             results["targets"].append({"way": name, "target": what, "value": value, "met": met})
-    verdict = "equal to the floor's" if same else "NOT equal to the floor's"
+    verdict = ("equal to" if results["exact"] else "within float32 rounding of") + " the floor's"
+    if not same:
+        verdict = "NOT " + verdict
     print(f"final parameters and losses of {', '.join(w for w in ways if w != 'floor') or 'no way'}: "
           f"{verdict}" if base else "no floor to compare with")
     return same
