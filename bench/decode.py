@@ -51,7 +51,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from child import start_jax, write_results  # noqa: E402
-from kept_loops import Traffic, Way, clients, machine, table, take_turns  # noqa: E402
+from kept_loops import (  # noqa: E402
+    Traffic,
+    Way,
+    clients,
+    machine,
+    print_context,
+    table,
+    take_turns,
+    way_row,
+)
 
 D_MODEL = 512
 HEADS = 8
@@ -279,17 +288,8 @@ def judge(results: dict) -> bool:
         if base is not None and way is not base:
             way["equal"] = way["tokens"] == base["tokens"]
             same = same and way["equal"]
-        rows.append([
-            name, f"{way['tokens_per_second']:.1f}", f"{1000 * way['seconds'] / count:.2f}",
-            f"{way['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else "",
-            *([f"{way[k] / count:,.0f}" for k in ("bodies", "sent", "received")] if "sent" in way
-              else ["", "", ""]),
-            {True: "yes", False: "NO"}.get(way.get("equal"), "")])
-    print()
-    print(f"command: {results['command']}")
-    print(f"machine: {results['cpu']}; jax {results['jax']} on {results['device']}; load average "
-          f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after")
-    print(f"other processes took {results['outside_cores']:.2f} cores' worth meanwhile")
+        rows.append(way_row(name, way, count, "tokens_per_second", base, (1, 2)))
+    print_context(results)
     print(f"{results['layers']} layers, parameters {results['param_bytes']:,} B, cache "
           f"{results['cache_bytes']:,} B, {count} tokens")
     print(table(["way", "tokens/s", "ms/token", "/ floor", "body B/token", "sent B/token",

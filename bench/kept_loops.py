@@ -177,6 +177,27 @@ def machine() -> dict:
             "python": platform.python_version(), "load_before": os.getloadavg()}
 
 
+def way_row(name: str, way: dict, count: int, rate: str, base: dict | None,
+            digits: tuple[int, int]) -> list[str]:
+    """One way's row of the table: its rate and milliseconds per item (with
+    C{digits} decimals each), against the floor's, its bytes per item, and
+    whether it matched the floor."""
+    return [name, f"{way[rate]:.{digits[0]}f}", f"{1000 * way['seconds'] / count:.{digits[1]}f}",
+            f"{way[rate] / base[rate]:.2f}x" if base else "",
+            *([f"{way[k] / count:,.0f}" for k in ("bodies", "sent", "received")] if "sent" in way
+              else ["", "", ""]),
+            {True: "yes", False: "NO"}.get(way.get("equal"), "")]
+
+
+def print_context(results: dict) -> None:
+    """The command, the machine and how busy it was, above a table."""
+    print()
+    print(f"command: {results['command']}")
+    print(f"machine: {results['cpu']}; jax {results['jax']} on {results['device']}; load average "
+          f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after")
+    print(f"other processes took {results['outside_cores']:.2f} cores' worth meanwhile")
+
+
 def table(head: list[str], rows: list[list[str]]) -> str:
     """C{rows} under C{head}, columns right-aligned but the first, as
     reStructuredText's simple tables rule them (to paste into the docs)."""

@@ -60,7 +60,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from child import start_jax, write_results  # noqa: E402
-from kept_loops import Traffic, Way, clients, machine, table, take_turns  # noqa: E402
+from kept_loops import (  # noqa: E402
+    Traffic,
+    Way,
+    clients,
+    machine,
+    print_context,
+    table,
+    take_turns,
+    way_row,
+)
 
 LAYERS = 4
 WIDTH = 2048  # LAYERS x WIDTH x WIDTH float32: 64 MiB of weights
@@ -300,17 +309,8 @@ def judge(results: dict, finals: dict) -> bool:
                         jax.tree.leaves((finals["floor"], base["losses"])), strict=True)
             way["equal"] = all(matches(a, b, results["exact"]) for a, b in pairs)
             same = same and way["equal"]
-        rows.append([
-            name, f"{way['steps_per_second']:.2f}", f"{1000 * way['seconds'] / steps:.1f}",
-            f"{way['steps_per_second'] / base['steps_per_second']:.2f}x" if base else "",
-            *([f"{way[k] / steps:,.0f}" for k in ("bodies", "sent", "received")] if "sent" in way
-              else ["", "", ""]),
-            {True: "yes", False: "NO"}.get(way.get("equal"), "")])
-    print()
-    print(f"command: {results['command']}")
-    print(f"machine: {results['cpu']}; jax {results['jax']} on {results['device']}; load average "
-          f"{results['load_before'][0]:.2f} before, {results['load_after'][0]:.2f} after")
-    print(f"other processes took {results['outside_cores']:.2f} cores' worth meanwhile")
+        rows.append(way_row(name, way, steps, "steps_per_second", base, (2, 1)))
+    print_context(results)
     print(f"state {results['state_bytes']:,} B (params and Adam's moments), batch "
           f"{results['batch_bytes']:,} B, {steps} timed steps")
     print(table(["way", "steps/s", "ms/step", "/ floor", "body B/step", "sent B/step",

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import pytest_twisted
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.threads import deferToThread
 
@@ -29,7 +28,7 @@ from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, ChildProcess, kcoral_argv, until
 from tests.httputil import request
 from tests.test_node_multi import Node as MultiNode
-from tests.test_node_multi import assert_reaped
+from tests.test_node_multi import assert_reaped, scrape
 from tests.test_routed import start_node as start_routed_node
 from tests.test_routed import start_router, until_ready
 
@@ -199,18 +198,6 @@ async def check_inferences(repository: Repository, http: str, grpc: str) -> None
         got = await deferToThread(grpc_infer, grpc, x)
         assert got.shape == (n, 8) and got.dtype == np.float32
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-
-
-async def scrape(url: str) -> tuple[str, dict]:
-    """The /metrics text and its samples by (name, sorted labels)."""
-    answer = await request("GET", url + "/metrics", timeout=10)
-    assert answer.code == 200, answer
-    text = answer.body.decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return text, samples
 
 
 def total(samples: dict, name: str, **labels) -> float:
