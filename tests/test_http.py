@@ -206,9 +206,18 @@ def test_an_insane_request_id_is_replaced(server, bad):
 
 def test_unknown_route_is_a_json_404(server):
     """An unknown route is a JSON 404 not_found naming the path, with the request id."""
-    response, body = server.json("GET", "/v2/run", headers={RID: [b"r-404"]})
+    # Not under /v2, whose errors are the inference protocol's (the message alone).
+    response, body = server.json("GET", "/v3/run", headers={RID: [b"r-404"]})
     info = assert_error(response, body, 404, "not_found", request_id="r-404")
-    assert "/v2/run" in info["message"]
+    assert "/v3/run" in info["message"]
+
+
+def test_under_v2_errors_are_the_inference_protocols(server):
+    """Under /v2, an unknown path's 404 is the inference protocol's error, the message alone,
+    with the request id in its header."""
+    response, body = server.json("GET", "/v2/nope", headers={RID: [b"r-v2"]})
+    assert response.code == 404 and isinstance(body["error"], str) and "/v2/nope" in body["error"]
+    assert response.headers.getRawHeaders(RID) == [b"r-v2"]
 
 
 def test_wrong_method_is_a_json_405(server):

@@ -37,6 +37,8 @@ from kcoral.metrics import HttpMetrics
 from kcoral.models.manifest import InvalidInput, ModelManifest
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
+from kcoral.web.family import INFERENCE
+from kcoral.web.front import Front
 from kcoral.web.site import KCoralSite
 
 MANIFEST = ModelManifest.from_json({
@@ -120,9 +122,12 @@ async def served(request):
 
     front = DoubleFront()
     guard = TokenGuard.of([TOKEN], CLIENT_ROUTES) if request.param else None
-    site = KCoralSite(InferenceResource(front, guard=guard),
+    # Mounted as a service mounts it: its front applies the client guard.
+    inference = InferenceResource(front)
+    site = KCoralSite(Front(inference, guard=guard, hot=inference.hot(),
+                            mounts={INFERENCE: inference}),
                       metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
-                      max_request_bytes=1 << 20, log=Logger())
+                      max_request_bytes=1 << 20, log=Logger(), client_guard=guard)
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     grpc_front = GrpcFront(front, reactor=reactor, guard=guard)
     grpc_front.startService()

@@ -27,6 +27,7 @@ from kcoral.errors import KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.auth import IGuard
+from kcoral.web.family import TRACE_HEADERS
 from kcoral.web.requestid import request_id_from
 
 log = Logger()
@@ -34,8 +35,6 @@ log = Logger()
 #: The metadata keys of the request id, and of a client token.
 REQUEST_ID = "x-request-id"
 AUTHORIZATION = "authorization"
-#: Metadata an inference forwards to the front that runs it.
-FORWARDED = ("traceparent", "tracestate")
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -168,8 +167,8 @@ class GrpcFront(service.Service):
     def forwarded(self, context: grpc.ServicerContext) -> dict[bytes, bytes]:
         """The metadata an inference forwards, as HTTP headers."""
         metadata = dict(context.invocation_metadata())
-        return {name.encode(): value.encode() for name in FORWARDED
-                if isinstance(value := metadata.get(name), str)}
+        return {name: value.encode() for name in TRACE_HEADERS
+                if isinstance(value := metadata.get(name.decode()), str)}
 
 
 def _read(path: str) -> bytes:

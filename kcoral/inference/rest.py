@@ -20,29 +20,17 @@ from twisted.python.failure import Failure
 from werkzeug.exceptions import MethodNotAllowed as NoSuchMethod
 from werkzeug.exceptions import NotFound as NoSuchRoute
 
-from kcoral.errors import BadRequest, InternalError, KCoralError, MethodNotAllowed, NotFound, ServerBusy
+from kcoral.errors import BadRequest, InternalError, KCoralError, MethodNotAllowed, NotFound
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
-from kcoral.web.auth import IGuard
 from kcoral.web.body import SpooledBody, body_of
-from kcoral.web.family import INFER_ROUTES
+from kcoral.web.family import INFER_ROUTES, INFERENCE_HEADER_LENGTH, TRACE_HEADERS
 from kcoral.web.requestid import RequestIdResource
-from kcoral.web.responses import RETRY_AFTER_SECONDS, with_length
+from kcoral.web.responses import error_response, with_length
 
 log = Logger()
 
-#: The header that says how long an inference body's JSON part is.
-HEADER_LENGTH = b"Inference-Header-Content-Length"
-#: Request headers an inference forwards to the front that runs it.
-FORWARDED = (b"traceparent", b"tracestate")
 #: The most a repository index request's body (its filter) may hold.
 MAX_INDEX_BODY = 64 * 1024
-
-
-def error_answer(request, error: KCoralError) -> bytes:
-    """The protocol's JSON error for C{error}, with its status."""
-    if isinstance(error, ServerBusy):
-        request.setHeader(b"Retry-After", str(RETRY_AFTER_SECONDS).encode())
-    return _json(request, error.status or 500, {"error": error.message})
 
 
 def _json(request, status: int, value: Any) -> bytes:
@@ -58,7 +46,7 @@ def _status(request, ok: bool) -> bytes:
 
 
 def _header_length(request) -> int | None:
-    value = request.getHeader(HEADER_LENGTH)
+    value = request.getHeader(INFERENCE_HEADER_LENGTH)
     if value is None:
         return None
     try:
@@ -93,9 +81,9 @@ def _body(request) -> Deferred[bytes | memoryview]:
 class InferenceResource(RequestIdResource):
     """
     A leaf resource serving the C{/v2} routes of C{front}, matched on the
-    request's whole path: a site's root, or rendered by the resource there.
-    With a C{guard}, everything but health and the server's metadata needs
-    a client token. A client that goes away cancels what it waits for.
+    request's whole path: a site's root, or rendered by the resource there
+    (a service's L{kcoral.web.front.Front}, which also applies its client
+    guard). A client that goes away cancels what it waits for.
     Inputs are views of the request body, as a
     L{kcoral.web.request.KCoralRequest} keeps it (a plain C{BytesIO} body
     cannot be closed while they live).
@@ -103,9 +91,8 @@ class InferenceResource(RequestIdResource):
 
     app = Klein()
 
-    def __init__(self, front: IInferenceFront, *, guard: IGuard | None = None):
+    def __init__(self, front: IInferenceFront):
         self._front = front
-        self._guard = guard
         super().__init__(self.app.resource())
 
     def hot(self) -> dict[str, Callable[..., Deferred]]:
@@ -125,14 +112,9 @@ class InferenceResource(RequestIdResource):
         model, version = segments[3], segments[5] if len(segments) == 7 else None
         return maybeDeferred(self.infer, request, model, version)
 
-    def _answer(self, request, call: Callable[[], Deferred], render: Callable[[Any], bytes],
-                *, guarded: bool = True) -> bytes | Deferred[bytes]:
+    def _answer(self, request, call: Callable[[], Deferred],
+                render: Callable[[Any], bytes]) -> Deferred[bytes]:
         """Answer C{request} with C{render} of what C{call} fires with."""
-        if guarded and self._guard is not None:
-            error = self._guard.refused(request.getHeader(b"Authorization"), request.request_id)
-            if error is not None:
-                request.setHeader(b"WWW-Authenticate", b"Bearer")
-                return error_answer(request, error)
         d = maybeDeferred(call)
         d.addCallback(render)
         d.addErrback(self._failed, request)
@@ -147,19 +129,19 @@ class InferenceResource(RequestIdResource):
         if isinstance(error, KCoralError):
             log.info("{request_id} answered {status}: {message}", request_id=request.request_id,
                      status=error.status, message=error.message)
-            return error_answer(request, error)
+            return error_response(request, error)
         log.failure("{request_id} internal error", failure, request_id=request.request_id)
-        return error_answer(request, InternalError(f"internal error: {type(failure.value).__name__}"))
+        return error_response(request, InternalError(f"internal error: {type(failure.value).__name__}"))
 
     @app.handle_errors(NoSuchRoute)
     def no_route(self, request, failure):
         path = request.path.decode("ascii", "replace")[:100]
-        return error_answer(request, NotFound(f"no route {path}"))
+        return error_response(request, NotFound(f"no route {path}"))
 
     @app.handle_errors(NoSuchMethod)
     def no_method(self, request, failure):
         method = request.method.decode("ascii", "replace")[:20]
-        return error_answer(request, MethodNotAllowed(f"{method} is not allowed here"))
+        return error_response(request, MethodNotAllowed(f"{method} is not allowed here"))
 
     # -- the server -----------------------------------------------------------------------------
 
@@ -169,13 +151,11 @@ class InferenceResource(RequestIdResource):
 
     @app.route("/v2/health/ready", methods=["GET"])
     def ready(self, request):
-        return self._answer(request, self._front.ready, lambda ok: _status(request, ok),
-                            guarded=False)
+        return self._answer(request, self._front.ready, lambda ok: _status(request, ok))
 
     @app.route("/v2", methods=["GET"])
     def metadata(self, request):
-        return self._answer(request, self._front.metadata, lambda value: _json(request, 200, value),
-                            guarded=False)
+        return self._answer(request, self._front.metadata, lambda value: _json(request, 200, value))
 
     @app.route("/v2/repository/index", methods=["POST"])
     def repository_index(self, request):
@@ -187,7 +167,7 @@ class InferenceResource(RequestIdResource):
         try:
             only_ready = self._only_ready(request)
         except BadRequest as e:
-            return error_answer(request, e)
+            return error_response(request, e)
         return self._answer(request, self._front.repository_index, render)
 
     def _only_ready(self, request) -> bool:
@@ -233,7 +213,7 @@ class InferenceResource(RequestIdResource):
             if encoding not in (None, b"identity"):
                 raise BadRequest("compressed inference requests are not served")
             header_length = _header_length(request)
-            headers = {name: value for name in FORWARDED
+            headers = {name: value for name in TRACE_HEADERS
                        if (value := request.getHeader(name)) is not None}
             d = _body(request)
             d.addCallback(lambda body: self._front.infer(
@@ -245,7 +225,7 @@ class InferenceResource(RequestIdResource):
                 request.setHeader(b"Content-Type", b"application/json")
             else:
                 request.setHeader(b"Content-Type", b"application/octet-stream")
-                request.setHeader(HEADER_LENGTH, b"%d" % answer.header_length)
+                request.setHeader(INFERENCE_HEADER_LENGTH, b"%d" % answer.header_length)
             return with_length(request, answer.body)
 
         return self._answer(request, call, render)

@@ -17,11 +17,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 import attrs
-import ml_dtypes
 import numpy as np
 
 from kcoral.errors import ProgramExportError
 from kcoral.models.manifest import (
+    DATATYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     InvalidManifest,
@@ -44,18 +44,12 @@ MAX_PARAMS_BYTES = 64 << 30
 BATCH = "batch"
 _CHUNK = 1 << 20
 
-#: safetensors' names of the dtypes a bundle's params may have. Its own numpy
-#: loader knows no bfloat16, so params are read with its format-level
-#: deserializer and typed by this table.
-_SAFETENSORS_DTYPES = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8), "U16": np.dtype(np.uint16),
-    "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
-    "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
-    "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
-}
+#: safetensors' names of the dtypes a bundle's params may have: the inference
+#: protocol's, shortened (UINT8 is U8, INT8 I8, FP32 F32; BOOL and BF16 alike).
+#: Its own numpy loader knows no bfloat16, so params are read with its
+#: format-level deserializer and typed by this table.
+_SAFETENSORS_DTYPES = {name.replace("UINT", "U").replace("INT", "I").replace("FP", "F"): dtype
+                       for name, dtype in DATATYPES.items()}
 
 
 class BundleError(ValueError):

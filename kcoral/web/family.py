@@ -18,6 +18,9 @@ import attrs
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.tracing import TRACEPARENT
 
+#: The trace context a request carries on, whichever front it reached and
+#: however it travels from there (a Router's forward, gRPC's metadata).
+TRACE_HEADERS = (TRACEPARENT,)
 #: The header the inference protocol's binary extension sizes its JSON part with.
 INFERENCE_HEADER_LENGTH = b"Inference-Header-Content-Length"
 
@@ -36,6 +39,9 @@ class Family:
     forwarded: tuple[bytes, ...] = ()
     returned: tuple[bytes, ...] = ()
     open_paths: frozenset[bytes] = frozenset()
+    #: Whether its errors are the message alone (C{{"error": "message"}}, the
+    #: inference protocol's form, which its clients read) rather than KCoral's object.
+    flat_errors: bool = False
 
     def owns(self, path: bytes) -> bool:
         return path.startswith(self.prefix) and self.label(path) is not None
@@ -62,7 +68,7 @@ def _route(label: str) -> tuple[str, re.Pattern[bytes]]:
 #: C{POST /v1/run}: a program and its inputs in, its outputs out.
 RUN = Family(
     "run", b"/v1/run", routes=(_route("/v1/run"),),
-    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), TRACEPARENT),
+    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After"))
 
 #: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end.
@@ -85,9 +91,9 @@ INFERENCE = Family(
         "/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index",
         *(base + tail for base in (_MODEL, _VERSION)
           for tail in ("", "/ready", "/config", "/infer")))),
-    forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, TRACEPARENT),
+    forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH),
-    open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}))
+    open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}), flat_errors=True)
 
 FAMILIES = (RUN, ARRAYS, NODES, INFERENCE)
 
@@ -100,6 +106,14 @@ def route_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> tuple[Fami
             if label is not None:
                 return family, label
     return None
+
+
+def flat_errors(path: bytes) -> bool:
+    """Whether errors on C{path} take the message-alone form: any path under
+    a family that says so, its routes or not (an unknown one's 404 too)."""
+    path = path.split(b"?", 1)[0]
+    return any(f.flat_errors and (path == f.prefix or path.startswith(f.prefix + b"/"))
+               for f in FAMILIES)
 
 
 def family_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> Family | None:

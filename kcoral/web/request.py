@@ -68,6 +68,9 @@ class KCoralRequest(server.Request):
         site = channel.site
         self._started = site.clock.seconds()
         method, path = channel.headers_complete()
+        # Known before Twisted parses the request line again, for an answer
+        # given from the head alone (its error's form depends on the path).
+        self.path = path
         error = site.bounds.refuse_length(length)
         if error is not None:
             self._refuse(error)
@@ -109,7 +112,7 @@ class KCoralRequest(server.Request):
     def _refuse(self, error: KCoralError) -> None:
         self.channel.site.logger.warn("{request_id} refused: {message}",
                                       request_id=self.request_id, message=error.message)
-        self._refuse_with(error.status, raw_error_response(error, self.request_id))
+        self._refuse_with(error.status, raw_error_response(error, self.request_id, self.path))
 
     def _refuse_with(self, status: int, response: bytes) -> None:
         """Answer C{response} (a whole HTTP response) at once, reading no more."""

@@ -7,6 +7,7 @@ import json
 from twisted.web import http
 
 from kcoral.errors import KCoralError, ServerBusy, error_body
+from kcoral.web.family import flat_errors
 
 #: Seconds a 503 asks the client to wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -28,16 +29,26 @@ def with_length(request, body: bytes) -> bytes:
     return body
 
 
+def _document(error: KCoralError, request_id: str, path: bytes) -> dict:
+    """The JSON of C{error} on C{path}: the message alone under an API family
+    that answers so (L{kcoral.web.family.flat_errors}), else KCoral's error
+    object. The request id is in the C{X-Request-ID} header either way."""
+    if flat_errors(path):
+        return {"error": error.message}
+    return error_body(error, request_id)
+
+
 def error_response(request, error: KCoralError) -> bytes:
     if isinstance(error, ServerBusy):
         request.setHeader(b"Retry-After", str(RETRY_AFTER_SECONDS).encode())
-    return json_response(request, error.status or 500, error_body(error, request.request_id))
+    return json_response(request, error.status or 500,
+                         _document(error, request.request_id, request.path or b""))
 
 
-def raw_error_response(error: KCoralError, request_id: str) -> bytes:
+def raw_error_response(error: KCoralError, request_id: str, path: bytes = b"") -> bytes:
     """A whole HTTP/1.1 response, for answers sent before Twisted's request
-    machinery runs (a body refused from its headers)."""
-    body = json.dumps(error_body(error, request_id)).encode() + b"\n"
+    machinery runs (a body refused from its headers) to a request for C{path}."""
+    body = json.dumps(_document(error, request_id, path)).encode() + b"\n"
     head = [b"HTTP/1.1 %d %s" % (error.status, http.RESPONSES[error.status]),
             b"Content-Type: application/json",
             b"Content-Length: %d" % len(body),
