@@ -127,7 +127,9 @@ class RouterInference:
         return maybeDeferred(lambda: self._infer(name, version, call))
 
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
-        self._holder(name, version)
+        # A model no member lists is unknown (404); one listed but ready on
+        # no member the scheduler refuses at once (503 no_ready_node).
+        self._ready_members(name, version)
         headers = Headers({b"Content-Type": [b"application/octet-stream" if call.header_length
                                              is not None else b"application/json"]})
         if call.header_length is not None:

@@ -79,10 +79,6 @@ class Member:
     def usable(self) -> bool:
         return self.node.state == READY and self.healthy and not self.suspect
 
-    @property
-    def free(self) -> int:
-        return self.capacity - self.active if self.usable else 0
-
 
 @attrs.define(eq=False)
 class Node:

@@ -151,7 +151,6 @@ class ServerInference:
 
     @inlineCallbacks
     def infer(self, name, version, call: InferCall):
-        counted = name
         try:
             model = self._model(name, version)
             refusal = self._busy()
@@ -171,9 +170,9 @@ class ServerInference:
                                         manifest.name, str(manifest.version), request, outputs)
         except KCoralError as e:
             if not isinstance(e, NotFound):
-                self._metrics.requests.labels(counted, str(e.status)).inc()
+                self._metrics.requests.labels(name, str(e.status)).inc()
             raise
-        self._metrics.requests.labels(counted, "200").inc()
+        self._metrics.requests.labels(name, "200").inc()
         return answer
 
     def _batcher(self, model: LoadedModel) -> Batcher:
