@@ -88,10 +88,10 @@ def start_router(cores: set[int] | None = None, *options: str) -> KCoralChild:
                        {"url": r"kcoral router listening on (http://\S+)"}, cores=cores)
 
 
-def start_node(router_url: str, gpus: str) -> KCoralChild:
+def start_node(router_url: str, gpus: str, *options: str) -> KCoralChild:
     node = KCoralChild(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
                     "--gpus", gpus, "--capacity", str(CAPACITY),
-                    "--health-interval-seconds", "0.5"],
+                    "--health-interval-seconds", "0.5", *options],
                    {"worker": r"worker0 is ready at (http://\S+)",
                     "pid": r"worker0 started \(pid (\d+)\)",
                     "ready": r"(the Router reports node bench ready)"})

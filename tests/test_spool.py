@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import pytest_twisted
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IPullProducer
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
+from zope.interface import implementer
 
 from kcoral import Program
 from kcoral.router.proxy import NotSent
 from kcoral.web.body import READ_BYTES, FileReader, MemoryBody, SpooledBody
-from kcoral.web.spool import WAITING_BYTES, Serial, Spool
+from kcoral.web.spool import SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
+from tests.harness import until
 from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
 from tests.test_outgoing import Peer
 
@@ -191,7 +200,7 @@ def test_a_reader_sends_the_whole_file_and_waits_while_paused(tmp_path):
     file = (tmp_path / "body").open("w+b")
     file.write(data)
     file.flush()
-    body = SpooledBody(file, len(data), Serial(threads))
+    body = SpooledBody(len(data), Serial(threads), file, len(data))
     for _ in range(2):
         reader = body.send()
         assert isinstance(reader, FileReader) and reader.length == len(data)
@@ -226,13 +235,12 @@ class _BusyOnce(Resource):
 @pytest_twisted.ensureDeferred
 async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
     """A member's 503 and then a second forward: the spooled body is read again from its start."""
-    from twisted.internet import reactor
 
     data = os.urandom(3 * READ_BYTES + 7)
     file = (tmp_path / "body").open("w+b")
     file.write(data)
     file.flush()
-    body = SpooledBody(file, len(data), Serial(Spool(reactor).in_thread))
+    body = SpooledBody(len(data), Serial(Spool(reactor).in_thread), file, len(data))
     peer = Peer()
     try:
         url = f"http://127.0.0.1:{peer.serve(_BusyOnce())}"
@@ -263,3 +271,320 @@ async def test_a_large_input_runs_through_a_router(processes):
     program = Program.from_function(lambda v: (v * 2).sum(), x)
     result = await deferToThread(attempt, router.url, program, x)
     assert float(result) == pytest.approx(float((x * 2).sum()), rel=1e-5)
+
+
+def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path):
+    """A request its site streams is processed at its head; its client is not read (nor timed
+    out, nor timed for its rate) until a reader follows the body, which then gets each chunk as
+    it arrives."""
+    threads = Threads()
+    resource = Bodies()
+    clock = Clock()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), threads),
+                     streams=lambda method, path: True)
+    channel, transport = connect(site)
+    body = os.urandom(50_000)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+    [request] = resource.requests
+    assert transport.producerState == "paused"
+    # Longer than the idle timeout, and than the body's grace at the least rate.
+    clock.advance(120)
+    assert not transport.disconnecting
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    done = reader.startProducing(consumer)
+    assert transport.producerState == "producing"
+    for start in range(0, len(body), 10_000):
+        clock.advance(1)
+        channel.dataReceived(body[start:start + 10_000])
+    assert b"".join(consumer.data) == body and done.called
+    assert transport.value() == b"" and not transport.disconnecting
+    threads.run()
+    request.finish()
+    threads.run()
+    assert request.body.file.closed
+
+
+# -- forwarded while it arrives, through a Router in this process ------------------------------
+
+#: Over the spool's threshold, so that the Router forwards it while it arrives.
+LARGE = SPOOL_THRESHOLD + 4 * READ_BYTES
+
+
+class Member(Protocol):
+    """
+    A worker's connection that reads a request's head, hashes its body as it
+    comes (keeping none of it) and does what its factory's C{act} says with
+    each chunk: answer, turn it away, drop the connection, or wait.
+    """
+
+    def __init__(self, act: Callable[[Member], object]):
+        self.act = act
+        self.head = b""
+        self.length: int | None = None
+        self.count = 0
+        self.digest = hashlib.sha256()
+        self.answered = self.lost = False
+        self._buffer = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.length is None:
+            self._buffer += data
+            if b"\r\n\r\n" not in self._buffer:
+                return
+            self.head, _, data = self._buffer.partition(b"\r\n\r\n")
+            self._buffer = b""
+            self.length = int(re.search(rb"(?i)content-length: *(\d+)", self.head).group(1))
+        self.count += len(data)
+        self.digest.update(data)
+        if not self.answered:
+            self.act(self)
+
+    @property
+    def whole(self) -> bool:
+        return self.length is not None and self.count == self.length
+
+    def answer(self, code: int, body: bytes) -> None:
+        self.answered = True
+        self.transport.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                             % (code, len(body), body))
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason=None) -> None:
+        self.lost = True
+
+
+def answers_its_digest(member: Member) -> None:
+    if member.whole:
+        member.answer(200, member.digest.hexdigest().encode())
+
+
+class Members(Factory):
+    """Two workers' ports; the n-th connection to either acts as C{acts[n]} (then
+    as the last)."""
+
+    def __init__(self, *acts: Callable[[Member], object]):
+        self.acts = acts
+        self.connections: list[Member] = []
+
+    def buildProtocol(self, addr):
+        member = Member(self.acts[min(len(self.connections), len(self.acts) - 1)])
+        self.connections.append(member)
+        return member
+
+
+@implementer(IPullProducer)
+class Chunks:
+    """C{count} writes of C{chunk} to C{transport}, as its buffer drains."""
+
+    def __init__(self, transport, chunk: bytes, count: int):
+        self.transport, self.chunk, self.left = transport, chunk, count
+        self.done = False
+
+    def resumeProducing(self) -> None:
+        if self.left:
+            self.left -= 1
+            self.transport.write(self.chunk)
+        elif not self.done:
+            self.done = True
+            self.transport.unregisterProducer()
+
+    def stopProducing(self) -> None:
+        self.left = 0
+
+
+class Uploader(Protocol):
+    """A client's connection to the Router, keeping what it is answered."""
+
+    def __init__(self):
+        self.answer = b""
+        self.closed = False
+
+    def dataReceived(self, data: bytes) -> None:
+        self.answer += data
+
+    def connectionLost(self, reason=None) -> None:
+        self.closed = True
+
+    def head(self, length: int, extra: bytes = b"") -> None:
+        self.transport.write(b"POST /v1/run HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%s\r\n"
+                             % (length, extra))
+
+    def send(self, chunk: bytes, count: int = 1) -> Chunks:
+        chunks = Chunks(self.transport, chunk, count)
+        self.transport.registerProducer(chunks, False)
+        return chunks
+
+
+class StreamingRouter:
+    """A Router's site in this process on a loopback port, in front of two
+    workers (capacity 1 each) on ports of their own."""
+
+    def __init__(self, members: Members):
+        from kcoral.common.report import parse_report
+        from kcoral.router.service import RouterConfig, build_router
+
+        self.members = members
+        self._ports = [reactor.listenTCP(0, members, interface="127.0.0.1") for _ in range(2)]
+        self.app, site = build_router(RouterConfig(recovery_threshold=1), reactor)
+        self.app.pool.report("n", parse_report({
+            "session": "s", "gpu_target": "cpu", "runtime": {}, "workers": [
+                {"name": f"worker{i}", "url": f"http://127.0.0.1:{port.getHost().port}",
+                 "healthy": True, "capacity": 1} for i, port in enumerate(self._ports)]}))
+        self.app.pool.observe()
+        self._ports.append(reactor.listenTCP(0, site, interface="127.0.0.1"))
+
+    async def connect(self) -> Uploader:
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self._ports[-1].getHost().port)
+        return await connectProtocol(endpoint, Uploader())
+
+    async def close(self) -> None:
+        await self.app.outgoing.close()
+        for port in self._ports:
+            await port.stopListening()
+
+
+@pytest_twisted.async_yield_fixture
+async def streaming(request):
+    router = StreamingRouter(Members(*request.param))
+    yield router
+    await router.close()
+
+
+def _digest_of(chunk: bytes, count: int) -> bytes:
+    digest = hashlib.sha256()
+    for _ in range(count):
+        digest.update(chunk)
+    return digest.hexdigest().encode()
+
+
+def _whole(answer: bytes) -> bool:
+    head, found, body = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    return bool(found and length and len(body) >= int(length.group(1)))
+
+
+async def _answer_of(client: Uploader) -> tuple[int, bytes]:
+    await until(lambda: client.closed or _whole(client.answer), "an answer", 60)
+    status, _, body = parse_raw(client.answer)
+    return status, body
+
+
+@pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_large_body_reaches_the_member_while_it_arrives(streaming):
+    """The Router forwards a body over the spool's threshold before its last byte arrives."""
+    chunk = os.urandom(READ_BYTES)
+    count = LARGE // READ_BYTES
+    client = await streaming.connect()
+    client.head(count * READ_BYTES)
+    most = client.send(chunk, count - 1)
+    await until(lambda: most.done and streaming.members.connections and
+                streaming.members.connections[0].count >= READ_BYTES,
+                "the body's start at the member", 30)
+    [member] = streaming.members.connections
+    assert not member.whole
+    client.send(chunk)
+    status, body = await _answer_of(client)
+    assert status == 200 and body == _digest_of(chunk, count)
+
+
+def _busy_after(size: int) -> Callable[[Member], object]:
+    def act(member: Member) -> None:
+        if member.count >= size:
+            member.answer(503, b'{"error": {"type": "server_busy", "message": "full"}}')
+    return act
+
+
+@pytest.mark.parametrize("streaming", [(_busy_after(READ_BYTES), answers_its_digest),
+                                       (_busy_after(LARGE), answers_its_digest)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_run_turned_away_is_sent_whole_to_another_member(streaming):
+    """A 503 before or after the body has all arrived: another member gets it all, from its start."""
+    chunk = os.urandom(READ_BYTES)
+    count = LARGE // READ_BYTES
+    client = await streaming.connect()
+    client.head(count * READ_BYTES)
+    client.send(chunk, count)
+    status, body = await _answer_of(client)
+    first, second = streaming.members.connections
+    assert first.answered and second.whole and second.head.startswith(b"POST /v1/run ")
+    assert status == 200 and body == _digest_of(chunk, count)
+
+
+def _lost_after(size: int) -> Callable[[Member], object]:
+    def act(member: Member) -> None:
+        if member.count >= size:
+            member.answered = True
+            member.transport.abortConnection()
+    return act
+
+
+@pytest.mark.parametrize("streaming", [(_lost_after(READ_BYTES), answers_its_digest)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_member_lost_during_the_body_is_a_502_never_resent(streaming):
+    """A connection lost after part of the body was sent: a 502, the rest dropped, no second member."""
+    chunk = os.urandom(READ_BYTES)
+    client = await streaming.connect()
+    client.head(LARGE)
+    client.send(chunk, 2 * SPOOL_THRESHOLD // READ_BYTES)
+    status, body = await _answer_of(client)
+    assert status == 502 and b"node_failure" in body
+    assert len(streaming.members.connections) == 1
+    await until(lambda: streaming.app.pool.active() == 0, "the lease released", 10)
+
+
+@pytest.mark.parametrize("streaming", [(lambda member: None,)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_client_gone_mid_body_cancels_its_forward(streaming):
+    """A client that leaves while its body is being forwarded closes the member's request."""
+    chunk = os.urandom(READ_BYTES)
+    client = await streaming.connect()
+    client.head(LARGE)
+    client.send(chunk, 2)
+    await until(lambda: streaming.members.connections and streaming.members.connections[0].count
+                >= READ_BYTES, "the body's start at the member", 30)
+    client.transport.abortConnection()
+    [member] = streaming.members.connections
+    await until(lambda: member.lost, "the member's request closed", 10)
+    await until(lambda: streaming.app.pool.active() == 0, "the lease released", 10)
+    assert len(streaming.members.connections) == 1
+
+
+@pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_run_refused_at_its_head_closes_its_connection(streaming):
+    """A run answered before its body arrived (a bad header) gets its JSON error, and its
+    connection closes after it: the rest of the body is dropped, never read as a request."""
+    client = await streaming.connect()
+    client.head(LARGE, b"X-KCoral-Devices: none\r\n")
+    client.send(os.urandom(READ_BYTES), 2)
+    status, body = await _answer_of(client)
+    assert status == 400 and b"X-KCoral-Devices" in body
+    await until(lambda: client.closed, "the connection closed", 10)
+    assert streaming.members.connections == []
+
+
+def _peak_rss() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) << 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_256_mib_body_passes_in_bounded_memory(streaming):
+    """256 MiB pass from a client through the Router to a member while this process (all
+    three) grows by less than 64 MiB."""
+    chunk = os.urandom(READ_BYTES)
+    count = 256
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _peak_rss()
+    client = await streaming.connect()
+    client.head(count * READ_BYTES)
+    client.send(chunk, count)
+    status, body = await _answer_of(client)
+    assert status == 200 and body == _digest_of(chunk, count)
+    assert _peak_rss() - before < 64 << 20

@@ -140,6 +140,12 @@ class RouterApp:
                                        hot={"/v1/run": self.post_run, **inference.hot()},
                                        mounts={INFERENCE: inference}))
 
+    @staticmethod
+    def streams(method: bytes, path: bytes) -> bool:
+        """Whether a request is forwarded while its (large) body arrives: a
+        run, whose body the Router only passes on."""
+        return method == b"POST" and path == b"/v1/run"
+
     # -- client routes --------------------------------------------------------
 
     def status(self) -> str:

@@ -71,10 +71,11 @@ class Forwarder:
         (no ready member owns as many devices) or L{NodeFailure} (lost after
         it was sent, and not to be sent again).
 
-        C{body} is the whole request body, which the Router's site has read
-        (within C{--max-request-bytes}, a large one into a file) before the
-        run gets here: each attempt sends it again from its start, and it is
-        kept until the client has its answer.
+        C{body} is the request body (within C{--max-request-bytes}): read
+        whole by the Router's site before the run gets here, or, a large one
+        of known length, still arriving into its file
+        (L{kcoral.web.request}). Each attempt sends it again from its start,
+        and it is kept until the client has its answer.
         """
         rid = request.request_id
         arrived = self._clock.seconds()

@@ -94,7 +94,7 @@ def build_router(config: RouterConfig, reactor):
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool),
                       # It only forwards bodies: a large one need not stay in memory.
-                      spool=Spool(reactor), client_guard=app.client_guard)
+                      spool=Spool(reactor), client_guard=app.client_guard, streams=app.streams)
     return app, site
 
 

@@ -1,12 +1,14 @@
 """
 A request body as it is forwarded: bytes in memory, or an anonymous
-temporary file that a large body was spooled to (L{kcoral.web.spool}), read
-back in a thread so that no disk I/O happens on the reactor thread.
+temporary file that a large body is spooled to (L{kcoral.web.spool}), read
+back in a thread so that no disk I/O happens on the reactor thread, or
+handed on chunk by chunk as it arrives to a reader that has caught up.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import IO
 
 import attrs
@@ -64,21 +66,67 @@ def body_of(request) -> IBody:
 
 
 @implementer(IBody)
-@attrs.frozen
 class SpooledBody:
-    """A body of C{length} bytes in C{file}, an anonymous temporary file that
-    C{serial} reads and closes in a thread, one call after another (so it is
-    closed only once a read in progress has ended)."""
+    """
+    A body of C{length} bytes in an anonymous temporary file that C{serial}
+    writes, reads and closes in a thread, one call after another (so it is
+    closed only once a read in progress has ended). It may still be
+    arriving: C{received} bytes of it have arrived, of which C{written} are
+    in C{file} so far (None until the first write). A reader that has read
+    all that arrived is handed each chunk as it arrives (L{follow}); one
+    behind what arrived reads the file, and waits when it has read all that
+    is written (L{when_grown}).
+    """
 
-    file: IO[bytes]
-    length: int
-    serial: Serial
+    def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
+                 written: int = 0):
+        self.length = length
+        self.serial = serial
+        self.file = file
+        self.written = self.received = written
+        self._waiting: list[Callable[[], object]] = []
+        self._following: dict[FileReader, None] = {}
+        #: Told whether a reader follows it, each time that changes: its
+        #: client is read at the pace of the reader (None: at its own).
+        self.paced: Callable[[bool], object] | None = None
+
+    def arrived(self, data: bytes) -> None:
+        """C{data} arrived, next after what did: readers following get it."""
+        self.received += len(data)
+        for reader in list(self._following):
+            reader.arrived(data)
+
+    def grew(self, file: IO[bytes], written: int) -> None:
+        """C{written} bytes of it are now in C{file}: readers waiting go on."""
+        self.file, self.written = file, written
+        waiting, self._waiting = self._waiting, []
+        for go_on in waiting:
+            go_on()
+
+    def when_grown(self, go_on: Callable[[], object]) -> None:
+        """Call C{go_on} once more of it is in its file."""
+        self._waiting.append(go_on)
+
+    def follow(self, reader: FileReader) -> None:
+        """Hand C{reader} each chunk as it arrives, until L{unfollow}."""
+        if not self._following and self.paced is not None:
+            self.paced(True)
+        self._following[reader] = None
+
+    def unfollow(self, reader: FileReader) -> None:
+        if self._following.pop(reader, False) is None and not self._following and \
+                self.paced is not None:
+            self.paced(False)
 
     def send(self) -> IBodyProducer:
-        return FileReader(self.file, self.length, self.serial)
+        return FileReader(self)
 
     def close(self) -> Deferred[None]:
-        return self.serial.call(self.file.close)
+        self._waiting = []
+        self._following = {}
+        self.paced = None
+        file = self.file
+        return succeed(None) if file is None else self.serial.call(file.close)
 
 
 def _pread(file: IO[bytes], size: int, offset: int) -> bytes:
@@ -90,18 +138,20 @@ def _pread(file: IO[bytes], size: int, offset: int) -> bytes:
 @implementer(IBodyProducer)
 class FileReader:
     """
-    Produces C{length} bytes of C{file} from its start, each chunk read in a
-    thread by C{serial} (C{os.pread}: no shared file position, so each attempt
-    of a forward reads with a reader of its own). It reads the
+    Produces the bytes of C{body} from its start: each chunk read in a
+    thread by its serial (C{os.pread}: no shared file position, so each
+    attempt of a forward reads with a reader of its own) as far as it has
+    been written; once all that arrived has been produced, each chunk as it
+    arrives, for as long as the consumer is not paused (the first attempt of
+    a forward that starts with the body: nothing read back). It reads the
     next chunk only once the consumer has taken the last one and is not
     paused: what a forward holds in memory is one chunk and the transport's
     buffer.
     """
 
-    def __init__(self, file: IO[bytes], length: int, serial: Serial):
-        self.length = length
-        self._file = file
-        self._serial = serial
+    def __init__(self, body: SpooledBody):
+        self.length = body.length
+        self._body = body
         self._offset = 0
         self._paused = self._reading = self._stopped = False
         self._consumer = None
@@ -118,9 +168,17 @@ class FileReader:
         if self._offset >= self.length:
             self._done.callback(None)
             return
+        body = self._body
+        if self._offset >= body.written:
+            if self._offset == body.received:
+                body.follow(self)
+            else:  # arrived, not yet written
+                body.when_grown(self._read)
+            return
+        assert body.file is not None  # written to
         self._reading = True
-        d = self._serial.call(_pread, self._file, min(READ_BYTES, self.length - self._offset),
-                              self._offset)
+        d = body.serial.call(_pread, body.file, min(READ_BYTES, body.written - self._offset),
+                             self._offset)
         d.addCallbacks(self._got, self._failed)
 
     def _got(self, data: bytes) -> None:
@@ -135,6 +193,15 @@ class FileReader:
         self._consumer.write(data)  # which may pause this producer
         self._read()
 
+    def arrived(self, data: bytes) -> None:
+        """The next chunk of a body this reader follows."""
+        self._offset += len(data)
+        assert self._consumer is not None  # followed from startProducing on
+        self._consumer.write(data)  # which may pause or stop this producer
+        if self._offset >= self.length and not self._stopped:
+            self._body.unfollow(self)
+            self._done.callback(None)
+
     def _failed(self, reason) -> None:
         self._reading = False
         if not self._stopped:
@@ -142,7 +209,9 @@ class FileReader:
             self._done.errback(reason)
 
     def pauseProducing(self) -> None:
+        # What arrives meanwhile is read back from the file once resumed.
         self._paused = True
+        self._body.unfollow(self)
 
     def resumeProducing(self) -> None:
         self._paused = False
@@ -151,3 +220,4 @@ class FileReader:
     def stopProducing(self) -> None:
         # The Deferred of startProducing must then never fire.
         self._stopped = True
+        self._body.unfollow(self)

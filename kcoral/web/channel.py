@@ -67,24 +67,31 @@ class KCoralChannel(http.HTTPChannel):
             self._request_line = line
         super().lineReceived(line)
 
-    def headers_complete(self) -> tuple[bytes, bytes]:
+    def headers_complete(self) -> tuple[bytes, bytes, bytes]:
         """The head of the request in progress is whole: its deadline is met.
-        Its method and path (without the query)."""
+        Its method, URI and version, as its request line gave them."""
         if self._headerDeadline is not None:
             self._headerDeadline.cancel()
             self._headerDeadline = None
         line, self._request_line = self._request_line, b""
         method, _, rest = line.partition(b" ")
-        return method, rest.partition(b" ")[0].partition(b"?")[0]
+        uri, _, version = rest.partition(b" ")
+        return method, uri, version
 
     def requestDone(self, request):
         super().requestDone(request)
         if self.persistent and self.transport is not None:
             self._armHeaderDeadline()
 
+    def discard_input(self) -> None:
+        """Read and drop whatever else arrives: the request in progress was
+        answered before its body ended, and nothing after it can be parsed."""
+        self.persistent = False
+        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+
     def refuse(self, response: bytes) -> None:
         """Answer C{response} now, then discard whatever else arrives."""
-        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+        self.discard_input()
         transport = self.transport
         assert transport is not None  # called from the connection's own dataReceived
         transport.write(response)

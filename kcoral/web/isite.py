@@ -14,6 +14,8 @@ class IKCoralSite(Interface):
 
     bounds = Attribute("The body's bounds (kcoral.web.bounds.BodyBounds).")
     spool = Attribute("Where large bodies go (kcoral.web.spool.Spool), or None.")
+    streams = Attribute("Whether a request (method, path) whose body is spooled is processed "
+                        "while its body arrives.")
     client_guard = Attribute("The client tokens guarded paths need (IGuard), or None.")
     clock = Attribute("The reactor's clock (IReactorTime).")
     logger = Attribute("The service's twisted.logger Logger.")

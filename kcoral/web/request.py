@@ -11,6 +11,7 @@ import io
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from twisted.web import http, server
@@ -21,6 +22,7 @@ from kcoral.web.errors import method_not_allowed
 from kcoral.web.family import family_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.spool import UNREAD, Holds
 
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
@@ -45,6 +47,13 @@ class KCoralRequest(server.Request):
     reactor thread), and the request is processed once every write has
     ended. Either way L{body} is the whole body; C{content} holds it only
     when it is in memory.
+
+    A request its site L{streams<kcoral.web.site.KCoralSite.streams>}, with
+    a body of known length over the spool's threshold, is processed as soon
+    as its head is whole: its L{body} is then the file its body is being
+    written to, which readers follow while it arrives. Answered before its
+    body has all arrived (an error, say), it closes its connection after the
+    answer and drops the rest of the body.
     """
 
     channel: KCoralChannel
@@ -53,7 +62,12 @@ class KCoralRequest(server.Request):
     _received = 0
     _started = None
     _spooling: SpoolWriter | None = None
+    _holds: Holds | None = None
     _body: IBody | None = None
+    #: Processed while its body (of C{_expected} bytes) arrives, which has
+    #: not all arrived yet.
+    _arriving = False
+    _expected = 0
     _write: Callable[[bytes], object]
 
     @property
@@ -67,10 +81,10 @@ class KCoralRequest(server.Request):
         channel = self.channel
         site = channel.site
         self._started = site.clock.seconds()
-        method, path = channel.headers_complete()
+        method, uri, version = channel.headers_complete()
         # Known before Twisted parses the request line again, for an answer
         # given from the head alone (its error's form depends on the path).
-        self.path = path
+        self.path = path = uri.partition(b"?")[0]
         error = site.bounds.refuse_length(length)
         if error is not None:
             self._refuse(error)
@@ -85,8 +99,20 @@ class KCoralRequest(server.Request):
         self.content = RequestBody()
         spool = site.spool
         if spool is not None and (length is None or length > spool.threshold):
-            self._spooling = spool.writer(IPushProducer(channel.transport, None), self._spool_failed)
+            self._holds = Holds(IPushProducer(channel.transport, None), channel, site.clock)
+            self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
+            body = self._spooling.body
+            if body is not None and site.streams(method, path):
+                self._body = body
+                self._arriving = True
+                self._expected = length
+                # Read as fast as it is forwarded: nothing while it waits
+                # for a member, then at the member's pace.
+                self._holds.hold(UNREAD)
+                body.paced = self._paced
+                self.notifyFinish().addBoth(self._let_go)
+                super().requestReceived(method, uri, version)
         else:
             self._write = self.content.write
 
@@ -103,11 +129,18 @@ class KCoralRequest(server.Request):
             return
         self._received += len(data)
         site = self.channel.site
-        error = site.bounds.refuse_received(self._received, site.clock.seconds() - self._started)
+        # The time its client was held (not read) is not the client's.
+        held = self._holds.held_seconds() if self._holds is not None else 0.0
+        error = site.bounds.refuse_received(self._received, site.clock.seconds() - self._started - held)
         if error is not None:
             self._refuse(error)
             return
         self._write(data)  # set by gotLength, which refused if not
+        if self._arriving and self._received >= self._expected:
+            # Its last byte: the client is never held again, and its
+            # connection's idle timeout is back on before Twisted's channel
+            # sets it aside for the processing that follows.
+            self._paced(True)
 
     def _refuse(self, error: KCoralError) -> None:
         self.channel.site.logger.warn("{request_id} refused: {message}",
@@ -124,8 +157,22 @@ class KCoralRequest(server.Request):
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
-        self.channel.site.metrics.observe(self.uri or b"other", status, 0.0)
-        self.channel.refuse(response)
+        channel = self.channel
+        channel.site.metrics.observe(self.uri or b"other", status, 0.0)
+        if not self._arriving:
+            channel.refuse(response)
+            return
+        # Processed while its body arrived: what it waits on (a forward of
+        # that body) is cancelled as if its client had left, and an answer
+        # already under way cannot be followed by another.
+        self._arriving = False
+        if self.startedWriting:
+            channel.discard_input()
+            assert channel.transport is not None
+            channel.transport.abortConnection()
+        else:
+            channel.refuse(response)
+            self.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
 
     def _raw_answer(self, body: bytes) -> bytes:
         """The whole HTTP response of C{body} with this request's status and
@@ -139,6 +186,11 @@ class KCoralRequest(server.Request):
 
     def requestReceived(self, command, path, version):
         if self._refused:
+            return
+        if self._arriving:
+            # Processed since its head: its body has now all arrived (and is
+            # written to its file as the spool goes, while readers follow).
+            self._arriving = False
             return
         if self._spooling is None:
             super().requestReceived(command, path, version)
@@ -165,7 +217,27 @@ class KCoralRequest(server.Request):
                                          failure, request_id=self.request_id)
         self._refuse(InternalError("could not buffer the request body"))
 
+    def _paced(self, following: bool) -> None:
+        """Whether a reader follows the body as it arrives: if none does
+        (none has started, or the one that did is paused), its client is
+        held until one does."""
+        assert self._holds is not None  # paced bodies are spooled
+        if following or self._received >= self._expected:
+            self._holds.release(UNREAD)
+        else:
+            self._holds.hold(UNREAD)
+
+    def _let_go(self, _) -> None:
+        """A body processed while it arrived is no longer needed."""
+        if self._spooling is not None:
+            self._spooling.discard()
+            self._spooling = None
+        assert self._body is not None
+        self._body.close()
+
     def connectionLost(self, reason):
+        if self._holds is not None:
+            self._holds.drop()
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
@@ -208,6 +280,13 @@ class KCoralRequest(server.Request):
             self.channel.persistent = False
 
     def finish(self):
+        if self._arriving and self.channel is not None:
+            # Answered before its body ended: the rest cannot be told from a
+            # next request, so it is dropped and the connection closes.
+            self._arriving = False
+            self.requestHeaders.removeHeader(b"Expect")
+            self.close_after_response()
+            self.channel.discard_input()
         site = self.channel.site if self.channel is not None else None
         if site is not None and not self.finished and self._started is not None:
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)

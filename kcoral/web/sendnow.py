@@ -15,6 +15,13 @@ producer paused, or waiting to be asked for more; a connection closing) it
 leaves the transport to the reactor's turn, as before. Twisted offers no
 such option of its own, and no library adds it.
 
+The same wrapper has the transport read and send up to L{READ_BYTES} at a
+time, in place of Twisted's 64 KiB reads and 128 KiB sends: a large body
+then passes through the protocols above it (HTTP parsing, a request's
+bounds, the spool, the client writing it on) in a sixteenth of the calls.
+The transport's C{bufferSize} is both that read size and what it buffers
+for writing before it pauses its producer.
+
 Under TLS the wrapper goes below the TLS layer of an outgoing connection
 (L{SendNowEndpoint}); a listening TLS port wraps its protocols above our
 reach, so answers over TLS wait for the reactor's turn.
@@ -29,6 +36,10 @@ from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
 from twisted.protocols import policies
 from zope.interface import implementer
 
+#: Bytes a connection reads, and sends, at once (and buffers for writing
+#: before it pauses its producer).
+READ_BYTES = 1 << 20
+
 
 class SendNow(policies.ProtocolWrapper):
     """The transport of a protocol whose writes are sent at once."""
@@ -40,6 +51,7 @@ class SendNow(policies.ProtocolWrapper):
         # (a TLS layer, a test's transport) is written as it always was.
         if isinstance(transport, FileDescriptor):
             self._descriptor = transport
+            transport.bufferSize = transport.SEND_LIMIT = READ_BYTES
         super().makeConnection(transport)
 
     def write(self, data):

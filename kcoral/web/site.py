@@ -44,7 +44,8 @@ class KCoralSite(server.Site):
     def __init__(self, resource, *, metrics, max_request_bytes: int, log: Logger,
                  idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
                  max_connections: int | Callable[[], int] | None = None,
-                 spool: Spool | None = None, client_guard: IGuard | None = None):
+                 spool: Spool | None = None, client_guard: IGuard | None = None,
+                 streams: Callable[[bytes, bytes], bool] = lambda method, path: False):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -58,6 +59,9 @@ class KCoralSite(server.Site):
         self.bounds = BodyBounds(max_request_bytes)
         #: Where bodies over its threshold go; None: every body in memory.
         self.spool = spool
+        #: Whether a request (its method and path) whose body is spooled is
+        #: processed while its body arrives (L{kcoral.web.request}).
+        self.streams = streams
         #: What a request to a guarded path of an API family must present,
         #: checked as soon as a POST's head is whole, before its body is read
         #: (its resource, L{kcoral.web.front.Front}, checks it again).

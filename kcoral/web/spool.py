@@ -7,7 +7,9 @@ flight. Smaller bodies stay in memory, untouched by any of this.
 
 The writes run in a small thread pool of their own, in order, never on the
 reactor thread; while more than L{WAITING_BYTES} wait to be written, the
-client's transport is paused, so what waits in memory stays bounded.
+client's transport is paused, so what waits in memory stays bounded. A body
+forwarded while it arrives (L{kcoral.web.request}) also holds its client
+while no reader follows it (L{Holds}): it is read at the pace it is sent on.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ class Spool:
             self._reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)
         return deferToThreadPool(self._reactor, self._pool, f, *args)
 
-    def writer(self, producer: IPushProducer | None,
-               failed: Callable[[Failure], object]) -> SpoolWriter:
-        """A writer for one body, pausing C{producer} (its client's transport)
-        while writes lag; C{failed} is told of a write that failed."""
-        return SpoolWriter(self, producer, failed)
+    def writer(self, holds: Holds, failed: Callable[[Failure], object],
+               length: int | None = None) -> SpoolWriter:
+        """A writer for one body of C{length} bytes (None: unknown), holding
+        its client's transport (C{holds}) while writes lag; C{failed} is
+        told of a write that failed."""
+        return SpoolWriter(self, holds, failed, length)
 
 
 def _write(file: IO[bytes] | None, directory: str | None, chunks: list[bytes]) -> IO[bytes]:
@@ -71,24 +74,97 @@ def _write(file: IO[bytes] | None, directory: str | None, chunks: list[bytes]) -
     return file
 
 
-class SpoolWriter:
+#: Why a client is held: writes of its body lag behind.
+LAGGING = "lagging"
+#: Why a client is held: its body is forwarded while it arrives, and no
+#: reader follows it (none has started, or the one that did is paused).
+UNREAD = "unread"
+
+
+class Holds:
     """
-    One body as it arrives: held in memory up to its spool's threshold, then
-    written to a file, one write in flight at a time with what arrived
-    meanwhile handed to the next (in the thread, without joining them).
+    A client's transport (C{producer}, None: nothing to pause), paused while
+    anything holds it (L{LAGGING}, L{UNREAD}). While it is L{UNREAD}, which
+    may last as long as a run waits for a member, the idle timeout of its
+    connection (C{channel}, a C{TimeoutMixin}) is off: a client that cannot
+    send is not idle. How long it was held in all is kept, for the bound on
+    the rate its body arrives at.
     """
 
-    def __init__(self, spool: Spool, producer: IPushProducer | None,
-                 failed: Callable[[Failure], object]):
+    def __init__(self, producer: IPushProducer | None, channel=None, clock=None):
+        self._producer = producer
+        self._channel = channel
+        self._clock = clock
+        self._reasons: set[str] = set()
+        self._idle: float | None = None
+        self._since = 0.0
+        self._held = 0.0
+
+    def hold(self, reason: str) -> None:
+        if reason in self._reasons:
+            return
+        if not self._reasons:
+            if self._producer is not None:
+                self._producer.pauseProducing()
+            if self._clock is not None:
+                self._since = self._clock.seconds()
+        if reason == UNREAD and self._channel is not None:
+            self._idle = self._channel.setTimeout(None)
+        self._reasons.add(reason)
+
+    def release(self, reason: str) -> None:
+        if reason not in self._reasons:
+            return
+        self._reasons.discard(reason)
+        if reason == UNREAD and self._channel is not None:
+            self._channel.setTimeout(self._idle)
+        if not self._reasons:
+            if self._clock is not None:
+                self._held += self._clock.seconds() - self._since
+            if self._producer is not None:
+                self._producer.resumeProducing()
+
+    def release_all(self) -> None:
+        for reason in list(self._reasons):
+            self.release(reason)
+
+    def drop(self) -> None:
+        """The connection is gone: nothing is to be resumed or re-armed."""
+        self._reasons.clear()
+        self._producer = self._channel = None
+
+    def held_seconds(self) -> float:
+        """How long the transport was held in all, until now."""
+        if self._reasons and self._clock is not None:
+            return self._held + self._clock.seconds() - self._since
+        return self._held
+
+
+class SpoolWriter:
+    """
+    One body as it arrives, written to a file, one write in flight at a time
+    with what arrived meanwhile handed to the next (in the thread, without
+    joining them). A body of known length (over the threshold: the site
+    spools no other) goes to its file from its first byte, and L{body} can
+    be read while it arrives; one of unknown length is held in memory up to
+    the spool's threshold.
+    """
+
+    def __init__(self, spool: Spool, holds: Holds, failed: Callable[[Failure], object],
+                 length: int | None = None):
         self.length = 0
         self._spool = spool
         self._serial = Serial(spool.in_thread)
-        self._producer = producer
+        self._holds = holds
         self._failed = failed
         self._pending: list[bytes] = []
         self._waiting = 0  # pending or being written
         self._file: IO[bytes] | None = None
-        self._spilled = self._writing = self._paused = self._discarded = False
+        self._on_disk = 0
+        self._writing = self._discarded = False
+        self._spilled = length is not None
+        #: The body, readable while it arrives (None: of unknown length).
+        self.body = None if length is None else SpooledBody(length, self._serial)
         self._failure: Failure | None = None
         self._done: Deferred[IBody] | None = None
 
@@ -98,14 +174,15 @@ class SpoolWriter:
         self.length += len(data)
         self._pending.append(data)
         self._waiting += len(data)
+        if self.body is not None:
+            self.body.arrived(data)
         if not self._spilled and self.length <= self._spool.threshold:
             return
         self._spilled = True
         if not self._writing:
             self._flush()
-        if self._waiting > WAITING_BYTES and not self._paused and self._producer is not None:
-            self._paused = True
-            self._producer.pauseProducing()
+        if self._waiting > WAITING_BYTES:
+            self._holds.hold(LAGGING)
 
     def _flush(self) -> None:
         chunks, self._pending = self._pending, []
@@ -117,18 +194,19 @@ class SpoolWriter:
         self._file = file
         self._writing = False
         self._waiting -= size
+        self._on_disk += size
         if self._discarded:
             self._serial.call(file.close)
             return
+        if self.body is not None:
+            self.body.grew(file, self._on_disk)
         if self._pending:
             self._flush()
-        if self._paused and self._waiting <= WAITING_BYTES:
-            self._paused = False
-            assert self._producer is not None  # paused only with one
-            self._producer.resumeProducing()
+        if self._waiting <= WAITING_BYTES:
+            self._holds.release(LAGGING)
         if not self._writing and self._done is not None:
             done, self._done = self._done, None
-            done.callback(SpooledBody(file, self.length, self._serial))
+            done.callback(self._whole())
 
     def _write_failed(self, failure: Failure) -> None:
         self._writing = False
@@ -148,10 +226,13 @@ class SpoolWriter:
         if not self._spilled:
             return succeed(MemoryBody(b"".join(self._pending)))
         if not self._writing:  # so nothing is pending either
-            assert self._file is not None  # a write has ended
-            return succeed(SpooledBody(self._file, self.length, self._serial))
+            return succeed(self._whole())
         self._done = Deferred()
         return self._done
+
+    def _whole(self) -> SpooledBody:
+        assert self._file is not None  # a write has ended
+        return self.body or SpooledBody(self.length, self._serial, self._file, self.length)
 
     def discard(self) -> None:
         """The body will never be used (its client went away, or it was
@@ -160,10 +241,7 @@ class SpoolWriter:
             return
         self._discarded = True
         self._pending = []
-        if self._paused:
-            # So that the connection reads (and drops) what its client sends.
-            self._paused = False
-            assert self._producer is not None
-            self._producer.resumeProducing()
+        # So that the connection reads (and drops) what its client sends.
+        self._holds.release_all()
         if not self._writing and self._file is not None:
             self._serial.call(self._file.close)
