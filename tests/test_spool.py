@@ -32,7 +32,7 @@ from zope.interface import implementer
 from kcoral import Program
 from kcoral.router.proxy import NotSent
 from kcoral.web.body import READ_BYTES, FileReader, MemoryBody, SpooledBody
-from kcoral.web.spool import SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
+from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
 from tests.harness import until
 from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
 from tests.test_outgoing import Peer
@@ -273,15 +273,16 @@ async def test_a_large_input_runs_through_a_router(processes):
     assert float(result) == pytest.approx(float((x * 2).sum()), rel=1e-5)
 
 
-def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path):
+@pytest.mark.parametrize("kept_bytes", [0, KEPT_BYTES], ids=["on-disk", "in-memory"])
+def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path, kept_bytes):
     """A request its site streams is processed at its head; its client is not read (nor timed
     out, nor timed for its rate) until a reader follows the body, which then gets each chunk as
-    it arrives."""
+    it arrives; done, it lets go of its file, or of its share of the memory kept."""
     threads = Threads()
     resource = Bodies()
     clock = Clock()
-    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
-                     spool=Spool(clock, THRESHOLD, str(tmp_path), threads),
+    spool = Spool(clock, THRESHOLD, str(tmp_path), threads, kept_bytes)
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource, spool=spool,
                      streams=lambda method, path: True)
     channel, transport = connect(site)
     body = os.urandom(50_000)
@@ -302,9 +303,37 @@ def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path):
     assert b"".join(consumer.data) == body and done.called
     assert transport.value() == b"" and not transport.disconnecting
     threads.run()
+    assert kept_bytes == 0 or spool.kept(kept_bytes) is None  # its share taken
     request.finish()
     threads.run()
-    assert request.body.file.closed
+    if kept_bytes == 0:
+        assert request.body.file.closed
+    else:
+        assert request.body.chunks is None and spool.kept(kept_bytes) is not None
+
+
+def test_a_streamed_body_that_trickles_in_is_refused_and_its_handling_cancelled(tmp_path):
+    """A body read by a forward, but arriving under the least rate, is refused with a 408, and
+    what its handler waits on learns that its client is gone."""
+    clock = Clock()
+    resource = Bodies()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
+                     streams=lambda method, path: True)
+    channel, transport = connect(site)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n")
+    [request] = resource.requests
+    gone: list = []
+    request.notifyFinish().addErrback(gone.append)
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    reader.startProducing(consumer)
+    for _ in range(12):
+        clock.advance(1)
+        channel.dataReceived(b"t" * 100)
+    status, _, body = parse_raw(transport.value())
+    assert status == 408 and b"request_timeout" in body
+    assert len(gone) == 1 and transport.producerState == "producing"
 
 
 # -- forwarded while it arrives, through a Router in this process ------------------------------
@@ -422,13 +451,14 @@ class StreamingRouter:
     """A Router's site in this process on a loopback port, in front of two
     workers (capacity 1 each) on ports of their own."""
 
-    def __init__(self, members: Members):
+    def __init__(self, members: Members, kept_bytes: int):
         from kcoral.common.report import parse_report
         from kcoral.router.service import RouterConfig, build_router
 
         self.members = members
         self._ports = [reactor.listenTCP(0, members, interface="127.0.0.1") for _ in range(2)]
         self.app, site = build_router(RouterConfig(recovery_threshold=1), reactor)
+        site.spool.kept_bytes = kept_bytes
         self.app.pool.report("n", parse_report({
             "session": "s", "gpu_target": "cpu", "runtime": {}, "workers": [
                 {"name": f"worker{i}", "url": f"http://127.0.0.1:{port.getHost().port}",
@@ -446,9 +476,14 @@ class StreamingRouter:
             await port.stopListening()
 
 
+@pytest.fixture(params=[0, KEPT_BYTES], ids=["on-disk", "in-memory"])
+def kept_bytes(request):
+    return request.param
+
+
 @pytest_twisted.async_yield_fixture
-async def streaming(request):
-    router = StreamingRouter(Members(*request.param))
+async def streaming(request, kept_bytes):
+    router = StreamingRouter(Members(*request.param), kept_bytes)
     yield router
     await router.close()
 

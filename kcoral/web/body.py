@@ -70,20 +70,25 @@ class SpooledBody:
     """
     A body of C{length} bytes in an anonymous temporary file that C{serial}
     writes, reads and closes in a thread, one call after another (so it is
-    closed only once a read in progress has ended). It may still be
-    arriving: C{received} bytes of it have arrived, of which C{written} are
-    in C{file} so far (None until the first write). A reader that has read
-    all that arrived is handed each chunk as it arrives (L{follow}); one
-    behind what arrived reads the file, and waits when it has read all that
-    is written (L{when_grown}).
+    closed only once a read in progress has ended); or, with C{chunks}, kept
+    in memory as the chunks it arrived in (L{kcoral.web.spool.Spool.kept}),
+    C{kept} called once it is closed. It may still be arriving: C{received}
+    bytes of it have arrived, of which C{written} are in C{file} so far
+    (None until the first write). A reader that has read all that arrived is
+    handed each chunk as it arrives (L{follow}); one behind what arrived
+    reads the chunks, or the file, and waits when it has read all that is
+    written (L{when_grown}).
     """
 
     def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
-                 written: int = 0):
+                 written: int = 0, chunks: list[bytes] | None = None,
+                 kept: Callable[[], object] = lambda: None):
         self.length = length
         self.serial = serial
         self.file = file
         self.written = self.received = written
+        self.chunks = chunks
+        self._kept = kept
         self._waiting: list[Callable[[], object]] = []
         self._following: dict[FileReader, None] = {}
         #: Told whether a reader follows it, each time that changes: its
@@ -93,6 +98,8 @@ class SpooledBody:
     def arrived(self, data: bytes) -> None:
         """C{data} arrived, next after what did: readers following get it."""
         self.received += len(data)
+        if self.chunks is not None:
+            self.chunks.append(data)
         for reader in list(self._following):
             reader.arrived(data)
 
@@ -125,6 +132,9 @@ class SpooledBody:
         self._waiting = []
         self._following = {}
         self.paced = None
+        if self.chunks is not None:
+            self.chunks = None
+            self._kept()
         file = self.file
         return succeed(None) if file is None else self.serial.call(file.close)
 
@@ -153,6 +163,7 @@ class FileReader:
         self.length = body.length
         self._body = body
         self._offset = 0
+        self._index = 0  # of the next chunk, where they are in memory
         self._paused = self._reading = self._stopped = False
         self._consumer = None
         self._done: Deferred[None] = Deferred(lambda d: self.stopProducing())
@@ -163,23 +174,33 @@ class FileReader:
         return self._done
 
     def _read(self) -> None:
-        if self._paused or self._reading or self._stopped:
-            return
-        if self._offset >= self.length:
-            self._done.callback(None)
-            return
         body = self._body
-        if self._offset >= body.written:
-            if self._offset == body.received:
-                body.follow(self)
-            else:  # arrived, not yet written
-                body.when_grown(self._read)
+        while not (self._paused or self._reading or self._stopped):
+            if self._offset >= self.length:
+                self._finish()
+                return
+            if body.chunks is not None and self._index < len(body.chunks):
+                data = body.chunks[self._index]
+                self._index += 1
+                self._produce(data)
+                continue
+            if self._offset >= body.written:
+                if self._offset == body.received:
+                    body.follow(self)
+                else:  # arrived, not yet written
+                    body.when_grown(self._read)
+                return
+            assert body.file is not None  # written to
+            self._reading = True
+            d = body.serial.call(_pread, body.file, min(READ_BYTES, body.written - self._offset),
+                                 self._offset)
+            d.addCallbacks(self._got, self._failed)
             return
-        assert body.file is not None  # written to
-        self._reading = True
-        d = body.serial.call(_pread, body.file, min(READ_BYTES, body.written - self._offset),
-                             self._offset)
-        d.addCallbacks(self._got, self._failed)
+
+    def _finish(self) -> None:
+        self._body.unfollow(self)
+        if not self._done.called:
+            self._done.callback(None)
 
     def _got(self, data: bytes) -> None:
         self._reading = False
@@ -188,19 +209,20 @@ class FileReader:
         if not data:
             self._failed(EOFError(f"spooled body ends at {self._offset} of {self.length} bytes"))
             return
-        self._offset += len(data)
-        assert self._consumer is not None  # reads start with startProducing
-        self._consumer.write(data)  # which may pause this producer
+        self._produce(data)
         self._read()
+
+    def _produce(self, data: bytes) -> None:
+        self._offset += len(data)
+        assert self._consumer is not None  # produced from startProducing on
+        self._consumer.write(data)  # which may pause or stop this producer
 
     def arrived(self, data: bytes) -> None:
         """The next chunk of a body this reader follows."""
-        self._offset += len(data)
-        assert self._consumer is not None  # followed from startProducing on
-        self._consumer.write(data)  # which may pause or stop this producer
+        self._index += 1
+        self._produce(data)
         if self._offset >= self.length and not self._stopped:
-            self._body.unfollow(self)
-            self._done.callback(None)
+            self._finish()
 
     def _failed(self, reason) -> None:
         self._reading = False

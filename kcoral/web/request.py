@@ -26,7 +26,7 @@ from kcoral.web.spool import UNREAD, Holds
 
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
-    from kcoral.web.spool import SpoolWriter
+    from kcoral.web.spool import Spool, SpoolWriter
 
 
 class RequestBody(io.BytesIO):
@@ -100,21 +100,36 @@ class KCoralRequest(server.Request):
         spool = site.spool
         if spool is not None and (length is None or length > spool.threshold):
             self._holds = Holds(IPushProducer(channel.transport, None), channel, site.clock)
+            if length is not None and site.streams(method, path):
+                self._stream(spool, length, method, uri, version)
+                return
             self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
-            body = self._spooling.body
-            if body is not None and site.streams(method, path):
-                self._body = body
-                self._arriving = True
-                self._expected = length
-                # Read as fast as it is forwarded: nothing while it waits
-                # for a member, then at the member's pace.
-                self._holds.hold(UNREAD)
-                body.paced = self._paced
-                self.notifyFinish().addBoth(self._let_go)
-                super().requestReceived(method, uri, version)
         else:
             self._write = self.content.write
+
+    def _stream(self, spool: Spool, length: int, method: bytes, uri: bytes, version: bytes) -> None:
+        """Process this request now, its body (of C{length} bytes) kept in
+        memory while the spool's budget allows, else written to a file, and
+        read as fast as it is forwarded: nothing while it waits for a
+        member, then at the member's pace."""
+        holds = self._holds
+        assert holds is not None  # made with the spool
+        body = spool.kept(length)
+        if body is None:
+            self._spooling = spool.writer(holds, self._spool_failed, length)
+            self._write = self._spooling.write
+            body = self._spooling.body
+            assert body is not None  # of known length
+        else:
+            self._write = body.arrived
+        self._body = body
+        self._arriving = True
+        self._expected = length
+        holds.hold(UNREAD)
+        body.paced = self._paced
+        self.notifyFinish().addBoth(self._let_go)
+        super().requestReceived(method, uri, version)
 
     @property
     def body(self) -> IBody:

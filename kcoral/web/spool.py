@@ -32,6 +32,10 @@ from kcoral.web.serial import InThread, Serial
 SPOOL_THRESHOLD = 8 << 20
 #: Bytes received but not yet written beyond which the client is paused.
 WAITING_BYTES = 4 << 20
+#: Bytes of the bodies forwarded while they arrive that a service keeps in
+#: memory, all of them together, as the chunks they arrived in (no copy):
+#: a body that would take it past this goes to a file.
+KEPT_BYTES = 48 << 20
 #: Threads writing and reading spooled bodies: disk bandwidth, not threads,
 #: bounds them, and the reactor's own pool stays free for name lookups.
 SPOOL_THREADS = 2
@@ -42,9 +46,11 @@ class Spool:
     of L{SPOOL_THREADS} threads of C{reactor}'s, started when first needed)."""
 
     def __init__(self, reactor, threshold: int = SPOOL_THRESHOLD, directory: str | None = None,
-                 in_thread: InThread | None = None):
+                 in_thread: InThread | None = None, kept_bytes: int = KEPT_BYTES):
         self.threshold = threshold
         self.directory = directory
+        self.kept_bytes = kept_bytes
+        self._kept = 0
         self._reactor = reactor
         self._in_thread = in_thread
         self._pool: ThreadPool | None = None
@@ -57,6 +63,19 @@ class Spool:
             self._pool.start()
             self._reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)
         return deferToThreadPool(self._reactor, self._pool, f, *args)
+
+    def kept(self, length: int) -> SpooledBody | None:
+        """A body of C{length} bytes, forwarded while it arrives, kept in
+        memory if all those kept fit in L{KEPT_BYTES} with it; else None (it
+        goes to a file)."""
+        if self._kept + length > self.kept_bytes:
+            return None
+        self._kept += length
+
+        def closed() -> None:
+            self._kept -= length
+
+        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed)
 
     def writer(self, holds: Holds, failed: Callable[[Failure], object],
                length: int | None = None) -> SpoolWriter:
