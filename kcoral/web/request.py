@@ -50,8 +50,10 @@ class KCoralRequest(server.Request):
 
     A request its site L{streams<kcoral.web.site.KCoralSite.streams>}, with
     a body of known length over the spool's threshold, is processed as soon
-    as its head is whole: its L{body} is then the file its body is being
-    written to, which readers follow while it arrives. Answered before its
+    as its head is whole: its L{body} is then kept in memory as it arrives
+    (within the spool's L{kept<kcoral.web.spool.Spool.kept>} budget), else
+    written to a file; readers follow it while it arrives, and its client is
+    read only while one does. Answered before its
     body has all arrived (an error, say), it closes its connection after the
     answer and drops the rest of the body.
     """

@@ -9,7 +9,9 @@ The writes run in a small thread pool of their own, in order, never on the
 reactor thread; while more than L{WAITING_BYTES} wait to be written, the
 client's transport is paused, so what waits in memory stays bounded. A body
 forwarded while it arrives (L{kcoral.web.request}) also holds its client
-while no reader follows it (L{Holds}): it is read at the pace it is sent on.
+while no reader follows it (L{Holds}): it is read at the pace it is sent on;
+it is kept in memory instead, as it arrived, while all those kept fit in
+L{KEPT_BYTES} (L{Spool.kept}).
 """
 
 from __future__ import annotations
