@@ -42,6 +42,9 @@ class Demand:
     #: uses (C{arrays}, their ids): only that member takes it.
     kept: str | None = None
     arrays: tuple[str, ...] = ()
+    #: Content a member said it lacks (a 409) that the run references: only
+    #: a member believed to hold all of it takes the run again.
+    required: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, program: bytes | None, inputs: bytes | None,
@@ -83,8 +86,9 @@ class Demand:
     @property
     def pinned(self) -> bool:
         """Whether a hard constraint picks its members (a model, kept
-        arrays): where it goes among them is a question of load alone."""
-        return self.model is not None or self.kept is not None
+        arrays, content a member lacked): where it goes among them is a
+        question of load alone."""
+        return self.model is not None or self.kept is not None or bool(self.required)
 
     @property
     def home(self) -> str:
@@ -130,6 +134,10 @@ class Holdings:
 
     def holds_all(self, demand: Demand) -> bool:
         return demand.program in self.programs and all(d in self.contents for d, _ in demand.inputs)
+
+    def holds_every(self, digests: Iterable[str]) -> bool:
+        """Whether it holds every one of C{digests}, programs or inputs."""
+        return all(d in self.contents or d in self.programs for d in digests)
 
     def learn(self, demand: Demand, now: float) -> None:
         """A run of C{demand} succeeded on the member at C{now}."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
-from kcoral.errors import ArrayLost, KCoralError, NotEnoughDevices, ServerBusy
+from kcoral.errors import ArrayLost, KCoralError, MissingContent, NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.residency import Demand
@@ -90,10 +90,15 @@ class Scheduler:
 
     def _refusal(self, demand: Demand | None, devices: int) -> KCoralError | None:
         """Why no member will take a run of C{demand} exported for C{devices}
-        devices (L{_too_few}), that uses arrays no member holds (L{_lost}), or
-        an inference of a model no usable member has ready; None when one may."""
+        devices (L{_too_few}), that uses arrays no member holds (L{_lost}),
+        that requires content no usable member holds (a 409, so that its
+        client sends it), or an inference of a model no usable member has
+        ready; None when one may."""
         if demand is not None and demand.model is not None and not self.pool.serves(demand.model):
             return ServerBusy(f"no member has model {demand.model!r} ready", reason="no_ready_node")
+        if demand is not None and demand.required and not self.pool.holds(demand.required):
+            return MissingContent(f"no worker of this pool holds {len(demand.required)} "
+                                  f"referenced upload(s)", details={"missing": list(demand.required)})
         return self._too_few(devices) or self._lost(demand)
 
     def _too_few(self, devices: int) -> NotEnoughDevices | None:
