@@ -150,8 +150,9 @@ def lacking(*digests: str) -> FakeWorker:
 
 
 def test_a_409_is_placed_again_on_a_member_that_holds_what_was_lacking():
-    """A member that lacks referenced weights answers 409: the run goes to the
-    member believed to hold them, not back to its client for an upload."""
+    """A member believed to hold the referenced weights answers 409: the run
+    goes to another member believed to hold them, not back to its client for
+    an upload."""
     routed = Routed("10.0.0.1", "10.0.0.2")
     # The first member is believed to hold it all (it has since evicted the
     # weights), so the run goes there first; the second holds the weights.
@@ -164,6 +165,20 @@ def test_a_409_is_placed_again_on_a_member_that_holds_what_was_lacking():
     assert len(stale.runs) == 1 and len(holder.runs) == 1
     assert not routed.member("10.0.0.1").held.holds_every([WEIGHTS])
     assert routed.pool.active() == 0 and len(routed.waits) == 1
+
+
+def test_a_409_of_a_cold_start_goes_back_to_the_client():
+    """A run placed on a member known to lack its weights (cheaper than the
+    compile where they are) is a cold start: that member's 409 goes back to
+    the client, whose upload it is, and the run is not moved to the holder."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    routed.member("10.0.0.1").held.learn(Demand(PROGRAM), 0.0)
+    routed.member("10.0.0.2").held.learn(Demand("c" * 64, RUN.inputs), 0.0)
+    cold, holder = lacking(WEIGHTS), FakeWorker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": cold, "10.0.0.2": holder}), RUN)
+    kind, answer = done[0]
+    assert kind == "ok" and answer.code == 409
+    assert len(cold.runs) == 1 and not holder.runs and routed.pool.active() == 0
 
 
 def test_a_409_no_member_can_resolve_goes_back_to_the_client():
@@ -179,7 +194,7 @@ def test_a_409_no_member_can_resolve_goes_back_to_the_client():
 
 
 def test_tries_after_409s_are_bounded():
-    """Members believed to hold content but answering 409 are tried at most
+    """Members believed to hold a run's content but answering 409 are tried at most
     MAX_HOLDER_TRIES times after the first; the last 409 is the client's."""
     hosts = [f"10.0.0.{i}" for i in range(1, MAX_HOLDER_TRIES + 3)]
     routed = Routed(*hosts)

@@ -3,10 +3,13 @@ The forward-and-retry loop of a Router's C{POST /v1/run}: wait for a lease
 on a member with free capacity, forward the run there, and try another
 member while members turn it away unsent, up to L{MAX_NOT_SENT} tries.
 
-A member's 409 (it lacks content the run references) places the run
-again, only on members believed to hold what it lacks, up to
-L{MAX_HOLDER_TRIES} times; where none does, the client gets the 409 and
-sends the content inline. A fleet of clients then sends content about once
+A 409 from a member believed to hold all the run needs (an eviction, a
+restart, content still on its way there) places the run again, only on
+members believed to hold what it lacked, up to L{MAX_HOLDER_TRIES} times;
+where none does, the client gets the 409 and sends the content inline. A
+409 from a member the run was placed on knowing it lacked content (a cold
+start, chosen over waiting for a warm member) goes back to the client: its
+upload is that cold start. A fleet of clients then sends content about once
 per worker that needs it, not once per client; each member still runs only
 content it holds, verified when it was stored.
 
@@ -43,8 +46,8 @@ MAX_NOT_SENT = 8
 #: Runs again of a request that asked for it, after the node running it was
 #: lost (C{--max-redispatches}).
 MAX_REDISPATCHES = 2
-#: Tries of a run on another member believed to hold what a member's 409
-#: said it lacked, before the 409 goes back to the client.
+#: Tries of a run on another member believed to hold what a warm member's
+#: 409 said it lacked, before the 409 goes back to the client.
 MAX_HOLDER_TRIES = 2
 
 _REDISPATCH = REDISPATCH_HEADER.encode()
@@ -139,7 +142,7 @@ class Forwarder:
             missing = answer.missing()
             residency.settled(member.held, demand, answer.code, missing,
                               self._clock.seconds() - leased, body.length)
-            if missing and demand is not None and moved < MAX_HOLDER_TRIES:
+            if missing and lease.warm and demand is not None and moved < MAX_HOLDER_TRIES:
                 # The residency has just forgotten them on this member; the
                 # scheduler refuses the run with a 409 of its own if no
                 # member holds them.

@@ -42,8 +42,8 @@ class Demand:
     #: uses (C{arrays}, their ids): only that member takes it.
     kept: str | None = None
     arrays: tuple[str, ...] = ()
-    #: Content a member said it lacks (a 409) that the run references: only
-    #: a member believed to hold all of it takes the run again.
+    #: Content a member believed to hold it said it lacks (a 409): only a
+    #: member believed to hold all of it takes the run again.
     required: tuple[str, ...] = ()
 
     @classmethod
@@ -258,10 +258,10 @@ class Residency:
         if cached.compile_seconds is not None:
             self.compile_seconds.observe(cached.compile_seconds)
 
-    def placed(self, held: Holdings, demand: Demand | None) -> None:
+    def placed(self, held: Holdings, demand: Demand | None) -> bool:
         """
         A run of C{demand} is placed on the member holding C{held}: a hit if
-        it held all the run needs. From now on the member counts as holding
+        it held all the run needs (returned). From now on the member counts as holding
         its inputs, so the next run of the same weights goes there rather
         than to a second cold member while the first is still uploading
         them; its program counts as compiling there until that run answers
@@ -270,8 +270,9 @@ class Residency:
         member that has its model ready has compiled it and holds its params.
         """
         if demand is None or demand.model is not None:
-            return
-        if held.holds_all(demand):
+            return False
+        hit = held.holds_all(demand)
+        if hit:
             self.hits += 1
         else:
             self.misses += 1
@@ -282,6 +283,7 @@ class Residency:
             held.compiling[demand.program] = now
             _trim(held.compiling)
         held.learn(demand, now)
+        return hit
 
     def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
                 seconds: float, sent_bytes: int) -> None:

@@ -25,12 +25,14 @@ DISPATCH_WINDOW = 16
 
 
 class Lease:
-    """One request's hold on one member's capacity; release it exactly once."""
+    """One request's hold on one member's capacity; release it exactly once.
+    C{warm}: the member was believed to hold all the run needs."""
 
-    __slots__ = ("_scheduler", "member")
+    __slots__ = ("_scheduler", "member", "warm")
 
-    def __init__(self, member: Member, scheduler: Scheduler):
+    def __init__(self, member: Member, scheduler: Scheduler, warm: bool = False):
         self.member = member
+        self.warm = warm
         self._scheduler: Scheduler | None = scheduler
         member.active += 1
 
@@ -85,8 +87,7 @@ class Scheduler:
         return waiting
 
     def _lease(self, member: Member, demand: Demand | None) -> Lease:
-        self.pool.residency.placed(member.held, demand)
-        return Lease(member, self)
+        return Lease(member, self, self.pool.residency.placed(member.held, demand))
 
     def _refusal(self, demand: Demand | None, devices: int) -> KCoralError | None:
         """Why no member will take a run of C{demand} exported for C{devices}
