@@ -1,8 +1,8 @@
 """
 The client's side of a run (kcoral.client.exchange), driven step by step with
-the answers a server gives: what goes inline and what by reference, the one
-resend after 409, retries of 503 within the busy timeout (honouring
-Retry-After), and errors that are never retried.
+the answers a server gives: what goes inline and what by reference (large
+content by reference first), the one resend after 409, retries of 503 within
+the busy timeout (honouring Retry-After), and errors that are never retried.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("jax")
 
 from kcoral import BadRequest, NodeFailure, Program, ProgramFailed, ProgramRejected, ServerBusy
-from kcoral.client.exchange import Response, RunCall, Send, Sleep, exchange
+from kcoral.client.exchange import REFERENCE_FIRST_BYTES, Response, RunCall, Send, Sleep, exchange
 from kcoral.errors import MissingContent, error_body
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -68,6 +68,7 @@ class Driver:
         self.steps = exchange(self.call, self.held, busy_timeout=busy_timeout,
                               request_id=request_id, clock=self.clock)
         self.sent: list = []
+        self.lengths: list[int] = []
         self.slept: list[float] = []
 
     def run(self, *answers):
@@ -80,6 +81,7 @@ class Driver:
                 return done.value
             if isinstance(step, Send):
                 self.sent.append(decode_request(b"".join(bytes(p) for p in step.parts)))
+                self.lengths.append(step.length)
                 self.headers = step.headers
                 answer = answers.pop(0)
             else:
@@ -124,6 +126,38 @@ def test_a_409_is_answered_by_resending_inline_once(program, inputs):
     assert references(second) == []
     assert second.program.data is not None and second.inputs[0].blob.data is not None
     assert driver.held == held  # the answer's 200 says the server holds them again
+
+
+@pytest.fixture(scope="module")
+def large():
+    """A program whose weights are large enough to go by reference first, and its inputs."""
+    weights = np.ones(REFERENCE_FIRST_BYTES // 4, np.float32)
+    program = Program.from_function(lambda w, x: (w.sum() + x, x), weights, np.float32(1))
+    return program, (weights, np.float32(2))
+
+
+def test_large_content_goes_by_reference_before_it_is_known_held(large):
+    """A fresh client sends content of REFERENCE_FIRST_BYTES or more by reference, smaller content inline."""
+    program, (w, x) = large
+    driver = Driver(program, (w, x))
+    driver.run(ok([np.float32(3), np.float32(2)]))
+    [sent] = driver.sent
+    assert references(sent) == [sha256(wire_array(w))]
+    assert sent.program.data is not None and sent.inputs[1].blob.data is not None
+    assert driver.held == {program.digest, sha256(wire_array(w))}
+
+
+def test_a_lone_server_lacking_large_content_costs_one_small_round_trip(large):
+    """Where the server lacks what went by reference first, its 409 is answered by
+    one resend with everything inline: one extra request, of a small body."""
+    program, (w, x) = large
+    driver = Driver(program, (w, x))
+    missing = MissingContent("not held", details={"missing": [sha256(wire_array(w))]})
+    driver.run(error(409, missing), ok([np.float32(3), np.float32(2)]))
+    first, second = driver.sent
+    assert references(first) == [sha256(wire_array(w))]
+    assert references(second) == [] and bytes(second.inputs[0].blob.data) == w.tobytes()
+    assert driver.lengths[0] < REFERENCE_FIRST_BYTES // 16 < driver.lengths[1]
 
 
 def test_a_second_409_is_an_error(program, inputs):

@@ -3,6 +3,11 @@ The client's side of a run, written once for both clients: which content to
 send inline, what each server is known to hold, the resend after 409 and the
 retries after 503. L{exchange} is a generator that yields L{Send} and L{Sleep}
 steps; the blocking and the Twisted client each drive it with their own I/O.
+
+Content of L{REFERENCE_FIRST_BYTES} or more goes by reference first, even
+to a server not known to hold it: another client may have sent it already.
+Behind a Router, the run goes to a member that holds it; a server that does
+not answers 409, and it goes inline then, once.
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ from kcoral.tracing import current_traceparent
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
 
+#: Content at least this large (an array, a program) is sent by reference
+#: until the server says it lacks it: where a fleet of clients shares its
+#: content, the bytes cross the network about once per worker that needs
+#: them, not once per client. Below it a 409's round trip costs more than
+#: the bytes it could save.
+REFERENCE_FIRST_BYTES = 1 << 20
+
 
 @attrs.frozen
 class Send:
@@ -71,9 +83,13 @@ class Response:
 class ICall(Interface):
     """One request a client makes with the exchange: a run or an inference."""
 
-    def send(held: set[str], request_id: str | None, redispatch: bool) -> Send:
-        """The request, sending inline what C{held} (digests the server is
-        known to hold) does not name."""
+    def send(referenced: set[str], request_id: str | None, redispatch: bool) -> Send:
+        """The request, sending inline the content whose digest
+        C{referenced} does not name."""
+
+    def reference_first() -> set[str]:
+        """The content sent by reference before the server is known to
+        hold it (L{REFERENCE_FIRST_BYTES} or more)."""
 
     def content_digests() -> set[str]:
         """The content the server holds once it answered 200."""
@@ -124,9 +140,9 @@ class RunCall:
         return len(self.program.serialized) + sum(
             a.nbytes for a, r in zip(self.arrays, self.references) if r is None)
 
-    def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
-        program = None if self.program.digest in held else self.program.serialized
-        inputs = [(a, d, d is None or d not in held) if r is None else r
+    def send(self, referenced: set[str], request_id: str | None, redispatch: bool = False) -> Send:
+        program = None if self.program.digest in referenced else self.program.serialized
+        inputs = [(a, d, d is None or d not in referenced) if r is None else r
                   for a, d, r in zip(self.arrays, self.digests, self.references)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
                                        keep=self.keep)
@@ -155,6 +171,13 @@ class RunCall:
 
     def content_digests(self) -> set[str]:
         return {self.program.digest} | {d for d in self.digests if d is not None}
+
+    def reference_first(self) -> set[str]:
+        large = {d for a, d in zip(self.arrays, self.digests)
+                 if d is not None and a.nbytes >= REFERENCE_FIRST_BYTES}
+        if len(self.program.serialized) >= REFERENCE_FIRST_BYTES:
+            large.add(self.program.digest)
+        return large
 
     def outputs(self, response: Response):
         """The run's outputs, in the program's structure, from its answer:
@@ -189,18 +212,20 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
     resent = False
     attempt = 0
     while True:
-        response = yield call.send(held, request_id, redispatch)
+        referenced = held if resent else held | call.reference_first()
+        response = yield call.send(referenced, request_id, redispatch)
         assert response is not None
         if response.status == 200:
             held.update(call.content_digests())
             return call.outputs(response)
         error = error_of(response)
         if isinstance(error, MissingContent) and not resent:
-            # The server lost content we thought it held (a restart, an
-            # eviction, another node behind a Router): send it inline, once,
-            # and the rest of the run's content with it. Behind a Router the
-            # resend may reach another worker, which could lack what the
-            # first one held: a resend by reference could be refused again.
+            # The server lacks content we thought it held (a restart, an
+            # eviction, another node behind a Router) or sent by reference
+            # first: send it inline, once, and the rest of the run's content
+            # with it. Behind a Router the resend may reach another worker,
+            # which could lack what the first one held: a resend by
+            # reference could be refused again.
             held.difference_update(call.content_digests())
             resent = True
             continue

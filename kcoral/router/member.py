@@ -69,11 +69,12 @@ class Member:
 
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,
-        or the worker that holds its kept arrays, if it names one) may go
-        here: the hard constraints, beside capacity."""
+        the worker that holds its kept arrays, or the content it requires, if
+        it names them) may go here: the hard constraints, beside capacity."""
         return self.devices >= devices and (demand is None or (
             (demand.model is None or demand.model in self.ready_models)
-            and (demand.kept is None or demand.kept == self.instance)))
+            and (demand.kept is None or demand.kept == self.instance)
+            and self.held.holds_every(demand.required)))
 
     @property
     def usable(self) -> bool:
