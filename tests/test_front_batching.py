@@ -24,7 +24,6 @@ from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
-from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_SPAN
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
@@ -97,8 +96,7 @@ class Front:
     def infer(self, body: bytes, header_length: int | None, rid: str = "r"):
         """The Deferred answer of one inference, and a list that gets its outcome."""
         call = InferCall(body, header_length, rid)
-        d = self.batcher.infer(forwarded(PATH, call), call, self.most_rows,
-                               Demand.of_model("mlp"), NO_SPAN)
+        d = self.batcher.infer(forwarded(PATH, call), call, "mlp", self.most_rows, NO_SPAN)
         done: list = []
         d.addCallbacks(done.append, lambda f: done.append(f.value))
         return d, done

@@ -142,18 +142,18 @@ class FrontBatcher:
         self._most_waiting = most_waiting
         self._queues: dict[bytes, _Queue] = {}
 
-    def infer(self, request: Forwarded, call: InferCall, most_rows: int, demand: Demand,
+    def infer(self, request: Forwarded, call: InferCall, model: str, most_rows: int,
               span: ISpan) -> Deferred[InferAnswer]:
         """
         The answer to C{call}, forwarded alone as C{request} (to a model's
-        C{/infer} route), of a model that takes C{most_rows} rows a batch
-        (0: it has no batch dimension), needing C{demand}; its forward traced
-        in C{span}. Fails with the L{KCoralError} the worker answered or the
-        forward met.
+        C{/infer} route), of C{model}, which takes C{most_rows} rows a batch
+        (0: it has no batch dimension); its forward traced in C{span}.
+        Fails with the L{KCoralError} the worker answered or the forward met.
         """
         queue = self._queues.get(request.path)
         if queue is None:
-            queue = self._queues[request.path] = _Queue(request.path, demand, most_rows)
+            queue = self._queues[request.path] = _Queue(request.path, Demand.of_model(model),
+                                                        most_rows)
         queue.most_rows = most_rows
         if len(queue.waiting) >= self._most_waiting:
             raise ServerBusy(f"{len(queue.waiting)} inferences of this model are already waiting",

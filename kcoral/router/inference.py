@@ -22,7 +22,6 @@ from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
-from kcoral.router.residency import Demand
 from kcoral.tracing import NO_TRACING, ITracing
 
 
@@ -123,6 +122,6 @@ class RouterInference:
         request = forwarded(_path(name, version, "/infer"), call)
         span = self._tracing.start("kcoral.router.infer", request.requestHeaders,
                                    request_id=call.request_id)
-        d = self._batcher.infer(request, call, most_rows, Demand.of_model(name), span)
+        d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)
         return d
