@@ -38,12 +38,11 @@ from collections.abc import Callable
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy, error_from_answer
+from kcoral.errors import BadRequest, ProgramFailed, ServerBusy, error_from_answer
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
 from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
@@ -114,8 +113,6 @@ class _Queue:
     waiting: deque[_Waiting] = attrs.Factory(deque)
     #: Whether a lease has been asked for and not yet used.
     asking: bool = False
-    #: The formation of a batch with a granted lease, at the reactor's next turn.
-    forming: IDelayedCall | None = None
 
 
 def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
@@ -182,7 +179,7 @@ class FrontBatcher:
 
     def _granted(self, lease: Lease, queue: _Queue) -> None:
         # Requests whose bytes the reactor read in this same turn join first.
-        queue.forming = self._clock.callLater(0, self._form, queue, lease)
+        self._clock.callLater(0, self._form, queue, lease)
 
     def _refused(self, failure: Failure, queue: _Queue) -> None:
         # No member, or the front's queue full or timed out: every request
@@ -194,7 +191,6 @@ class FrontBatcher:
         self._tidy(queue)
 
     def _form(self, queue: _Queue, lease: Lease) -> None:
-        queue.forming = None
         queue.asking = False
         if not queue.waiting:
             lease.release()
@@ -302,11 +298,12 @@ class FrontBatcher:
 
 
 def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None:
-    """Fire C{member}'s answer with what C{answer(*args)} returns or raises."""
+    """Fire C{member}'s answer with what C{answer(*args)} returns or raises
+    (a failure that is no KCoral error is the client's 500)."""
     try:
         value = answer(*args)
-    except KCoralError as e:
-        member.answer.errback(e)
+    except Exception:
+        member.answer.errback()
     else:
         member.answer.callback(value)
 
