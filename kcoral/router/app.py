@@ -132,7 +132,8 @@ class RouterApp:
         #: Its members' models, on the inference protocol.
         self.inference = RouterInference(pool=pool, forwarder=self.forwarder,
                                          get=outgoing.client.get,
-                                         is_ready=lambda: self.status() == "ok", tracing=tracing)
+                                         is_ready=lambda: self.status() == "ok", clock=reactor,
+                                         most_waiting=scheduler.queue.max_waiting, tracing=tracing)
 
     def resource(self):
         inference = InferenceResource(self.inference)

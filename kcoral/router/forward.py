@@ -34,7 +34,7 @@ from kcoral.logs import debug_enabled
 from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
-from kcoral.router.scheduler import Scheduler
+from kcoral.router.scheduler import Lease, Scheduler
 from kcoral.tracing import NO_SPAN, ISpan
 from kcoral.web.body import IBody
 
@@ -68,15 +68,15 @@ class Forwarder:
     def __init__(self, scheduler: Scheduler, proxy: Proxy, clock,
                  observe_wait: Callable[[float], object] = lambda seconds: None,
                  max_redispatches: int = MAX_REDISPATCHES):
-        self._scheduler = scheduler
+        self.scheduler = scheduler
         self._proxy = proxy
         self._clock = clock
-        self._observe_wait = observe_wait
+        self.observe_wait = observe_wait
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
     def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
-                span: ISpan = NO_SPAN):
+                span: ISpan = NO_SPAN, lease: Lease | None = None):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
         (the run of C{request}, needing the content C{demand} if known, exported
@@ -89,6 +89,9 @@ class Forwarder:
         (within C{--max-request-bytes}, a large one into a file) before the
         run gets here: each attempt sends it again from its start, and it is
         kept until the client has its answer.
+
+        C{lease}, when given, is one already held for the first try (whoever
+        acquired it observed the wait); it is released like the others.
         """
         rid = request.request_id
         arrived = self._clock.seconds()
@@ -96,16 +99,18 @@ class Forwarder:
         redispatches = self.max_redispatches if asks_redispatch(request) and (
             demand is None or demand.kept is None) else 0
         not_sent = lost = moved = 0
-        residency = self._scheduler.pool.residency
+        residency = self.scheduler.pool.residency
         while not_sent < MAX_NOT_SENT:
-            with span.child("kcoral.queue_wait"):
-                lease = yield self._scheduler.acquire(demand, devices)
+            held, lease = lease, None
+            if held is None:
+                with span.child("kcoral.queue_wait"):
+                    held = yield self.scheduler.acquire(demand, devices)
+                if not (not_sent or lost or moved):
+                    # Once a run: how long it waited for capacity (not again
+                    # for each member that turned it away).
+                    self.observe_wait(self._clock.seconds() - arrived)
             leased = self._clock.seconds()
-            if not (not_sent or lost or moved):
-                # Once a run: how long it waited for capacity (not again for
-                # each member that turned it away).
-                self._observe_wait(leased - arrived)
-            member = lease.member
+            member = held.member
             if lost:
                 log.info("{request_id} attempt {attempt} -> {node_id}/{worker}", request_id=rid,
                          attempt=lost + 1, node_id=member.node.node_id, worker=member.name)
@@ -137,12 +142,12 @@ class Forwarder:
                          "allows a second run", request_id=rid, lost=lost, most=redispatches)
                 continue
             finally:
-                lease.release()
+                held.release()
                 forwarding.end()
             missing = answer.missing()
             residency.settled(member.held, demand, answer.code, missing,
                               self._clock.seconds() - leased, body.length)
-            if missing and lease.warm and demand is not None and moved < MAX_HOLDER_TRIES:
+            if missing and held.warm and demand is not None and moved < MAX_HOLDER_TRIES:
                 # The residency has just forgotten them on this member; the
                 # scheduler refuses the run with a 409 of its own if no
                 # member holds them.

@@ -267,7 +267,7 @@ class Pool:
         """The requests every healthy member may have in flight, its node
         ready or not: the connections the Router may hold open to members."""
         if self._capacity is None:
-            self._capacity = sum(m.connections for node in self.nodes.values()
+            self._capacity = sum(m.capacity for node in self.nodes.values()
                                  for m in node.members.values() if m.healthy)
         return self._capacity
 
