@@ -19,9 +19,10 @@ for the 64 positions of the run. 64 tokens greedy from token 1, three ways:
    device, each next token read back as the next step's input.
 ``kept``
    a standalone ``kcoral server --port 0``: parameters and the empty cache
-   put once, then each step ``client.run(decode_step, params, cache, token,
-   pos, keep=True)``, the next token fetched (four bytes) and the previous
-   cache and token deleted.
+   put once, then each step one request, ``client.run(decode_step, params,
+   cache, token, pos, keep=(True, False), free=cache)``: the new cache stays
+   on the worker, the next token (four bytes) comes back with the answer,
+   and the previous cache is freed once the step succeeded.
 ``router``
    ``kept`` through a ``kcoral router`` with one node.
 
@@ -142,8 +143,11 @@ def step_seconds(layers: int, device) -> float:
 
 def calibrate(target: float, device) -> int:
     """The number of layers whose step takes about C{target} seconds: the
-    step's time is nearly linear in its layers."""
-    one, three = step_seconds(1, device), step_seconds(3, device)
+    step's time is nearly linear in its layers. Each size is timed three
+    times, in turn, and its fastest median kept: a burst of load on the
+    shared machine while one size is timed would skew the line."""
+    one, three = (min(times) for times in zip(*(
+        (step_seconds(1, device), step_seconds(3, device)) for _ in range(3))))
     per_layer = max((three - one) / 2, 1e-6)
     layers = max(1, min(48, round(1 + (target - one) / per_layer)))
     print(f"calibration: {1000 * one:.2f} ms for 1 layer, {1000 * three:.2f} ms for 3: "
@@ -176,8 +180,9 @@ class Floor(Way):
 class Kept(Way):
     """
     Parameters and cache kept on the worker: each step sends the token and
-    its position, fetches the next token and frees the previous cache (and
-    the fetched token), as a server of many conversations would have to.
+    its position, and gets the next token back, the new cache kept and the
+    previous one freed (as a server of many conversations would have to),
+    in one request.
     """
 
     def __init__(self, name: str, client, program, params, cache):
@@ -189,25 +194,16 @@ class Kept(Way):
         self._params = jax.tree.map(client.put, params)
         self._cache = client.put(cache)
         self.put_seconds = time.perf_counter() - started
-        client.delete(*client.run(program, self._params, self._cache, np.int32(0), np.int32(0),
-                                  keep=True))
+        client.delete(client.run(program, self._params, self._cache, np.int32(0), np.int32(0),
+                                 keep=(True, False))[0])
         self._token = np.int32(FIRST_TOKEN)
         self.traffic = Traffic(client)
-        #: Seconds spent in each request of the timed steps.
-        self.phases = dict.fromkeys(("run", "fetch", "delete"), 0.0)
 
     def step(self, pos: int) -> int:
-        started = time.perf_counter()
-        cache, token = self._client.run(self._program, self._params, self._cache, self._token,
-                                        np.int32(pos), keep=True)
-        ran = time.perf_counter()
-        self._token = np.int32(token.fetch())
-        fetched = time.perf_counter()
-        self._client.delete(self._cache, token)
-        self.phases["run"] += ran - started
-        self.phases["fetch"] += fetched - ran
-        self.phases["delete"] += time.perf_counter() - fetched
-        self._cache = cache
+        self._cache, token = self._client.run(
+            self._program, self._params, self._cache, self._token, np.int32(pos),
+            keep=(True, False), free=self._cache)
+        self._token = np.int32(token)
         return int(self._token)
 
     def close(self) -> None:
@@ -274,7 +270,7 @@ def summary(way: Way) -> dict:
     if way.traffic is not None:
         found.update(sent=way.traffic.sent, received=way.traffic.received, bodies=way.traffic.bodies)
     if isinstance(way, Kept):
-        found.update(put_seconds=way.put_seconds, phases=way.phases)
+        found.update(put_seconds=way.put_seconds)
     return found
 
 
@@ -295,10 +291,8 @@ def judge(results: dict) -> bool:
     print(table(["way", "tokens/s", "ms/token", "/ floor", "body B/token", "sent B/token",
                  "received B/token", "= floor"], rows))
     for name, way in ways.items():
-        if "phases" in way:
-            print(f"{name}: per token, " + ", ".join(
-                f"{1000 * seconds / count:.2f} ms in {phase}" for phase, seconds in way["phases"].items())
-                + f" (put {way['put_seconds']:.2f} s once)")
+        if "put_seconds" in way:
+            print(f"{name}: putting the parameters and the cache took {way['put_seconds']:.2f} s, once")
     print()
     results["targets"] = []
     for name in ("kept", "router"):

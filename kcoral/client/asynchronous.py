@@ -25,7 +25,7 @@ from twisted.web.client import (
 )
 from zope.interface import implementer
 
-from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
+from kcoral.client.exchange import ICall, Response, RunCall, Send, deletions, error_of, exchange
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import CountingProducer, upload_bar
@@ -92,7 +92,7 @@ class AsyncClient:
             try:
                 response = yield self._request_at(url, method, path, send)
             except NodeFailure as e:
-                response = after_loss(e, self.redispatch and send is not None)
+                response = after_loss(e, self.redispatch and send is not None and send.repeatable)
             if not moves_on(response):
                 break
         return response
@@ -130,15 +130,18 @@ class AsyncClient:
                         header_length=int(length) if length.isdigit() else None)
 
     @inlineCallbacks
-    def run(self, program, *args, keep: bool = False, request_id: str | None = None, **kwargs):
+    def run(self, program, *args, keep=False, free=None, request_id: str | None = None,
+            **kwargs):
         """
         A Deferred of C{program}'s outputs for C{args} and C{kwargs}, in the
-        structure the program returns (with C{keep}, L{kcoral.RemoteArray}s that
-        stay on the worker that ran it); it fails with the
-        L{kcoral.errors.KCoralError} of the answer. Large inputs are hashed
-        and framed in a thread.
+        structure the program returns (the ones C{keep} says, as for
+        L{kcoral.Client.run}, L{kcoral.RemoteArray}s that stay on the worker
+        that ran it; C{free} freed there once it succeeded); it fails with
+        the L{kcoral.errors.KCoralError} of the answer. Large inputs are
+        hashed and framed in a thread.
         """
-        prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, owner=self)
+        prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, free=free,
+                                    owner=self)
         call = prepare() if _small(args, kwargs) else (yield deferToThread(prepare))
         outputs = yield self._call(call, request_id)
         return outputs
@@ -160,9 +163,10 @@ class AsyncClient:
 
     @inlineCallbacks
     def delete(self, *arrays: RemoteArray):
-        """A Deferred that fires once C{arrays} are freed on their workers."""
-        for array in arrays:
-            answer = yield self._request("DELETE", path_of(array), None)
+        """A Deferred that fires once C{arrays} are freed on their workers
+        (one request for each worker)."""
+        for send in deletions(arrays):
+            answer = yield self._request("DELETE", send.path, send)
             if answer.status != 200:
                 raise error_of(answer)
 
