@@ -273,3 +273,14 @@ def test_a_deletion_is_one_request_per_worker():
     assert [s.headers[KEPT_HEADER] for s in sends] == [f"{a1.id},{a2.id}", b1.id]
     many = [remote(f"{A}-{i:016x}") for i in range(MAX_KEPT_LISTED + 1)]
     assert [len(s.headers[KEPT_HEADER].split(",")) for s in deletions(many)] == [MAX_KEPT_LISTED, 1]
+
+
+def test_a_deletion_raises_once_every_request_was_sent():
+    """The arrays gone on several workers make one ArrayLost naming them all; another error comes first."""
+    from kcoral.client.exchange import deletion_error
+    from kcoral.errors import ArrayLost
+
+    lost = deletion_error([ArrayLost("a", details={"lost": ["x"]}), ArrayLost("b", details={"lost": ["y"]})])
+    assert isinstance(lost, ArrayLost) and lost.lost == ["x", "y"]
+    busy = ServerBusy("busy", reason="queue_full")
+    assert deletion_error([ArrayLost("a", details={"lost": ["x"]}), busy]) is busy

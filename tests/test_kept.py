@@ -23,6 +23,7 @@ from twisted.internet.threads import deferToThread
 from kcoral import ArrayLost, AsyncClient, Client, Program, ProgramRejected, RemoteArray
 from kcoral.errors import KeptMemoryFull
 from tests.conftest import TEST_GPUS
+from tests.httputil import request
 from tests.test_routed import pool_nodes, start_node, start_router, until_ready
 from tests.test_server import metrics, sample
 
@@ -305,7 +306,7 @@ async def test_a_decoding_loop_runs_through_either_router(two_routers):
 
 @pytest_twisted.ensureDeferred
 async def test_arrays_kept_on_two_workers_are_apart(two_routers):
-    """A run of arrays kept on two different workers is 422 arrays_apart."""
+    """A run, or one delete, of arrays kept on two different workers is 422 arrays_apart."""
     (a, _), _ = two_routers
     add = Program.from_function(lambda u, v: u + v, np.float32(0), np.float32(0))
     client = AsyncClient(a.url, busy_timeout=30)
@@ -317,7 +318,15 @@ async def test_arrays_kept_on_two_workers_are_apart(two_routers):
         with pytest.raises(ProgramRejected) as apart:
             await client.run(add, one, other)
         assert apart.value.status == 422 and apart.value.reason == "arrays_apart"
-        await client.delete(one)
+        # One delete naming both is refused whole at the Router; the client sends one to each.
+        refused = await request("DELETE", a.url + "/v1/arrays",
+                                headers={"X-KCoral-Kept": f"{one.id},{other.id}"})
+        assert refused.code == 422 and refused.json["error"]["reason"] == "arrays_apart"
+        with pytest.raises(ArrayLost) as lost:
+            await client.delete(other, one)  # the one gone first: the other is freed all the same
+        assert lost.value.lost == [other.id]
+        with pytest.raises(ArrayLost):
+            await client.fetch(one)
     finally:
         await client.close()
 

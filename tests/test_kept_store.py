@@ -394,6 +394,16 @@ def test_arrays_of_no_member_are_lost_at_the_router():
     lost.addErrback(lambda _: None)
 
 
+def test_the_kept_header_lists_ids_within_bounds():
+    """The kept header is 0 to 4,096 kept arrays' ids (at least one for a delete); else a bad request."""
+    from kcoral.protocol.wire import kept_ids
+
+    assert kept_ids("") == () and kept_ids(f" {A}-{B},{A}-{A} ") == (f"{A}-{B}", f"{A}-{A}")
+    for bad, least in (("junk", 0), (f"{A}-{B},", 0), ("", 1), (",".join([f"{A}-{B}"] * 4097), 0)):
+        with pytest.raises(WireError):
+            kept_ids(bad, least)
+
+
 def test_the_router_refuses_arrays_apart_and_bad_ids():
     """The kept header naming two instances is 422 arrays_apart; an id that is none, 400."""
     with pytest.raises(ArraysApart):

@@ -25,7 +25,16 @@ from twisted.web.client import (
 )
 from zope.interface import implementer
 
-from kcoral.client.exchange import ICall, Response, RunCall, Send, deletions, error_of, exchange
+from kcoral.client.exchange import (
+    ICall,
+    Response,
+    RunCall,
+    Send,
+    deletion_error,
+    deletions,
+    error_of,
+    exchange,
+)
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import CountingProducer, upload_bar
@@ -165,10 +174,13 @@ class AsyncClient:
     def delete(self, *arrays: RemoteArray):
         """A Deferred that fires once C{arrays} are freed on their workers
         (one request for each worker)."""
+        errors = []
         for send in deletions(arrays):
             answer = yield self._request("DELETE", send.path, send)
             if answer.status != 200:
-                raise error_of(answer)
+                errors.append(error_of(answer))
+        if errors:
+            raise deletion_error(errors)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> Deferred:
         """A Deferred of the outputs by name of model C{model} for C{inputs}

@@ -17,7 +17,7 @@ from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
 from kcoral.client.remote import IArrayOwner, RemoteArray
-from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
+from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -221,6 +221,18 @@ def deletions(arrays: Sequence[RemoteArray]) -> list[Send]:
                  repeatable=False)
             for ids in (list(dict.fromkeys(ids)) for ids in held.values())
             for i in range(0, len(ids), MAX_KEPT_LISTED)]
+
+
+def deletion_error(errors: list[KCoralError]) -> KCoralError:
+    """What a delete whose requests (one a worker, all sent) were refused
+    with C{errors} raises: one L{ArrayLost} naming every array gone, where
+    that is all they say; else the first other error."""
+    others = [e for e in errors if not isinstance(e, ArrayLost)]
+    if others:
+        return others[0]
+    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost]
+    return ArrayLost(f"no worker holds kept array(s) {', '.join(lost[:8])} (deleted, expired, "
+                     f"or its worker restarted); the others are freed", details={"lost": lost})
 
 
 def error_of(response: Response) -> KCoralError:

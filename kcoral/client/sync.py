@@ -23,7 +23,16 @@ import numpy as np
 from zope.interface import implementer
 
 from kcoral.client.connection import Connection, ProtocolError
-from kcoral.client.exchange import ICall, Response, RunCall, Send, deletions, error_of, exchange
+from kcoral.client.exchange import (
+    ICall,
+    Response,
+    RunCall,
+    Send,
+    deletion_error,
+    deletions,
+    error_of,
+    exchange,
+)
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import upload_bar
@@ -228,10 +237,11 @@ class Client:
     def delete(self, *arrays: RemoteArray) -> None:
         """Free C{arrays} on their workers, one request for each worker;
         L{kcoral.errors.ArrayLost} naming those already gone (the others are freed)."""
-        for send in deletions(arrays):
-            answer = self._simple("DELETE", send.path, send)
-            if answer.status != 200:
-                raise error_of(answer)
+        errors = [error_of(answer) for answer in
+                  (self._simple("DELETE", send.path, send) for send in deletions(arrays))
+                  if answer.status != 200]
+        if errors:
+            raise deletion_error(errors)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> dict[str, np.ndarray]:
         """
