@@ -227,5 +227,7 @@ def _small(args, kwargs) -> bool:
     # From nbytes, not np.asarray: that would copy a GPU array to the host on
     # the reactor's thread, and fails for a typed PRNG key. Python scalars
     # have no nbytes, and are small.
+    # A kept array's bytes stay where they are: none to hash or frame.
     leaves = jax.tree.leaves((args, kwargs))
-    return sum(getattr(leaf, "nbytes", 0) for leaf in leaves) < _THREAD_BYTES
+    return sum(getattr(leaf, "nbytes", 0) for leaf in leaves
+               if not isinstance(leaf, RemoteArray)) < _THREAD_BYTES
