@@ -240,3 +240,81 @@ def test_non_json_error_bodies(program, inputs):
     driver = Driver(program, inputs)
     with pytest.raises(NodeFailure, match="HTTP 502"):
         driver.run(Response(502, b"<html>Bad Gateway</html>"))
+
+
+# -- kept arrays ------------------------------------------------------------------------------
+
+class Owner:
+    """A client that owns remote arrays and is never asked anything."""
+
+
+def remote(kept: str, shape=(), dtype=np.float32):
+    from kcoral.client.remote import RemoteArray
+    from kcoral.protocol.wire import Reference
+
+    return RemoteArray(Reference(kept, np.dtype(dtype), shape), Owner())
+
+
+A, B = "0123456789abcdef", "fedcba9876543210"
+
+
+@pytest.mark.parametrize("keep, flags", [
+    (False, (False, False)), (True, (True, True)), ((False, True), (False, True)),
+    ((True, False), (True, False)), (np.bool_(True), (True, True)),
+])
+def test_keep_is_a_bool_or_a_prefix_of_the_outputs(program, inputs, keep, flags):
+    """keep flags each flat output: one bool for all, or a prefix of the outputs' structure of bools."""
+    call = RunCall.prepare(program, inputs, {}, keep=keep, owner=Owner())
+    assert call.keep == flags
+    head = decode_request(b"".join(bytes(p) for p in call.send(set(), None).parts))
+    assert head.keep == {(False, False): False, (True, True): True}.get(flags, flags)
+
+
+@pytest.mark.parametrize("keep, error", [
+    ((True,), ValueError), ((True, False, True), ValueError), ([False, True], ValueError),
+    ({"a": True}, ValueError), (None, ValueError), ((1, 0), TypeError), ("yes", TypeError),
+])
+def test_a_keep_that_does_not_fit_is_a_clear_client_error(program, inputs, keep, error):
+    """A keep that is no prefix of the outputs (or holds a non-bool) is refused before any request."""
+    with pytest.raises(error, match="keep"):
+        RunCall.prepare(program, inputs, {}, keep=keep, owner=Owner())
+
+
+def test_a_run_names_what_it_frees_in_its_frame_and_kept_header(program, inputs):
+    """free= (a structure of RemoteArrays) goes in the frame and, with the kept inputs, in the kept header."""
+    from kcoral.protocol.wire import KEPT_HEADER, KeptInput
+
+    weights = remote(f"{A}-{'1' * 16}", (CACHE_THRESHOLD_BYTES // 4,))
+    old = {"k": remote(f"{A}-{'2' * 16}"), "v": remote(f"{A}-{'3' * 16}")}
+    call = RunCall.prepare(program, (weights, inputs[1]), {}, keep=(False, True), free=old,
+                           owner=Owner())
+    send = call.send(set(), None)
+    run = decode_request(b"".join(bytes(p) for p in send.parts))
+    assert run.free == (old["k"].id, old["v"].id) and run.inputs[0] == KeptInput(weights.id)
+    assert send.headers[KEPT_HEADER] == ",".join(sorted([weights.id, old["k"].id, old["v"].id]))
+    with pytest.raises(TypeError, match="free takes kept arrays"):
+        RunCall.prepare(program, inputs, {}, free=[inputs[1]])
+
+
+def test_a_deletion_is_one_request_per_worker():
+    """Client.delete sends one DELETE /v1/arrays per worker, its ids in the kept header, never resent."""
+    from kcoral.client.exchange import deletions
+    from kcoral.protocol.wire import KEPT_HEADER, MAX_KEPT_LISTED
+
+    a1, a2, b1 = remote(f"{A}-{'1' * 16}"), remote(f"{A}-{'2' * 16}"), remote(f"{B}-{'1' * 16}")
+    sends = deletions([a1, b1, a2, a1])
+    assert [(s.path, s.length, s.repeatable) for s in sends] == [("/v1/arrays", 0, False)] * 2
+    assert [s.headers[KEPT_HEADER] for s in sends] == [f"{a1.id},{a2.id}", b1.id]
+    many = [remote(f"{A}-{i:016x}") for i in range(MAX_KEPT_LISTED + 1)]
+    assert [len(s.headers[KEPT_HEADER].split(",")) for s in deletions(many)] == [MAX_KEPT_LISTED, 1]
+
+
+def test_a_deletion_raises_once_every_request_was_sent():
+    """The arrays gone on several workers make one ArrayLost naming them all; another error comes first."""
+    from kcoral.client.exchange import deletion_error
+    from kcoral.errors import ArrayLost
+
+    lost = deletion_error([ArrayLost("a", details={"lost": ["x"]}), ArrayLost("b", details={"lost": ["y"]})])
+    assert isinstance(lost, ArrayLost) and lost.lost == ["x", "y"]
+    busy = ServerBusy("busy", reason="queue_full")
+    assert deletion_error([ArrayLost("a", details={"lost": ["x"]}), busy]) is busy

@@ -13,7 +13,7 @@ not answers 409, and it goes inline then, once.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import attrs
@@ -22,7 +22,7 @@ from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
 from kcoral.client.remote import IArrayOwner, RemoteArray
-from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
+from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -30,18 +30,21 @@ from kcoral.protocol.wire import (
     INPUTS_HEADER,
     KEPT_HEADER,
     MAX_INPUTS_LISTED,
+    MAX_KEPT_LISTED,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
     Reference,
     decode_outputs,
-    decode_references,
     encode_request,
+    holder_of,
     sha256,
     wire_array,
 )
 from kcoral.tracing import current_traceparent
 
+#: The route that frees the kept arrays its request's kept header names.
+ARRAYS_PATH = "/v1/arrays"
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
 
@@ -60,6 +63,10 @@ class Send:
     headers: dict
     #: The route it is posted to.
     path: str = "/v1/run"
+    #: Whether a client that consents to a second run sends it again after
+    #: losing it: a run is a pure function of its inputs; a deletion is not
+    #: (a second would find its arrays gone).
+    repeatable: bool = True
 
 
 @attrs.frozen
@@ -104,8 +111,9 @@ class RunCall:
     """
     A run of a program (L{ICall}). An input that is a kept array has its
     L{Reference} in C{references} (its entry of C{arrays} is a placeholder
-    never sent); with C{keep}, the outputs stay on the worker, as
-    L{RemoteArray}s of C{owner}.
+    never sent); the outputs C{keep} flags stay on the worker, as
+    L{RemoteArray}s of C{owner}; the kept arrays of C{free} are freed once
+    it succeeded.
     """
 
     program: Program
@@ -113,15 +121,22 @@ class RunCall:
     digests: list[str | None]
     key_types: list[str | None]
     references: list[Reference | None]
-    keep: bool
+    keep: tuple[bool, ...]
     owner: IArrayOwner | None
+    free: tuple[str, ...] = ()
 
     @classmethod
-    def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep: bool = False,
+    def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep=False, free=None,
                 owner: IArrayOwner | None = None) -> RunCall:
-        """Check and flatten the inputs, hashing the large ones (may block)."""
+        """Check and flatten the inputs, hashing the large ones (may block);
+        C{keep} is checked against the program's outputs (L{keep_flags}),
+        C{free} is a structure of L{RemoteArray}s (or None)."""
         import jax
 
+        flags = keep_flags(keep, program.exported.out_tree)
+        freed = jax.tree.leaves(free)
+        if not all(isinstance(leaf, RemoteArray) for leaf in freed):
+            raise TypeError("free takes kept arrays (RemoteArray), or a structure of them")
         leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
         references = [leaf.reference if isinstance(leaf, RemoteArray) else None for leaf in leaves]
         if any(references):
@@ -133,7 +148,8 @@ class RunCall:
                   for a, r in zip(inputs.arrays, references, strict=True)]
         digests = [sha256(a) if r is None and a.nbytes >= CACHE_THRESHOLD_BYTES else None
                    for a, r in zip(arrays, references)]
-        return cls(program, arrays, digests, inputs.key_types, references, keep, owner)
+        return cls(program, arrays, digests, inputs.key_types, references, flags, owner,
+                   tuple(dict.fromkeys(leaf.id for leaf in freed)))
 
     @property
     def nbytes(self) -> int:
@@ -145,12 +161,13 @@ class RunCall:
         inputs = [(a, d, d is None or d not in referenced) if r is None else r
                   for a, d, r in zip(self.arrays, self.digests, self.references)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
-                                       keep=self.keep)
+                                       keep=self.keep, free=self.free)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
             headers[INPUTS_HEADER] = self.inputs_header
-        kept = {r.kept for r in self.references if r is not None}
+        # Those it frees too: all on the worker that runs it.
+        kept = {r.kept for r in self.references if r is not None} | set(self.free)
         if kept:
             headers[KEPT_HEADER] = ",".join(sorted(kept))
         if request_id:
@@ -182,13 +199,63 @@ class RunCall:
     def outputs(self, response: Response):
         """The run's outputs, in the program's structure, from its answer:
         L{RemoteArray}s where it kept them."""
-        if self.keep:
-            import jax
+        outputs, key_types = decode_outputs(response.body)
+        return self.program.unflatten_outputs([self._leaf(o) for o in outputs], key_types)
 
-            assert self.owner is not None, "a run that keeps its outputs has an owner"
-            return jax.tree.unflatten(self.program.exported.out_tree, [
-                RemoteArray(r, self.owner) for r in decode_references(response.body)])
-        return self.program.unflatten_outputs(*decode_outputs(response.body))
+    def _leaf(self, output: np.ndarray | Reference):
+        if isinstance(output, np.ndarray):
+            return output
+        assert self.owner is not None, "a run that keeps outputs has an owner"
+        return RemoteArray(output, self.owner)
+
+
+def keep_flags(keep, outputs) -> tuple[bool, ...]:
+    """
+    Whether each flat output of a program whose outputs have the structure
+    C{outputs} (a treedef) stays on the worker: C{keep} is one bool for all,
+    or a structure of bools that is a prefix of theirs (C{(False, True)} for
+    a program that returns a pair, a bool standing for all the outputs under
+    it). A TypeError for a leaf that is no bool, a ValueError for a
+    structure that does not fit.
+    """
+    import jax
+
+    if isinstance(keep, (bool, np.bool_)):
+        return (bool(keep),) * outputs.num_leaves
+    flags = jax.tree.leaves(keep)
+    if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+        raise TypeError(f"keep takes True, False or a structure of them, not {keep!r}")
+    try:
+        spread = jax.tree.broadcast(keep, jax.tree.unflatten(outputs, [0] * outputs.num_leaves))
+    except ValueError:
+        raise ValueError(f"keep={keep!r} does not fit the program's outputs, {outputs}: give "
+                         f"True, False, or a prefix of their structure with a bool at each "
+                         f"leaf") from None
+    return tuple(bool(flag) for flag in jax.tree.leaves(spread))
+
+
+def deletions(arrays: Sequence[RemoteArray]) -> list[Send]:
+    """The requests (C{DELETE}) that free C{arrays}: one for each worker
+    that holds some, of up to L{MAX_KEPT_LISTED} of them."""
+    held: dict[str | None, list[str]] = {}
+    for array in arrays:
+        held.setdefault(holder_of(array.id), []).append(array.id)
+    return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_PATH,
+                 repeatable=False)
+            for ids in (list(dict.fromkeys(ids)) for ids in held.values())
+            for i in range(0, len(ids), MAX_KEPT_LISTED)]
+
+
+def deletion_error(errors: list[KCoralError]) -> KCoralError:
+    """What a delete whose requests (one a worker, all sent) were refused
+    with C{errors} raises: one L{ArrayLost} naming every array gone, where
+    that is all they say; else the first other error."""
+    others = [e for e in errors if not isinstance(e, ArrayLost)]
+    if others:
+        return others[0]
+    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost]
+    return ArrayLost(f"no worker holds kept array(s) {', '.join(lost[:8])} (deleted, expired, "
+                     f"or its worker restarted); the others are freed", details={"lost": lost})
 
 
 def error_of(response: Response) -> KCoralError:

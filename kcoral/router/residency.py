@@ -22,8 +22,8 @@ import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
-from kcoral.errors import ArraysApart, BadRequest
-from kcoral.protocol.wire import KEPT_HEADER, MAX_ARRAYS, MAX_INPUTS_LISTED, holder_of, is_digest
+from kcoral.errors import BadRequest
+from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
 
 #: Entries the Router keeps per member, reported and learned together.
 MAX_HELD = 4 * MAX_CONTENTS
@@ -58,19 +58,17 @@ class Demand:
         digest = (program or b"").decode("ascii", "replace")
         if not is_digest(digest):
             return None
-        arrays = tuple(kept.decode("ascii", "replace").split(",")[:MAX_ARRAYS]) if kept else ()
-        holders = {holder_of(a) for a in arrays}
-        if None in holders:
-            raise BadRequest(f"{KEPT_HEADER} must list kept arrays' ids")
-        if len(holders) > 1:
-            raise ArraysApart("the run's kept arrays are held by different workers; "
-                              "a run takes them where they are, all on one worker")
+        try:
+            arrays = kept_ids(kept.decode("ascii", "replace")) if kept else ()
+        except WireError as e:
+            raise BadRequest(str(e)) from None
+        holder = holder_of_all(arrays)
         named: list[tuple[str, int]] = []
         for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
             content, _, size = entry.strip().partition("=")
             if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
                 named.append((content, int(size)))
-        return cls(digest, tuple(named), kept=holders.pop() if holders else None, arrays=arrays)
+        return cls(digest, tuple(named), kept=holder, arrays=arrays)
 
     @classmethod
     def of_model(cls, name: str) -> Demand:
