@@ -61,6 +61,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -248,27 +250,41 @@ class Runner:
         self._conn.close()
 
 
-def workloads(rng):
-    """(name, [RunCall for each client]) of the two workloads."""
+def weights(rng):
+    """A fresh set of 16 MiB weights."""
+    import numpy as np
+
+    return rng.standard_normal(WEIGHTS_SHAPE, dtype=np.float32) / 64
+
+
+def eight_programs(rng):
+    """L{SETS} programs (C{tanh(x @ W) * k}), each with its own weights, and
+    the 8 KiB input they all take: (programs, weights, x)."""
     import jax.numpy as jnp
     import numpy as np
 
     from kcoral import Program
-    from kcoral.client.exchange import RunCall
 
     x = rng.standard_normal((1, WEIGHTS_SHAPE[0]), dtype=np.float32)
-
-    def weights():
-        return rng.standard_normal(WEIGHTS_SHAPE, dtype=np.float32) / 64
 
     def scaled(k):
         return lambda w, v: jnp.tanh(v @ w) * k
 
-    sets = [weights() for _ in range(SETS)]
-    programs = [Program.from_function(scaled(k + 1.0), sets[k], x) for k in range(SETS)]
+    sets = [weights(rng) for _ in range(SETS)]
+    return [Program.from_function(scaled(k + 1.0), sets[k], x) for k in range(SETS)], sets, x
+
+
+def workloads(rng):
+    """(name, [RunCall for each client]) of the two workloads."""
+    import jax.numpy as jnp
+
+    from kcoral import Program
+    from kcoral.client.exchange import RunCall
+
+    programs, sets, x = eight_programs(rng)
     many = [RunCall.prepare(programs[i % SETS], (sets[i % SETS], x), {}) for i in range(CLIENTS)]
     variant = Program.from_function(lambda w, v: jnp.tanh(v @ w), sets[0], x)
-    tuned = [weights() for _ in range(SETS)]
+    tuned = [weights(rng) for _ in range(SETS)]
     one = [RunCall.prepare(variant, (tuned[i % SETS], x), {}) for i in range(CLIENTS)]
     return [("8 programs x 16 MiB", many), ("1 program x 8 weight sets", one)]
 
@@ -317,29 +333,8 @@ def measure(way: str, loads, runs: int, directory: Path, warm_up: int = 0) -> li
     client, after C{warm_up} runs a client that are not counted (0: the
     first wave of uploads and compiles is measured too)."""
     routing = way if way in ROUTER_WAYS else "least-loaded"
-    router = start_router(routing)
-    nodes, proxy, floor = [], None, None
-    try:
-        workers, pids = [], []
-        for i in range(NODES):
-            node, urls, worker_pids = start_node(router.found["url"], i)
-            nodes.append(node)
-            workers += urls
-            pids += worker_pids
-        capacity = NODES * WORKERS_PER_NODE * CAPACITY
-        until(lambda: _router_capacity(router.found["url"]) == capacity, "the pool ready",
-              timeout=120)
-        front, front_pid = router.found["url"], router.process.pid
-        if way.startswith("haproxy"):
-            proxy = HAProxy(workers, "leastconn" if "leastconn" in way else "hdr(X-KCoral-Program)",
-                            directory)
-            front, front_pid = proxy.url, proxy.process.pid
-        elif way == "twisted hdr hash":
-            # The floor under the Router on this workload: the Router's
-            # HTTP stack and nothing else of it, hashing the program header
-            # as HAProxy does, at most each worker's capacity at a time.
-            floor = start_bare_proxy(workers, capacity=CAPACITY)
-            front, front_pid = floor.found["url"], floor.process.pid
+    with started_pool(routing) as (router, workers, pids), \
+            started_front(way, router, workers, directory) as (front, front_pid):
         rows = []
         for name, calls in loads:
             runners = [Runner(front, call) for call in calls]
@@ -363,13 +358,56 @@ def measure(way: str, loads, runs: int, directory: Path, warm_up: int = 0) -> li
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         return rows
+
+
+@contextmanager
+def started_pool(routing: str) -> Iterator[tuple[KCoralChild, list[str], list[int]]]:
+    """A Router with C{--routing routing} and L{NODES} nodes of
+    L{WORKERS_PER_NODE} CPU workers, all ready: (the Router, the workers'
+    URLs, their pids); all stopped on leaving."""
+    router = start_router(routing)
+    nodes = []
+    try:
+        workers, pids = [], []
+        for i in range(NODES):
+            node, urls, worker_pids = start_node(router.found["url"], i)
+            nodes.append(node)
+            workers += urls
+            pids += worker_pids
+        capacity = NODES * WORKERS_PER_NODE * CAPACITY
+        until(lambda: _router_capacity(router.found["url"]) == capacity, "the pool ready",
+              timeout=120)
+        yield router, workers, pids
     finally:
-        for child in (floor, proxy):
-            if child is not None:
-                child.stop()
         for node in nodes:
             node.stop()
         router.stop()
+
+
+@contextmanager
+def started_front(way: str, router: KCoralChild, workers: list[str],
+                  directory: Path) -> Iterator[tuple[str, int]]:
+    """The front of C{way} before C{workers}: (its URL, its pid). The
+    Router's ways use C{router}; the others start HAProxy or the floor,
+    stopped on leaving."""
+    if way.startswith("haproxy"):
+        proxy = HAProxy(workers, "leastconn" if "leastconn" in way else "hdr(X-KCoral-Program)",
+                        directory)
+        try:
+            yield proxy.url, proxy.process.pid
+        finally:
+            proxy.stop()
+    elif way == "twisted hdr hash":
+        # The floor under the Router on this workload: the Router's HTTP
+        # stack and nothing else of it, hashing the program header as
+        # HAProxy does, at most each worker's capacity at a time.
+        floor = start_bare_proxy(workers, capacity=CAPACITY)
+        try:
+            yield floor.found["url"], floor.process.pid
+        finally:
+            floor.stop()
+    else:
+        yield router.found["url"], router.process.pid
 
 
 def _router_capacity(url: str) -> int:

@@ -182,7 +182,7 @@ def way_row(name: str, way: dict, count: int, rate: str, base: dict | None,
     """One way's row of the table: its rate and milliseconds per item (with
     C{digits} decimals each), against the floor's, its bytes per item, and
     whether it matched the floor."""
-    return [name, f"{way[rate]:.{digits[0]}f}", f"{1000 * way['seconds'] / count:.{digits[1]}f}",
+    return [name, f"{way[rate]:.{digits[0]}f}", f"{1000 / way[rate]:.{digits[1]}f}",
             f"{way[rate] / base[rate]:.2f}x" if base else "",
             *([f"{way[k] / count:,.0f}" for k in ("bodies", "sent", "received")] if "sent" in way
               else ["", "", ""]),
@@ -218,7 +218,7 @@ class Way:
     One way of running a loop, ready (warmed) once made: L{step} takes the
     loop's next item and returns what the loop records of it. C{traffic},
     where set, counts the bytes of its timed steps; C{seconds} adds up their
-    time.
+    time, and C{times} holds each one's.
     """
 
     name = "way"
@@ -226,6 +226,7 @@ class Way:
 
     def __init__(self):
         self.seconds = 0.0
+        self.times: list[float] = []
         self.records: list = []
 
     def step(self, item):
@@ -250,5 +251,7 @@ def _rotate(ways: list[Way], items: list, turn: int) -> None:
             with way.traffic or nullcontext():
                 started = time.perf_counter()
                 for item in items[start:start + turn]:
+                    began = time.perf_counter()
                     way.records.append(way.step(item))
+                    way.times.append(time.perf_counter() - began)
                 way.seconds += time.perf_counter() - started

@@ -130,9 +130,10 @@ class Program:
                 raise ValueError(problem)
         return Inputs(arrays, [key for _, key in converted])
 
-    def unflatten_outputs(self, outputs: list[np.ndarray], key_types: Sequence[str | None] = ()):
-        """The outputs in the program's structure; those with a key type (in
-        C{key_types}, one entry per output) are typed PRNG keys again."""
+    def unflatten_outputs(self, outputs: list, key_types: Sequence[str | None] = ()):
+        """The outputs (arrays, or what stands for them) in the program's
+        structure; those with a key type (in C{key_types}, one entry per
+        output) are typed PRNG keys again."""
         import jax
 
         if any(key_types):

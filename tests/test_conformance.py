@@ -136,6 +136,8 @@ async def test_large_inputs_go_by_reference(server):
 
     first, again, sent_first, sent_again = await deferToThread(twice)
     weights = case.calls[0].args[0]
-    assert sent_first > weights.nbytes and sent_again < 2 * 768 * 4 + 4096
+    # At most once: by reference first (this module's server may hold them
+    # from an earlier test), else inline after the server's 409.
+    assert sent_first < weights.nbytes + 65536 and sent_again < 2 * 768 * 4 + 4096
     for g, e in zip(again, first, strict=True):
         assert_identical(g, e)

@@ -1,8 +1,8 @@
 """
 The client's side of a run (kcoral.client.exchange), driven step by step with
-the answers a server gives: what goes inline and what by reference, the one
-resend after 409, retries of 503 within the busy timeout (honouring
-Retry-After), and errors that are never retried.
+the answers a server gives: what goes inline and what by reference (large
+content by reference first), the one resend after 409, retries of 503 within
+the busy timeout (honouring Retry-After), and errors that are never retried.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("jax")
 
 from kcoral import BadRequest, NodeFailure, Program, ProgramFailed, ProgramRejected, ServerBusy
-from kcoral.client.exchange import Response, RunCall, Send, Sleep, exchange
+from kcoral.client.exchange import REFERENCE_FIRST_BYTES, Response, RunCall, Send, Sleep, exchange
 from kcoral.errors import MissingContent, error_body
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -68,6 +68,7 @@ class Driver:
         self.steps = exchange(self.call, self.held, busy_timeout=busy_timeout,
                               request_id=request_id, clock=self.clock)
         self.sent: list = []
+        self.lengths: list[int] = []
         self.slept: list[float] = []
 
     def run(self, *answers):
@@ -80,6 +81,7 @@ class Driver:
                 return done.value
             if isinstance(step, Send):
                 self.sent.append(decode_request(b"".join(bytes(p) for p in step.parts)))
+                self.lengths.append(step.length)
                 self.headers = step.headers
                 answer = answers.pop(0)
             else:
@@ -124,6 +126,38 @@ def test_a_409_is_answered_by_resending_inline_once(program, inputs):
     assert references(second) == []
     assert second.program.data is not None and second.inputs[0].blob.data is not None
     assert driver.held == held  # the answer's 200 says the server holds them again
+
+
+@pytest.fixture(scope="module")
+def large():
+    """A program whose weights are large enough to go by reference first, and its inputs."""
+    weights = np.ones(REFERENCE_FIRST_BYTES // 4, np.float32)
+    program = Program.from_function(lambda w, x: (w.sum() + x, x), weights, np.float32(1))
+    return program, (weights, np.float32(2))
+
+
+def test_large_content_goes_by_reference_before_it_is_known_held(large):
+    """A fresh client sends content of REFERENCE_FIRST_BYTES or more by reference, smaller content inline."""
+    program, (w, x) = large
+    driver = Driver(program, (w, x))
+    driver.run(ok([np.float32(3), np.float32(2)]))
+    [sent] = driver.sent
+    assert references(sent) == [sha256(wire_array(w))]
+    assert sent.program.data is not None and sent.inputs[1].blob.data is not None
+    assert driver.held == {program.digest, sha256(wire_array(w))}
+
+
+def test_a_lone_server_lacking_large_content_costs_one_small_round_trip(large):
+    """Where the server lacks what went by reference first, its 409 is answered by
+    one resend with everything inline: one extra request, of a small body."""
+    program, (w, x) = large
+    driver = Driver(program, (w, x))
+    missing = MissingContent("not held", details={"missing": [sha256(wire_array(w))]})
+    driver.run(error(409, missing), ok([np.float32(3), np.float32(2)]))
+    first, second = driver.sent
+    assert references(first) == [sha256(wire_array(w))]
+    assert references(second) == [] and bytes(second.inputs[0].blob.data) == w.tobytes()
+    assert driver.lengths[0] < REFERENCE_FIRST_BYTES // 16 < driver.lengths[1]
 
 
 def test_a_second_409_is_an_error(program, inputs):
@@ -206,3 +240,81 @@ def test_non_json_error_bodies(program, inputs):
     driver = Driver(program, inputs)
     with pytest.raises(NodeFailure, match="HTTP 502"):
         driver.run(Response(502, b"<html>Bad Gateway</html>"))
+
+
+# -- kept arrays ------------------------------------------------------------------------------
+
+class Owner:
+    """A client that owns remote arrays and is never asked anything."""
+
+
+def remote(kept: str, shape=(), dtype=np.float32):
+    from kcoral.client.remote import RemoteArray
+    from kcoral.protocol.wire import Reference
+
+    return RemoteArray(Reference(kept, np.dtype(dtype), shape), Owner())
+
+
+A, B = "0123456789abcdef", "fedcba9876543210"
+
+
+@pytest.mark.parametrize("keep, flags", [
+    (False, (False, False)), (True, (True, True)), ((False, True), (False, True)),
+    ((True, False), (True, False)), (np.bool_(True), (True, True)),
+])
+def test_keep_is_a_bool_or_a_prefix_of_the_outputs(program, inputs, keep, flags):
+    """keep flags each flat output: one bool for all, or a prefix of the outputs' structure of bools."""
+    call = RunCall.prepare(program, inputs, {}, keep=keep, owner=Owner())
+    assert call.keep == flags
+    head = decode_request(b"".join(bytes(p) for p in call.send(set(), None).parts))
+    assert head.keep == {(False, False): False, (True, True): True}.get(flags, flags)
+
+
+@pytest.mark.parametrize("keep, error", [
+    ((True,), ValueError), ((True, False, True), ValueError), ([False, True], ValueError),
+    ({"a": True}, ValueError), (None, ValueError), ((1, 0), TypeError), ("yes", TypeError),
+])
+def test_a_keep_that_does_not_fit_is_a_clear_client_error(program, inputs, keep, error):
+    """A keep that is no prefix of the outputs (or holds a non-bool) is refused before any request."""
+    with pytest.raises(error, match="keep"):
+        RunCall.prepare(program, inputs, {}, keep=keep, owner=Owner())
+
+
+def test_a_run_names_what_it_frees_in_its_frame_and_kept_header(program, inputs):
+    """free= (a structure of RemoteArrays) goes in the frame and, with the kept inputs, in the kept header."""
+    from kcoral.protocol.wire import KEPT_HEADER, KeptInput
+
+    weights = remote(f"{A}-{'1' * 16}", (CACHE_THRESHOLD_BYTES // 4,))
+    old = {"k": remote(f"{A}-{'2' * 16}"), "v": remote(f"{A}-{'3' * 16}")}
+    call = RunCall.prepare(program, (weights, inputs[1]), {}, keep=(False, True), free=old,
+                           owner=Owner())
+    send = call.send(set(), None)
+    run = decode_request(b"".join(bytes(p) for p in send.parts))
+    assert run.free == (old["k"].id, old["v"].id) and run.inputs[0] == KeptInput(weights.id)
+    assert send.headers[KEPT_HEADER] == ",".join(sorted([weights.id, old["k"].id, old["v"].id]))
+    with pytest.raises(TypeError, match="free takes kept arrays"):
+        RunCall.prepare(program, inputs, {}, free=[inputs[1]])
+
+
+def test_a_deletion_is_one_request_per_worker():
+    """Client.delete sends one DELETE /v1/arrays per worker, its ids in the kept header, never resent."""
+    from kcoral.client.exchange import deletions
+    from kcoral.protocol.wire import KEPT_HEADER, MAX_KEPT_LISTED
+
+    a1, a2, b1 = remote(f"{A}-{'1' * 16}"), remote(f"{A}-{'2' * 16}"), remote(f"{B}-{'1' * 16}")
+    sends = deletions([a1, b1, a2, a1])
+    assert [(s.path, s.length, s.repeatable) for s in sends] == [("/v1/arrays", 0, False)] * 2
+    assert [s.headers[KEPT_HEADER] for s in sends] == [f"{a1.id},{a2.id}", b1.id]
+    many = [remote(f"{A}-{i:016x}") for i in range(MAX_KEPT_LISTED + 1)]
+    assert [len(s.headers[KEPT_HEADER].split(",")) for s in deletions(many)] == [MAX_KEPT_LISTED, 1]
+
+
+def test_a_deletion_raises_once_every_request_was_sent():
+    """The arrays gone on several workers make one ArrayLost naming them all; another error comes first."""
+    from kcoral.client.exchange import deletion_error
+    from kcoral.errors import ArrayLost
+
+    lost = deletion_error([ArrayLost("a", details={"lost": ["x"]}), ArrayLost("b", details={"lost": ["y"]})])
+    assert isinstance(lost, ArrayLost) and lost.lost == ["x", "y"]
+    busy = ServerBusy("busy", reason="queue_full")
+    assert deletion_error([ArrayLost("a", details={"lost": ["x"]}), busy]) is busy

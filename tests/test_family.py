@@ -6,14 +6,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kcoral.metrics import HttpMetrics
-from kcoral.web.family import INFERENCE, NODES, RUN, family_of
+from kcoral.web.family import ARRAYS, INFERENCE, NODES, RUN, family_of
 
 
 @pytest.mark.parametrize("path, family", [
     (b"/v1/run", RUN), (b"/v1/nodes", NODES), (b"/v2", INFERENCE),
     (b"/v2/models/mlp/infer", INFERENCE), (b"/v2/models/mlp/versions/1/config", INFERENCE),
     (b"/v1/nodes/gpu-a", None), (b"/v1/runs", None), (b"/v2x", None), (b"/health", None),
-    (b"/v2/models/mlp/infer/more", None),
+    (b"/v2/models/mlp/infer/more", None), (b"/v1/arrays", ARRAYS), (b"/v1/arrays/x-y", ARRAYS),
+    (b"/v1/arrays/x/y", None), (b"/v1/arraysx", None),
 ])
 def test_each_path_belongs_to_at_most_one_family(path, family):
     """A path is a family's only when one of its routes matches it whole."""
@@ -25,6 +26,7 @@ def test_health_and_server_metadata_stay_open():
     assert not INFERENCE.guards(b"/v2/health/ready") and not INFERENCE.guards(b"/v2")
     assert INFERENCE.guards(b"/v2/models/mlp/infer") and INFERENCE.guards(b"/v2/repository/index")
     assert RUN.guards(b"/v1/run") and NODES.guards(b"/v1/nodes")
+    assert ARRAYS.guards(b"/v1/arrays") and ARRAYS.guards(b"/v1/arrays/x-y")
 
 
 def test_model_names_do_not_reach_the_metrics_labels():

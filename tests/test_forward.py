@@ -5,15 +5,18 @@ pool of fake workers behind C{treq.testing.StubTreq}, on a fake clock.
 
 from __future__ import annotations
 
+import json
+
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import NodeFailure, ServerBusy
-from kcoral.router.forward import MAX_NOT_SENT, Forwarder
+from kcoral.errors import MissingContent, NodeFailure, ServerBusy, error_body
+from kcoral.router.forward import MAX_HOLDER_TRIES, MAX_NOT_SENT, Forwarder
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
+from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, FakeWorkers, node_report
@@ -41,10 +44,14 @@ class Routed:
         return Forwarder(self.scheduler, Proxy(self.client), self.clock,
                          observe_wait=self.waits.append)
 
-    def forward(self, forwarder: Forwarder):
+    def member(self, host: str):
+        [member] = self.pool.nodes[host].members.values()
+        return member
+
+    def forward(self, forwarder: Forwarder, demand: Demand | None = None):
         """The outcome of one forward, settled: ('ok', answer) or ('failed', exception)."""
         done: list = []
-        d = forwarder.forward(ForwardedRequest(), MemoryBody(b"run"), None)
+        d = forwarder.forward(ForwardedRequest(), MemoryBody(b"run"), demand)
         d.addCallbacks(lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
         self.client.flush()
         return d, done
@@ -129,3 +136,73 @@ def test_a_cancelled_wait_for_capacity_leaves_the_queue():
     waiting.cancel()
     assert isinstance(done[0][1], CancelledError) and len(routed.scheduler.queue) == 0
     assert len(held.runs) == 1
+
+
+#: A run of a program with 16 MiB of weights, both sent by reference.
+PROGRAM, WEIGHTS = "b" * 64, "a" * 64
+RUN = Demand(PROGRAM, ((WEIGHTS, 16 << 20),))
+
+
+def lacking(*digests: str) -> FakeWorker:
+    """A worker that answers 409: it does not hold C{digests}."""
+    missing = MissingContent("not held", details={"missing": list(digests)})
+    return FakeWorker(409, json.dumps(error_body(missing, "rid")).encode())
+
+
+def test_a_409_is_placed_again_on_a_member_that_holds_what_was_lacking():
+    """A member believed to hold the referenced weights answers 409: the run
+    goes to another member believed to hold them, not back to its client for
+    an upload."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    # The first member is believed to hold it all (it has since evicted the
+    # weights), so the run goes there first; the second holds the weights.
+    routed.member("10.0.0.1").held.learn(RUN, 0.0)
+    routed.member("10.0.0.2").held.learn(Demand("c" * 64, RUN.inputs), 0.0)
+    stale, holder = lacking(WEIGHTS), FakeWorker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": stale, "10.0.0.2": holder}), RUN)
+    kind, answer = done[0]
+    assert kind == "ok" and answer.code == 200 and answer.body == b"ran"
+    assert len(stale.runs) == 1 and len(holder.runs) == 1
+    assert not routed.member("10.0.0.1").held.holds_every([WEIGHTS])
+    assert routed.pool.active() == 0 and len(routed.waits) == 1
+
+
+def test_a_409_of_a_cold_start_goes_back_to_the_client():
+    """A run placed on a member known to lack its weights (cheaper than the
+    compile where they are) is a cold start: that member's 409 goes back to
+    the client, whose upload it is, and the run is not moved to the holder."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    routed.member("10.0.0.1").held.learn(Demand(PROGRAM), 0.0)
+    routed.member("10.0.0.2").held.learn(Demand("c" * 64, RUN.inputs), 0.0)
+    cold, holder = lacking(WEIGHTS), FakeWorker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": cold, "10.0.0.2": holder}), RUN)
+    kind, answer = done[0]
+    assert kind == "ok" and answer.code == 409
+    assert len(cold.runs) == 1 and not holder.runs and routed.pool.active() == 0
+
+
+def test_a_409_no_member_can_resolve_goes_back_to_the_client():
+    """Where no other member holds what a member lacked, the client gets a 409
+    naming it (and sends it inline); no member is tried in vain."""
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    routed.member("10.0.0.1").held.learn(RUN, 0.0)
+    stale, other = lacking(WEIGHTS), FakeWorker(200, b"ran")
+    _, done = routed.forward(routed.serve(**{"10.0.0.1": stale, "10.0.0.2": other}), RUN)
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, MissingContent) and error.missing == [WEIGHTS]
+    assert len(stale.runs) == 1 and not other.runs and routed.pool.active() == 0
+
+
+def test_tries_after_409s_are_bounded():
+    """Members believed to hold a run's content but answering 409 are tried at most
+    MAX_HOLDER_TRIES times after the first; the last 409 is the client's."""
+    hosts = [f"10.0.0.{i}" for i in range(1, MAX_HOLDER_TRIES + 3)]
+    routed = Routed(*hosts)
+    for host in hosts:
+        routed.member(host).held.learn(RUN, 0.0)
+    workers = {host: lacking(WEIGHTS) for host in hosts}
+    _, done = routed.forward(routed.serve(**workers), RUN)
+    kind, answer = done[0]
+    assert kind == "ok" and answer.code == 409
+    assert sum(len(w.runs) for w in workers.values()) == 1 + MAX_HOLDER_TRIES
+    assert routed.pool.active() == 0

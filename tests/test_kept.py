@@ -1,8 +1,11 @@
 """
 Kept arrays with real processes: a training loop whose parameters stay on
-the worker, equal bit for bit to the same loop in process; the bound on kept
-bytes; one kept array used through two Routers in front of one node, with
-no state shared between them; and a worker killed under its kept arrays.
+the worker, equal bit for bit to the same loop in process; a decoding loop
+of one request a step (its token back, its cache kept, the old cache freed),
+through a server and through two Routers; deletes of many arrays in one
+request; the bound on kept bytes; one kept array used through two Routers in
+front of one node, with no state shared between them; and a worker killed
+under its kept arrays.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from twisted.internet.threads import deferToThread
 from kcoral import ArrayLost, AsyncClient, Client, Program, ProgramRejected, RemoteArray
 from kcoral.errors import KeptMemoryFull
 from tests.conftest import TEST_GPUS
+from tests.httputil import request
 from tests.test_routed import pool_nodes, start_node, start_router, until_ready
 from tests.test_server import metrics, sample
 
@@ -101,6 +105,125 @@ async def test_a_training_loop_keeps_its_parameters_on_the_worker(start_server):
     assert sample(samples, "kcoral_kept_bytes") == nbytes + 4 * STEPS
 
 
+TOKENS = 12
+ROWS = 16
+
+
+def decode_step(cache, token, pos):
+    """A decoder's step in small: (the next token, the cache with row C{pos} filled)."""
+    row = jnp.tanh(cache.sum(axis=0) * np.float32(0.5) + token.astype(jnp.float32)
+                   + jnp.arange(8, dtype=jnp.float32) * pos.astype(jnp.float32))
+    cache = jax.lax.dynamic_update_slice(cache, row[None], (pos, 0))
+    return jnp.argmax(jnp.sin(row * np.float32(3.7))).astype(jnp.int32), cache
+
+
+def decode_program():
+    return Program.from_function(decode_step, np.zeros((ROWS, 8), np.float32), np.int32(0),
+                                 np.int32(0))
+
+
+def decoded_in_process() -> tuple[list[int], np.ndarray]:
+    step, cache, token, tokens = jax.jit(decode_step), np.zeros((ROWS, 8), np.float32), np.int32(1), []
+    for pos in range(TOKENS):
+        token, cache = step(cache, token, np.int32(pos))
+        tokens.append(int(token))
+    return tokens, np.asarray(cache)
+
+
+async def requests_answered(service) -> float:
+    """The runs, fetches and deletes C{service} answered (not its nodes' reports, nor scrapes)."""
+    samples = await metrics(service)
+    return sum(value for (name, labels), value in samples.items()
+               if name == "kcoral_http_requests_total"
+               and dict(labels)["route"] in ("/v1/run", "/v1/arrays", "/v1/arrays/{id}"))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_decoding_step_is_one_request(start_server):
+    """keep=(False, True), free=cache: one request a token; tokens and cache equal in-process, bit for bit."""
+    server = await start_server()
+    program = decode_program()
+
+    def decode():
+        with Client(server.url) as client:
+            cache = client.put(np.zeros((ROWS, 8), np.float32))
+            first = cache
+            token, tokens = np.int32(1), []
+            client.run(program, cache, token, np.int32(0))  # sends the program, once
+            return client, first, cache, token, tokens
+
+    client, first, cache, token, tokens = await deferToThread(decode)
+    before = await requests_answered(server)
+
+    def steps():
+        nonlocal cache, token
+        for pos in range(TOKENS):
+            token, cache = client.run(program, cache, token, np.int32(pos), keep=(False, True),
+                                      free=cache)
+            tokens.append(int(token))
+
+    try:
+        await deferToThread(steps)
+        assert await requests_answered(server) - before == TOKENS
+        expected_tokens, expected_cache = decoded_in_process()
+        assert tokens == expected_tokens
+        assert_same(await deferToThread(cache.fetch), expected_cache)
+        samples = await metrics(server)
+        assert sample(samples, "kcoral_kept_arrays") == 1
+        with pytest.raises(ArrayLost) as lost:
+            await deferToThread(first.fetch)
+        assert lost.value.lost == [first.id]
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_failed_run_frees_nothing(start_server):
+    """A run refused before it runs (507), or naming a lost array, frees none of what it was to free."""
+    server = await start_server("--kept-bytes", "1024")
+    program = decode_program()
+
+    def runs():
+        with Client(server.url) as client:
+            cache = client.put(np.ones((ROWS, 8), np.float32))  # 512 B
+            with pytest.raises(KeptMemoryFull):
+                client.run(program, cache, np.int32(1), np.int32(0), keep=True, free=cache)
+            gone = client.put(np.float32(0))
+            client.delete(gone)
+            with pytest.raises(ArrayLost) as lost:
+                client.run(program, cache, np.int32(1), np.int32(0), free=(cache, gone))
+            return cache.fetch(), lost.value.lost
+
+    kept_cache, lost = await deferToThread(runs)
+    assert kept_cache.tolist() == np.ones((ROWS, 8), np.float32).tolist()
+    assert len(lost) == 1
+    assert sample(await metrics(server), "kcoral_kept_arrays") == 1
+
+
+@pytest_twisted.ensureDeferred
+async def test_one_delete_frees_many_arrays_in_one_request(start_server):
+    """Client.delete of several arrays is one request; each is then 410 in a fetch, a run and a delete."""
+    server = await start_server()
+    double = Program.from_function(lambda v: v * 2, np.float32(0))
+
+    def put():
+        client = Client(server.url)
+        return client, [client.put(np.float32(n)) for n in range(3)]
+
+    client, arrays = await deferToThread(put)
+    try:
+        before = await requests_answered(server)
+        await deferToThread(client.delete, *arrays)
+        assert await requests_answered(server) - before == 1
+        assert sample(await metrics(server), "kcoral_kept_arrays") == 0
+        for use in (arrays[0].fetch, lambda: client.run(double, arrays[1]), arrays[2].delete):
+            with pytest.raises(ArrayLost) as lost:
+                await deferToThread(use)
+            assert lost.value.status == 410
+    finally:
+        client.close()
+
+
 @pytest_twisted.ensureDeferred
 async def test_outputs_past_the_kept_bound_are_refused_before_the_run(start_server):
     """Kept outputs past --kept-bytes are 507 kept_memory_full, not run; fetched outputs still run."""
@@ -155,8 +278,35 @@ async def test_a_kept_array_is_used_through_either_router(two_routers):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_decoding_loop_runs_through_either_router(two_routers):
+    """Decoding steps through Routers A and B in turn: one request each, equal in-process; old caches 410."""
+    (a, b), _ = two_routers
+    program = decode_program()
+    via = [AsyncClient(a.url, busy_timeout=30), AsyncClient(b.url, busy_timeout=30)]
+    try:
+        cache = first = await via[0].put(np.zeros((ROWS, 8), np.float32))
+        token, tokens = np.int32(1), []
+        await via[1].run(program, cache, token, np.int32(0))  # the program, once
+        before = [await requests_answered(r) for r in (a, b)]
+        for pos in range(TOKENS):
+            token, cache = await via[pos % 2].run(program, cache, token, np.int32(pos),
+                                                  keep=(False, True), free=cache)
+            tokens.append(int(token))
+        after = [await requests_answered(r) for r in (a, b)]
+        assert [n - m for n, m in zip(after, before)] == [TOKENS // 2, TOKENS // 2]
+        expected_tokens, expected_cache = decoded_in_process()
+        assert tokens == expected_tokens
+        assert_same(await cache.fetch(), expected_cache)
+        with pytest.raises(ArrayLost):
+            await via[1].run(program, first, token, np.int32(0))
+        await via[0].delete(cache)
+    finally:
+        await gatherResults([c.close() for c in via])
+
+
+@pytest_twisted.ensureDeferred
 async def test_arrays_kept_on_two_workers_are_apart(two_routers):
-    """A run of arrays kept on two different workers is 422 arrays_apart."""
+    """A run, or one delete, of arrays kept on two different workers is 422 arrays_apart."""
     (a, _), _ = two_routers
     add = Program.from_function(lambda u, v: u + v, np.float32(0), np.float32(0))
     client = AsyncClient(a.url, busy_timeout=30)
@@ -168,7 +318,15 @@ async def test_arrays_kept_on_two_workers_are_apart(two_routers):
         with pytest.raises(ProgramRejected) as apart:
             await client.run(add, one, other)
         assert apart.value.status == 422 and apart.value.reason == "arrays_apart"
-        await client.delete(one)
+        # One delete naming both is refused whole at the Router; the client sends one to each.
+        refused = await request("DELETE", a.url + "/v1/arrays",
+                                headers={"X-KCoral-Kept": f"{one.id},{other.id}"})
+        assert refused.code == 422 and refused.json["error"]["reason"] == "arrays_apart"
+        with pytest.raises(ArrayLost) as lost:
+            await client.delete(other, one)  # the one gone first: the other is freed all the same
+        assert lost.value.lost == [other.id]
+        with pytest.raises(ArrayLost):
+            await client.fetch(one)
     finally:
         await client.close()
 

@@ -1,6 +1,7 @@
 """
 Kept arrays without processes: the worker's store (its bound, refused before
-a run runs; expiry on a fake clock; delete; lost arrays), the frame's
+a run runs; expiry on a fake clock; delete; lost arrays), the executor's
+runs that keep some outputs and free arrays once they succeeded, the frame's
 references, the report that carries a worker's instance id, and the Router's
 hard constraint (a run of kept arrays goes only to the member that holds
 them; 422 arrays_apart; 410 array_lost where no member does).
@@ -16,15 +17,23 @@ from twisted.internet.task import Clock
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import ArrayLost, ArraysApart, BadRequest, KeptMemoryFull
+from kcoral.errors import (
+    ArrayLost,
+    ArraysApart,
+    BadRequest,
+    KeptMemoryFull,
+    ProgramFailed,
+    ProgramRejected,
+)
 from kcoral.protocol.wire import (
+    KeptInput,
     Reference,
     RunRequest,
     WireError,
-    decode_references,
+    decode_outputs,
     decode_request,
-    encode_references,
     encode_request,
+    encode_result,
     holder_of,
     sha256,
 )
@@ -85,13 +94,26 @@ def test_a_deleted_array_is_lost_and_named():
     """A deleted array is freed, and a run or a second delete of it gets 410 array_lost naming it."""
     store = KeptStore()
     one, two = kept(store, 10, 20)
-    store.delete(one)
+    assert store.delete([one]) == []
     assert (store.count, store.nbytes) == (1, 20)
     with pytest.raises(ArrayLost) as lost:
         store.take([two, one])
     assert lost.value.status == 410 and lost.value.lost == [one]
-    with pytest.raises(ArrayLost):
-        store.delete(one)
+    assert store.delete([one]) == [one]
+
+
+def test_one_delete_frees_many_and_names_those_gone():
+    """A delete of several ids frees every one held and names the others; ids of two workers free none."""
+    store = KeptStore()
+    one, two, three = kept(store, 1, 2, 4)
+    [gone] = kept(store, 8)
+    store.delete([gone])
+    assert store.delete([one, gone, two, one]) == [gone]
+    assert (store.count, store.nbytes) == (1, 4)
+    [elsewhere] = kept(KeptStore(), 1)
+    with pytest.raises(ArraysApart):
+        store.delete([three, elsewhere])
+    assert store.count == 1
 
 
 def test_arrays_of_another_instance_are_lost_here():
@@ -150,11 +172,16 @@ def executor():
     jax.config.update("jax_enable_x64", x64)
 
 
-def run_of(program, *inputs, keep: bool = False) -> RunRequest:
-    """The decoded run of C{program} on C{inputs}: arrays inline, or references."""
+def run_of(program, *inputs, keep: tuple[bool, ...] = (), free: tuple[str, ...] = ()) -> RunRequest:
+    """The decoded run of C{program} on C{inputs} (arrays inline, or
+    references), keeping the outputs C{keep} flags and freeing C{free}."""
     entries = [i if isinstance(i, Reference) else (np.asarray(i), None, True) for i in inputs]
-    parts, _ = encode_request(program.digest, program.serialized, entries, keep=keep)
+    parts, _ = encode_request(program.digest, program.serialized, entries, keep=keep, free=free)
     return decode_request(b"".join(parts))
+
+
+def outputs_of(result: bytes) -> list:
+    return decode_outputs(result)[0]
 
 
 def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run(executor):
@@ -164,11 +191,11 @@ def test_a_run_whose_kept_outputs_pass_the_bound_does_not_run(executor):
     program = Program.from_function(lambda x: jax.numpy.zeros(64, np.float32) + x, np.float32(0))
     ex, metrics = executor(KeptStore(255))
     with pytest.raises(KeptMemoryFull):
-        ex.execute(run_of(program, np.float32(1), keep=True), "r1")
+        ex.execute(run_of(program, np.float32(1), keep=(True,)), "r1")
     assert ex.kept.count == 0 and ex.kept.nbytes == 0
     assert metrics.executions.labels("ok")._value.get() == 0
     ex.kept.limit_bytes = 256
-    [ref] = decode_references(ex.execute(run_of(program, np.float32(1), keep=True), "r2"))
+    [ref] = outputs_of(ex.execute(run_of(program, np.float32(1), keep=(True,)), "r2"))
     assert ref.shape == (64,) and ex.kept.nbytes == 256
 
 
@@ -178,27 +205,88 @@ def test_kept_outputs_feed_a_run_on_the_device(executor):
 
     double = Program.from_function(lambda x: x * 2, np.zeros(3, np.float32))
     ex, _ = executor(KeptStore())
-    [ref] = decode_references(ex.execute(run_of(double, np.arange(3, dtype=np.float32), keep=True), "r"))
+    [ref] = outputs_of(ex.execute(run_of(double, np.arange(3, dtype=np.float32), keep=(True,)), "r"))
     assert isinstance(ex.kept.take([ref.kept])[ref.kept].array, jax.Array)
-    [again] = decode_references(ex.execute(run_of(double, ref, keep=True), "r"))
+    [again] = outputs_of(ex.execute(run_of(double, ref, keep=(True,)), "r"))
     from kcoral.protocol.wire import decode_result
 
     assert decode_result(ex.fetch(again.kept))[0].tolist() == [0, 4, 8]
-    ex.kept.delete(ref.kept)
+    ex.kept.delete([ref.kept])
     with pytest.raises(ArrayLost):
         ex.execute(run_of(double, ref), "r")
+
+
+def step_program():
+    """A decoder's step in small: (the next token, the state with it added)."""
+    from kcoral import Program
+
+    return Program.from_function(lambda state, token: (token + 1, state + token),
+                                 np.zeros(4, np.float32), np.float32(0))
+
+
+def test_a_run_keeps_some_outputs_and_answers_the_others(executor):
+    """With one flag per output, the kept ones stay (their bytes alone reserved), the others come inline."""
+    ex, _ = executor(KeptStore(16))
+    token, state = outputs_of(ex.execute(
+        run_of(step_program(), np.ones(4, np.float32), np.float32(2), keep=(False, True)), "r"))
+    assert token.tolist() == 3.0 and isinstance(state, Reference) and state.shape == (4,)
+    assert ex.kept.nbytes == 16
+    with pytest.raises(ProgramRejected, match="'keep' has 3 entries"):
+        ex.execute(run_of(step_program(), state, np.float32(2), keep=(False, True, True)), "r")
+
+
+def test_a_run_frees_arrays_once_it_succeeded(executor, monkeypatch):
+    """A run's free list goes once it ran; a run refused, lost or failed on the device frees nothing."""
+    ex, _ = executor(KeptStore(32))
+    program = step_program()
+    [old] = outputs_of(ex.execute(run_of(identity_program(), np.ones(4, np.float32), keep=(True,)), "r"))
+    token, new = outputs_of(ex.execute(
+        run_of(program, old, np.float32(1), keep=(False, True), free=(old.kept,)), "r"))
+    assert ex.kept.delete([old.kept]) == [old.kept] and ex.kept.count == 1
+    # Refused before it runs: the kept bound.
+    ex.kept.limit_bytes = 16
+    with pytest.raises(KeptMemoryFull):
+        ex.execute(run_of(program, new, np.float32(1), keep=(False, True), free=(new.kept,)), "r")
+    # One of the arrays to free is gone: 410, and the rest stay.
+    [gone] = kept(ex.kept, 0)
+    ex.kept.delete([gone])
+    ex.kept.limit_bytes = 64
+    with pytest.raises(ArrayLost):
+        ex.execute(run_of(program, new, np.float32(1), free=(new.kept, gone)), "r")
+    # Failed on the device.
+    def fault(*args):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(ex, "_call", fault)
+    with pytest.raises(ProgramFailed):
+        ex.execute(run_of(program, new, np.float32(1), keep=(False, True), free=(new.kept,)), "r")
+    assert ex.kept.take([new.kept]) and (ex.kept.count, ex.kept.nbytes) == (1, 16)
+
+
+def identity_program():
+    from kcoral.client.remote import identity
+
+    return identity((4,), np.dtype(np.float32))
 
 
 # -- the frame --------------------------------------------------------------------------------
 
 def test_references_travel_in_the_frame():
-    """An input may name a kept array instead of data; a kept result lists ids, shapes and dtypes."""
+    """An input names a kept array by its id alone; a result mixes kept ids with inline arrays."""
     ref = Reference(f"{A}-{B}", np.dtype(np.float32), (2, 3))
-    parts, _ = encode_request(P, None, [ref, (np.ones(2, np.int8), None, True)], keep=True)
+    parts, _ = encode_request(P, None, [ref, (np.ones(2, np.int8), None, True)], keep=(True, True))
     run = decode_request(b"".join(parts))
-    assert run.keep and run.inputs[0].kept == ref.kept and run.inputs[0].shape == (2, 3)
+    assert run.keep is True and run.inputs[0] == KeptInput(ref.kept) and run.free == ()
     assert run.inputs[1].kept is None
-    assert decode_references(encode_references([ref])) == [ref]
+    parts, _ = encode_request(P, None, [ref], keep=(False, True), free=[ref.kept, ref.kept])
+    run = decode_request(b"".join(parts))
+    assert run.keep == (False, True) and run.keeps(2) == (False, True) and run.free == (ref.kept,)
+    with pytest.raises(WireError):
+        run.keeps(3)
+    parts, _ = encode_request(P, None, [ref])
+    assert decode_request(b"".join(parts)).keeps(2) == (False, False)
+    outputs, key_types = decode_outputs(b"".join(encode_result([np.int32(7), ref], [None, None])[0]))
+    assert outputs[0].tolist() == 7 and outputs[1] == ref and key_types == [None, None]
 
 
 @pytest.mark.parametrize("entry", [
@@ -212,6 +300,36 @@ def test_a_malformed_reference_is_a_bad_frame(entry):
     parts, _ = FrameWriter().finish({"program": {"digest": P}, "inputs": [entry]})
     with pytest.raises(WireError):
         decode_request(b"".join(parts))
+
+
+@pytest.mark.parametrize("field", [
+    {"keep": [True, 1]}, {"keep": "yes"}, {"keep": [True] * 4097},
+    {"free": "nope"}, {"free": ["nope"]}, {"free": [f"{A}-{B}"] * 4097},
+])
+def test_a_malformed_keep_or_free_is_a_bad_frame(field):
+    """'keep' is a bool or a list of them, 'free' a list of kept arrays' ids, each bounded: else 400."""
+    from kcoral.protocol.wire import FrameWriter
+
+    parts, _ = FrameWriter().finish({"program": {"digest": P}, "inputs": [], **field})
+    with pytest.raises(WireError):
+        decode_request(b"".join(parts))
+
+
+def test_a_kept_input_described_otherwise_is_refused(executor):
+    """A kept input named by its id alone runs; one whose entry gives another shape is 400."""
+    import attrs
+
+    from kcoral.protocol.wire import ArraySpec, Blob
+
+    ex, _ = executor(KeptStore())
+    program = step_program()
+    [state] = outputs_of(ex.execute(run_of(identity_program(), np.ones(4, np.float32), keep=(True,)), "r"))
+    run = run_of(program, state, np.float32(1))
+    token, _ = outputs_of(ex.execute(run, "r"))
+    assert token.tolist() == 2.0
+    wrong = KeptInput(state.kept, ArraySpec(np.dtype(np.float32), (5,), Blob(None), None, state.kept))
+    with pytest.raises(BadRequest, match="not \\[5\\] float32"):
+        ex.execute(attrs.evolve(run, inputs=(wrong, *run.inputs[1:])), "r")
 
 
 # -- the report and the Router ----------------------------------------------------------------
@@ -274,6 +392,16 @@ def test_arrays_of_no_member_are_lost_at_the_router():
     assert isinstance(lost.result.value, ArrayLost)
     assert lost.result.value.lost == [f"{'1' * 16}-{B}"]
     lost.addErrback(lambda _: None)
+
+
+def test_the_kept_header_lists_ids_within_bounds():
+    """The kept header is 0 to 4,096 kept arrays' ids (at least one for a delete); else a bad request."""
+    from kcoral.protocol.wire import kept_ids
+
+    assert kept_ids("") == () and kept_ids(f" {A}-{B},{A}-{A} ") == (f"{A}-{B}", f"{A}-{A}")
+    for bad, least in (("junk", 0), (f"{A}-{B},", 0), ("", 1), (",".join([f"{A}-{B}"] * 4097), 0)):
+        with pytest.raises(WireError):
+            kept_ids(bad, least)
 
 
 def test_the_router_refuses_arrays_apart_and_bad_ids():

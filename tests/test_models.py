@@ -392,6 +392,36 @@ async def test_node_serves_models_through_its_gateway(node, repository):
 
 
 @pytest_twisted.ensureDeferred
+async def test_gateway_merges_concurrent_inferences_and_each_gets_its_own_rows(node):
+    """Thirty-two clients at once through the gateway, each with rows of its own, and
+    among them requests that cannot merge (more rows than a batch, another datatype):
+    each good answer the same bytes as its rows sent alone, each bad one its own 400,
+    and the workers ran fewer executions than requests."""
+    from kcoral import AsyncClient
+
+    inputs = [rows(1 + i % 3, seed=200 + i) for i in range(32)]
+    client = AsyncClient(node.url)
+    try:
+        alone = [await client.infer("mlp", x) for x in inputs]
+        _, before = await scrape(node.url)
+        bad = [Deferred.fromCoroutine(request("POST", node.url + "/v2/models/mlp/infer",
+                                              body=body))
+               for body in (infer_body(shape=(9, 16)), infer_body(datatype="FP64"))]
+        together = await gatherResults([client.infer("mlp", x, request_id=f"merge-{i}")
+                                        for i, x in enumerate(inputs)])
+        refused = await gatherResults(bad)
+        _, after = await scrape(node.url)
+    finally:
+        await client.close()
+    for one, merged in zip(alone, together):
+        assert one["output"].tobytes() == merged["output"].tobytes()
+    assert [answer.code for answer in refused] == [400, 400], refused
+    executions = (total(after, "kcoral_inference_batch_size_count", model="mlp")
+                  - total(before, "kcoral_inference_batch_size_count", model="mlp"))
+    assert executions < len(inputs), executions
+
+
+@pytest_twisted.ensureDeferred
 async def test_node_exits_0_on_sigterm(node):
     """SIGTERM to a node serving models drains it, exits with status 0 and leaves no worker."""
     node.process.signal("TERM")

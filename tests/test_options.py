@@ -165,6 +165,15 @@ def test_router_without_node_id_is_a_usage_error():
     assert "--node-id" in str(e.value)
 
 
+def test_grpc_port_under_a_router_is_a_usage_error():
+    """--grpc-port with --router, where no gateway would serve it, is a usage
+    error that sends the user to the Router's own option."""
+    with pytest.raises(usage.UsageError) as e:
+        node_options(*ROUTER, "--grpc-port", "8001")
+    assert "--grpc-port" in str(e.value) and "Router" in str(e.value)
+    assert node_options("--cpu-workers", "2", "--grpc-port", "8001")["grpc-port"] == 8001
+
+
 @pytest.mark.parametrize("jitter", ["-0.01", "0.51", "1", "nan"])
 def test_restart_jitter_outside_its_range_is_a_usage_error(jitter):
     """A jitter outside 0-0.5 is a usage error naming the option."""

@@ -672,16 +672,17 @@ def test_an_inference_of_a_model_no_member_has_ready_is_placed_nowhere():
     assert world.pick(Demand.of_model("other")) is None
 
 
-def test_a_member_takes_max_batch_size_inferences_of_a_batched_model_per_slot():
-    """A member of capacity 2 takes 2 x 8 inferences of a model batched by 8 (its batcher
-    fills two batches), and no more; runs still count against its two slots."""
+def test_a_member_takes_one_forwarded_batch_of_a_batched_model_per_slot():
+    """A member of capacity 2 takes 2 forwarded inferences of a model batched by 8 (the
+    front merges what waits for a slot into one), and no more; runs count against the
+    same two slots."""
     world = World(2)
     body = node_report(capacities=(2,))
     body["workers"][0]["models"] = [{"name": "mlp", "version": "1", "state": "READY",
                                      "reason": "", "max_batch_size": 8}]
     world.pool.report("n", parse_report(body))
     demand = Demand.of_model("mlp")
-    for _ in range(16):
+    for _ in range(2):
         world.pick(demand).active += 1
     assert world.pick(demand) is None
     assert world.pick(None) is None

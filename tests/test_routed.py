@@ -342,9 +342,12 @@ async def test_413_through_the_router(deployment):
     await router.process.wait_for_line(r"router-413 refused: ", 10, since=mark)
 
     # The client sees BadRequest with status 413.
-    big = np.ones(ROUTER_LIMIT // 2, np.float32)  # 2 MB
-    program = Program.from_function(lambda v: v.sum(), big)
-    error = await deferToThread(_attempt, router.url, program, big, request_id="client-413")
+    # Two inputs of 0.8 MB: each under the size that goes by reference first,
+    # so that the first request carries them inline.
+    half = np.ones(ROUTER_LIMIT // 5, np.float32)
+    program = Program.from_function(lambda a, b: a.sum() + b.sum(), half, half)
+    error = await deferToThread(_attempt, router.url, program, half, half + 1,
+                                request_id="client-413")
     assert isinstance(error, BadRequest) and error.status == 413, error
     assert error.request_id == "client-413"
     await router.process.wait_for_line(r"client-413 refused: request body .*exceeds the limit", 10,

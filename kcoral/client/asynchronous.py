@@ -25,7 +25,16 @@ from twisted.web.client import (
 )
 from zope.interface import implementer
 
-from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
+from kcoral.client.exchange import (
+    ICall,
+    Response,
+    RunCall,
+    Send,
+    deletion_error,
+    deletions,
+    error_of,
+    exchange,
+)
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import CountingProducer, upload_bar
@@ -92,7 +101,7 @@ class AsyncClient:
             try:
                 response = yield self._request_at(url, method, path, send)
             except NodeFailure as e:
-                response = after_loss(e, self.redispatch and send is not None)
+                response = after_loss(e, self.redispatch and send is not None and send.repeatable)
             if not moves_on(response):
                 break
         return response
@@ -130,15 +139,18 @@ class AsyncClient:
                         header_length=int(length) if length.isdigit() else None)
 
     @inlineCallbacks
-    def run(self, program, *args, keep: bool = False, request_id: str | None = None, **kwargs):
+    def run(self, program, *args, keep=False, free=None, request_id: str | None = None,
+            **kwargs):
         """
         A Deferred of C{program}'s outputs for C{args} and C{kwargs}, in the
-        structure the program returns (with C{keep}, L{kcoral.RemoteArray}s that
-        stay on the worker that ran it); it fails with the
-        L{kcoral.errors.KCoralError} of the answer. Large inputs are hashed
-        and framed in a thread.
+        structure the program returns (the ones C{keep} says, as for
+        L{kcoral.Client.run}, L{kcoral.RemoteArray}s that stay on the worker
+        that ran it; C{free} freed there once it succeeded); it fails with
+        the L{kcoral.errors.KCoralError} of the answer. Large inputs are
+        hashed and framed in a thread.
         """
-        prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, owner=self)
+        prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, free=free,
+                                    owner=self)
         call = prepare() if _small(args, kwargs) else (yield deferToThread(prepare))
         outputs = yield self._call(call, request_id)
         return outputs
@@ -160,11 +172,15 @@ class AsyncClient:
 
     @inlineCallbacks
     def delete(self, *arrays: RemoteArray):
-        """A Deferred that fires once C{arrays} are freed on their workers."""
-        for array in arrays:
-            answer = yield self._request("DELETE", path_of(array), None)
+        """A Deferred that fires once C{arrays} are freed on their workers
+        (one request for each worker)."""
+        errors = []
+        for send in deletions(arrays):
+            answer = yield self._request("DELETE", send.path, send)
             if answer.status != 200:
-                raise error_of(answer)
+                errors.append(error_of(answer))
+        if errors:
+            raise deletion_error(errors)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> Deferred:
         """A Deferred of the outputs by name of model C{model} for C{inputs}
@@ -211,5 +227,7 @@ def _small(args, kwargs) -> bool:
     # From nbytes, not np.asarray: that would copy a GPU array to the host on
     # the reactor's thread, and fails for a typed PRNG key. Python scalars
     # have no nbytes, and are small.
+    # A kept array's bytes stay where they are: none to hash or frame.
     leaves = jax.tree.leaves((args, kwargs))
-    return sum(getattr(leaf, "nbytes", 0) for leaf in leaves) < _THREAD_BYTES
+    return sum(getattr(leaf, "nbytes", 0) for leaf in leaves
+               if not isinstance(leaf, RemoteArray)) < _THREAD_BYTES

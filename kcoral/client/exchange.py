@@ -3,12 +3,17 @@ The client's side of a run, written once for both clients: which content to
 send inline, what each server is known to hold, the resend after 409 and the
 retries after 503. L{exchange} is a generator that yields L{Send} and L{Sleep}
 steps; the blocking and the Twisted client each drive it with their own I/O.
+
+Content of L{REFERENCE_FIRST_BYTES} or more goes by reference first, even
+to a server not known to hold it: another client may have sent it already.
+Behind a Router, the run goes to a member that holds it; a server that does
+not answers 409, and it goes inline then, once.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import attrs
@@ -17,7 +22,7 @@ from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
 from kcoral.client.remote import IArrayOwner, RemoteArray
-from kcoral.errors import KCoralError, MissingContent, ServerBusy, error_from_answer
+from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -25,20 +30,30 @@ from kcoral.protocol.wire import (
     INPUTS_HEADER,
     KEPT_HEADER,
     MAX_INPUTS_LISTED,
+    MAX_KEPT_LISTED,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
     Reference,
     decode_outputs,
-    decode_references,
     encode_request,
+    holder_of,
     sha256,
     wire_array,
 )
 from kcoral.tracing import current_traceparent
 
+#: The route that frees the kept arrays its request's kept header names.
+ARRAYS_PATH = "/v1/arrays"
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
+
+#: Content at least this large (an array, a program) is sent by reference
+#: until the server says it lacks it: where a fleet of clients shares its
+#: content, the bytes cross the network about once per worker that needs
+#: them, not once per client. Below it a 409's round trip costs more than
+#: the bytes it could save.
+REFERENCE_FIRST_BYTES = 1 << 20
 
 
 @attrs.frozen
@@ -48,6 +63,10 @@ class Send:
     headers: dict
     #: The route it is posted to.
     path: str = "/v1/run"
+    #: Whether a client that consents to a second run sends it again after
+    #: losing it: a run is a pure function of its inputs; a deletion is not
+    #: (a second would find its arrays gone).
+    repeatable: bool = True
 
 
 @attrs.frozen
@@ -71,9 +90,13 @@ class Response:
 class ICall(Interface):
     """One request a client makes with the exchange: a run or an inference."""
 
-    def send(held: set[str], request_id: str | None, redispatch: bool) -> Send:
-        """The request, sending inline what C{held} (digests the server is
-        known to hold) does not name."""
+    def send(referenced: set[str], request_id: str | None, redispatch: bool) -> Send:
+        """The request, sending inline the content whose digest
+        C{referenced} does not name."""
+
+    def reference_first() -> set[str]:
+        """The content sent by reference before the server is known to
+        hold it (L{REFERENCE_FIRST_BYTES} or more)."""
 
     def content_digests() -> set[str]:
         """The content the server holds once it answered 200."""
@@ -88,8 +111,9 @@ class RunCall:
     """
     A run of a program (L{ICall}). An input that is a kept array has its
     L{Reference} in C{references} (its entry of C{arrays} is a placeholder
-    never sent); with C{keep}, the outputs stay on the worker, as
-    L{RemoteArray}s of C{owner}.
+    never sent); the outputs C{keep} flags stay on the worker, as
+    L{RemoteArray}s of C{owner}; the kept arrays of C{free} are freed once
+    it succeeded.
     """
 
     program: Program
@@ -97,15 +121,22 @@ class RunCall:
     digests: list[str | None]
     key_types: list[str | None]
     references: list[Reference | None]
-    keep: bool
+    keep: tuple[bool, ...]
     owner: IArrayOwner | None
+    free: tuple[str, ...] = ()
 
     @classmethod
-    def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep: bool = False,
+    def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep=False, free=None,
                 owner: IArrayOwner | None = None) -> RunCall:
-        """Check and flatten the inputs, hashing the large ones (may block)."""
+        """Check and flatten the inputs, hashing the large ones (may block);
+        C{keep} is checked against the program's outputs (L{keep_flags}),
+        C{free} is a structure of L{RemoteArray}s (or None)."""
         import jax
 
+        flags = keep_flags(keep, program.exported.out_tree)
+        freed = jax.tree.leaves(free)
+        if not all(isinstance(leaf, RemoteArray) for leaf in freed):
+            raise TypeError("free takes kept arrays (RemoteArray), or a structure of them")
         leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
         references = [leaf.reference if isinstance(leaf, RemoteArray) else None for leaf in leaves]
         if any(references):
@@ -117,24 +148,26 @@ class RunCall:
                   for a, r in zip(inputs.arrays, references, strict=True)]
         digests = [sha256(a) if r is None and a.nbytes >= CACHE_THRESHOLD_BYTES else None
                    for a, r in zip(arrays, references)]
-        return cls(program, arrays, digests, inputs.key_types, references, keep, owner)
+        return cls(program, arrays, digests, inputs.key_types, references, flags, owner,
+                   tuple(dict.fromkeys(leaf.id for leaf in freed)))
 
     @property
     def nbytes(self) -> int:
         return len(self.program.serialized) + sum(
             a.nbytes for a, r in zip(self.arrays, self.references) if r is None)
 
-    def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
-        program = None if self.program.digest in held else self.program.serialized
-        inputs = [(a, d, d is None or d not in held) if r is None else r
+    def send(self, referenced: set[str], request_id: str | None, redispatch: bool = False) -> Send:
+        program = None if self.program.digest in referenced else self.program.serialized
+        inputs = [(a, d, d is None or d not in referenced) if r is None else r
                   for a, d, r in zip(self.arrays, self.digests, self.references)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
-                                       keep=self.keep)
+                                       keep=self.keep, free=self.free)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
             headers[INPUTS_HEADER] = self.inputs_header
-        kept = {r.kept for r in self.references if r is not None}
+        # Those it frees too: all on the worker that runs it.
+        kept = {r.kept for r in self.references if r is not None} | set(self.free)
         if kept:
             headers[KEPT_HEADER] = ",".join(sorted(kept))
         if request_id:
@@ -156,16 +189,73 @@ class RunCall:
     def content_digests(self) -> set[str]:
         return {self.program.digest} | {d for d in self.digests if d is not None}
 
+    def reference_first(self) -> set[str]:
+        large = {d for a, d in zip(self.arrays, self.digests)
+                 if d is not None and a.nbytes >= REFERENCE_FIRST_BYTES}
+        if len(self.program.serialized) >= REFERENCE_FIRST_BYTES:
+            large.add(self.program.digest)
+        return large
+
     def outputs(self, response: Response):
         """The run's outputs, in the program's structure, from its answer:
         L{RemoteArray}s where it kept them."""
-        if self.keep:
-            import jax
+        outputs, key_types = decode_outputs(response.body)
+        return self.program.unflatten_outputs([self._leaf(o) for o in outputs], key_types)
 
-            assert self.owner is not None, "a run that keeps its outputs has an owner"
-            return jax.tree.unflatten(self.program.exported.out_tree, [
-                RemoteArray(r, self.owner) for r in decode_references(response.body)])
-        return self.program.unflatten_outputs(*decode_outputs(response.body))
+    def _leaf(self, output: np.ndarray | Reference):
+        if isinstance(output, np.ndarray):
+            return output
+        assert self.owner is not None, "a run that keeps outputs has an owner"
+        return RemoteArray(output, self.owner)
+
+
+def keep_flags(keep, outputs) -> tuple[bool, ...]:
+    """
+    Whether each flat output of a program whose outputs have the structure
+    C{outputs} (a treedef) stays on the worker: C{keep} is one bool for all,
+    or a structure of bools that is a prefix of theirs (C{(False, True)} for
+    a program that returns a pair, a bool standing for all the outputs under
+    it). A TypeError for a leaf that is no bool, a ValueError for a
+    structure that does not fit.
+    """
+    import jax
+
+    if isinstance(keep, (bool, np.bool_)):
+        return (bool(keep),) * outputs.num_leaves
+    flags = jax.tree.leaves(keep)
+    if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
+        raise TypeError(f"keep takes True, False or a structure of them, not {keep!r}")
+    try:
+        spread = jax.tree.broadcast(keep, jax.tree.unflatten(outputs, [0] * outputs.num_leaves))
+    except ValueError:
+        raise ValueError(f"keep={keep!r} does not fit the program's outputs, {outputs}: give "
+                         f"True, False, or a prefix of their structure with a bool at each "
+                         f"leaf") from None
+    return tuple(bool(flag) for flag in jax.tree.leaves(spread))
+
+
+def deletions(arrays: Sequence[RemoteArray]) -> list[Send]:
+    """The requests (C{DELETE}) that free C{arrays}: one for each worker
+    that holds some, of up to L{MAX_KEPT_LISTED} of them."""
+    held: dict[str | None, list[str]] = {}
+    for array in arrays:
+        held.setdefault(holder_of(array.id), []).append(array.id)
+    return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_PATH,
+                 repeatable=False)
+            for ids in (list(dict.fromkeys(ids)) for ids in held.values())
+            for i in range(0, len(ids), MAX_KEPT_LISTED)]
+
+
+def deletion_error(errors: list[KCoralError]) -> KCoralError:
+    """What a delete whose requests (one a worker, all sent) were refused
+    with C{errors} raises: one L{ArrayLost} naming every array gone, where
+    that is all they say; else the first other error."""
+    others = [e for e in errors if not isinstance(e, ArrayLost)]
+    if others:
+        return others[0]
+    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost]
+    return ArrayLost(f"no worker holds kept array(s) {', '.join(lost[:8])} (deleted, expired, "
+                     f"or its worker restarted); the others are freed", details={"lost": lost})
 
 
 def error_of(response: Response) -> KCoralError:
@@ -189,18 +279,20 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
     resent = False
     attempt = 0
     while True:
-        response = yield call.send(held, request_id, redispatch)
+        referenced = held if resent else held | call.reference_first()
+        response = yield call.send(referenced, request_id, redispatch)
         assert response is not None
         if response.status == 200:
             held.update(call.content_digests())
             return call.outputs(response)
         error = error_of(response)
         if isinstance(error, MissingContent) and not resent:
-            # The server lost content we thought it held (a restart, an
-            # eviction, another node behind a Router): send it inline, once,
-            # and the rest of the run's content with it. Behind a Router the
-            # resend may reach another worker, which could lack what the
-            # first one held: a resend by reference could be refused again.
+            # The server lacks content we thought it held (a restart, an
+            # eviction, another node behind a Router) or sent by reference
+            # first: send it inline, once, and the rest of the run's content
+            # with it. Behind a Router the resend may reach another worker,
+            # which could lack what the first one held: a resend by
+            # reference could be refused again.
             held.difference_update(call.content_digests())
             resent = True
             continue

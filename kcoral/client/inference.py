@@ -57,7 +57,7 @@ class InferCall:
     def path(self) -> str:
         return f"/v2/models/{self.model}/infer"
 
-    def send(self, held: set[str], request_id: str | None, redispatch: bool = False) -> Send:
+    def send(self, referenced: set[str], request_id: str | None, redispatch: bool = False) -> Send:
         header = json.dumps({
             "inputs": [{"name": name, "datatype": datatype_of(a.dtype), "shape": list(a.shape),
                         "parameters": {"binary_data_size": a.nbytes}}
@@ -74,6 +74,9 @@ class InferCall:
         return Send(parts, sum(len(p) for p in parts), headers, self.path)
 
     def content_digests(self) -> set[str]:
+        return set()
+
+    def reference_first(self) -> set[str]:
         return set()
 
     def outputs(self, response: Response) -> dict[str, np.ndarray]:

@@ -23,7 +23,16 @@ import numpy as np
 from zope.interface import implementer
 
 from kcoral.client.connection import Connection, ProtocolError
-from kcoral.client.exchange import ICall, Response, RunCall, Send, error_of, exchange
+from kcoral.client.exchange import (
+    ICall,
+    Response,
+    RunCall,
+    Send,
+    deletion_error,
+    deletions,
+    error_of,
+    exchange,
+)
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
 from kcoral.client.progress import upload_bar
@@ -146,7 +155,7 @@ class Client:
             try:
                 response = self._request_at(endpoint, method, path, send, deadline)
             except NodeFailure as e:
-                response = after_loss(e, self.redispatch and send is not None)
+                response = after_loss(e, self.redispatch and send is not None and send.repeatable)
             if not moves_on(response):
                 break
         return response
@@ -196,14 +205,20 @@ class Client:
         return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")),
                         header_length=int(length) if length and length.isdigit() else None)
 
-    def run(self, program: Program, *args, keep: bool = False, request_id: str | None = None,
+    def run(self, program: Program, *args, keep=False, free=None, request_id: str | None = None,
             **kwargs):
         """
         Run C{program} on C{args}; returns outputs in the structure it
-        returns. With C{keep}, the outputs stay on the worker that ran it:
-        L{kcoral.RemoteArray}s, which later runs take as inputs where they are.
+        returns. With C{keep=True}, the outputs stay on the worker that ran
+        it: L{kcoral.RemoteArray}s, which later runs take as inputs where
+        they are; C{keep} may also be a prefix of the outputs' structure
+        with a bool at each leaf (C{(False, True)}: the first output comes
+        back, the second stays). C{free}, L{kcoral.RemoteArray}s or a
+        structure of them (the state this run replaces), are freed on their
+        worker in the same request, once the run succeeded.
         """
-        return self._call(RunCall.prepare(program, args, kwargs, keep=keep, owner=self), request_id)
+        return self._call(RunCall.prepare(program, args, kwargs, keep=keep, free=free, owner=self),
+                          request_id)
 
     def put(self, array, *, request_id: str | None = None) -> RemoteArray:
         """Upload C{array} and keep it on a worker (a run of the identity program)."""
@@ -220,11 +235,13 @@ class Client:
         return fetched(answer.body)
 
     def delete(self, *arrays: RemoteArray) -> None:
-        """Free C{arrays} on their workers; L{kcoral.errors.ArrayLost} for one already gone."""
-        for array in arrays:
-            answer = self._simple("DELETE", path_of(array))
-            if answer.status != 200:
-                raise error_of(answer)
+        """Free C{arrays} on their workers, one request for each worker;
+        L{kcoral.errors.ArrayLost} naming those already gone (the others are freed)."""
+        errors = [error_of(answer) for answer in
+                  (self._simple("DELETE", send.path, send) for send in deletions(arrays))
+                  if answer.status != 200]
+        if errors:
+            raise deletion_error(errors)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> dict[str, np.ndarray]:
         """

@@ -145,10 +145,12 @@ class GrpcFront(service.Service):
             return d
 
         def ended() -> None:
-            # Also called once the RPC is answered: cancelling a Deferred that
-            # has fired does nothing.
+            # Also called once the RPC is answered, when what it asked has
+            # fired: no wake-up of the reactor for that (a stale read only
+            # costs a cancel that does nothing).
             for d in asked:
-                self._reactor.callFromThread(d.cancel)
+                if not d.called:
+                    self._reactor.callFromThread(d.cancel)
 
         context.add_callback(ended)
         try:

@@ -270,6 +270,50 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
     return InferAnswer(b"".join([header, *buffers]), len(header))
 
 
+def merge_infer(requests: list[InferRequest], outputs: tuple[str, ...]) -> tuple[bytes, int]:
+    """
+    One request of the rows of C{requests} together (their inputs of the
+    same names, datatypes and dimensions past the first, in the same order),
+    as its body and the length of its JSON header: every input a binary
+    tensor, C{outputs} (none: all) each asked for in binary.
+    """
+    entries, buffers = [], []
+    for name, array in requests[0].inputs.items():
+        joined = np.concatenate([request.inputs[name] for request in requests])
+        data = np.ascontiguousarray(joined, dtype=joined.dtype.newbyteorder("<"))
+        entries.append({"name": name, "datatype": datatype_of(array.dtype),
+                        "shape": list(joined.shape), "parameters": {"binary_data_size": data.nbytes}})
+        buffers.append(data.reshape(-1).view(np.uint8).data)
+    header: dict = {"inputs": entries, "parameters": {"binary_data_output": True}}
+    if outputs:
+        header["outputs"] = [{"name": name} for name in outputs]
+    encoded = json.dumps(header).encode()
+    return b"".join([encoded, *buffers]), len(encoded)
+
+
+def parse_answer(body: bytes | memoryview, header_length: int | None
+                 ) -> tuple[str, str, dict[str, np.ndarray]]:
+    """The model name, model version and outputs by name (in the answer's
+    order) of a REST inference answer; L{ProgramFailed} if it is malformed."""
+    view = memoryview(body).cast("B")
+    outputs: dict[str, np.ndarray] = {}
+    try:
+        header, offset = _header(view, header_length)
+        for output in header["outputs"]:
+            dtype, shape = dtype_of(output["datatype"]), output["shape"]
+            size = _parameters(output.get("parameters"), "an output").get("binary_data_size")
+            if size is None:
+                array = np.array(output["data"], dtype=dtype).reshape(shape)
+            else:
+                array = np.frombuffer(view, dtype=dtype, count=math.prod(shape),
+                                      offset=offset).reshape(shape)
+                offset += size
+            outputs[output["name"]] = array
+        return str(header["model_name"]), str(header["model_version"]), outputs
+    except (BadRequest, InvalidInput, KeyError, TypeError, ValueError) as e:
+        raise ProgramFailed(f"a malformed inference answer: {str(e)[:200]}") from None
+
+
 def _json_values(array: np.ndarray) -> list:
     flat = array.reshape(-1)
     if flat.dtype in _HALF_FLOATS:

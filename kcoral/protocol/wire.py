@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
+from kcoral.errors import ArraysApart
 from kcoral.protocol.dtypes import UnknownDType, dtype_from_name, name_of
 
 MAGIC = b"KCR\x01"
@@ -47,9 +48,13 @@ REDISPATCH_HEADER = "X-KCoral-Redispatch"
 #: The devices the run's program was exported for (absent: 1), so that a
 #: Router picks a member that owns as many without reading the body.
 DEVICES_HEADER = "X-KCoral-Devices"
-#: The kept arrays a run uses, their ids comma-separated: a Router sends the
-#: run to the worker that holds them without reading the body.
+#: The kept arrays a request names (a run's inputs and those it frees, a
+#: deletion's), their ids comma-separated: a Router sends it to the worker
+#: that holds them without reading the body.
 KEPT_HEADER = "X-KCoral-Kept"
+#: Ids a client lists in that header at most, so that it fits a request head
+#: of 16 KiB with room to spare (34 bytes an id).
+MAX_KEPT_LISTED = 256
 #: Arrays at least this large are content-addressed, so a repeated call can
 #: send a reference instead of the bytes.
 CACHE_THRESHOLD_BYTES = 64 * 1024
@@ -79,6 +84,29 @@ def holder_of(kept: str) -> str | None:
     when C{kept} is no kept array's id."""
     match = _KEPT_ID.match(kept)
     return None if match is None else match.group(1)
+
+
+def kept_ids(value: str, least: int = 0) -> tuple[str, ...]:
+    """The ids an C{X-KCoral-Kept} header lists (none for an empty one);
+    L{WireError} for an entry that is no kept array's id, for fewer than
+    C{least} or more than L{MAX_ARRAYS}."""
+    ids = tuple(value.strip().split(",")) if value.strip() else ()
+    if not least <= len(ids) <= MAX_ARRAYS:
+        raise WireError(f"{KEPT_HEADER} must list {least} to {MAX_ARRAYS} kept arrays")
+    if any(holder_of(kept) is None for kept in ids):
+        raise WireError(f"{KEPT_HEADER} must list kept arrays' ids")
+    return ids
+
+
+def holder_of_all(ids: Iterable[str]) -> str | None:
+    """The instance id of the one worker that holds the arrays of C{ids}
+    (None for no ids); L{ArraysApart} when they name several, which no one
+    request reaches together."""
+    holders = {holder_of(kept) for kept in ids}
+    if len(holders) > 1:
+        raise ArraysApart("the request's kept arrays are held by different workers; "
+                          "a request takes them where they are, all on one worker")
+    return holders.pop() if holders else None
 
 
 def _pad(size: int) -> int:
@@ -128,11 +156,32 @@ class ArraySpec:
 
 
 @attrs.frozen
+class KeptInput:
+    """An input a frame names by a kept array's id; C{described}, where its
+    entry also gives a dtype and shape, is what the array must be."""
+
+    kept: str
+    described: ArraySpec | None = None
+
+
+@attrs.frozen
 class RunRequest:
     program: Blob
-    inputs: tuple[ArraySpec, ...]
-    #: Whether its outputs stay on the worker (the answer names them).
-    keep: bool = False
+    inputs: tuple[ArraySpec | KeptInput, ...]
+    #: Which of its outputs stay on the worker (the answer names them): all
+    #: or none, or one flag for each.
+    keep: bool | tuple[bool, ...] = False
+    #: The kept arrays it frees once it succeeded.
+    free: tuple[str, ...] = ()
+
+    def keeps(self, outputs: int) -> tuple[bool, ...]:
+        """Whether each of its C{outputs} outputs stays on the worker;
+        L{WireError} when C{keep} lists another number of them."""
+        if isinstance(self.keep, bool):
+            return (self.keep,) * outputs
+        if len(self.keep) != outputs:
+            raise WireError(f"'keep' has {len(self.keep)} entries, the program has {outputs} outputs")
+        return self.keep
 
 
 @attrs.frozen
@@ -245,6 +294,9 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
     unknown = set(entry) - {"dtype", "shape", "data", "digest", "key_type", "kept"}
     if unknown:
         raise WireError(f"{what}: unknown field {sorted(unknown)[0][:40]!r}")
+    kept = entry.get("kept")
+    if kept is not None and not (isinstance(kept, str) and holder_of(kept) is not None):
+        raise WireError(f"{what}: 'kept' must be a kept array's id")
     key_type = entry.get("key_type")
     if key_type is not None and not (isinstance(key_type, str) and _KEY_TYPE.match(key_type)):
         raise WireError(f"{what}: key_type must be 1 to 64 letters, digits or underscores")
@@ -258,10 +310,7 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
         extent *= max(dim, 1)
         if extent > MAX_EXTENT_BYTES:
             raise WireError(f"{what}: shape {list(shape)[:8]} is too large")
-    kept = entry.get("kept")
     if kept is not None:
-        if not isinstance(kept, str) or holder_of(kept) is None:
-            raise WireError(f"{what}: 'kept' must be a kept array's id")
         if "data" in entry or "digest" in entry:
             raise WireError(f"{what}: a kept array has neither 'data' nor 'digest'")
         return ArraySpec(dtype, shape, Blob(None), key_type, kept)
@@ -271,9 +320,28 @@ def _array_spec(payload: memoryview, entry: object, what: str) -> ArraySpec:
     return spec
 
 
+def _input(payload: memoryview, entry: object, what: str) -> ArraySpec | KeptInput:
+    """An input entry: content, or a kept array named by its id alone or
+    with its description."""
+    if isinstance(entry, dict) and set(entry) == {"kept"}:
+        kept = entry["kept"]
+        if not (isinstance(kept, str) and holder_of(kept) is not None):
+            raise WireError(f"{what}: 'kept' must be a kept array's id")
+        return KeptInput(kept)
+    spec = _array_spec(payload, entry, what)
+    return spec if spec.kept is None else KeptInput(spec.kept, spec)
+
+
+def _kept_list(value: object, what: str) -> tuple[str, ...]:
+    if not (isinstance(value, list) and len(value) <= MAX_ARRAYS and all(
+            isinstance(kept, str) and holder_of(kept) is not None for kept in value)):
+        raise WireError(f"'{what}' must be a list of at most {MAX_ARRAYS} kept arrays' ids")
+    return tuple(dict.fromkeys(value))
+
+
 def decode_request(body) -> RunRequest:
     header, payload = read_frame(body)
-    unknown = set(header) - {"program", "inputs", "keep"}
+    unknown = set(header) - {"program", "inputs", "keep", "free"}
     if unknown:
         raise WireError(f"unknown header field {sorted(unknown)[0][:40]!r}")
     program = header.get("program")
@@ -283,11 +351,13 @@ def decode_request(body) -> RunRequest:
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or len(inputs) > MAX_ARRAYS:
         raise WireError(f"'inputs' must be a list of at most {MAX_ARRAYS} arrays")
-    specs = tuple(_array_spec(payload, e, f"input {i}") for i, e in enumerate(inputs))
+    specs = tuple(_input(payload, e, f"input {i}") for i, e in enumerate(inputs))
     keep = header.get("keep", False)
-    if not isinstance(keep, bool):
-        raise WireError("'keep' must be true or false")
-    return RunRequest(blob, specs, keep)
+    if isinstance(keep, list) and len(keep) <= MAX_ARRAYS and all(isinstance(k, bool) for k in keep):
+        keep = tuple(keep)
+    elif not isinstance(keep, bool):
+        raise WireError(f"'keep' must be true, false, or a list of at most {MAX_ARRAYS} of them")
+    return RunRequest(blob, specs, keep, _kept_list(header.get("free", []), "free"))
 
 
 def _describe(writer: FrameWriter, array: np.ndarray, digest: str | None,
@@ -313,68 +383,61 @@ def wire_array(array) -> np.ndarray:
 
 def encode_request(program_digest: str, program: bytes | None,
                    inputs: Sequence[tuple[np.ndarray, str | None, bool] | Reference],
-                   key_types: Sequence[str | None] = (), keep: bool = False) -> tuple[list, int]:
+                   key_types: Sequence[str | None] = (), keep: Sequence[bool] = (),
+                   free: Sequence[str] = ()) -> tuple[list, int]:
     """
     Frame a run. Each input is C{(array, digest or None, send inline)}, or
-    the L{Reference} of a kept array; the arrays must already be
-    L{wire_array}s. C{key_types}, when given, has one entry per input: the
-    key type of an input that is key data, else None (a reference carries
-    its own). With C{keep}, the outputs are to stay on the worker.
+    the L{Reference} of a kept array (named by its id alone: its worker
+    knows the rest); the arrays must already be L{wire_array}s.
+    C{key_types}, when given, has one entry per input: the key type of an
+    input that is key data, else None. C{keep}, when given, has one flag per
+    output: whether it is to stay on the worker. C{free} names kept arrays
+    to free once the run succeeded.
     """
     writer = FrameWriter()
     head: dict = {"program": {"digest": program_digest}}
     if program is not None:
         head["program"]["data"] = writer.add(program)
-    head["inputs"] = [i.entry() if isinstance(i, Reference) else _describe(writer, *i, k)
+    head["inputs"] = [{"kept": i.kept} if isinstance(i, Reference) else _describe(writer, *i, k)
                       for i, k in zip(inputs, _each(key_types, len(inputs)), strict=True)]
-    if keep:
-        head["keep"] = True
+    if any(keep):
+        head["keep"] = True if all(keep) else list(keep)
+    if free:
+        head["free"] = list(free)
     return writer.finish(head)
 
 
-def encode_result(outputs: Sequence[np.ndarray],
+def encode_result(outputs: Sequence[np.ndarray | Reference],
                   key_types: Sequence[str | None] = ()) -> tuple[list, int]:
+    """Frame a run's outputs: each one's bytes, or the L{Reference} of the
+    kept array it stayed on the worker as (no buffer follows for it; it
+    carries its own key type)."""
     writer = FrameWriter()
-    entries = [_describe(writer, wire_array(a), None, True, k)
-               for a, k in zip(outputs, _each(key_types, len(outputs)), strict=True)]
+    entries = [o.entry() if isinstance(o, Reference) else _describe(writer, wire_array(o), None, True, k)
+               for o, k in zip(outputs, _each(key_types, len(outputs)), strict=True)]
     return writer.finish({"outputs": entries})
-
-
-def encode_references(references: Sequence[Reference]) -> bytes:
-    """The result frame of a run whose outputs stayed on the worker: each
-    output names its kept array, and no buffer follows."""
-    parts, _ = FrameWriter().finish({"outputs": [r.entry() for r in references]})
-    return b"".join(parts)
-
-
-def decode_references(body) -> list[Reference]:
-    """The kept arrays a result frame of L{encode_references} names."""
-    header, payload = read_frame(body)
-    outputs = header.get("outputs")
-    if not isinstance(outputs, list):
-        raise WireError("result frame lacks an 'outputs' list")
-    references = []
-    for i, entry in enumerate(outputs):
-        spec = _array_spec(payload, entry, f"output {i}")
-        if spec.kept is None:
-            raise WireError(f"output {i} names no kept array")
-        references.append(Reference(spec.kept, spec.dtype, spec.shape, spec.key_type))
-    return references
 
 
 def _each(key_types: Sequence[str | None], count: int) -> Iterable[str | None]:
     return key_types or [None] * count
 
 
-def decode_outputs(body) -> tuple[list[np.ndarray], list[str | None]]:
-    """The output arrays of a result frame, and beside each its key type or None."""
+def decode_outputs(body) -> tuple[list[np.ndarray | Reference], list[str | None]]:
+    """The outputs of a result frame, each an array or the L{Reference} of
+    the kept array it stayed as, and beside each the key type of an array
+    of key data (None for the rest, references included)."""
     header, payload = read_frame(body)
     outputs = header.get("outputs")
     if not isinstance(outputs, list):
         raise WireError("result frame lacks an 'outputs' list")
-    arrays, key_types = [], []
+    arrays: list[np.ndarray | Reference] = []
+    key_types: list[str | None] = []
     for i, entry in enumerate(outputs):
         spec = _array_spec(payload, entry, f"output {i}")
+        if spec.kept is not None:
+            arrays.append(Reference(spec.kept, spec.dtype, spec.shape, spec.key_type))
+            key_types.append(None)
+            continue
         if spec.blob.data is None:
             raise WireError(f"output {i} has no data")
         arrays.append(spec.view(spec.blob.data))
@@ -383,4 +446,9 @@ def decode_outputs(body) -> tuple[list[np.ndarray], list[str | None]]:
 
 
 def decode_result(body) -> list[np.ndarray]:
-    return decode_outputs(body)[0]
+    """The output arrays of a result frame that kept none."""
+    outputs = decode_outputs(body)[0]
+    arrays = [a for a in outputs if isinstance(a, np.ndarray)]
+    if len(arrays) != len(outputs):
+        raise WireError("the result names kept arrays")
+    return arrays

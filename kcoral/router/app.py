@@ -23,6 +23,7 @@ from kcoral.dashboard import page
 from kcoral.dashboard.history import History
 from kcoral.errors import (
     ArrayLost,
+    ArraysApart,
     BadRequest,
     KCoralError,
     NodeConflict,
@@ -38,7 +39,9 @@ from kcoral.protocol.wire import (
     INPUTS_HEADER,
     KEPT_HEADER,
     PROGRAM_HEADER,
-    holder_of,
+    WireError,
+    holder_of_all,
+    kept_ids,
 )
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.inference import RouterInference
@@ -132,7 +135,8 @@ class RouterApp:
         #: Its members' models, on the inference protocol.
         self.inference = RouterInference(pool=pool, forwarder=self.forwarder,
                                          get=outgoing.client.get,
-                                         is_ready=lambda: self.status() == "ok", tracing=tracing)
+                                         is_ready=lambda: self.status() == "ok", clock=reactor,
+                                         most_waiting=scheduler.queue.max_waiting, tracing=tracing)
 
     def resource(self):
         inference = InferenceResource(self.inference)
@@ -215,18 +219,37 @@ class RouterApp:
 
     # -- kept arrays ----------------------------------------------------------
 
-    # Straight to the member that holds the array, outside the queue: a fetch
-    # or a delete does not wait behind runs, and only that member can answer.
+    # Straight to the member that holds the arrays, outside the queue: a
+    # fetch or a delete does not wait behind runs, and only that member can answer.
     @app.route("/v1/arrays/<kept>", methods=["GET", "DELETE"])
     def array(self, request, kept) -> Deferred:
-        instance = holder_of(kept)
+        return self._to_holder(request, (kept,))
+
+    @app.route("/v1/arrays", methods=["DELETE"])
+    def arrays(self, request) -> Deferred:
+        try:
+            ids = kept_ids((request.getHeader(_KEPT_HEADER) or b"").decode("ascii", "replace"), 1)
+        except WireError as e:
+            return self._answered(request, fail(BadRequest(str(e))))
+        return self._to_holder(request, ids)
+
+    def _to_holder(self, request, ids: tuple[str, ...]) -> Deferred:
+        """The answer of the member that holds the arrays of C{ids}, to C{request}."""
+        try:
+            instance = holder_of_all(ids)
+        except ArraysApart as e:
+            return self._answered(request, fail(e))
         member = None if instance is None else self.pool.holder(instance)
         if member is None:
-            d = fail(ArrayLost(f"no worker of this pool holds kept array {kept} (it restarted, "
-                               f"or is gone)", details={"lost": [kept]}))
+            d = fail(ArrayLost(f"no worker of this pool holds kept array(s) {', '.join(ids[:8])} "
+                               f"(it restarted, or is gone)", details={"lost": list(ids)}))
         else:
             d = self._proxy.forward(member.url, request, NO_BODY, method=request.method)
             d.addErrback(_not_sent)
+        return self._answered(request, d)
+
+    @staticmethod
+    def _answered(request, d: Deferred) -> Deferred:
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
 

@@ -3,6 +3,16 @@ The forward-and-retry loop of a Router's C{POST /v1/run}: wait for a lease
 on a member with free capacity, forward the run there, and try another
 member while members turn it away unsent, up to L{MAX_NOT_SENT} tries.
 
+A 409 from a member believed to hold all the run needs (an eviction, a
+restart, content still on its way there) places the run again, only on
+members believed to hold what it lacked, up to L{MAX_HOLDER_TRIES} times;
+where none does, the client gets the 409 and sends the content inline. A
+409 from a member the run was placed on knowing it lacked content (a cold
+start, chosen over waiting for a warm member) goes back to the client: its
+upload is that cold start. A fleet of clients then sends content about once
+per worker that needs it, not once per client; each member still runs only
+content it holds, verified when it was stored.
+
 A run that may have started on a node is sent again only when its client
 asked for it (C{X-KCoral-Redispatch: true}: an exported program is a pure
 function of its inputs, so a second run is safe), up to C{max_redispatches}
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
@@ -23,7 +34,7 @@ from kcoral.logs import debug_enabled
 from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
-from kcoral.router.scheduler import Scheduler
+from kcoral.router.scheduler import Lease, Scheduler
 from kcoral.tracing import NO_SPAN, ISpan
 from kcoral.web.body import IBody
 
@@ -35,6 +46,9 @@ MAX_NOT_SENT = 8
 #: Runs again of a request that asked for it, after the node running it was
 #: lost (C{--max-redispatches}).
 MAX_REDISPATCHES = 2
+#: Tries of a run on another member believed to hold what a warm member's
+#: 409 said it lacked, before the 409 goes back to the client.
+MAX_HOLDER_TRIES = 2
 
 _REDISPATCH = REDISPATCH_HEADER.encode()
 
@@ -54,15 +68,15 @@ class Forwarder:
     def __init__(self, scheduler: Scheduler, proxy: Proxy, clock,
                  observe_wait: Callable[[float], object] = lambda seconds: None,
                  max_redispatches: int = MAX_REDISPATCHES):
-        self._scheduler = scheduler
+        self.scheduler = scheduler
         self._proxy = proxy
         self._clock = clock
-        self._observe_wait = observe_wait
+        self.observe_wait = observe_wait
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
     def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
-                span: ISpan = NO_SPAN):
+                span: ISpan = NO_SPAN, lease: Lease | None = None):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
         (the run of C{request}, needing the content C{demand} if known, exported
@@ -73,25 +87,31 @@ class Forwarder:
 
         C{body} is the request body (within C{--max-request-bytes}): read
         whole by the Router's site before the run gets here, or, a large one
-        of known length, still arriving into its file
-        (L{kcoral.web.request}). Each attempt sends it again from its start,
-        and it is kept until the client has its answer.
+        of known length, still arriving (L{kcoral.web.request}). Each attempt
+        sends it again from its start, and it is kept until the client has
+        its answer.
+
+        C{lease}, when given, is one already held for the first try (whoever
+        acquired it observed the wait); it is released like the others.
         """
         rid = request.request_id
         arrived = self._clock.seconds()
         # A run of kept arrays is never run again: they live on its node.
         redispatches = self.max_redispatches if asks_redispatch(request) and (
             demand is None or demand.kept is None) else 0
-        not_sent = lost = 0
+        not_sent = lost = moved = 0
+        residency = self.scheduler.pool.residency
         while not_sent < MAX_NOT_SENT:
-            with span.child("kcoral.queue_wait"):
-                lease = yield self._scheduler.acquire(demand, devices)
+            held, lease = lease, None
+            if held is None:
+                with span.child("kcoral.queue_wait"):
+                    held = yield self.scheduler.acquire(demand, devices)
+                if not (not_sent or lost or moved):
+                    # Once a run: how long it waited for capacity (not again
+                    # for each member that turned it away).
+                    self.observe_wait(self._clock.seconds() - arrived)
             leased = self._clock.seconds()
-            if not (not_sent or lost):
-                # Once a run: how long it waited for capacity (not again for
-                # each member that turned it away).
-                self._observe_wait(leased - arrived)
-            member = lease.member
+            member = held.member
             if lost:
                 log.info("{request_id} attempt {attempt} -> {node_id}/{worker}", request_id=rid,
                          attempt=lost + 1, node_id=member.node.node_id, worker=member.name)
@@ -123,11 +143,22 @@ class Forwarder:
                          "allows a second run", request_id=rid, lost=lost, most=redispatches)
                 continue
             finally:
-                lease.release()
+                held.release()
                 forwarding.end()
-            self._scheduler.pool.residency.settled(
-                member.held, demand, answer.code, answer.missing(),
-                self._clock.seconds() - leased, body.length)
+            missing = answer.missing()
+            residency.settled(member.held, demand, answer.code, missing,
+                              self._clock.seconds() - leased, body.length)
+            if missing and held.warm and demand is not None and moved < MAX_HOLDER_TRIES:
+                # The residency has just forgotten them on this member; the
+                # scheduler refuses the run with a 409 of its own if no
+                # member holds them.
+                demand = attrs.evolve(demand, required=tuple(missing))
+                moved += 1
+                log.info("{request_id} lacked {count} upload(s) on {node_id}/{worker}: to a "
+                         "member that holds them ({moved} of at most {most})", request_id=rid,
+                         count=len(missing), node_id=member.node.node_id, worker=member.name,
+                         moved=moved, most=MAX_HOLDER_TRIES)
+                continue
             if answer.code >= 400:
                 # Successes stay at debug (cost per run); an error answer names
                 # the node, so the request can be followed into that node's log.

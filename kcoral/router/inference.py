@@ -11,31 +11,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-import attrs
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
-from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME
 from kcoral.errors import NotFound, ServerBusy, error_from_answer
-from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, server_metadata
+from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
-from kcoral.router.residency import Demand
 from kcoral.tracing import NO_TRACING, ITracing
-from kcoral.web.body import MemoryBody
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
-
-
-@attrs.frozen
-class _Forwarded:
-    """An inference as the forwarder and the proxy read a client's request."""
-
-    request_id: str
-    path: bytes
-    requestHeaders: Headers
 
 
 def _path(name: str, version: str | None, tail: str = "") -> bytes:
@@ -53,9 +40,10 @@ class RouterInference:
     """
 
     def __init__(self, *, pool: Pool, forwarder: Forwarder, get: Callable[..., Deferred],
-                 is_ready: Callable[[], bool], tracing: ITracing = NO_TRACING):
+                 is_ready: Callable[[], bool], clock, most_waiting: int,
+                 tracing: ITracing = NO_TRACING):
         self._pool = pool
-        self._forwarder = forwarder
+        self._batcher = FrontBatcher(forwarder, clock, most_waiting)
         self._get = get
         self._is_ready = is_ready
         self._tracing = tracing
@@ -129,24 +117,11 @@ class RouterInference:
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
         # A model no member lists is unknown (404); one listed but ready on
         # no member the scheduler refuses at once (503 no_ready_node).
-        self._ready_members(name, version)
-        headers = Headers({b"Content-Type": [b"application/octet-stream" if call.header_length
-                                             is not None else b"application/json"]})
-        if call.header_length is not None:
-            headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [str(call.header_length).encode()])
-        for header, value in call.headers.items():
-            headers.setRawHeaders(header, [value])
-        request = _Forwarded(call.request_id, _path(name, version, "/infer"), headers)
-        span = self._tracing.start("kcoral.router.infer", headers, request_id=call.request_id)
-        d = self._forwarder.forward(request, MemoryBody(bytes(call.body)), Demand.of_model(name),
-                                    1, span)
+        ready = self._ready_members(name, version)
+        most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
+        request = forwarded(_path(name, version, "/infer"), call)
+        span = self._tracing.start("kcoral.router.infer", request.requestHeaders,
+                                   request_id=call.request_id)
+        d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)
-        d.addCallback(_answered)
         return d
-
-
-def _answered(answer) -> InferAnswer:
-    if answer.code != 200:
-        raise error_from_answer(answer.code, answer.body)
-    length = answer.headers.get(INFERENCE_HEADER_LENGTH)
-    return InferAnswer(body=answer.body, header_length=None if length is None else int(length))

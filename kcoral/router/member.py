@@ -16,11 +16,6 @@ JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
 STATES = (JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE)
 
 
-#: The most inferences of a batched model a member takes per slot: its
-#: max_batch_size, up to this (each one holds a connection of the Router's).
-ROWS_PER_SLOT = 64
-
-
 @attrs.define(eq=False)
 class Member:
     """One worker endpoint: the unit that receives programs."""
@@ -44,36 +39,20 @@ class Member:
     restarts: int = 0
     #: Its repository's models and their states, as last reported.
     models: tuple[ModelState, ...] = ()
-    #: Those it reports ready, by name, each with its max_batch_size: an
-    #: inference of another model never goes there.
+    #: Those it reports ready, by name, each with its max_batch_size (the
+    #: most rows the front merges): an inference of another model never goes there.
     ready_models: dict[str, int] = attrs.Factory(dict)
     #: The instance id it reports: runs of the arrays it keeps go only here.
     instance: str | None = None
 
-    @property
-    def connections(self) -> int:
-        """The most requests it may have in flight from one Router (each on a
-        connection of its own): a batched model's count in rows."""
-        most = max(self.ready_models.values(), default=1)
-        return self.capacity * min(max(most, 1), ROWS_PER_SLOT)
-
-    def capacity_for(self, demand: Demand | None) -> int:
-        """
-        How many of C{demand}'s requests it takes at once: its capacity, in
-        runs; for a batched model, that many batches of its max_batch_size
-        inferences each, so that its batcher has the rows to fill them.
-        """
-        if demand is None or demand.model is None:
-            return self.capacity
-        return self.capacity * min(max(self.ready_models.get(demand.model, 1), 1), ROWS_PER_SLOT)
-
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,
-        or the worker that holds its kept arrays, if it names one) may go
-        here: the hard constraints, beside capacity."""
+        the worker that holds its kept arrays, or the content it requires, if
+        it names them) may go here: the hard constraints, beside capacity."""
         return self.devices >= devices and (demand is None or (
             (demand.model is None or demand.model in self.ready_models)
-            and (demand.kept is None or demand.kept == self.instance)))
+            and (demand.kept is None or demand.kept == self.instance)
+            and self.held.holds_every(demand.required)))
 
     @property
     def usable(self) -> bool:

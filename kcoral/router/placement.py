@@ -91,18 +91,16 @@ class LeastLoaded:
         oldest = next(iter(runs), None)
         if oldest is None:
             return None
-        best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]), oldest[0])
+        best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]))
         return None if best is None else (0, best)
 
-    def least_loaded(self, members: Iterable[Member], demand: Demand | None = None) -> Member | None:
-        """The least loaded usable member with free capacity for C{demand}
-        (L{Member.capacity_for}), now picked."""
+    def least_loaded(self, members: Iterable[Member]) -> Member | None:
+        """The least loaded usable member with free capacity, now picked."""
         best: Member | None = None
         best_key = (math.inf, 0)
         for member in members:
-            capacity = member.capacity_for(demand)
-            if member.active < capacity and member.usable:
-                key = (member.active / capacity, member.picked)
+            if member.active < member.capacity and member.usable:
+                key = (member.active / member.capacity, member.picked)
                 if key < best_key:
                     best, best_key = member, key
         if best is not None:
@@ -134,7 +132,7 @@ class Affinity:
                 # Every member that has a model ready has compiled it, and
                 # kept arrays have one member: where it goes is a question
                 # of load alone.
-                member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand), demand)
+                member = self._least_loaded.least_loaded(_owning(ring.members, devices, demand))
                 if member is None:
                     break
                 return index, member

@@ -259,11 +259,15 @@ class Pool:
                     return member
         return None
 
+    def holds(self, digests: Sequence[str]) -> bool:
+        """Whether a usable member is believed to hold every one of C{digests}."""
+        return any(m.usable and m.held.holds_every(digests) for m in self.ring.members)
+
     def member_capacity(self) -> int:
         """The requests every healthy member may have in flight, its node
         ready or not: the connections the Router may hold open to members."""
         if self._capacity is None:
-            self._capacity = sum(m.connections for node in self.nodes.values()
+            self._capacity = sum(m.capacity for node in self.nodes.values()
                                  for m in node.members.values() if m.healthy)
         return self._capacity
 

@@ -22,8 +22,8 @@ import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
-from kcoral.errors import ArraysApart, BadRequest
-from kcoral.protocol.wire import KEPT_HEADER, MAX_ARRAYS, MAX_INPUTS_LISTED, holder_of, is_digest
+from kcoral.errors import BadRequest
+from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
 
 #: Entries the Router keeps per member, reported and learned together.
 MAX_HELD = 4 * MAX_CONTENTS
@@ -42,6 +42,9 @@ class Demand:
     #: uses (C{arrays}, their ids): only that member takes it.
     kept: str | None = None
     arrays: tuple[str, ...] = ()
+    #: Content a member believed to hold it said it lacks (a 409): only a
+    #: member believed to hold all of it takes the run again.
+    required: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, program: bytes | None, inputs: bytes | None,
@@ -55,19 +58,17 @@ class Demand:
         digest = (program or b"").decode("ascii", "replace")
         if not is_digest(digest):
             return None
-        arrays = tuple(kept.decode("ascii", "replace").split(",")[:MAX_ARRAYS]) if kept else ()
-        holders = {holder_of(a) for a in arrays}
-        if None in holders:
-            raise BadRequest(f"{KEPT_HEADER} must list kept arrays' ids")
-        if len(holders) > 1:
-            raise ArraysApart("the run's kept arrays are held by different workers; "
-                              "a run takes them where they are, all on one worker")
+        try:
+            arrays = kept_ids(kept.decode("ascii", "replace")) if kept else ()
+        except WireError as e:
+            raise BadRequest(str(e)) from None
+        holder = holder_of_all(arrays)
         named: list[tuple[str, int]] = []
         for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
             content, _, size = entry.strip().partition("=")
             if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
                 named.append((content, int(size)))
-        return cls(digest, tuple(named), kept=holders.pop() if holders else None, arrays=arrays)
+        return cls(digest, tuple(named), kept=holder, arrays=arrays)
 
     @classmethod
     def of_model(cls, name: str) -> Demand:
@@ -83,8 +84,9 @@ class Demand:
     @property
     def pinned(self) -> bool:
         """Whether a hard constraint picks its members (a model, kept
-        arrays): where it goes among them is a question of load alone."""
-        return self.model is not None or self.kept is not None
+        arrays, content a member lacked): where it goes among them is a
+        question of load alone."""
+        return self.model is not None or self.kept is not None or bool(self.required)
 
     @property
     def home(self) -> str:
@@ -130,6 +132,10 @@ class Holdings:
 
     def holds_all(self, demand: Demand) -> bool:
         return demand.program in self.programs and all(d in self.contents for d, _ in demand.inputs)
+
+    def holds_every(self, digests: Iterable[str]) -> bool:
+        """Whether it holds every one of C{digests}, programs or inputs."""
+        return all(d in self.contents or d in self.programs for d in digests)
 
     def learn(self, demand: Demand, now: float) -> None:
         """A run of C{demand} succeeded on the member at C{now}."""
@@ -250,10 +256,10 @@ class Residency:
         if cached.compile_seconds is not None:
             self.compile_seconds.observe(cached.compile_seconds)
 
-    def placed(self, held: Holdings, demand: Demand | None) -> None:
+    def placed(self, held: Holdings, demand: Demand | None) -> bool:
         """
         A run of C{demand} is placed on the member holding C{held}: a hit if
-        it held all the run needs. From now on the member counts as holding
+        it held all the run needs (returned). From now on the member counts as holding
         its inputs, so the next run of the same weights goes there rather
         than to a second cold member while the first is still uploading
         them; its program counts as compiling there until that run answers
@@ -262,8 +268,9 @@ class Residency:
         member that has its model ready has compiled it and holds its params.
         """
         if demand is None or demand.model is not None:
-            return
-        if held.holds_all(demand):
+            return False
+        hit = held.holds_all(demand)
+        if hit:
             self.hits += 1
         else:
             self.misses += 1
@@ -274,6 +281,7 @@ class Residency:
             held.compiling[demand.program] = now
             _trim(held.compiling)
         held.learn(demand, now)
+        return hit
 
     def settled(self, held: Holdings, demand: Demand | None, code: int, missing: list[str],
                 seconds: float, sent_bytes: int) -> None:

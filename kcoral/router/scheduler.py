@@ -14,7 +14,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
-from kcoral.errors import ArrayLost, KCoralError, NotEnoughDevices, ServerBusy
+from kcoral.errors import ArrayLost, KCoralError, MissingContent, NotEnoughDevices, ServerBusy
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.residency import Demand
@@ -25,12 +25,14 @@ DISPATCH_WINDOW = 16
 
 
 class Lease:
-    """One request's hold on one member's capacity; release it exactly once."""
+    """One request's hold on one member's capacity; release it exactly once.
+    C{warm}: the member was believed to hold all the run needs."""
 
-    __slots__ = ("_scheduler", "member")
+    __slots__ = ("_scheduler", "member", "warm")
 
-    def __init__(self, member: Member, scheduler: Scheduler):
+    def __init__(self, member: Member, scheduler: Scheduler, warm: bool = False):
         self.member = member
+        self.warm = warm
         self._scheduler: Scheduler | None = scheduler
         member.active += 1
 
@@ -85,15 +87,19 @@ class Scheduler:
         return waiting
 
     def _lease(self, member: Member, demand: Demand | None) -> Lease:
-        self.pool.residency.placed(member.held, demand)
-        return Lease(member, self)
+        return Lease(member, self, self.pool.residency.placed(member.held, demand))
 
     def _refusal(self, demand: Demand | None, devices: int) -> KCoralError | None:
         """Why no member will take a run of C{demand} exported for C{devices}
-        devices (L{_too_few}), that uses arrays no member holds (L{_lost}), or
-        an inference of a model no usable member has ready; None when one may."""
+        devices (L{_too_few}), that uses arrays no member holds (L{_lost}),
+        that requires content no usable member holds (a 409, so that its
+        client sends it), or an inference of a model no usable member has
+        ready; None when one may."""
         if demand is not None and demand.model is not None and not self.pool.serves(demand.model):
             return ServerBusy(f"no member has model {demand.model!r} ready", reason="no_ready_node")
+        if demand is not None and demand.required and not self.pool.holds(demand.required):
+            return MissingContent(f"no worker of this pool holds {len(demand.required)} "
+                                  f"referenced upload(s)", details={"missing": list(demand.required)})
         return self._too_few(devices) or self._lost(demand)
 
     def _too_few(self, devices: int) -> NotEnoughDevices | None:

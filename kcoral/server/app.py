@@ -23,10 +23,18 @@ from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
 from kcoral.inference.rest import InferenceResource
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
-from kcoral.protocol.wire import PROGRAM_HEADER, RESULT_CONTENT_TYPE, WireError, decode_request
+from kcoral.protocol.wire import (
+    KEPT_HEADER,
+    PROGRAM_HEADER,
+    RESULT_CONTENT_TYPE,
+    WireError,
+    decode_request,
+    kept_ids,
+)
 from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.server.inference import ServerInference
+from kcoral.server.kept import lost_error
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard
@@ -164,11 +172,27 @@ class ServerApp:
 
     @app.route("/v1/arrays/<kept>", methods=["DELETE"])
     def delete_array(self, request, kept):
+        return self._delete(request, [kept])
+
+    # Many at once, named by the header a Router routes them by.
+    @app.route("/v1/arrays", methods=["DELETE"])
+    def delete_arrays(self, request):
         try:
-            self.executor.kept.delete(kept)
+            ids = kept_ids(request.getHeader(KEPT_HEADER) or "", 1)
+        except WireError as e:
+            return error_response(request, BadRequest(str(e)))
+        return self._delete(request, ids)
+
+    def _delete(self, request, ids):
+        """Frees the arrays of C{ids}: 200 naming them, or 410 naming those
+        this worker did not hold (it freed the others)."""
+        try:
+            lost = self.executor.kept.delete(ids)
+            if lost:
+                raise lost_error(lost)
         except KCoralError as e:
             return error_response(request, e)
-        return json_response(request, 200, {"deleted": kept})
+        return json_response(request, 200, {"deleted": list(dict.fromkeys(ids))})
 
     def arrived(self) -> ServerBusy | None:
         """

@@ -34,9 +34,9 @@ from kcoral.protocol.dtypes import SUB_BYTE
 from kcoral.protocol.wire import (
     ArraySpec,
     Blob,
+    KeptInput,
     RunRequest,
     WireError,
-    encode_references,
     encode_result,
     sha256,
 )
@@ -187,7 +187,7 @@ class Executor:
                 self._programs[digest] = exported
         return exported
 
-    def _check_signature(self, exported, run: RunRequest, arrays: list[np.ndarray]) -> None:
+    def _check_signature(self, exported, specs: list[ArraySpec], arrays: list) -> None:
         assert self.info is not None, "load() comes first"
         platform = self.info.platform
         if platform not in exported.platforms:
@@ -200,7 +200,7 @@ class Executor:
                 f"owns {len(self._devices)} (see --devices-per-worker)")
         if len(arrays) != len(exported.in_avals):
             raise ProgramRejected(f"the program takes {len(exported.in_avals)} inputs, got {len(arrays)}")
-        for i, (spec, array, aval) in enumerate(zip(run.inputs, arrays, exported.in_avals)):
+        for i, (spec, array, aval) in enumerate(zip(specs, arrays, exported.in_avals)):
             dtype, shape = array.dtype, array.shape
             if spec.key_type is not None:
                 try:
@@ -223,22 +223,27 @@ class Executor:
         digest = run.program.digest
         assert digest is not None  # the decoder requires the program's
         # Lost arrays first: resending content would not bring them back.
-        kept = self.kept.take(spec.kept for spec in run.inputs if spec.kept is not None)
+        # Those it frees are checked too, and all must be on this worker.
+        kept = self.kept.take([*(spec.kept for spec in run.inputs if isinstance(spec, KeptInput)),
+                               *run.free])
         missing: list[str] = []
         serialized = self._content(run.program, "program", missing)
-        contents = [None if spec.kept is not None else self._content(spec.blob, f"input {i}", missing)
+        contents = [None if isinstance(spec, KeptInput) else
+                    self._content(spec.blob, f"input {i}", missing)
                     for i, spec in enumerate(run.inputs)]
         if missing:
             raise MissingContent(f"the server does not hold {len(missing)} referenced upload(s)",
                                  details={"missing": missing})
         try:
-            arrays = [spec.view(data) if spec.kept is None else _kept_input(spec, kept[spec.kept], i)
-                      for i, (spec, data) in enumerate(zip(run.inputs, contents))]
+            specs = [spec if isinstance(spec, ArraySpec) else _kept_spec(spec, kept[spec.kept], i)
+                     for i, spec in enumerate(run.inputs)]
+            arrays = [kept[spec.kept].array if spec.kept is not None else spec.view(data)
+                      for spec, data in zip(specs, contents)]
         except WireError as e:
             raise BadRequest(str(e)) from None
         exported = self._exported(digest, serialized)
-        self._check_signature(exported, run, arrays)
-        key_types = tuple([spec.key_type for spec in run.inputs])
+        self._check_signature(exported, specs, arrays)
+        key_types = tuple([spec.key_type for spec in specs])
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature
         # check above already told them apart; this key must too).
@@ -274,10 +279,10 @@ class Executor:
             self._metrics.compile_seconds.observe(seconds)
             self._compiles += 1
             self._compile_seconds += seconds
-            return compiled, tuple(out_key_types), placements
+            return compiled, tuple(out_key_types), placements, _output_sizes(compiled)
 
         try:
-            (executable, result_key_types, placements), fresh = self._compiled.get_or_compile(
+            (executable, result_key_types, placements, sizes), fresh = self._compiled.get_or_compile(
                 key, compile)
         except ProgramRejected:
             self._metrics.executions.labels("rejected").inc()
@@ -285,12 +290,18 @@ class Executor:
         if fresh:
             log.info("{request_id} compiled program {digest}", request_id=request_id,
                      digest=digest[:12])
+        try:
+            keeps = run.keeps(len(result_key_types))
+        except WireError as e:
+            raise ProgramRejected(str(e)) from None
         # Refused before it runs: the compiled program says what it returns.
-        reservation = self.kept.reserve(_output_bytes(executable)) if run.keep else None
+        reservation = self.kept.reserve(
+            sum(size for size, k in zip(sizes, keeps) if k)) if any(keeps) else None
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, run, arrays, placements, span)
+                outputs = self._call(executable, specs, keeps, bool(run.free), arrays, placements,
+                                     span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -299,7 +310,8 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, run, arrays, placements, span)
+                outputs = self._call(executable, specs, keeps, bool(run.free), arrays, placements,
+                                     span)
         except Exception as e:
             if reservation is not None:
                 self.kept.release(reservation)
@@ -308,8 +320,13 @@ class Executor:
         self._metrics.execution_seconds.observe(time.perf_counter() - started)
         self._ran_ok.inc()
         if reservation is not None:
-            return encode_references(self.kept.keep(reservation, outputs, result_key_types))
-        parts, _ = encode_result([np.asarray(o) for o in outputs], result_key_types)
+            references = iter(self.kept.keep(
+                reservation, [o for o, k in zip(outputs, keeps) if k],
+                [t for t, k in zip(result_key_types, keeps) if k]))
+            outputs = [next(references) if k else o for o, k in zip(outputs, keeps)]
+        parts, _ = encode_result(outputs, result_key_types)
+        # Only now, the run done: a run that failed frees nothing.
+        self.kept.delete(run.free)
         return b"".join(parts)
 
 
@@ -341,10 +358,12 @@ class Executor:
         parts, _ = encode_result([np.asarray(entry.array)], [entry.key_type])
         return b"".join(parts)
 
-    def _call(self, executable, run: RunRequest, arrays: list, placements,
-              span: ISpan) -> list:
+    def _call(self, executable, specs: list[ArraySpec], keeps: tuple[bool, ...], frees: bool,
+              arrays: list, placements, span: ISpan) -> list:
         """The outputs of one run: as device arrays where it keeps them,
-        else as host arrays (a sharded output gathered whole)."""
+        else as host arrays (a sharded output gathered whole). A run that
+        frees arrays waits for the ones it keeps, so that a failure on the
+        device fails it before anything is freed."""
         import jax
 
         # Small numpy inputs go straight to the compiled executable: its C++
@@ -358,32 +377,39 @@ class Executor:
         arrays = [array if spec.blob.digest is None or array.dtype in SUB_BYTE
                   else self._placed.get(spec.blob.digest, array,
                                         self._device if placements is None else placements[i])
-                  for i, (spec, array) in enumerate(zip(run.inputs, arrays))]
+                  for i, (spec, array) in enumerate(zip(specs, arrays))]
         with span.child("kcoral.execute"):
             outputs = executable(*arrays)
-            if run.keep:
-                return list(outputs)
-            # jax.device_get overlaps the copies of several outputs; for the
-            # common single output, np.asarray is the same copy without its
-            # tree walk.
-            return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+            if frees:
+                jax.block_until_ready(outputs)
+            if not any(keeps):
+                # jax.device_get overlaps the copies of several outputs; for
+                # the common single output, np.asarray is the same copy
+                # without its tree walk.
+                return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
+            copied = iter(jax.device_get([o for o, k in zip(outputs, keeps) if not k]))
+            return [o if k else next(copied) for o, k in zip(outputs, keeps)]
 
 
-def _kept_input(spec: ArraySpec, kept: Kept, index: int):
-    """The device array of kept input C{index}, which C{spec} describes as
-    its client knows it."""
+def _kept_spec(named: KeptInput, kept: Kept, index: int) -> ArraySpec:
+    """Kept input C{index} as its worker holds it; a L{WireError} where its
+    entry described it otherwise."""
     array = kept.array
-    if (spec.dtype, spec.shape, spec.key_type) != (array.dtype, tuple(array.shape), kept.key_type):
-        raise WireError(f"input {index}: kept array {spec.kept} is "
-                        f"{list(array.shape)} {array.dtype}, not {list(spec.shape)} {spec.dtype}")
-    return array
+    spec = ArraySpec(array.dtype, tuple(array.shape), Blob(None), kept.key_type, named.kept)
+    given = named.described
+    if given is not None and (given.dtype, given.shape, given.key_type) != (
+            spec.dtype, spec.shape, spec.key_type):
+        raise WireError(f"input {index}: kept array {named.kept} is "
+                        f"{list(spec.shape)} {spec.dtype}, not {list(given.shape)} {given.dtype}")
+    return spec
 
 
-def _output_bytes(executable) -> int:
-    """The bytes of a compiled program's outputs (key data, for keys)."""
+def _output_sizes(executable) -> tuple[int, ...]:
+    """The bytes of each output of a compiled program (key data, for keys),
+    read once: its C{out_info} costs a tenth of a millisecond or more."""
     import jax
 
-    return sum(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(executable.out_info))
+    return tuple(math.prod(o.shape) * o.dtype.itemsize for o in jax.tree.leaves(executable.out_info))
 
 
 def _mesh(exported, devices: list):

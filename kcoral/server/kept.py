@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 from prometheus_client import CollectorRegistry, Gauge
 
-from kcoral.errors import ArrayLost, ArraysApart, KeptMemoryFull
-from kcoral.protocol.wire import Reference, holder_of
+from kcoral.errors import ArrayLost, KeptMemoryFull
+from kcoral.protocol.wire import Reference, holder_of_all
 
 #: Defaults of C{--kept-bytes} and C{--kept-idle-seconds}.
 KEPT_BYTES = 1 << 30
@@ -123,10 +123,7 @@ class KeptStore:
         """The arrays of C{ids}, marked used; L{ArraysApart} when they name
         several workers, L{ArrayLost} naming every one this worker does not
         hold."""
-        ids = list(dict.fromkeys(ids))
-        if len({holder_of(kept) for kept in ids}) > 1:
-            raise ArraysApart("the run's kept arrays are held by different workers; "
-                              "a run takes them where they are, all on one worker")
+        ids = together(ids)
         now = self._now()
         with self._lock:
             found = {kept: self._arrays[kept] for kept in ids if kept in self._arrays}
@@ -137,14 +134,19 @@ class KeptStore:
             raise lost_error(lost)
         return found
 
-    def delete(self, kept: str) -> None:
-        """Free C{kept}; L{ArrayLost} when it is not held."""
+    def delete(self, ids: Iterable[str]) -> list[str]:
+        """Free the arrays of C{ids} it holds; the ids of those it does not
+        hold. L{ArraysApart}, freeing none, when they name several workers."""
+        lost = []
+        ids = together(ids)
         with self._lock:
-            entry = self._arrays.pop(kept, None)
-            if entry is not None:
-                self._bytes -= entry.nbytes
-        if entry is None:
-            raise lost_error([kept])
+            for kept in ids:
+                entry = self._arrays.pop(kept, None)
+                if entry is None:
+                    lost.append(kept)
+                else:
+                    self._bytes -= entry.nbytes
+        return lost
 
     def expire(self) -> int:
         """Free the arrays no run or fetch used for C{idle_seconds}; how many."""
@@ -154,6 +156,14 @@ class KeptStore:
             for kept in idle:
                 self._bytes -= self._arrays.pop(kept).nbytes
         return len(idle)
+
+
+def together(ids: Iterable[str]) -> list[str]:
+    """C{ids} without repeats; L{ArraysApart} when they name several
+    workers, which no one request reaches together."""
+    ids = list(dict.fromkeys(ids))
+    holder_of_all(ids)
+    return ids
 
 
 def lost_error(lost: list[str]) -> ArrayLost:

@@ -133,16 +133,21 @@ class ModelRepository:
             try:
                 bundle = read_bundle(os.path.join(self.path, name))
                 version = bundle.manifest.version
-                self._models[name] = self._load(name, bundle, device, platform)
+                self._settle(name, self._load(name, bundle, device, platform))
             except Exception as e:
                 # Out of device memory and compile errors alike: XLA raises
                 # no class of its own for either.
                 reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
                     f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
                 log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
-                self._models[name] = ModelStatus(name, version, UNAVAILABLE, reason)
+                self._settle(name, ModelStatus(name, version, UNAVAILABLE, reason))
             else:
                 log.info("model {name} is ready", name=name)
+
+    def _settle(self, name: str, model: LoadedModel | ModelStatus) -> None:
+        # Loading runs in a thread while the reactor lists the models: a new
+        # mapping each time, never one changing under an iteration.
+        self._models = {**self._models, name: model}
 
     def _folders(self) -> list[str]:
         try:

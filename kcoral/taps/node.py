@@ -133,6 +133,11 @@ class NodeOptions(KCoralOptions):
             raise usage.UsageError(f"--router {self['router']!r} names no Router URL")
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
+        if self["router"] and self["grpc-port"] is not None:
+            # Under a Router the workers have no gateway: the Router's own
+            # --grpc-port is where gRPC clients go.
+            raise usage.UsageError("--grpc-port is for the Router (and a node without --router): "
+                                   "under --router, gRPC clients reach the Router's --grpc-port")
         if not 0 <= self["restart-jitter"] <= 0.5:
             raise usage.UsageError(f"--restart-jitter must be within 0-0.5, got {self['restart-jitter']}")
         if not self.supervised:

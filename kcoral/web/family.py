@@ -15,7 +15,7 @@ import re
 
 import attrs
 
-from kcoral.protocol.wire import PROGRAM_HEADER
+from kcoral.protocol.wire import KEPT_HEADER, PROGRAM_HEADER
 from kcoral.tracing import TRACEPARENT
 
 #: The trace context a request carries on, whichever front it reached and
@@ -71,9 +71,11 @@ RUN = Family(
     forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After"))
 
-#: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end.
-ARRAYS = Family("arrays", b"/v1/arrays/", routes=(_route("/v1/arrays/{id}"),),
-                forwarded=(TRACEPARENT,), returned=(b"Content-Type", b"Retry-After"))
+#: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end;
+#: C{DELETE /v1/arrays}: the end of those the kept header names.
+ARRAYS = Family("arrays", b"/v1/arrays", routes=(_route("/v1/arrays/{id}"), _route("/v1/arrays")),
+                forwarded=(KEPT_HEADER.encode(), TRACEPARENT),
+                returned=(b"Content-Type", b"Retry-After"))
 
 #: The pool's members and where they listen (a Router's, a gateway's).
 NODES = Family("nodes", b"/v1/nodes", routes=(_route("/v1/nodes"),))

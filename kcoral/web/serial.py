@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 
 InThread = Callable[..., Deferred]
 
@@ -25,7 +25,9 @@ class Serial:
         result: Deferred = Deferred()
 
         def run(_):
-            d = self._in_thread(f, *args)
+            # A thread pool already stopped raises at once: that too is
+            # this call's result, and the calls after it still run.
+            d = maybeDeferred(self._in_thread, f, *args)
             d.chainDeferred(result)
             return d  # the next call waits for this one, failed or not
 

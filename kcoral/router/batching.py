@@ -1,0 +1,320 @@
+"""
+Batching at the front: the inferences of one batched model that a Router
+or a gateway forwards at the same time go to a worker as one request.
+
+Each forwarded request costs the front far more CPU (its HTTP request to
+the worker, the answer's parsing, placement) than reading and splitting
+its tensors; merging also hands the worker's batcher whole batches.
+
+Inferences wait in arrival order, one queue per model path (its name and
+version). Free capacity is the trigger: the queue holds at most one
+request for a lease at a time, and once a member has a free slot (the
+scheduler grants the lease), what arrived in the same turn of the reactor
+joins, and the batch takes the head of the queue: the requests whose
+inputs have the same names, datatypes and dimensions past the first as
+the oldest's, and that name the same outputs, as many as fit in the
+model's C{max_batch_size} rows. None is taken past one that does not fit,
+so no client's requests are reordered. The next lease is asked for at
+once, so every free slot takes a batch of what waits.
+
+A merged request carries every input as a binary tensor and asks for
+every output in binary; each client's answer is encoded from its own rows
+as the worker encodes an answer, the same bytes as it gets alone. A
+request that cannot merge (a model of no batch dimension, a body that
+does not parse, parameters beyond C{binary_data_output}, more rows than a
+batch takes) goes alone, as it came. A merged request answered with a
+4xx (one member's inputs do not fit the model) is sent again member by
+member, so that each gets its own answer; any other failure (no capacity,
+the node lost, the model failed) is what each member would have met, and
+each gets it. A client that leaves while its request waits is dropped
+from the queue; one that leaves while its batch runs has its rows
+dropped, and the batch is cancelled once all of its clients left.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from kcoral.errors import BadRequest, ProgramFailed, ServerBusy, error_from_answer
+from kcoral.inference.front import InferAnswer, InferCall
+from kcoral.logs import debug_enabled
+from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
+from kcoral.router.forward import Forwarder
+from kcoral.router.residency import Demand
+from kcoral.router.scheduler import Lease
+from kcoral.tracing import ISpan
+from kcoral.web.body import MemoryBody
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
+
+log = Logger()
+
+_BINARY = b"application/octet-stream"
+_JSON = b"application/json"
+
+
+@attrs.frozen
+class Forwarded:
+    """An inference as the forwarder and the proxy read a client's request."""
+
+    request_id: str
+    path: bytes
+    requestHeaders: Headers
+
+
+def forwarded(path: bytes, call: InferCall) -> Forwarded:
+    """The request that forwards C{call} as it came to C{path}."""
+    headers = Headers({b"Content-Type": [_JSON if call.header_length is None else _BINARY]})
+    if call.header_length is not None:
+        headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % call.header_length])
+    for header, value in call.headers.items():
+        headers.setRawHeaders(header, [value])
+    return Forwarded(call.request_id, path, headers)
+
+
+@attrs.define(eq=False)
+class _Waiting:
+    """One client's inference, from its arrival to its answer."""
+
+    request: Forwarded
+    call: InferCall
+    #: Its parsed inputs and outputs; None when it goes alone, as it came.
+    parsed: InferRequest | None
+    #: What must match for requests to merge (None: it merges with none).
+    kind: tuple | None
+    rows: int
+    span: ISpan
+    queue: _Queue
+    arrived: float
+    answer: Deferred = attrs.field(init=False)
+    #: The batch it went in, once forwarded.
+    batch: _Batch | None = None
+
+
+@attrs.define(eq=False)
+class _Batch:
+    members: list[_Waiting]
+    forward: Deferred | None = None
+
+
+@attrs.define(eq=False)
+class _Queue:
+    """The inferences of one model path waiting for a slot."""
+
+    path: bytes
+    demand: Demand
+    most_rows: int
+    waiting: deque[_Waiting] = attrs.Factory(deque)
+    #: Whether a lease has been asked for and not yet used.
+    asking: bool = False
+
+
+def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
+    """What a request must share with others to merge (None: it cannot), and its rows."""
+    shapes = [array.shape for array in request.inputs.values()]
+    rows = shapes[0][0] if all(shapes) else 0
+    if (set(request.parameters) - {"binary_data_output"} or not 1 <= rows <= most_rows
+            or any(shape[0] != rows for shape in shapes)):
+        return None, rows
+    inputs = tuple((name, array.dtype, array.shape[1:]) for name, array in request.inputs.items())
+    return (inputs, tuple(output.name for output in request.outputs)), rows
+
+
+class FrontBatcher:
+    """
+    Forwards inferences with C{forwarder}, merged where they can be; at
+    most C{most_waiting} wait per model path, past that 503 C{queue_full}.
+    """
+
+    def __init__(self, forwarder: Forwarder, clock, most_waiting: int):
+        self._forwarder = forwarder
+        self._scheduler = forwarder.scheduler
+        self._clock = clock
+        self._most_waiting = most_waiting
+        self._queues: dict[bytes, _Queue] = {}
+
+    def infer(self, request: Forwarded, call: InferCall, model: str, most_rows: int,
+              span: ISpan) -> Deferred[InferAnswer]:
+        """
+        The answer to C{call}, forwarded alone as C{request} (to a model's
+        C{/infer} route), of C{model}, which takes C{most_rows} rows a batch
+        (0: it has no batch dimension); its forward traced in C{span}.
+        Fails with the L{KCoralError} the worker answered or the forward met.
+        """
+        queue = self._queues.get(request.path)
+        if queue is None:
+            queue = self._queues[request.path] = _Queue(request.path, Demand.of_model(model),
+                                                        most_rows)
+        queue.most_rows = most_rows
+        if len(queue.waiting) >= self._most_waiting:
+            raise ServerBusy(f"{len(queue.waiting)} inferences of this model are already waiting",
+                             reason="queue_full")
+        parsed, kind, rows = None, None, 0
+        if most_rows > 0:
+            try:
+                parsed = parse_infer(call.body, call.header_length)
+                kind, rows = _kind(parsed, most_rows)
+            except BadRequest:
+                pass  # the worker answers it, alone
+        waiting = _Waiting(request, call, parsed, kind, rows, span, queue,
+                           self._clock.seconds())
+        waiting.answer = Deferred(lambda d: self._cancelled(waiting))
+        queue.waiting.append(waiting)
+        self._ask(queue)
+        return waiting.answer
+
+    def _ask(self, queue: _Queue) -> None:
+        """Ask for a lease for the queue's next batch, once at a time."""
+        if queue.asking or not queue.waiting:
+            return
+        queue.asking = True
+        self._scheduler.acquire(queue.demand).addCallbacks(
+            self._granted, self._refused, callbackArgs=(queue,), errbackArgs=(queue,))
+
+    def _granted(self, lease: Lease, queue: _Queue) -> None:
+        # Requests whose bytes the reactor read in this same turn join first.
+        self._clock.callLater(0, self._form, queue, lease)
+
+    def _refused(self, failure: Failure, queue: _Queue) -> None:
+        # No member, or the front's queue full or timed out: every request
+        # waiting now would have met the same.
+        queue.asking = False
+        waiting, queue.waiting = queue.waiting, deque()
+        for request in waiting:
+            request.answer.errback(failure)
+        self._tidy(queue)
+
+    def _form(self, queue: _Queue, lease: Lease) -> None:
+        queue.asking = False
+        if not queue.waiting:
+            lease.release()
+            self._tidy(queue)
+            return
+        batch = self._head(queue)
+        now = self._clock.seconds()
+        for member in batch.members:
+            queue.waiting.popleft()
+            member.batch = batch
+            self._forwarder.observe_wait(now - member.arrived)
+        self._ask(queue)
+        self._tidy(queue)
+        self._send(batch, lease)
+
+    @staticmethod
+    def _head(queue: _Queue) -> _Batch:
+        """The next batch: the queue's head, as far as its requests merge and fit."""
+        first = queue.waiting[0]
+        members, rows = [first], first.rows
+        if first.kind is not None:
+            for request in list(queue.waiting)[1:]:
+                if request.kind != first.kind or rows + request.rows > queue.most_rows:
+                    break
+                members.append(request)
+                rows += request.rows
+        return _Batch(members)
+
+    def _send(self, batch: _Batch, lease: Lease | None) -> None:
+        first = batch.members[0]
+        if len(batch.members) == 1:
+            request, body = first.request, first.call.body
+        else:
+            merged, length = merge_infer([m.parsed for m in batch.members],  # type: ignore[misc]
+                                         first.kind[1])  # type: ignore[index]
+            headers = first.request.requestHeaders.copy()
+            headers.setRawHeaders(b"Content-Type", [_BINARY])
+            headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % length])
+            request, body = attrs.evolve(first.request, requestHeaders=headers), merged
+            if debug_enabled():
+                log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
+                          ids=[m.call.request_id for m in batch.members])
+        batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
+                                                1, first.span, lease=lease)
+        batch.forward.addBoth(self._answered, batch)
+
+    def _answered(self, result, batch: _Batch) -> None:
+        live = [m for m in batch.members if not m.answer.called]
+        if isinstance(result, Failure):
+            for member in live:
+                member.answer.errback(result)
+        elif len(batch.members) == 1:
+            for member in live:
+                _settle(member, _answer_of, result)
+        elif result.code == 200:
+            self._split(result, batch)
+        elif 400 <= result.code < 500:
+            for member in live:
+                log.info("{request_id} sent alone: its batch was answered {status}",
+                         request_id=member.call.request_id, status=result.code)
+                member.batch = _Batch([member])
+                self._send(member.batch, None)
+        else:
+            error = error_from_answer(result.code, result.body)
+            for member in live:
+                member.answer.errback(error)
+
+    def _split(self, answer, batch: _Batch) -> None:
+        """Each live member's answer from its own rows of the merged C{answer}."""
+        try:
+            name, version, outputs = parse_answer(answer.body, _header_length(answer))
+            total = sum(m.rows for m in batch.members)
+            if any(not o.shape or o.shape[0] != total for o in outputs.values()):
+                raise ProgramFailed(f"the model answered outputs of other than {total} rows")
+        except ProgramFailed as e:
+            for member in batch.members:
+                if not member.answer.called:
+                    member.answer.errback(e)
+            return
+        start = 0
+        for member in batch.members:
+            rows = {key: output[start:start + member.rows] for key, output in outputs.items()}
+            start += member.rows
+            if not member.answer.called:
+                _settle(member, encode_infer, name, version, member.parsed, rows)
+
+    def _cancelled(self, waiting: _Waiting) -> None:
+        batch = waiting.batch
+        if batch is None:
+            try:
+                waiting.queue.waiting.remove(waiting)
+            except ValueError:
+                return
+            log.info("{request_id} dropped: the client went away before its batch was sent",
+                     request_id=waiting.call.request_id)
+            self._tidy(waiting.queue)
+        elif batch.forward is not None and all(
+                m is waiting or m.answer.called for m in batch.members):
+            batch.forward.cancel()
+
+    def _tidy(self, queue: _Queue) -> None:
+        """Forget a queue with nothing waiting nor asked for."""
+        if not queue.waiting and not queue.asking and self._queues.get(queue.path) is queue:
+            del self._queues[queue.path]
+
+
+def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None:
+    """Fire C{member}'s answer with what C{answer(*args)} returns or raises
+    (a failure that is no KCoral error is the client's 500)."""
+    try:
+        value = answer(*args)
+    except Exception:
+        member.answer.errback()
+    else:
+        member.answer.callback(value)
+
+
+def _header_length(answer) -> int | None:
+    length = answer.headers.get(INFERENCE_HEADER_LENGTH)
+    return None if length is None else int(length)
+
+
+def _answer_of(answer) -> InferAnswer:
+    """A member's answer to one request, as it came, or the error it says."""
+    if answer.code != 200:
+        raise error_from_answer(answer.code, answer.body)
+    return InferAnswer(body=answer.body, header_length=_header_length(answer))

@@ -1,0 +1,272 @@
+"""
+Batching at a Router's or a gateway's front (L{kcoral.router.batching}) in
+process: one fake worker of one slot that serves a row-wise model and holds
+its answers until the test releases them, on a fake clock.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from twisted.internet.defer import CancelledError
+from twisted.internet.task import Clock
+from twisted.web import server
+from twisted.web.resource import Resource
+
+from kcoral.common.queue import WaitQueue
+from kcoral.common.report import parse_report
+from kcoral.errors import BadRequest, KCoralError
+from kcoral.inference.front import InferCall
+from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.router.batching import FrontBatcher, forwarded
+from kcoral.router.forward import Forwarder
+from kcoral.router.pool import Pool
+from kcoral.router.proxy import Proxy
+from kcoral.router.scheduler import Scheduler
+from kcoral.tracing import NO_SPAN
+from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from tests.fakes import FakeWorkers, node_report
+
+PATH = b"/v2/models/mlp/infer"
+
+
+def model(x: np.ndarray) -> np.ndarray:
+    """A row-wise model: each output row depends on its input row alone."""
+    return x[:, ::-1] * np.float32(2) + np.float32(1)
+
+
+class ModelWorker(Resource):
+    """A worker's inference route for L{model}: it holds each request until
+    L{release}, answers 400 to inputs holding NaN, or C{code} to all."""
+
+    isLeaf = True
+
+    def __init__(self, code: int = 200):
+        super().__init__()
+        self.code = code
+        self.held: list = []
+        self.rows: list[int] = []
+        self.lost: list = []
+
+    def render_POST(self, request):
+        self.held.append(request)
+        request.notifyFinish().addErrback(lambda _: self.lost.append(request))
+        return server.NOT_DONE_YET
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for request in held:
+            length = request.getHeader(INFERENCE_HEADER_LENGTH)
+            parsed = parse_infer(request.content.read(), None if length is None else int(length))
+            x = parsed.inputs["x"]
+            self.rows.append(len(x))
+            if self.code != 200 or np.isnan(x).any():
+                request.setResponseCode(self.code if self.code != 200 else 400)
+                request.write(json.dumps({"error": "bad rows"}).encode())
+            else:
+                answer = encode_infer("mlp", "1", parsed, {"y": model(x)})
+                if answer.header_length is not None:
+                    request.setHeader(INFERENCE_HEADER_LENGTH, b"%d" % answer.header_length)
+                request.write(answer.body)
+            request.finish()
+
+
+class Front:
+    """A pool of one worker of one slot that has C{mlp} ready, batched by C{most_rows}."""
+
+    def __init__(self, worker: ModelWorker, most_rows: int = 8):
+        self.clock = Clock()
+        self.pool = Pool(self.clock, max_status_age_seconds=5.0, unhealthy_threshold=3,
+                         recovery_threshold=1, node_retention_seconds=600.0)
+        body = node_report(host="10.0.0.1", capacities=(1,))
+        body["workers"][0]["models"] = [{"name": "mlp", "version": "1", "state": "READY",
+                                         "reason": "", "max_batch_size": most_rows}]
+        self.pool.report("n", parse_report(body))
+        self.pool.observe()
+        self.worker = worker
+        self.workers = FakeWorkers(**{"10.0.0.1": worker})
+        self.client = self.workers.client()
+        scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
+        self.batcher = FrontBatcher(Forwarder(scheduler, Proxy(self.client), self.clock),
+                                    self.clock, most_waiting=32)
+        self.most_rows = most_rows
+
+    def infer(self, body: bytes, header_length: int | None, rid: str = "r"):
+        """The Deferred answer of one inference, and a list that gets its outcome."""
+        call = InferCall(body, header_length, rid)
+        d = self.batcher.infer(forwarded(PATH, call), call, "mlp", self.most_rows, NO_SPAN)
+        done: list = []
+        d.addCallbacks(done.append, lambda f: done.append(f.value))
+        return d, done
+
+    def turn(self) -> None:
+        """The reactor's next turn: batches form, requests and answers travel."""
+        self.client.flush()
+        self.clock.advance(0)
+        self.client.flush()
+
+
+def request(x: np.ndarray, *, binary_output: bool = True, rid: str | None = None
+            ) -> tuple[bytes, int]:
+    """An inference of C{x} as a client sends it: a binary input."""
+    data = np.ascontiguousarray(x, dtype="<f4")
+    header: dict = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                "parameters": {"binary_data_size": data.nbytes}}],
+                    "parameters": {"binary_data_output": binary_output}}
+    if rid is not None:
+        header["id"] = rid
+    encoded = json.dumps(header).encode()
+    return encoded + data.tobytes(), len(encoded)
+
+
+def alone(body: bytes, header_length: int) -> bytes:
+    """The bytes the worker answers to this request sent alone."""
+    parsed = parse_infer(body, header_length)
+    return encode_infer("mlp", "1", parsed, {"y": model(parsed.inputs["x"])}).body
+
+
+def rows(count: int, seed: int, columns: int = 4) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, columns), dtype=np.float32)
+
+
+def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_for_bit():
+    """Requests that waited while the one slot was busy go as one request of all their
+    rows once it frees; each answer is byte for byte the answer it gets alone, whether it
+    asked for binary or JSON outputs, under its own id."""
+    front = Front(ModelWorker())
+    first = request(rows(1, 0))
+    front.infer(*first)
+    front.turn()
+    bodies = [request(rows(1, 1), rid="a"), request(rows(2, 2), binary_output=False),
+              request(rows(3, 3), rid="c", binary_output=False)]
+    outcomes = [front.infer(*body, rid=f"r{i}")[1] for i, body in enumerate(bodies)]
+    front.turn()
+    assert front.worker.rows == [] and len(front.worker.held) == 1
+    front.worker.release()
+    front.turn()
+    assert len(front.worker.held) == 1  # the three, merged
+    front.worker.release()
+    front.turn()
+    assert front.worker.rows == [1, 6]
+    for body, outcome in zip(bodies, outcomes):
+        assert outcome[0].body == alone(*body)
+
+
+def test_rows_never_cross_between_concurrent_clients():
+    """Many clients with distinct inputs, merged in batches up to max_batch_size rows:
+    each gets the model's output of its own rows, and no batch passes max_batch_size."""
+    front = Front(ModelWorker(), most_rows=8)
+    inputs = [rows(1 + i % 3, seed=i) for i in range(20)]
+    outcomes = [front.infer(*request(x))[1] for x in inputs]
+    while front.worker.held or any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert max(front.worker.rows) <= 8 and sum(front.worker.rows) == sum(len(x) for x in inputs)
+    assert len(front.worker.rows) < len(inputs)
+    for x, outcome in zip(inputs, outcomes):
+        answer = outcome[0]
+        parsed = json.loads(answer.body[:answer.header_length])
+        y = np.frombuffer(answer.body[answer.header_length:], dtype="<f4").reshape(
+            parsed["outputs"][0]["shape"])
+        np.testing.assert_array_equal(y, model(x))
+
+
+def test_a_request_of_other_dimensions_is_not_merged_nor_passed():
+    """A request whose dimensions past the first differ goes in a batch of its own,
+    and those behind it wait for it: no client's requests are reordered."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    shapes = [(1, 4), (2, 4), (1, 5), (1, 4)]
+    outcomes = [front.infer(*request(rows(n, i, columns)))[1]
+                for i, (n, columns) in enumerate(shapes)]
+    seen = []
+    while any(not o for o in outcomes):
+        front.turn()
+        seen += [parse_infer(r.content.getvalue(), int(r.getHeader(INFERENCE_HEADER_LENGTH)))
+                 .inputs["x"].shape for r in front.worker.held]
+        front.worker.release()
+        front.turn()
+    assert seen == [(1, 4), (3, 4), (1, 5), (1, 4)]
+
+
+def test_a_client_that_leaves_before_its_batch_goes_drops_its_rows():
+    """A request cancelled while it waits is not sent; the others go without its rows."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    bodies = [request(rows(1, 1)), request(rows(2, 2)), request(rows(3, 3))]
+    sent = [front.infer(*body) for body in bodies]
+    sent[1][0].cancel()
+    for _ in range(2):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 4]
+    assert isinstance(sent[1][1][0], CancelledError)
+    assert sent[0][1][0].body == alone(*bodies[0]) and sent[2][1][0].body == alone(*bodies[2])
+
+
+def test_a_batch_whose_clients_all_left_is_cancelled():
+    """Once every client of a batch on its way has left, its request to the worker is closed."""
+    front = Front(ModelWorker())
+    d, done = front.infer(*request(rows(2, 0)))
+    front.turn()
+    d.cancel()
+    front.client.flush()
+    assert isinstance(done[0], CancelledError) and len(front.worker.lost) == 1
+    assert front.pool.active() == 0
+
+
+def test_a_bad_request_does_not_fail_the_others():
+    """A merged request that the worker refuses (400) is sent again member by member: the
+    bad one gets its own 400, the others their own answers."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    bad = rows(2, 1)
+    bad[1, 2] = np.nan
+    bodies = [request(rows(1, 2)), request(bad), request(rows(3, 3))]
+    outcomes = [front.infer(*body)[1] for body in bodies]
+    while any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 6, 1, 2, 3]
+    assert isinstance(outcomes[1][0], BadRequest)
+    assert outcomes[0][0].body == alone(*bodies[0]) and outcomes[2][0].body == alone(*bodies[2])
+
+
+def test_a_merged_request_that_fails_fails_each_member_with_the_same_error():
+    """A 500 for a merged request is the answer each of its members gets."""
+    front = Front(ModelWorker(code=500))
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+    for _ in range(2):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 3]
+    errors = [o[0] for o in outcomes]
+    assert all(isinstance(e, KCoralError) and e.status == 500 for e in errors)
+    assert len({(e.status, e.message) for e in errors}) == 1
+
+
+@pytest.mark.parametrize("most_rows", [0, 2])
+def test_what_cannot_merge_goes_alone_as_it_came(most_rows):
+    """A model of no batch dimension, or a request of more rows than a batch takes, is
+    forwarded alone with the client's own bytes."""
+    front = Front(ModelWorker(), most_rows=most_rows)
+    bodies = [request(rows(3, i)) for i in range(3)]
+    outcomes = [front.infer(*body)[1] for body in bodies]
+    sent = []
+    while any(not o for o in outcomes):
+        front.turn()
+        sent += [r.content.getvalue() for r in front.worker.held]
+        front.worker.release()
+        front.turn()
+    assert sent == [body for body, _ in bodies]
