@@ -296,6 +296,40 @@ def test_a_run_names_what_it_frees_in_its_frame_and_kept_header(program, inputs)
         RunCall.prepare(program, inputs, {}, free=[inputs[1]])
 
 
+def test_a_run_that_keeps_or_frees_is_never_run_again(program, inputs):
+    """A run that keeps outputs or frees arrays is not repeatable and asks no
+    second run, whatever its client allows; a plain run does."""
+    from kcoral.protocol.wire import REDISPATCH_HEADER
+
+    plain = RunCall.prepare(program, inputs, {}, owner=Owner()).send(set(), None, redispatch=True)
+    assert plain.repeatable and plain.headers[REDISPATCH_HEADER] == "true"
+    for options in ({"keep": True}, {"keep": (False, True)},
+                    {"free": remote(f"{A}-{'4' * 16}")}):
+        send = RunCall.prepare(program, inputs, {}, owner=Owner(), **options).send(
+            set(), None, redispatch=True)
+        assert not send.repeatable and REDISPATCH_HEADER not in send.headers
+
+
+def test_the_kept_header_of_a_run_lists_at_most_its_bound(program, inputs):
+    """A run that frees more arrays than the kept header may list names them
+    all in its frame and only the first MAX_KEPT_LISTED in its head."""
+    from kcoral.protocol.wire import KEPT_HEADER, MAX_KEPT_LISTED
+
+    freed = [remote(f"{A}-{n:016x}") for n in range(MAX_KEPT_LISTED + 5)]
+    send = RunCall.prepare(program, inputs, {}, free=freed, owner=Owner()).send(set(), None)
+    assert len(decode_request(b"".join(bytes(p) for p in send.parts)).free) == len(freed)
+    assert send.headers[KEPT_HEADER].split(",") == sorted(a.id for a in freed)[:MAX_KEPT_LISTED]
+
+
+def test_arrays_kept_on_two_workers_are_refused_before_sending(program, inputs):
+    """Kept arrays of two workers in one run: ArraysApart (422) before any request."""
+    from kcoral.errors import ArraysApart
+
+    with pytest.raises(ArraysApart):
+        RunCall.prepare(program, (remote(f"{A}-{'1' * 16}", inputs[0].shape), inputs[1]), {},
+                        free=remote(f"{B}-{'2' * 16}"), owner=Owner())
+
+
 def test_a_deletion_is_one_request_per_worker():
     """Client.delete sends one DELETE /v1/arrays per worker, its ids in the kept header, never resent."""
     from kcoral.client.exchange import deletions

@@ -38,6 +38,7 @@ from kcoral.protocol.wire import (
     decode_outputs,
     encode_request,
     holder_of,
+    holder_of_all,
     sha256,
     wire_array,
 )
@@ -148,8 +149,11 @@ class RunCall:
                   for a, r in zip(inputs.arrays, references, strict=True)]
         digests = [sha256(a) if r is None and a.nbytes >= CACHE_THRESHOLD_BYTES else None
                    for a, r in zip(arrays, references)]
-        return cls(program, arrays, digests, inputs.key_types, references, flags, owner,
+        call = cls(program, arrays, digests, inputs.key_types, references, flags, owner,
                    tuple(dict.fromkeys(leaf.id for leaf in freed)))
+        # Refused here rather than by the worker: no request reaches them together.
+        holder_of_all(call.kept)
+        return call
 
     @property
     def nbytes(self) -> int:
@@ -166,18 +170,27 @@ class RunCall:
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
             headers[INPUTS_HEADER] = self.inputs_header
-        # Those it frees too: all on the worker that runs it.
-        kept = {r.kept for r in self.references if r is not None} | set(self.free)
-        if kept:
-            headers[KEPT_HEADER] = ",".join(sorted(kept))
+        if self.kept:
+            # The worker checks every id the body names; a Router needs one
+            # to find that worker, and a few to find a lost one early. All of
+            # them could pass the 16 KiB a request head may take.
+            headers[KEPT_HEADER] = ",".join(self.kept[:MAX_KEPT_LISTED])
         if request_id:
             headers["X-Request-ID"] = request_id
-        if redispatch:
+        # A second run of one that keeps outputs would leave the first's on
+        # the worker; of one that frees arrays, would find them gone.
+        repeatable = not (self.free or any(self.keep))
+        if redispatch and repeatable:
             headers[REDISPATCH_HEADER] = "true"
         traceparent = current_traceparent()
         if traceparent:
             headers["traceparent"] = traceparent
-        return Send(parts, length, headers)
+        return Send(parts, length, headers, repeatable=repeatable)
+
+    @property
+    def kept(self) -> list[str]:
+        """The kept arrays the run names, those it frees too, in order."""
+        return sorted({r.kept for r in self.references if r is not None} | set(self.free))
 
     @property
     def inputs_header(self) -> str:
