@@ -243,6 +243,10 @@ class Executor:
             raise BadRequest(str(e)) from None
         exported = self._exported(digest, serialized)
         self._check_signature(exported, specs, arrays)
+        try:
+            keeps = run.keeps(len(exported.out_avals))
+        except WireError as e:
+            raise BadRequest(str(e)) from None
         key_types = tuple([spec.key_type for spec in specs])
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature
@@ -290,10 +294,6 @@ class Executor:
         if fresh:
             log.info("{request_id} compiled program {digest}", request_id=request_id,
                      digest=digest[:12])
-        try:
-            keeps = run.keeps(len(result_key_types))
-        except WireError as e:
-            raise ProgramRejected(str(e)) from None
         # Refused before it runs: the compiled program says what it returns.
         reservation = self.kept.reserve(
             sum(size for size, k in zip(sizes, keeps) if k)) if any(keeps) else None
