@@ -17,9 +17,10 @@ from twisted.web.resource import Resource
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import BadRequest, KCoralError
+from kcoral.errors import BadRequest, KCoralError, ProgramFailed
 from kcoral.inference.front import InferCall
 from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.router import batching
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool
@@ -39,7 +40,8 @@ def model(x: np.ndarray) -> np.ndarray:
 
 class ModelWorker(Resource):
     """A worker's inference route for L{model}: it holds each request until
-    L{release}, answers 400 to inputs holding NaN, or C{code} to all."""
+    L{release}, answers 400 to inputs holding NaN, or C{code} to all; its answers
+    carry C{header_length} in place of their own when it is set."""
 
     isLeaf = True
 
@@ -49,6 +51,7 @@ class ModelWorker(Resource):
         self.held: list = []
         self.rows: list[int] = []
         self.lost: list = []
+        self.header_length: bytes | None = None
 
     def render_POST(self, request):
         self.held.append(request)
@@ -68,7 +71,8 @@ class ModelWorker(Resource):
             else:
                 answer = encode_infer("mlp", "1", parsed, {"y": model(x)})
                 if answer.header_length is not None:
-                    request.setHeader(INFERENCE_HEADER_LENGTH, b"%d" % answer.header_length)
+                    request.setHeader(INFERENCE_HEADER_LENGTH,
+                                      self.header_length or b"%d" % answer.header_length)
                 request.write(answer.body)
             request.finish()
 
@@ -270,3 +274,55 @@ def test_what_cannot_merge_goes_alone_as_it_came(most_rows):
         front.worker.release()
         front.turn()
     assert sent == [body for body, _ in bodies]
+
+
+def test_a_malformed_answer_to_a_batch_fails_each_member_and_frees_the_slot():
+    """A merged request answered with a header length that is no number is the worker's
+    failure: each member gets a 500, and the slot serves the next request."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+    front.worker.release()
+    front.turn()
+    front.worker.header_length = b"many"
+    front.worker.release()
+    front.turn()
+    assert all(isinstance(o[0], ProgramFailed) for o in outcomes)
+    assert front.pool.active() == 0
+    front.worker.header_length = None
+    body = request(rows(2, 9))
+    _, done = front.infer(*body)
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert done[0].body == alone(*body)
+
+
+@pytest.mark.parametrize("broken", ["merge_infer", "parse_answer"])
+def test_a_fault_while_forming_or_answering_a_batch_fails_its_members_and_frees_the_slot(
+        monkeypatch, broken):
+    """An unexpected exception while a batch is formed and sent, or while its answer is
+    split, fails each of its members with a 500 (none waits forever) and gives back its
+    lease, so the next batch is served."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(batching, broken, fault)
+    for _ in range(2):
+        front.worker.release()
+        front.turn()
+    assert all(isinstance(o[0], KCoralError) and o[0].status == 500 for o in outcomes)
+    assert front.pool.active() == 0
+    monkeypatch.undo()
+    body = request(rows(2, 9))
+    _, done = front.infer(*body)
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert done[0].body == alone(*body)

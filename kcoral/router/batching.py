@@ -42,7 +42,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import BadRequest, ProgramFailed, ServerBusy, error_from_answer
+from kcoral.errors import BadRequest, InternalError, ProgramFailed, ServerBusy, error_from_answer
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
 from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
@@ -192,32 +192,37 @@ class FrontBatcher:
 
     def _form(self, queue: _Queue, lease: Lease) -> None:
         queue.asking = False
-        if not queue.waiting:
-            lease.release()
+        batch = _Batch([])
+        try:
+            if queue.waiting:
+                self._take(queue, batch)
+                self._send(batch, lease)
+        except Exception:
+            # A fault of this module's: the requests it took get a 500 and
+            # the lease goes back, so that nothing waits forever.
+            log.failure("a batch of {path} could not be sent", path=queue.path)
+            _fail(batch.members, InternalError("the inference could not be forwarded"))
+        finally:
+            if batch.forward is None:
+                lease.release()
+            self._ask(queue)
             self._tidy(queue)
-            return
-        batch = self._head(queue)
-        now = self._clock.seconds()
-        for member in batch.members:
-            queue.waiting.popleft()
-            member.batch = batch
-            self._forwarder.observe_wait(now - member.arrived)
-        self._ask(queue)
-        self._tidy(queue)
-        self._send(batch, lease)
 
-    @staticmethod
-    def _head(queue: _Queue) -> _Batch:
-        """The next batch: the queue's head, as far as its requests merge and fit."""
+    def _take(self, queue: _Queue, batch: _Batch) -> None:
+        """Take the next batch into C{batch}: the queue's head, as far as
+        its requests merge and fit."""
         first = queue.waiting[0]
-        members, rows = [first], first.rows
-        if first.kind is not None:
-            for request in list(queue.waiting)[1:]:
-                if request.kind != first.kind or rows + request.rows > queue.most_rows:
-                    break
-                members.append(request)
-                rows += request.rows
-        return _Batch(members)
+        rows, now = 0, self._clock.seconds()
+        while queue.waiting:
+            request = queue.waiting[0]
+            if batch.members and (first.kind is None or request.kind != first.kind
+                                  or rows + request.rows > queue.most_rows):
+                break
+            queue.waiting.popleft()
+            batch.members.append(request)
+            request.batch = batch
+            rows += request.rows
+            self._forwarder.observe_wait(now - request.arrived)
 
     def _send(self, batch: _Batch, lease: Lease | None) -> None:
         first = batch.members[0]
@@ -235,13 +240,19 @@ class FrontBatcher:
                           ids=[m.call.request_id for m in batch.members])
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
                                                 1, first.span, lease=lease)
-        batch.forward.addBoth(self._answered, batch)
+        batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
+
+    def _broken(self, failure: Failure, batch: _Batch) -> None:
+        """A fault of this module's while answering C{batch}: its members
+        still waiting for it get a 500."""
+        log.failure("the answer to a batch could not be handed over", failure)
+        _fail([m for m in batch.members if m.batch is batch],
+              InternalError("the inference's answer could not be handed over"))
 
     def _answered(self, result, batch: _Batch) -> None:
         live = [m for m in batch.members if not m.answer.called]
         if isinstance(result, Failure):
-            for member in live:
-                member.answer.errback(result)
+            _fail(live, result)
         elif len(batch.members) == 1:
             for member in live:
                 _settle(member, _answer_of, result)
@@ -254,9 +265,7 @@ class FrontBatcher:
                 member.batch = _Batch([member])
                 self._send(member.batch, None)
         else:
-            error = error_from_answer(result.code, result.body)
-            for member in live:
-                member.answer.errback(error)
+            _fail(live, error_from_answer(result.code, result.body))
 
     def _split(self, answer, batch: _Batch) -> None:
         """Each live member's answer from its own rows of the merged C{answer}."""
@@ -266,9 +275,7 @@ class FrontBatcher:
             if any(not o.shape or o.shape[0] != total for o in outputs.values()):
                 raise ProgramFailed(f"the model answered outputs of other than {total} rows")
         except ProgramFailed as e:
-            for member in batch.members:
-                if not member.answer.called:
-                    member.answer.errback(e)
+            _fail(batch.members, e)
             return
         start = 0
         for member in batch.members:
@@ -297,6 +304,13 @@ class FrontBatcher:
             del self._queues[queue.path]
 
 
+def _fail(members: list[_Waiting], error: Exception | Failure) -> None:
+    """Fail the answers of C{members} that have not fired with C{error}."""
+    for member in members:
+        if not member.answer.called:
+            member.answer.errback(error)
+
+
 def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None:
     """Fire C{member}'s answer with what C{answer(*args)} returns or raises
     (a failure that is no KCoral error is the client's 500)."""
@@ -309,8 +323,16 @@ def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None
 
 
 def _header_length(answer) -> int | None:
+    """The length of the JSON header of a worker's binary answer; a
+    malformed one is the worker's failure."""
     length = answer.headers.get(INFERENCE_HEADER_LENGTH)
-    return None if length is None else int(length)
+    if length is None:
+        return None
+    try:
+        return int(length)
+    except ValueError:
+        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}"
+                            ) from None
 
 
 def _answer_of(answer) -> InferAnswer:
