@@ -244,9 +244,27 @@ def test_a_bad_request_does_not_fail_the_others():
     assert outcomes[0][0].body == alone(*bodies[0]) and outcomes[2][0].body == alone(*bodies[2])
 
 
-def test_a_merged_request_that_fails_fails_each_member_with_the_same_error():
-    """A 500 for a merged request is the answer each of its members gets."""
-    front = Front(ModelWorker(code=500))
+@pytest.mark.parametrize("code", [500, 507])
+def test_a_merged_request_that_may_fail_for_one_member_is_sent_again_member_by_member(code):
+    """A 500 or a 507 for a merged request may be one client's doing: each member is sent
+    again alone, once, and gets the answer to its own request."""
+    front = Front(ModelWorker(code=code))
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+    while any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 3, 1, 1, 1]
+    assert all(isinstance(o[0], KCoralError) and o[0].status == code for o in outcomes)
+    assert front.pool.active() == 0
+
+
+def test_a_merged_request_that_fails_for_want_of_capacity_fails_each_member_alike():
+    """Any other failure of a merged request (here a 502) is what each member would have
+    met alone: each gets it, and none is sent again."""
+    front = Front(ModelWorker(code=502))
     front.infer(*request(rows(1, 0)))
     front.turn()
     outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
@@ -256,7 +274,7 @@ def test_a_merged_request_that_fails_fails_each_member_with_the_same_error():
         front.turn()
     assert front.worker.rows == [1, 3]
     errors = [o[0] for o in outcomes]
-    assert all(isinstance(e, KCoralError) and e.status == 500 for e in errors)
+    assert all(isinstance(e, KCoralError) and e.status == 502 for e in errors)
     assert len({(e.status, e.message) for e in errors}) == 1
 
 

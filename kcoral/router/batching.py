@@ -22,11 +22,13 @@ every output in binary; each client's answer is encoded from its own rows
 as the worker encodes an answer, the same bytes as it gets alone. A
 request that cannot merge (a model of no batch dimension, a body that
 does not parse, parameters beyond C{binary_data_output}, more rows than a
-batch takes) goes alone, as it came. A merged request answered with a
-4xx (one member's inputs do not fit the model) is sent again member by
-member, so that each gets its own answer; any other failure (no capacity,
-the node lost, the model failed) is what each member would have met, and
-each gets it. A client that leaves while its request waits is dropped
+batch takes) goes alone, as it came. A merged request answered with an
+error that may be one member's doing (a 4xx: its inputs do not fit the
+model; a 500: they fail it; a 507: their outputs do not fit the worker's
+memory) is sent again member by member, once, so that each gets its own
+answer and one client's request never fails the others; any other failure
+(no capacity, the node lost) is what each member would have met, and each
+gets it. A client that leaves while its request waits is dropped
 from the queue; one that leaves while its batch runs has its rows
 dropped, and the batch is cancelled once all of its clients left.
 """
@@ -42,7 +44,14 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import BadRequest, InternalError, ProgramFailed, ServerBusy, error_from_answer
+from kcoral.errors import (
+    BadRequest,
+    InternalError,
+    KeptMemoryFull,
+    ProgramFailed,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
 from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
@@ -258,7 +267,7 @@ class FrontBatcher:
                 _settle(member, _answer_of, result)
         elif result.code == 200:
             self._split(result, batch)
-        elif 400 <= result.code < 500:
+        elif _one_members(result.code):
             for member in live:
                 log.info("{request_id} sent alone: its batch was answered {status}",
                          request_id=member.call.request_id, status=result.code)
@@ -302,6 +311,14 @@ class FrontBatcher:
         """Forget a queue with nothing waiting nor asked for."""
         if not queue.waiting and not queue.asking and self._queues.get(queue.path) is queue:
             del self._queues[queue.path]
+
+
+def _one_members(status: int) -> bool:
+    """Whether a merged request's error C{status} may be one member's doing:
+    a 4xx (its inputs do not fit the model), a 500 (its inputs fail the
+    model) or a 507 (its outputs do not fit the worker's memory). A 503 or a
+    lost node is the capacity's, and what each member would have met."""
+    return 400 <= status < 500 or status in (ProgramFailed.status, KeptMemoryFull.status)
 
 
 def _fail(members: list[_Waiting], error: Exception | Failure) -> None:
