@@ -93,7 +93,10 @@ class Front:
         self.workers = FakeWorkers(**{"10.0.0.1": worker})
         self.client = self.workers.client()
         scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
-        self.batcher = FrontBatcher(Forwarder(scheduler, Proxy(self.client), self.clock),
+        #: The queue waits the forwarder observed.
+        self.waits: list[float] = []
+        self.batcher = FrontBatcher(Forwarder(scheduler, Proxy(self.client), self.clock,
+                                              observe_wait=self.waits.append),
                                     self.clock, most_waiting=32)
         self.most_rows = most_rows
 
@@ -344,3 +347,20 @@ def test_a_fault_while_forming_or_answering_a_batch_fails_its_members_and_frees_
     front.worker.release()
     front.turn()
     assert done[0].body == alone(*body)
+
+
+def test_a_request_sent_again_alone_has_its_queue_wait_observed_once():
+    """Members of a refused batch, sent again one by one, each had their wait for capacity
+    observed when their batch was taken, and not again."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    bad = rows(1, 1)
+    bad[0, 0] = np.nan
+    outcomes = [front.infer(*request(x))[1] for x in (rows(1, 2), bad, rows(1, 3))]
+    while any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 3, 1, 1, 1]
+    assert len(front.waits) == 4

@@ -233,7 +233,9 @@ class FrontBatcher:
             rows += request.rows
             self._forwarder.observe_wait(now - request.arrived)
 
-    def _send(self, batch: _Batch, lease: Lease | None) -> None:
+    def _send(self, batch: _Batch, lease: Lease | None = None) -> None:
+        """Forward C{batch} with C{lease}, or, without one, as a request
+        sent again, whose wait was observed when it was first taken."""
         first = batch.members[0]
         if len(batch.members) == 1:
             request, body = first.request, first.call.body
@@ -248,7 +250,7 @@ class FrontBatcher:
                 log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
                           ids=[m.call.request_id for m in batch.members])
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
-                                                1, first.span, lease=lease)
+                                                1, first.span, lease=lease, waited=lease is None)
         batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
 
     def _broken(self, failure: Failure, batch: _Batch) -> None:
@@ -272,7 +274,7 @@ class FrontBatcher:
                 log.info("{request_id} sent alone: its batch was answered {status}",
                          request_id=member.call.request_id, status=result.code)
                 member.batch = _Batch([member])
-                self._send(member.batch, None)
+                self._send(member.batch)
         else:
             _fail(live, error_from_answer(result.code, result.body))
 
