@@ -19,7 +19,7 @@ from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed
 from kcoral.inference.front import InferCall
-from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
 from kcoral.router import batching
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
@@ -364,3 +364,25 @@ def test_a_request_sent_again_alone_has_its_queue_wait_observed_once():
         front.turn()
     assert front.worker.rows == [1, 3, 1, 1, 1]
     assert len(front.waits) == 4
+
+
+def test_a_body_too_large_to_parse_on_the_reactor_goes_alone_unparsed(monkeypatch):
+    """Requests of bodies over ON_REACTOR_BYTES that could merge are not parsed at the
+    front: each goes alone, with its client's own bytes."""
+    parsed: list = []
+    monkeypatch.setattr(batching, "parse_infer", lambda *args: parsed.append(args) or parse_infer(*args))
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    columns = ON_REACTOR_BYTES // 4 + 1
+    bodies = [request(rows(1, i, columns)) for i in range(1, 3)]
+    outcomes = [front.infer(*body)[1] for body in bodies]
+    sent = []
+    while any(not o for o in outcomes):
+        front.turn()
+        sent += [r.content.getvalue() for r in front.worker.held]
+        front.worker.release()
+        front.turn()
+    assert len(parsed) == 1
+    assert sent == [request(rows(1, 0))[0]] + [body for body, _ in bodies]
+    assert [o[0].body for o in outcomes] == [alone(*body) for body in bodies]

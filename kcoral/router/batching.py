@@ -20,7 +20,8 @@ once, so every free slot takes a batch of what waits.
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
 as the worker encodes an answer, the same bytes as it gets alone. A
-request that cannot merge (a model of no batch dimension, a body that
+request that cannot merge (a model of no batch dimension, a body larger
+than C{ON_REACTOR_BYTES}, which it would parse on the reactor, a body that
 does not parse, parameters beyond C{binary_data_output}, more rows than a
 batch takes) goes alone, as it came. A merged request answered with an
 error that may be one member's doing (a 4xx: its inputs do not fit the
@@ -54,7 +55,14 @@ from kcoral.errors import (
 )
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
-from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
+from kcoral.protocol.inference import (
+    ON_REACTOR_BYTES,
+    InferRequest,
+    encode_infer,
+    merge_infer,
+    parse_answer,
+    parse_infer,
+)
 from kcoral.router.forward import Forwarder
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Lease
@@ -165,7 +173,10 @@ class FrontBatcher:
             raise ServerBusy(f"{len(queue.waiting)} inferences of this model are already waiting",
                              reason="queue_full")
         parsed, kind, rows = None, None, 0
-        if most_rows > 0:
+        # The front parses only what it can parse on the reactor without
+        # holding up other clients; merging a larger body would save little
+        # next to the cost of its bytes, so it goes alone, as it came.
+        if most_rows > 0 and len(call.body) <= ON_REACTOR_BYTES:
             try:
                 parsed = parse_infer(call.body, call.header_length)
                 kind, rows = _kind(parsed, most_rows)
