@@ -386,3 +386,41 @@ def test_a_body_too_large_to_parse_on_the_reactor_goes_alone_unparsed(monkeypatc
     assert len(parsed) == 1
     assert sent == [request(rows(1, 0))[0]] + [body for body, _ in bodies]
     assert [o[0].body for o in outcomes] == [alone(*body) for body in bodies]
+
+
+def test_each_waiting_request_times_out_from_its_own_arrival():
+    """While no slot frees, each waiting request gets 503 queue_timeout once it has waited
+    the scheduler's queue wait timeout since its own arrival: the lease's timeout on behalf
+    of an older request does not fail one that arrived later."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    _, older = front.infer(*request(rows(1, 1)))
+    front.clock.advance(20)
+    _, newer = front.infer(*request(rows(1, 2)))
+    front.clock.advance(10)
+    assert older[0].status == 503 and older[0].reason == "queue_timeout" and newer == []
+    front.clock.advance(19)
+    assert newer == []
+    front.clock.advance(1)
+    assert newer[0].status == 503 and newer[0].reason == "queue_timeout"
+    assert newer[0].message == older[0].message == "no capacity freed up within the queue wait timeout"
+    assert front.worker.rows == [] and len(front.worker.held) == 1
+
+
+def test_a_request_that_outlives_the_lease_timeout_is_served_when_a_slot_frees():
+    """After the queue's lease times out for an older request, the lease is asked for again
+    for the newer: it goes once the slot frees, and gets its answer."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    front.infer(*request(rows(1, 1)))
+    front.clock.advance(20)
+    body = request(rows(2, 2))
+    _, newer = front.infer(*body)
+    front.clock.advance(15)
+    front.worker.release()
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert front.worker.rows == [1, 2] and newer[0].body == alone(*body)

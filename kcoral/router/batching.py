@@ -32,6 +32,10 @@ answer and one client's request never fails the others; any other failure
 gets it. A client that leaves while its request waits is dropped
 from the queue; one that leaves while its batch runs has its rows
 dropped, and the batch is cancelled once all of its clients left.
+
+Each request waits at most the scheduler's queue wait timeout from its own
+arrival. When the queue's lease times out, only those whose own time is up
+fail; the lease is asked for again for those that arrived since.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 
 import attrs
+from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -110,6 +115,8 @@ class _Waiting:
     queue: _Queue
     arrived: float
     answer: Deferred = attrs.field(init=False)
+    #: Its own wait timeout, from its arrival, while it waits in its queue.
+    expiry: DelayedCall = attrs.field(init=False)
     #: The batch it went in, once forwarded.
     batch: _Batch | None = None
 
@@ -128,8 +135,9 @@ class _Queue:
     demand: Demand
     most_rows: int
     waiting: deque[_Waiting] = attrs.Factory(deque)
-    #: Whether a lease has been asked for and not yet used.
+    #: Whether a lease has been asked for and not yet used, and since when.
     asking: bool = False
+    asked: float = 0.0
 
 
 def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
@@ -185,6 +193,8 @@ class FrontBatcher:
         waiting = _Waiting(request, call, parsed, kind, rows, span, queue,
                            self._clock.seconds())
         waiting.answer = Deferred(lambda d: self._cancelled(waiting))
+        waiting.expiry = self._clock.callLater(self._scheduler.queue.timeout_seconds,
+                                               self._expired, waiting)
         queue.waiting.append(waiting)
         self._ask(queue)
         return waiting.answer
@@ -193,7 +203,7 @@ class FrontBatcher:
         """Ask for a lease for the queue's next batch, once at a time."""
         if queue.asking or not queue.waiting:
             return
-        queue.asking = True
+        queue.asking, queue.asked = True, self._clock.seconds()
         self._scheduler.acquire(queue.demand).addCallbacks(
             self._granted, self._refused, callbackArgs=(queue,), errbackArgs=(queue,))
 
@@ -202,13 +212,31 @@ class FrontBatcher:
         self._clock.callLater(0, self._form, queue, lease)
 
     def _refused(self, failure: Failure, queue: _Queue) -> None:
-        # No member, or the front's queue full or timed out: every request
-        # waiting now would have met the same.
         queue.asking = False
-        waiting, queue.waiting = queue.waiting, deque()
-        for request in waiting:
-            request.answer.errback(failure)
+        now, timeout = self._clock.seconds(), self._scheduler.queue.timeout_seconds
+        if now - queue.asked >= timeout:
+            # The lease's own wait timed out: it was asked for on behalf of
+            # the requests then waiting, whose time is up too; those that
+            # arrived since have time left, and the lease is asked for again.
+            for request in [r for r in queue.waiting if now - r.arrived >= timeout]:
+                self._expired(request)
+            self._ask(queue)
+        else:
+            # No member, a draining front, the front's queue full: every
+            # request waiting now would meet the same.
+            waiting, queue.waiting = queue.waiting, deque()
+            for request in waiting:
+                request.expiry.cancel()
+                request.answer.errback(failure)
         self._tidy(queue)
+
+    def _expired(self, waiting: _Waiting) -> None:
+        """C{waiting} has waited its queue wait timeout: it is refused."""
+        if waiting.expiry.active():
+            waiting.expiry.cancel()
+        waiting.queue.waiting.remove(waiting)
+        waiting.answer.errback(self._scheduler.timed_out())
+        self._tidy(waiting.queue)
 
     def _form(self, queue: _Queue, lease: Lease) -> None:
         queue.asking = False
@@ -238,7 +266,7 @@ class FrontBatcher:
             if batch.members and (first.kind is None or request.kind != first.kind
                                   or rows + request.rows > queue.most_rows):
                 break
-            queue.waiting.popleft()
+            queue.waiting.popleft().expiry.cancel()
             batch.members.append(request)
             request.batch = batch
             rows += request.rows
@@ -313,6 +341,7 @@ class FrontBatcher:
                 waiting.queue.waiting.remove(waiting)
             except ValueError:
                 return
+            waiting.expiry.cancel()
             log.info("{request_id} dropped: the client went away before its batch was sent",
                      request_id=waiting.call.request_id)
             self._tidy(waiting.queue)
