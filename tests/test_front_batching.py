@@ -17,9 +17,10 @@ from twisted.web.resource import Resource
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import BadRequest, KCoralError
+from kcoral.errors import BadRequest, KCoralError, ProgramFailed
 from kcoral.inference.front import InferCall
-from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
+from kcoral.router import batching
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.pool import Pool
@@ -39,7 +40,8 @@ def model(x: np.ndarray) -> np.ndarray:
 
 class ModelWorker(Resource):
     """A worker's inference route for L{model}: it holds each request until
-    L{release}, answers 400 to inputs holding NaN, or C{code} to all."""
+    L{release}, answers 400 to inputs holding NaN, or C{code} to all; its answers
+    carry C{header_length} in place of their own when it is set."""
 
     isLeaf = True
 
@@ -49,6 +51,7 @@ class ModelWorker(Resource):
         self.held: list = []
         self.rows: list[int] = []
         self.lost: list = []
+        self.header_length: bytes | None = None
 
     def render_POST(self, request):
         self.held.append(request)
@@ -68,7 +71,8 @@ class ModelWorker(Resource):
             else:
                 answer = encode_infer("mlp", "1", parsed, {"y": model(x)})
                 if answer.header_length is not None:
-                    request.setHeader(INFERENCE_HEADER_LENGTH, b"%d" % answer.header_length)
+                    request.setHeader(INFERENCE_HEADER_LENGTH,
+                                      self.header_length or b"%d" % answer.header_length)
                 request.write(answer.body)
             request.finish()
 
@@ -89,7 +93,10 @@ class Front:
         self.workers = FakeWorkers(**{"10.0.0.1": worker})
         self.client = self.workers.client()
         scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
-        self.batcher = FrontBatcher(Forwarder(scheduler, Proxy(self.client), self.clock),
+        #: The queue waits the forwarder observed.
+        self.waits: list[float] = []
+        self.batcher = FrontBatcher(Forwarder(scheduler, Proxy(self.client), self.clock,
+                                              observe_wait=self.waits.append),
                                     self.clock, most_waiting=32)
         self.most_rows = most_rows
 
@@ -240,9 +247,27 @@ def test_a_bad_request_does_not_fail_the_others():
     assert outcomes[0][0].body == alone(*bodies[0]) and outcomes[2][0].body == alone(*bodies[2])
 
 
-def test_a_merged_request_that_fails_fails_each_member_with_the_same_error():
-    """A 500 for a merged request is the answer each of its members gets."""
-    front = Front(ModelWorker(code=500))
+@pytest.mark.parametrize("code", [500, 507])
+def test_a_merged_request_that_may_fail_for_one_member_is_sent_again_member_by_member(code):
+    """A 500 or a 507 for a merged request may be one client's doing: each member is sent
+    again alone, once, and gets the answer to its own request."""
+    front = Front(ModelWorker(code=code))
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+    while any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 3, 1, 1, 1]
+    assert all(isinstance(o[0], KCoralError) and o[0].status == code for o in outcomes)
+    assert front.pool.active() == 0
+
+
+def test_a_merged_request_that_fails_for_want_of_capacity_fails_each_member_alike():
+    """Any other failure of a merged request (here a 502) is what each member would have
+    met alone: each gets it, and none is sent again."""
+    front = Front(ModelWorker(code=502))
     front.infer(*request(rows(1, 0)))
     front.turn()
     outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
@@ -252,7 +277,7 @@ def test_a_merged_request_that_fails_fails_each_member_with_the_same_error():
         front.turn()
     assert front.worker.rows == [1, 3]
     errors = [o[0] for o in outcomes]
-    assert all(isinstance(e, KCoralError) and e.status == 500 for e in errors)
+    assert all(isinstance(e, KCoralError) and e.status == 502 for e in errors)
     assert len({(e.status, e.message) for e in errors}) == 1
 
 
@@ -270,3 +295,132 @@ def test_what_cannot_merge_goes_alone_as_it_came(most_rows):
         front.worker.release()
         front.turn()
     assert sent == [body for body, _ in bodies]
+
+
+def test_a_malformed_answer_to_a_batch_fails_each_member_and_frees_the_slot():
+    """A merged request answered with a header length that is no number is the worker's
+    failure: each member gets a 500, and the slot serves the next request."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+    front.worker.release()
+    front.turn()
+    front.worker.header_length = b"many"
+    front.worker.release()
+    front.turn()
+    assert all(isinstance(o[0], ProgramFailed) for o in outcomes)
+    assert front.pool.active() == 0
+    front.worker.header_length = None
+    body = request(rows(2, 9))
+    _, done = front.infer(*body)
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert done[0].body == alone(*body)
+
+
+@pytest.mark.parametrize("broken", ["merge_infer", "parse_answer"])
+def test_a_fault_while_forming_or_answering_a_batch_fails_its_members_and_frees_the_slot(
+        monkeypatch, broken):
+    """An unexpected exception while a batch is formed and sent, or while its answer is
+    split, fails each of its members with a 500 (none waits forever) and gives back its
+    lease, so the next batch is served."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(batching, broken, fault)
+    for _ in range(2):
+        front.worker.release()
+        front.turn()
+    assert all(isinstance(o[0], KCoralError) and o[0].status == 500 for o in outcomes)
+    assert front.pool.active() == 0
+    monkeypatch.undo()
+    body = request(rows(2, 9))
+    _, done = front.infer(*body)
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert done[0].body == alone(*body)
+
+
+def test_a_request_sent_again_alone_has_its_queue_wait_observed_once():
+    """Members of a refused batch, sent again one by one, each had their wait for capacity
+    observed when their batch was taken, and not again."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    bad = rows(1, 1)
+    bad[0, 0] = np.nan
+    outcomes = [front.infer(*request(x))[1] for x in (rows(1, 2), bad, rows(1, 3))]
+    while any(not o for o in outcomes):
+        front.turn()
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 3, 1, 1, 1]
+    assert len(front.waits) == 4
+
+
+def test_a_body_too_large_to_parse_on_the_reactor_goes_alone_unparsed(monkeypatch):
+    """Requests of bodies over ON_REACTOR_BYTES that could merge are not parsed at the
+    front: each goes alone, with its client's own bytes."""
+    parsed: list = []
+    monkeypatch.setattr(batching, "parse_infer", lambda *args: parsed.append(args) or parse_infer(*args))
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    columns = ON_REACTOR_BYTES // 4 + 1
+    bodies = [request(rows(1, i, columns)) for i in range(1, 3)]
+    outcomes = [front.infer(*body)[1] for body in bodies]
+    sent = []
+    while any(not o for o in outcomes):
+        front.turn()
+        sent += [r.content.getvalue() for r in front.worker.held]
+        front.worker.release()
+        front.turn()
+    assert len(parsed) == 1
+    assert sent == [request(rows(1, 0))[0]] + [body for body, _ in bodies]
+    assert [o[0].body for o in outcomes] == [alone(*body) for body in bodies]
+
+
+def test_each_waiting_request_times_out_from_its_own_arrival():
+    """While no slot frees, each waiting request gets 503 queue_timeout once it has waited
+    the scheduler's queue wait timeout since its own arrival: the lease's timeout on behalf
+    of an older request does not fail one that arrived later."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    _, older = front.infer(*request(rows(1, 1)))
+    front.clock.advance(20)
+    _, newer = front.infer(*request(rows(1, 2)))
+    front.clock.advance(10)
+    assert older[0].status == 503 and older[0].reason == "queue_timeout" and newer == []
+    front.clock.advance(19)
+    assert newer == []
+    front.clock.advance(1)
+    assert newer[0].status == 503 and newer[0].reason == "queue_timeout"
+    assert newer[0].message == older[0].message == "no capacity freed up within the queue wait timeout"
+    assert front.worker.rows == [] and len(front.worker.held) == 1
+
+
+def test_a_request_that_outlives_the_lease_timeout_is_served_when_a_slot_frees():
+    """After the queue's lease times out for an older request, the lease is asked for again
+    for the newer: it goes once the slot frees, and gets its answer."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    front.infer(*request(rows(1, 1)))
+    front.clock.advance(20)
+    body = request(rows(2, 2))
+    _, newer = front.infer(*body)
+    front.clock.advance(15)
+    front.worker.release()
+    front.turn()
+    front.worker.release()
+    front.turn()
+    assert front.worker.rows == [1, 2] and newer[0].body == alone(*body)

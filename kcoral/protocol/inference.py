@@ -34,6 +34,10 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_INPUTS = MAX_TENSORS
 #: The longest request id echoed back.
 MAX_ID_CHARS = 256
+#: Bodies and answers up to this size are decoded and encoded on the reactor's
+#: thread (a JSON header and views of the tensors: microseconds); larger ones,
+#: which may be long JSON lists of numbers, are not.
+ON_REACTOR_BYTES = 64 * 1024
 
 _HALF_FLOATS = (DATATYPES["FP16"], DATATYPES["BF16"])
 

@@ -20,15 +20,22 @@ once, so every free slot takes a batch of what waits.
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
 as the worker encodes an answer, the same bytes as it gets alone. A
-request that cannot merge (a model of no batch dimension, a body that
+request that cannot merge (a model of no batch dimension, a body larger
+than C{ON_REACTOR_BYTES}, which it would parse on the reactor, a body that
 does not parse, parameters beyond C{binary_data_output}, more rows than a
-batch takes) goes alone, as it came. A merged request answered with a
-4xx (one member's inputs do not fit the model) is sent again member by
-member, so that each gets its own answer; any other failure (no capacity,
-the node lost, the model failed) is what each member would have met, and
-each gets it. A client that leaves while its request waits is dropped
+batch takes) goes alone, as it came. A merged request answered with an
+error that may be one member's doing (a 4xx: its inputs do not fit the
+model; a 500: they fail it; a 507: their outputs do not fit the worker's
+memory) is sent again member by member, once, so that each gets its own
+answer and one client's request never fails the others; any other failure
+(no capacity, the node lost) is what each member would have met, and each
+gets it. A client that leaves while its request waits is dropped
 from the queue; one that leaves while its batch runs has its rows
 dropped, and the batch is cancelled once all of its clients left.
+
+Each request waits at most the scheduler's queue wait timeout from its own
+arrival. When the queue's lease times out, only those whose own time is up
+fail; the lease is asked for again for those that arrived since.
 """
 
 from __future__ import annotations
@@ -37,15 +44,30 @@ from collections import deque
 from collections.abc import Callable
 
 import attrs
+from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import BadRequest, ProgramFailed, ServerBusy, error_from_answer
+from kcoral.errors import (
+    BadRequest,
+    InternalError,
+    KeptMemoryFull,
+    ProgramFailed,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
-from kcoral.protocol.inference import InferRequest, encode_infer, merge_infer, parse_answer, parse_infer
+from kcoral.protocol.inference import (
+    ON_REACTOR_BYTES,
+    InferRequest,
+    encode_infer,
+    merge_infer,
+    parse_answer,
+    parse_infer,
+)
 from kcoral.router.forward import Forwarder
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Lease
@@ -93,6 +115,8 @@ class _Waiting:
     queue: _Queue
     arrived: float
     answer: Deferred = attrs.field(init=False)
+    #: Its own wait timeout, from its arrival, while it waits in its queue.
+    expiry: DelayedCall = attrs.field(init=False)
     #: The batch it went in, once forwarded.
     batch: _Batch | None = None
 
@@ -111,8 +135,9 @@ class _Queue:
     demand: Demand
     most_rows: int
     waiting: deque[_Waiting] = attrs.Factory(deque)
-    #: Whether a lease has been asked for and not yet used.
+    #: Whether a lease has been asked for and not yet used, and since when.
     asking: bool = False
+    asked: float = 0.0
 
 
 def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
@@ -156,7 +181,10 @@ class FrontBatcher:
             raise ServerBusy(f"{len(queue.waiting)} inferences of this model are already waiting",
                              reason="queue_full")
         parsed, kind, rows = None, None, 0
-        if most_rows > 0:
+        # The front parses only what it can parse on the reactor without
+        # holding up other clients; merging a larger body would save little
+        # next to the cost of its bytes, so it goes alone, as it came.
+        if most_rows > 0 and len(call.body) <= ON_REACTOR_BYTES:
             try:
                 parsed = parse_infer(call.body, call.header_length)
                 kind, rows = _kind(parsed, most_rows)
@@ -165,6 +193,8 @@ class FrontBatcher:
         waiting = _Waiting(request, call, parsed, kind, rows, span, queue,
                            self._clock.seconds())
         waiting.answer = Deferred(lambda d: self._cancelled(waiting))
+        waiting.expiry = self._clock.callLater(self._scheduler.queue.timeout_seconds,
+                                               self._expired, waiting)
         queue.waiting.append(waiting)
         self._ask(queue)
         return waiting.answer
@@ -173,7 +203,7 @@ class FrontBatcher:
         """Ask for a lease for the queue's next batch, once at a time."""
         if queue.asking or not queue.waiting:
             return
-        queue.asking = True
+        queue.asking, queue.asked = True, self._clock.seconds()
         self._scheduler.acquire(queue.demand).addCallbacks(
             self._granted, self._refused, callbackArgs=(queue,), errbackArgs=(queue,))
 
@@ -182,44 +212,69 @@ class FrontBatcher:
         self._clock.callLater(0, self._form, queue, lease)
 
     def _refused(self, failure: Failure, queue: _Queue) -> None:
-        # No member, or the front's queue full or timed out: every request
-        # waiting now would have met the same.
         queue.asking = False
-        waiting, queue.waiting = queue.waiting, deque()
-        for request in waiting:
-            request.answer.errback(failure)
+        now, timeout = self._clock.seconds(), self._scheduler.queue.timeout_seconds
+        if now - queue.asked >= timeout:
+            # The lease's own wait timed out: it was asked for on behalf of
+            # the requests then waiting, whose time is up too; those that
+            # arrived since have time left, and the lease is asked for again.
+            for request in [r for r in queue.waiting if now - r.arrived >= timeout]:
+                self._expired(request)
+            self._ask(queue)
+        else:
+            # No member, a draining front, the front's queue full: every
+            # request waiting now would meet the same.
+            waiting, queue.waiting = queue.waiting, deque()
+            for request in waiting:
+                request.expiry.cancel()
+                request.answer.errback(failure)
         self._tidy(queue)
+
+    def _expired(self, waiting: _Waiting) -> None:
+        """C{waiting} has waited its queue wait timeout: it is refused."""
+        if waiting.expiry.active():
+            waiting.expiry.cancel()
+        waiting.queue.waiting.remove(waiting)
+        waiting.answer.errback(self._scheduler.timed_out())
+        self._tidy(waiting.queue)
 
     def _form(self, queue: _Queue, lease: Lease) -> None:
         queue.asking = False
-        if not queue.waiting:
-            lease.release()
+        batch = _Batch([])
+        try:
+            if queue.waiting:
+                self._take(queue, batch)
+                self._send(batch, lease)
+        except Exception:
+            # A fault of this module's: the requests it took get a 500 and
+            # the lease goes back, so that nothing waits forever.
+            log.failure("a batch of {path} could not be sent", path=queue.path)
+            _fail(batch.members, InternalError("the inference could not be forwarded"))
+        finally:
+            if batch.forward is None:
+                lease.release()
+            self._ask(queue)
             self._tidy(queue)
-            return
-        batch = self._head(queue)
-        now = self._clock.seconds()
-        for member in batch.members:
-            queue.waiting.popleft()
-            member.batch = batch
-            self._forwarder.observe_wait(now - member.arrived)
-        self._ask(queue)
-        self._tidy(queue)
-        self._send(batch, lease)
 
-    @staticmethod
-    def _head(queue: _Queue) -> _Batch:
-        """The next batch: the queue's head, as far as its requests merge and fit."""
+    def _take(self, queue: _Queue, batch: _Batch) -> None:
+        """Take the next batch into C{batch}: the queue's head, as far as
+        its requests merge and fit."""
         first = queue.waiting[0]
-        members, rows = [first], first.rows
-        if first.kind is not None:
-            for request in list(queue.waiting)[1:]:
-                if request.kind != first.kind or rows + request.rows > queue.most_rows:
-                    break
-                members.append(request)
-                rows += request.rows
-        return _Batch(members)
+        rows, now = 0, self._clock.seconds()
+        while queue.waiting:
+            request = queue.waiting[0]
+            if batch.members and (first.kind is None or request.kind != first.kind
+                                  or rows + request.rows > queue.most_rows):
+                break
+            queue.waiting.popleft().expiry.cancel()
+            batch.members.append(request)
+            request.batch = batch
+            rows += request.rows
+            self._forwarder.observe_wait(now - request.arrived)
 
-    def _send(self, batch: _Batch, lease: Lease | None) -> None:
+    def _send(self, batch: _Batch, lease: Lease | None = None) -> None:
+        """Forward C{batch} with C{lease}, or, without one, as a request
+        sent again, whose wait was observed when it was first taken."""
         first = batch.members[0]
         if len(batch.members) == 1:
             request, body = first.request, first.call.body
@@ -234,29 +289,33 @@ class FrontBatcher:
                 log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
                           ids=[m.call.request_id for m in batch.members])
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
-                                                1, first.span, lease=lease)
-        batch.forward.addBoth(self._answered, batch)
+                                                1, first.span, lease=lease, waited=lease is None)
+        batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
+
+    def _broken(self, failure: Failure, batch: _Batch) -> None:
+        """A fault of this module's while answering C{batch}: its members
+        still waiting for it get a 500."""
+        log.failure("the answer to a batch could not be handed over", failure)
+        _fail([m for m in batch.members if m.batch is batch],
+              InternalError("the inference's answer could not be handed over"))
 
     def _answered(self, result, batch: _Batch) -> None:
         live = [m for m in batch.members if not m.answer.called]
         if isinstance(result, Failure):
-            for member in live:
-                member.answer.errback(result)
+            _fail(live, result)
         elif len(batch.members) == 1:
             for member in live:
                 _settle(member, _answer_of, result)
         elif result.code == 200:
             self._split(result, batch)
-        elif 400 <= result.code < 500:
+        elif _one_members(result.code):
             for member in live:
                 log.info("{request_id} sent alone: its batch was answered {status}",
                          request_id=member.call.request_id, status=result.code)
                 member.batch = _Batch([member])
-                self._send(member.batch, None)
+                self._send(member.batch)
         else:
-            error = error_from_answer(result.code, result.body)
-            for member in live:
-                member.answer.errback(error)
+            _fail(live, error_from_answer(result.code, result.body))
 
     def _split(self, answer, batch: _Batch) -> None:
         """Each live member's answer from its own rows of the merged C{answer}."""
@@ -266,9 +325,7 @@ class FrontBatcher:
             if any(not o.shape or o.shape[0] != total for o in outputs.values()):
                 raise ProgramFailed(f"the model answered outputs of other than {total} rows")
         except ProgramFailed as e:
-            for member in batch.members:
-                if not member.answer.called:
-                    member.answer.errback(e)
+            _fail(batch.members, e)
             return
         start = 0
         for member in batch.members:
@@ -284,6 +341,7 @@ class FrontBatcher:
                 waiting.queue.waiting.remove(waiting)
             except ValueError:
                 return
+            waiting.expiry.cancel()
             log.info("{request_id} dropped: the client went away before its batch was sent",
                      request_id=waiting.call.request_id)
             self._tidy(waiting.queue)
@@ -295,6 +353,21 @@ class FrontBatcher:
         """Forget a queue with nothing waiting nor asked for."""
         if not queue.waiting and not queue.asking and self._queues.get(queue.path) is queue:
             del self._queues[queue.path]
+
+
+def _one_members(status: int) -> bool:
+    """Whether a merged request's error C{status} may be one member's doing:
+    a 4xx (its inputs do not fit the model), a 500 (its inputs fail the
+    model) or a 507 (its outputs do not fit the worker's memory). A 503 or a
+    lost node is the capacity's, and what each member would have met."""
+    return 400 <= status < 500 or status in (ProgramFailed.status, KeptMemoryFull.status)
+
+
+def _fail(members: list[_Waiting], error: Exception | Failure) -> None:
+    """Fail the answers of C{members} that have not fired with C{error}."""
+    for member in members:
+        if not member.answer.called:
+            member.answer.errback(error)
 
 
 def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None:
@@ -309,8 +382,16 @@ def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None
 
 
 def _header_length(answer) -> int | None:
+    """The length of the JSON header of a worker's binary answer; a
+    malformed one is the worker's failure."""
     length = answer.headers.get(INFERENCE_HEADER_LENGTH)
-    return None if length is None else int(length)
+    if length is None:
+        return None
+    try:
+        return int(length)
+    except ValueError:
+        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}"
+                            ) from None
 
 
 def _answer_of(answer) -> InferAnswer:

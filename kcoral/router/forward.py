@@ -76,7 +76,7 @@ class Forwarder:
 
     @inlineCallbacks
     def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
-                span: ISpan = NO_SPAN, lease: Lease | None = None):
+                span: ISpan = NO_SPAN, lease: Lease | None = None, waited: bool = False):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
         (the run of C{request}, needing the content C{demand} if known, exported
@@ -93,6 +93,8 @@ class Forwarder:
 
         C{lease}, when given, is one already held for the first try (whoever
         acquired it observed the wait); it is released like the others.
+        C{waited}: the request's wait was observed already (it is sent again
+        after waiting once), so this forward's is not.
         """
         rid = request.request_id
         arrived = self._clock.seconds()
@@ -106,7 +108,7 @@ class Forwarder:
             if held is None:
                 with span.child("kcoral.queue_wait"):
                     held = yield self.scheduler.acquire(demand, devices)
-                if not (not_sent or lost or moved):
+                if not (not_sent or lost or moved or waited):
                     # Once a run: how long it waited for capacity (not again
                     # for each member that turned it away).
                     self.observe_wait(self._clock.seconds() - arrived)

@@ -126,10 +126,14 @@ class Scheduler:
         if failure.check(QueueFull):
             raise ServerBusy("too many requests are already waiting for capacity", reason="queue_full")
         if failure.check(QueueTimeout):
-            if not self.pool.ready_nodes():
-                raise ServerBusy("no node was ready while the request waited", reason="no_ready_node")
-            raise ServerBusy("no capacity freed up within the queue wait timeout", reason="queue_timeout")
+            raise self.timed_out()
         return failure
+
+    def timed_out(self) -> ServerBusy:
+        """The refusal of a request that waited the queue's wait timeout."""
+        if not self.pool.ready_nodes():
+            return ServerBusy("no node was ready while the request waited", reason="no_ready_node")
+        return ServerBusy("no capacity freed up within the queue wait timeout", reason="queue_timeout")
 
     def dispatch(self) -> None:
         """Give free capacity to waiting requests, as the placement rule

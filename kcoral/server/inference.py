@@ -26,7 +26,7 @@ from kcoral.inference.front import (
 )
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
-from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
     READY,
@@ -203,14 +203,9 @@ class ServerInference:
         return outputs
 
 
-#: Bodies and answers up to this size are decoded and encoded on the reactor's
-#: thread (a JSON header and views of the tensors: microseconds); larger ones,
-#: which may be long JSON lists of numbers, in a thread.
-_ON_REACTOR_BYTES = 64 * 1024
-
-
 def _off_reactor(size: int, f: Callable, *args) -> Deferred:
-    if size <= _ON_REACTOR_BYTES:
+    # Larger bodies and answers are decoded and encoded in a thread.
+    if size <= ON_REACTOR_BYTES:
         try:
             return succeed(f(*args))
         except Exception:
