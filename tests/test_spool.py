@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPullProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
+from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -259,7 +261,6 @@ async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
 @pytest_twisted.ensureDeferred
 async def test_a_large_input_runs_through_a_router(processes):
     """A run with a 24 MiB input, spooled by the Router on its way, gets the right answer."""
-    from twisted.internet.threads import deferToThread
 
     from tests.test_routed import start_node, start_router, until_ready
     from tests.test_server import attempt
@@ -466,8 +467,13 @@ class StreamingRouter:
         self.app.pool.observe()
         self._ports.append(reactor.listenTCP(0, site, interface="127.0.0.1"))
 
+    @property
+    def port(self) -> int:
+        """The Router's port."""
+        return self._ports[-1].getHost().port
+
     async def connect(self) -> Uploader:
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self._ports[-1].getHost().port)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
         return await connectProtocol(endpoint, Uploader())
 
     async def close(self) -> None:
@@ -623,3 +629,32 @@ async def test_a_256_mib_body_passes_in_bounded_memory(streaming):
     status, body = await _answer_of(client)
     assert status == 200 and body == _digest_of(chunk, count)
     assert _peak_rss() - before < 64 << 20
+
+
+def _send_part_then_read(port: int, head: bytes, part: int) -> bytes:
+    """What a blocking client reads after sending C{head} and C{part} bytes of its body (not all
+    of it), writing through its socket's buffers before it reads anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        chunk = b"x" * (1 << 16)
+        for _ in range(part // len(chunk)):
+            s.sendall(chunk)
+        answer = b""
+        while data := s.recv(1 << 16):
+            answer += data
+        return answer
+
+
+@pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
+@pytest.mark.parametrize("extra, status", [(b"X-KCoral-Devices: 64\r\n", 422),
+                                           (b"X-KCoral-Devices: none\r\n", 400)])
+@pytest_twisted.ensureDeferred
+async def test_an_early_answer_reaches_a_client_still_sending_its_body(streaming, extra, status):
+    """A run the Router answers before its body has arrived: a client that goes on sending part
+    of the body (more than the sockets buffer) then reads gets the JSON answer, not a reset."""
+    port = streaming.port
+    head = b"POST /v1/run HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%s\r\n" % (LARGE, extra)
+    answer = await deferToThread(_send_part_then_read, port, head, 4 * READ_BYTES)
+    got, _, body = parse_raw(answer)
+    assert got == status and b'"error"' in body and b"request_id" in body
+    assert streaming.members.connections == []

@@ -54,8 +54,10 @@ class KCoralRequest(server.Request):
     (within the spool's L{kept<kcoral.web.spool.Spool.kept>} budget), else
     written to a file; readers follow it while it arrives, and its client is
     read only while one does. Answered before its
-    body has all arrived (an error, say), it closes its connection after the
-    answer and drops the rest of the body.
+    body has all arrived (an error, say), it reads and drops the rest of the
+    body, and closes its connection after the answer the way a refusal does
+    (L{kcoral.web.channel.KCoralChannel.refuse}), so that its client reads
+    the answer rather than a reset.
     """
 
     channel: KCoralChannel
@@ -174,6 +176,7 @@ class KCoralRequest(server.Request):
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
+        self._read_the_rest()
         channel = self.channel
         channel.site.metrics.observe(self.uri or b"other", status, 0.0)
         if not self._arriving:
@@ -190,6 +193,12 @@ class KCoralRequest(server.Request):
         else:
             channel.refuse(response)
             self.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
+
+    def _read_the_rest(self) -> None:
+        """Read (and drop) what its client still sends: a client held while
+        its answer is sent, then closed on, would get a reset, not the answer."""
+        if self._holds is not None:
+            self._holds.release_all()
 
     def _raw_answer(self, body: bytes) -> bytes:
         """The whole HTTP response of C{body} with this request's status and
@@ -304,6 +313,7 @@ class KCoralRequest(server.Request):
             self.requestHeaders.removeHeader(b"Expect")
             self.close_after_response()
             self.channel.discard_input()
+            self._read_the_rest()
         site = self.channel.site if self.channel is not None else None
         if site is not None and not self.finished and self._started is not None:
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
