@@ -33,7 +33,13 @@ from zope.interface import implementer
 
 from kcoral import Program
 from kcoral.router.proxy import NotSent
-from kcoral.web.body import READ_BYTES, FileReader, MemoryBody, SpooledBody
+from kcoral.web.body import (
+    PACE_BYTES_PER_SECOND,
+    READ_BYTES,
+    FileReader,
+    MemoryBody,
+    SpooledBody,
+)
 from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
 from tests.harness import until
 from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
@@ -658,3 +664,28 @@ async def test_an_early_answer_reaches_a_client_still_sending_its_body(streaming
     got, _, body = parse_raw(answer)
     assert got == status and b'"error"' in body and b"request_id" in body
     assert streaming.members.connections == []
+
+
+def test_a_body_is_behind_only_when_late_while_a_forward_waits_on_it():
+    """A body still arriving is behind when, while a reader last followed it, it arrived under
+    the pace a forward asks; time a reader spent paused (the member's) is not counted."""
+    clock = Clock()
+    body = SpooledBody(10 * PACE_BYTES_PER_SECOND, Serial(Threads()), chunks=[], clock=clock)
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = body.send()
+    reader.startProducing(consumer)
+    clock.advance(1)
+    body.arrived(b"x" * PACE_BYTES_PER_SECOND)
+    assert not body.behind()
+    reader.pauseProducing()  # the member is slow to read: its time, not the client's
+    clock.advance(30)
+    assert not body.behind()
+    reader.resumeProducing()
+    clock.advance(2)
+    body.arrived(b"x" * 100)
+    assert body.behind()
+    reader.stopProducing()  # the forward failed: judged on the time it waited
+    clock.advance(30)
+    assert body.behind()
+    body.arrived(b"x" * (body.length - body.received))
+    assert not body.behind()  # all of it arrived: whatever failed, it was not the client

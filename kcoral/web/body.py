@@ -21,6 +21,12 @@ from kcoral.web.serial import Serial
 #: Bytes read from a spooled body at a time: large enough that a thread hop
 #: per chunk costs little, small enough to be all the memory a forward holds.
 READ_BYTES = 1 << 20
+#: While a forward waits on its client (a reader has caught up with a body
+#: still arriving, and holds a member's slot meanwhile), the body must arrive
+#: at this rate or better over each window of L{PACE_WINDOW_SECONDS}: a
+#: client that stalls, or trickles, does not hold a member for long.
+PACE_BYTES_PER_SECOND = 1 << 20
+PACE_WINDOW_SECONDS = 10.0
 
 
 class IBody(Interface):
@@ -34,6 +40,11 @@ class IBody(Interface):
 
     def close() -> Deferred[None]:
         """Let go of what holds it; it is not sent again."""
+
+    def behind() -> bool:
+        """Whether a forward of it that ends now was let down by its client:
+        it has not all arrived, and while a forward last waited on it, it
+        arrived under L{PACE_BYTES_PER_SECOND}."""
 
 
 @implementer(IBody)
@@ -52,6 +63,9 @@ class MemoryBody:
 
     def close(self) -> Deferred[None]:
         return succeed(None)
+
+    def behind(self) -> bool:
+        return False
 
 
 def body_of(request) -> IBody:
@@ -78,11 +92,14 @@ class SpooledBody:
     handed each chunk as it arrives (L{follow}); one behind what arrived
     reads the chunks, or the file, and waits when it has read all that is
     written (L{when_grown}).
+
+    While a reader follows it, a forward waits on its client: C{clock}
+    times that against L{PACE_BYTES_PER_SECOND} (L{behind}).
     """
 
     def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
                  written: int = 0, chunks: list[bytes] | None = None,
-                 kept: Callable[[], object] = lambda: None):
+                 kept: Callable[[], object] = lambda: None, clock=None):
         self.length = length
         self.serial = serial
         self.file = file
@@ -94,6 +111,12 @@ class SpooledBody:
         #: Told whether a reader follows it, each time that changes: its
         #: client is read at the pace of the reader (None: at its own).
         self.paced: Callable[[bool], object] | None = None
+        self._clock = clock
+        # The last stretch of time readers followed it: its start, the bytes
+        # arrived then, and its end (None: still following).
+        self._since = 0.0
+        self._mark = 0
+        self._until: float | None = 0.0
 
     def arrived(self, data: bytes) -> None:
         """C{data} arrived, next after what did: readers following get it."""
@@ -116,14 +139,32 @@ class SpooledBody:
 
     def follow(self, reader: FileReader) -> None:
         """Hand C{reader} each chunk as it arrives, until L{unfollow}."""
-        if not self._following and self.paced is not None:
-            self.paced(True)
+        if not self._following:
+            self._start_window()
+            if self.paced is not None:
+                self.paced(True)
         self._following[reader] = None
 
     def unfollow(self, reader: FileReader) -> None:
-        if self._following.pop(reader, False) is None and not self._following and \
-                self.paced is not None:
-            self.paced(False)
+        if self._following.pop(reader, False) is None and not self._following:
+            self._end_window()
+            if self.paced is not None:
+                self.paced(False)
+
+    def _start_window(self) -> None:
+        if self._clock is None:
+            return
+        self._since, self._mark, self._until = self._clock.seconds(), self.received, None
+
+    def _end_window(self) -> None:
+        if self._clock is not None and self._until is None:
+            self._until = self._clock.seconds()
+
+    def behind(self) -> bool:
+        if self._clock is None or self.received >= self.length:
+            return False
+        until = self._clock.seconds() if self._until is None else self._until
+        return self.received - self._mark < PACE_BYTES_PER_SECOND * (until - self._since)
 
     def send(self) -> IBodyProducer:
         return FileReader(self)

@@ -54,6 +54,8 @@ class Spool:
         self.kept_bytes = kept_bytes
         self._kept = 0
         self._reactor = reactor
+        #: What times the bodies it holds (L{kcoral.web.body.SpooledBody.behind}).
+        self.clock = reactor
         self._in_thread = in_thread
         self._pool: ThreadPool | None = None
 
@@ -77,7 +79,8 @@ class Spool:
         def closed() -> None:
             self._kept -= length
 
-        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed)
+        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed,
+                           clock=self.clock)
 
     def writer(self, holds: Holds, failed: Callable[[Failure], object],
                length: int | None = None) -> SpoolWriter:
@@ -185,7 +188,8 @@ class SpoolWriter:
         self._writing = self._discarded = False
         self._spilled = length is not None
         #: The body, readable while it arrives (None: of unknown length).
-        self.body = None if length is None else SpooledBody(length, self._serial)
+        self.body = None if length is None else SpooledBody(length, self._serial,
+                                                               clock=spool.clock)
         self._failure: Failure | None = None
         self._done: Deferred[IBody] | None = None
 
