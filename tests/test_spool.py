@@ -35,6 +35,7 @@ from kcoral import Program
 from kcoral.router.proxy import NotSent
 from kcoral.web.body import (
     PACE_BYTES_PER_SECOND,
+    PACE_WINDOW_SECONDS,
     READ_BYTES,
     FileReader,
     MemoryBody,
@@ -689,3 +690,35 @@ def test_a_body_is_behind_only_when_late_while_a_forward_waits_on_it():
     assert body.behind()
     body.arrived(b"x" * (body.length - body.received))
     assert not body.behind()  # all of it arrived: whatever failed, it was not the client
+
+
+def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tmp_path):
+    """A body a forward waits on that keeps the least rate of every body, but not the pace a
+    forward asks, is refused with a 408 when its window ends, and its handling is cancelled
+    (so its member is freed); time the forward was paused by its member is not counted."""
+    clock = Clock()
+    resource = Bodies()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
+                     streams=lambda method, path: True)
+    channel, transport = connect(site)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % (64 << 20))
+    [request] = resource.requests
+    gone: list = []
+    request.notifyFinish().addErrback(gone.append)
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    reader.startProducing(consumer)
+    channel.dataReceived(b"f" * (5 * PACE_BYTES_PER_SECOND))
+    reader.pauseProducing()
+    clock.advance(60)  # the member's time
+    reader.resumeProducing()
+    for _ in range(int(PACE_WINDOW_SECONDS) - 1):
+        clock.advance(1)
+        channel.dataReceived(b"t" * 4096)  # well over the least rate of any body
+    assert transport.value() == b"" and not gone
+    clock.advance(1)
+    status, _, body = parse_raw(transport.value())
+    assert status == 408 and b"request_timeout" in body
+    assert len(gone) == 1 and transport.producerState == "producing"

@@ -94,7 +94,8 @@ class SpooledBody:
     written (L{when_grown}).
 
     While a reader follows it, a forward waits on its client: C{clock}
-    times that against L{PACE_BYTES_PER_SECOND} (L{behind}).
+    times that against L{PACE_BYTES_PER_SECOND} (L{behind}), window by
+    window, and C{stalled} is told when a window ends behind.
     """
 
     def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
@@ -111,7 +112,10 @@ class SpooledBody:
         #: Told whether a reader follows it, each time that changes: its
         #: client is read at the pace of the reader (None: at its own).
         self.paced: Callable[[bool], object] | None = None
+        #: Told when a window of a forward waiting on its client ends behind.
+        self.stalled: Callable[[], object] | None = None
         self._clock = clock
+        self._window_end = None  # a named timer: the current window's end
         # The last stretch of time readers followed it: its start, the bytes
         # arrived then, and its end (None: still following).
         self._since = 0.0
@@ -121,6 +125,8 @@ class SpooledBody:
     def arrived(self, data: bytes) -> None:
         """C{data} arrived, next after what did: readers following get it."""
         self.received += len(data)
+        if self.received >= self.length:
+            self._cancel_window()
         if self.chunks is not None:
             self.chunks.append(data)
         for reader in list(self._following):
@@ -152,13 +158,27 @@ class SpooledBody:
                 self.paced(False)
 
     def _start_window(self) -> None:
-        if self._clock is None:
+        if self._clock is None or self.received >= self.length:
             return
         self._since, self._mark, self._until = self._clock.seconds(), self.received, None
+        self._window_end = self._clock.callLater(PACE_WINDOW_SECONDS, self._window_ended)
 
     def _end_window(self) -> None:
         if self._clock is not None and self._until is None:
             self._until = self._clock.seconds()
+        self._cancel_window()
+
+    def _cancel_window(self) -> None:
+        if self._window_end is not None and self._window_end.active():
+            self._window_end.cancel()
+        self._window_end = None
+
+    def _window_ended(self) -> None:
+        self._window_end = None
+        if not self.behind():
+            self._start_window()
+        elif self.stalled is not None:
+            self.stalled()
 
     def behind(self) -> bool:
         if self._clock is None or self.received >= self.length:
@@ -172,7 +192,8 @@ class SpooledBody:
     def close(self) -> Deferred[None]:
         self._waiting = []
         self._following = {}
-        self.paced = None
+        self.paced = self.stalled = None
+        self._cancel_window()
         if self.chunks is not None:
             self.chunks = None
             self._kept()

@@ -16,8 +16,8 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from twisted.web import http, server
 
-from kcoral.errors import InternalError, KCoralError
-from kcoral.web.body import IBody, MemoryBody
+from kcoral.errors import InternalError, KCoralError, RequestTimeout
+from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
 from kcoral.web.family import family_of
 from kcoral.web.requestid import HEADER, request_id_from
@@ -132,6 +132,7 @@ class KCoralRequest(server.Request):
         self._expected = length
         holds.hold(UNREAD)
         body.paced = self._paced
+        body.stalled = self._stalled
         self.notifyFinish().addBoth(self._let_go)
         super().requestReceived(method, uri, version)
 
@@ -252,6 +253,13 @@ class KCoralRequest(server.Request):
             self._holds.release(UNREAD)
         else:
             self._holds.hold(UNREAD)
+
+    def _stalled(self) -> None:
+        """Its body arrives too slowly for the forward that waits on it (and
+        holds a member's slot meanwhile): refused, which frees the member."""
+        if self._arriving and not self._refused:
+            self._refuse(RequestTimeout(
+                f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded"))
 
     def _let_go(self, _) -> None:
         """A body processed while it arrived is no longer needed."""
