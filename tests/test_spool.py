@@ -41,6 +41,7 @@ from kcoral.web.body import (
     MemoryBody,
     SpooledBody,
 )
+from kcoral.web.request import JOIN_BYTES
 from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
 from tests.harness import until
 from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
@@ -722,3 +723,27 @@ def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tm
     status, _, body = parse_raw(transport.value())
     assert status == 408 and b"request_timeout" in body
     assert len(gone) == 1 and transport.producerState == "producing"
+
+
+def test_a_streamed_body_sent_in_tiny_segments_is_kept_in_few_chunks(tmp_path):
+    """Tiny segments of a body kept in memory are joined before it keeps them (each kept chunk
+    but the last is at least JOIN_BYTES), and a reader still gets every byte, in order."""
+    clock = Clock()
+    resource = Bodies()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
+                     streams=lambda method, path: True)
+    channel, _ = connect(site)
+    body = os.urandom(3 * JOIN_BYTES + 1000)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+    [request] = resource.requests
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    done = reader.startProducing(consumer)
+    for start in range(0, len(body), 100):
+        channel.dataReceived(body[start:start + 100])
+    assert b"".join(consumer.data) == body and done.called
+    chunks = request.body.chunks
+    assert 1 < len(chunks) <= len(body) // JOIN_BYTES + 1
+    assert all(len(chunk) >= JOIN_BYTES for chunk in chunks[:-1])

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from kcoral.web.spool import Spool, SpoolWriter
 
 
+#: Chunks of a body forwarded while it arrives smaller than this are joined
+#: before it keeps them: each chunk it keeps is then at least this large
+#: (but its last), so what objects cost beside their bytes stays negligible.
+JOIN_BYTES = 64 << 10
+
+
 class RequestBody(io.BytesIO):
     """A request body that handlers may view without copying (getbuffer):
     closing it would fail while such views exist, and the GC frees it."""
@@ -73,6 +79,9 @@ class KCoralRequest(server.Request):
     _arriving = False
     _expected = 0
     _write: Callable[[bytes], object]
+    #: Where the chunks of a streamed body go, once joined (L{_join}).
+    _keep: Callable[[bytes], object]
+    _small: bytearray
 
     @property
     def request_id(self) -> str:
@@ -122,12 +131,14 @@ class KCoralRequest(server.Request):
         body = spool.kept(length)
         if body is None:
             self._spooling = spool.writer(holds, self._spool_failed, length)
-            self._write = self._spooling.write
+            self._keep = self._spooling.write
             body = self._spooling.body
             assert body is not None  # of known length
         else:
-            self._write = body.arrived
+            self._keep = body.arrived
+        self._write = self._join
         self._body = body
+        self._small = bytearray()
         self._arriving = True
         self._expected = length
         holds.hold(UNREAD)
@@ -135,6 +146,19 @@ class KCoralRequest(server.Request):
         body.stalled = self._stalled
         self.notifyFinish().addBoth(self._let_go)
         super().requestReceived(method, uri, version)
+
+    def _join(self, data: bytes) -> None:
+        """Hand C{data} on to the body, small chunks joined first: a budget
+        counts bytes, and a client sending tiny TCP segments would otherwise
+        have tens of bytes of object kept (or queued for writing) for each."""
+        small = self._small
+        if not small and len(data) >= JOIN_BYTES:
+            self._keep(data)
+            return
+        small += data
+        if len(small) >= JOIN_BYTES or self._received >= self._expected:
+            self._keep(bytes(small))
+            small.clear()
 
     @property
     def body(self) -> IBody:

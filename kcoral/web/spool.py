@@ -35,8 +35,9 @@ SPOOL_THRESHOLD = 8 << 20
 #: Bytes received but not yet written beyond which the client is paused.
 WAITING_BYTES = 4 << 20
 #: Bytes of the bodies forwarded while they arrive that a service keeps in
-#: memory, all of them together, as the chunks they arrived in (no copy):
-#: a body that would take it past this goes to a file.
+#: memory, all of them together, as the chunks they arrived in (no copy;
+#: small ones joined, L{kcoral.web.request.JOIN_BYTES}, so that their bytes
+#: are nearly all they cost): a body that would take it past this goes to a file.
 KEPT_BYTES = 48 << 20
 #: Threads writing and reading spooled bodies: disk bandwidth, not threads,
 #: bounds them, and the reactor's own pool stays free for name lookups.
