@@ -342,6 +342,9 @@ class KCoralRequest(server.Request):
             # Answered before its body ended: the rest cannot be told from a
             # next request, so it is dropped and the connection closes.
             self._arriving = False
+            # Twisted's channel answers "Expect: 100-continue" once gotLength
+            # returns, and this request may be answered from within it (an
+            # error found in its head): a stray 100 would follow the answer.
             self.requestHeaders.removeHeader(b"Expect")
             self.close_after_response()
             self.channel.discard_input()
