@@ -5,7 +5,9 @@ that is answered before the connection closes, and a graceful close.
 
 from __future__ import annotations
 
-from twisted.internet.interfaces import IDelayedCall, ISSLTransport, ITCPTransport
+from typing import cast
+
+from twisted.internet.interfaces import IConsumer, IDelayedCall, ISSLTransport, ITCPTransport
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -105,7 +107,8 @@ class KCoralChannel(http.HTTPChannel):
             super().loseConnection()
             return
         assert self.transport is not None  # a request is done on an open connection
-        self.transport.unregisterProducer()
+        # As Twisted's own close does: the transport no longer drives this channel.
+        cast(IConsumer, self.transport).unregisterProducer()
         self._linger()
 
     def _linger(self) -> None:
