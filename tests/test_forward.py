@@ -9,10 +9,11 @@ import json
 
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
+from twisted.web.http_headers import Headers
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import MissingContent, NodeFailure, ServerBusy, error_body
+from kcoral.errors import MissingContent, NodeFailure, RequestTimeout, ServerBusy, error_body
 from kcoral.router.forward import MAX_HOLDER_TRIES, MAX_NOT_SENT, Forwarder
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
@@ -48,10 +49,11 @@ class Routed:
         [member] = self.pool.nodes[host].members.values()
         return member
 
-    def forward(self, forwarder: Forwarder, demand: Demand | None = None):
+    def forward(self, forwarder: Forwarder, demand: Demand | None = None, body=None,
+                request=None):
         """The outcome of one forward, settled: ('ok', answer) or ('failed', exception)."""
         done: list = []
-        d = forwarder.forward(ForwardedRequest(), MemoryBody(b"run"), demand)
+        d = forwarder.forward(request or ForwardedRequest(), body or MemoryBody(b"run"), demand)
         d.addCallbacks(lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
         self.client.flush()
         return d, done
@@ -104,6 +106,33 @@ def test_a_connection_lost_after_sending_is_a_502_never_retried():
     _, done = routed.forward(routed.serve())
     kind, error = done[0]
     assert kind == "failed" and isinstance(error, NodeFailure)
+    assert routed.pool.active() == 0
+
+
+class LateBody:
+    """A body whose client let the forward wait: it had not all arrived, and came too slowly."""
+
+    length = 3
+
+    def send(self) -> bytes:
+        return b"run"
+
+    def behind(self) -> bool:
+        return True
+
+
+class AsksRedispatch(ForwardedRequest):
+    requestHeaders = Headers({b"X-KCoral-Redispatch": [b"true"]})
+
+
+def test_a_connection_lost_while_the_body_was_late_is_the_clients_408():
+    """A member that gave up on a late body is not blamed: a 408, the member not suspect,
+    and the run sent nowhere else even though its client allows a second run."""
+    routed = Routed("10.0.0.1", "10.0.0.2", lost={"10.0.0.1", "10.0.0.2"})
+    _, done = routed.forward(routed.serve(), body=LateBody(), request=AsksRedispatch())
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, RequestTimeout) and error.status == 408
+    assert not any(routed.member(host).suspect for host in ("10.0.0.1", "10.0.0.2"))
     assert routed.pool.active() == 0
 
 

@@ -16,7 +16,7 @@ from twisted.internet.abstract import FileDescriptor
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import MemoryReactor, StringTransport
 
-from kcoral.web.sendnow import SendNow, SendNowEndpoint, SendNowFactory
+from kcoral.web.sendnow import READ_BYTES, SendNow, SendNowEndpoint, SendNowFactory
 
 #: How long a check that nothing arrived waits: the reactor does not run
 #: meanwhile, so what Twisted buffered cannot be sent during it.
@@ -160,3 +160,19 @@ def test_another_transport_is_written_as_before():
     transport = StringTransport()
     wrapped(transport).write(b"a")
     assert transport.value() == b"a"
+
+
+def test_a_connection_reads_large_only_once_it_carries_large_data():
+    """A connection reads and sends Twisted's sizes until a read fills them (or a write
+    exceeds them); from then on READ_BYTES at a time."""
+    transport = Descriptor()
+    default = transport.bufferSize
+    wrapper = wrapped(transport)
+    wrapper.dataReceived(b"GET /health HTTP/1.1\r\n\r\n")
+    wrapper.write(b"x" * 1000)
+    assert transport.bufferSize == default < READ_BYTES
+    wrapper.dataReceived(b"b" * default)
+    assert transport.bufferSize == transport.SEND_LIMIT == READ_BYTES
+    other = Descriptor()
+    wrapped(other).write(b"y" * default)
+    assert other.bufferSize == other.SEND_LIMIT == READ_BYTES

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IPullProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
+from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
@@ -31,7 +33,15 @@ from zope.interface import implementer
 
 from kcoral import Program
 from kcoral.router.proxy import NotSent
-from kcoral.web.body import READ_BYTES, FileReader, MemoryBody, SpooledBody
+from kcoral.web.body import (
+    PACE_BYTES_PER_SECOND,
+    PACE_WINDOW_SECONDS,
+    READ_BYTES,
+    FileReader,
+    MemoryBody,
+    SpooledBody,
+)
+from kcoral.web.request import JOIN_BYTES
 from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
 from tests.harness import until
 from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
@@ -259,7 +269,6 @@ async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
 @pytest_twisted.ensureDeferred
 async def test_a_large_input_runs_through_a_router(processes):
     """A run with a 24 MiB input, spooled by the Router on its way, gets the right answer."""
-    from twisted.internet.threads import deferToThread
 
     from tests.test_routed import start_node, start_router, until_ready
     from tests.test_server import attempt
@@ -466,8 +475,13 @@ class StreamingRouter:
         self.app.pool.observe()
         self._ports.append(reactor.listenTCP(0, site, interface="127.0.0.1"))
 
+    @property
+    def port(self) -> int:
+        """The Router's port."""
+        return self._ports[-1].getHost().port
+
     async def connect(self) -> Uploader:
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self._ports[-1].getHost().port)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
         return await connectProtocol(endpoint, Uploader())
 
     async def close(self) -> None:
@@ -623,3 +637,113 @@ async def test_a_256_mib_body_passes_in_bounded_memory(streaming):
     status, body = await _answer_of(client)
     assert status == 200 and body == _digest_of(chunk, count)
     assert _peak_rss() - before < 64 << 20
+
+
+def _send_part_then_read(port: int, head: bytes, part: int) -> bytes:
+    """What a blocking client reads after sending C{head} and C{part} bytes of its body (not all
+    of it), writing through its socket's buffers before it reads anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head)
+        chunk = b"x" * (1 << 16)
+        for _ in range(part // len(chunk)):
+            s.sendall(chunk)
+        answer = b""
+        while data := s.recv(1 << 16):
+            answer += data
+        return answer
+
+
+@pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
+@pytest.mark.parametrize("extra, status", [(b"X-KCoral-Devices: 64\r\n", 422),
+                                           (b"X-KCoral-Devices: none\r\n", 400)])
+@pytest_twisted.ensureDeferred
+async def test_an_early_answer_reaches_a_client_still_sending_its_body(streaming, extra, status):
+    """A run the Router answers before its body has arrived: a client that goes on sending part
+    of the body (more than the sockets buffer) then reads gets the JSON answer, not a reset."""
+    port = streaming.port
+    head = b"POST /v1/run HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n%s\r\n" % (LARGE, extra)
+    answer = await deferToThread(_send_part_then_read, port, head, 4 * READ_BYTES)
+    got, _, body = parse_raw(answer)
+    assert got == status and b'"error"' in body and b"request_id" in body
+    assert streaming.members.connections == []
+
+
+def test_a_body_is_behind_only_when_late_while_a_forward_waits_on_it():
+    """A body still arriving is behind when, while a reader last followed it, it arrived under
+    the pace a forward asks; time a reader spent paused (the member's) is not counted."""
+    clock = Clock()
+    body = SpooledBody(10 * PACE_BYTES_PER_SECOND, Serial(Threads()), chunks=[], clock=clock)
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = body.send()
+    reader.startProducing(consumer)
+    clock.advance(1)
+    body.arrived(b"x" * PACE_BYTES_PER_SECOND)
+    assert not body.behind()
+    reader.pauseProducing()  # the member is slow to read: its time, not the client's
+    clock.advance(30)
+    assert not body.behind()
+    reader.resumeProducing()
+    clock.advance(2)
+    body.arrived(b"x" * 100)
+    assert body.behind()
+    reader.stopProducing()  # the forward failed: judged on the time it waited
+    clock.advance(30)
+    assert body.behind()
+    body.arrived(b"x" * (body.length - body.received))
+    assert not body.behind()  # all of it arrived: whatever failed, it was not the client
+
+
+def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tmp_path):
+    """A body a forward waits on that keeps the least rate of every body, but not the pace a
+    forward asks, is refused with a 408 when its window ends, and its handling is cancelled
+    (so its member is freed); time the forward was paused by its member is not counted."""
+    clock = Clock()
+    resource = Bodies()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
+                     streams=lambda method, path: True)
+    channel, transport = connect(site)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % (64 << 20))
+    [request] = resource.requests
+    gone: list = []
+    request.notifyFinish().addErrback(gone.append)
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    reader.startProducing(consumer)
+    channel.dataReceived(b"f" * (5 * PACE_BYTES_PER_SECOND))
+    reader.pauseProducing()
+    clock.advance(60)  # the member's time
+    reader.resumeProducing()
+    for _ in range(int(PACE_WINDOW_SECONDS) - 1):
+        clock.advance(1)
+        channel.dataReceived(b"t" * 4096)  # well over the least rate of any body
+    assert transport.value() == b"" and not gone
+    clock.advance(1)
+    status, _, body = parse_raw(transport.value())
+    assert status == 408 and b"request_timeout" in body
+    assert len(gone) == 1 and transport.producerState == "producing"
+
+
+def test_a_streamed_body_sent_in_tiny_segments_is_kept_in_few_chunks(tmp_path):
+    """Tiny segments of a body kept in memory are joined before it keeps them (each kept chunk
+    but the last is at least JOIN_BYTES), and a reader still gets every byte, in order."""
+    clock = Clock()
+    resource = Bodies()
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
+                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
+                     streams=lambda method, path: True)
+    channel, _ = connect(site)
+    body = os.urandom(3 * JOIN_BYTES + 1000)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+    [request] = resource.requests
+    consumer = Consumer(pause=False)
+    reader = consumer.producer = request.body.send()
+    done = reader.startProducing(consumer)
+    for start in range(0, len(body), 100):
+        channel.dataReceived(body[start:start + 100])
+    assert b"".join(consumer.data) == body and done.called
+    chunks = request.body.chunks
+    assert 1 < len(chunks) <= len(body) // JOIN_BYTES + 1
+    assert all(len(chunk) >= JOIN_BYTES for chunk in chunks[:-1])

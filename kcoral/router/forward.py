@@ -29,7 +29,7 @@ import attrs
 from twisted.internet.defer import inlineCallbacks
 from twisted.logger import Logger
 
-from kcoral.errors import NodeFailure, ServerBusy
+from kcoral.errors import NodeFailure, RequestTimeout, ServerBusy
 from kcoral.logs import debug_enabled
 from kcoral.protocol.wire import REDISPATCH_HEADER
 from kcoral.router.proxy import NotSent, Proxy
@@ -133,6 +133,15 @@ class Forwarder:
                 continue
             except NodeFailure as e:
                 forwarding.failed(e)
+                if body.behind():
+                    # The member gave up on a client that let it wait (its
+                    # own bound on a body's rate, or its idle timeout): the
+                    # run never had its whole body, and the member is fine.
+                    log.info("{request_id} failed on {node_id}/{worker} while its body was "
+                             "late: {why}", request_id=rid, node_id=member.node.node_id,
+                             worker=member.name, why=e.message)
+                    raise RequestTimeout("the request body arrived too slowly to be "
+                                         "forwarded") from e
                 log.warn("{request_id} failed on {node_id}/{worker}: {why}", request_id=rid,
                          node_id=member.node.node_id, worker=member.name, why=e.message)
                 if lost >= redispatches:

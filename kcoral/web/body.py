@@ -21,6 +21,12 @@ from kcoral.web.serial import Serial
 #: Bytes read from a spooled body at a time: large enough that a thread hop
 #: per chunk costs little, small enough to be all the memory a forward holds.
 READ_BYTES = 1 << 20
+#: While a forward waits on its client (a reader has caught up with a body
+#: still arriving, and holds a member's slot meanwhile), the body must arrive
+#: at this rate or better over each window of L{PACE_WINDOW_SECONDS}: a
+#: client that stalls, or trickles, does not hold a member for long.
+PACE_BYTES_PER_SECOND = 1 << 20
+PACE_WINDOW_SECONDS = 10.0
 
 
 class IBody(Interface):
@@ -34,6 +40,11 @@ class IBody(Interface):
 
     def close() -> Deferred[None]:
         """Let go of what holds it; it is not sent again."""
+
+    def behind() -> bool:
+        """Whether a forward of it that ends now was let down by its client:
+        it has not all arrived, and while a forward last waited on it, it
+        arrived under L{PACE_BYTES_PER_SECOND}."""
 
 
 @implementer(IBody)
@@ -52,6 +63,9 @@ class MemoryBody:
 
     def close(self) -> Deferred[None]:
         return succeed(None)
+
+    def behind(self) -> bool:
+        return False
 
 
 def body_of(request) -> IBody:
@@ -78,11 +92,15 @@ class SpooledBody:
     handed each chunk as it arrives (L{follow}); one behind what arrived
     reads the chunks, or the file, and waits when it has read all that is
     written (L{when_grown}).
+
+    While a reader follows it, a forward waits on its client: C{clock}
+    times that against L{PACE_BYTES_PER_SECOND} (L{behind}), window by
+    window, and C{stalled} is told when a window ends behind.
     """
 
     def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
                  written: int = 0, chunks: list[bytes] | None = None,
-                 kept: Callable[[], object] = lambda: None):
+                 kept: Callable[[], object] = lambda: None, clock=None):
         self.length = length
         self.serial = serial
         self.file = file
@@ -94,10 +112,21 @@ class SpooledBody:
         #: Told whether a reader follows it, each time that changes: its
         #: client is read at the pace of the reader (None: at its own).
         self.paced: Callable[[bool], object] | None = None
+        #: Told when a window of a forward waiting on its client ends behind.
+        self.stalled: Callable[[], object] | None = None
+        self._clock = clock
+        self._window_end = None  # a named timer: the current window's end
+        # The last stretch of time readers followed it: its start, the bytes
+        # arrived then, and its end (None: still following).
+        self._since = 0.0
+        self._mark = 0
+        self._until: float | None = 0.0
 
     def arrived(self, data: bytes) -> None:
         """C{data} arrived, next after what did: readers following get it."""
         self.received += len(data)
+        if self.received >= self.length:
+            self._cancel_window()
         if self.chunks is not None:
             self.chunks.append(data)
         for reader in list(self._following):
@@ -116,14 +145,46 @@ class SpooledBody:
 
     def follow(self, reader: FileReader) -> None:
         """Hand C{reader} each chunk as it arrives, until L{unfollow}."""
-        if not self._following and self.paced is not None:
-            self.paced(True)
+        if not self._following:
+            self._start_window()
+            if self.paced is not None:
+                self.paced(True)
         self._following[reader] = None
 
     def unfollow(self, reader: FileReader) -> None:
-        if self._following.pop(reader, False) is None and not self._following and \
-                self.paced is not None:
-            self.paced(False)
+        if self._following.pop(reader, False) is None and not self._following:
+            self._end_window()
+            if self.paced is not None:
+                self.paced(False)
+
+    def _start_window(self) -> None:
+        if self._clock is None or self.received >= self.length:
+            return
+        self._since, self._mark, self._until = self._clock.seconds(), self.received, None
+        self._window_end = self._clock.callLater(PACE_WINDOW_SECONDS, self._window_ended)
+
+    def _end_window(self) -> None:
+        if self._clock is not None and self._until is None:
+            self._until = self._clock.seconds()
+        self._cancel_window()
+
+    def _cancel_window(self) -> None:
+        if self._window_end is not None and self._window_end.active():
+            self._window_end.cancel()
+        self._window_end = None
+
+    def _window_ended(self) -> None:
+        self._window_end = None
+        if not self.behind():
+            self._start_window()
+        elif self.stalled is not None:
+            self.stalled()
+
+    def behind(self) -> bool:
+        if self._clock is None or self.received >= self.length:
+            return False
+        until = self._clock.seconds() if self._until is None else self._until
+        return self.received - self._mark < PACE_BYTES_PER_SECOND * (until - self._since)
 
     def send(self) -> IBodyProducer:
         return FileReader(self)
@@ -131,7 +192,8 @@ class SpooledBody:
     def close(self) -> Deferred[None]:
         self._waiting = []
         self._following = {}
-        self.paced = None
+        self.paced = self.stalled = None
+        self._cancel_window()
         if self.chunks is not None:
             self.chunks = None
             self._kept()

@@ -5,7 +5,9 @@ that is answered before the connection closes, and a graceful close.
 
 from __future__ import annotations
 
-from twisted.internet.interfaces import IDelayedCall, ISSLTransport, ITCPTransport
+from typing import cast
+
+from twisted.internet.interfaces import IConsumer, IDelayedCall, ISSLTransport, ITCPTransport
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -29,6 +31,8 @@ class KCoralChannel(http.HTTPChannel):
     transport: ITCPTransport | None
     _headerDeadline: IDelayedCall | None = None
     _lingering: IDelayedCall | None = None
+    #: What arrives is dropped, and closing lingers (L{discard_input}).
+    _discarding = False
     #: The first line of the request whose head is being read, until it is whole.
     _request_line = b""
 
@@ -85,16 +89,37 @@ class KCoralChannel(http.HTTPChannel):
 
     def discard_input(self) -> None:
         """Read and drop whatever else arrives: the request in progress was
-        answered before its body ended, and nothing after it can be parsed."""
+        answered before its body ended, and nothing after it can be parsed.
+        The connection then closes as L{refuse} closes it."""
         self.persistent = False
+        self._discarding = True
         self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
 
     def refuse(self, response: bytes) -> None:
         """Answer C{response} now, then discard whatever else arrives."""
         self.discard_input()
+        assert self.transport is not None  # called from the connection's own dataReceived
+        self.transport.write(response)
+        self._linger()
+
+    def loseConnection(self):
+        if not self._discarding:
+            super().loseConnection()
+            return
+        assert self.transport is not None  # a request is done on an open connection
+        # As Twisted's own close does: the transport no longer drives this channel.
+        cast(IConsumer, self.transport).unregisterProducer()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close once the answer is sent, while still reading (and dropping)
+        what the client sends, up to L{LINGER_SECONDS}: a socket closed with
+        unread data sends a reset, which can destroy the answer before the
+        client reads it, and fails a client still sending its body."""
         transport = self.transport
-        assert transport is not None  # called from the connection's own dataReceived
-        transport.write(response)
+        assert transport is not None
+        if self._lingering is not None:
+            return
         # TLS has no half-close: a TLS transport's loseWriteConnection would be
         # its TCP connection's (a protocol wrapper passes unknown names on),
         # closing the socket under TLS's own records.

@@ -16,8 +16,8 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from twisted.web import http, server
 
-from kcoral.errors import InternalError, KCoralError
-from kcoral.web.body import IBody, MemoryBody
+from kcoral.errors import InternalError, KCoralError, RequestTimeout
+from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
 from kcoral.web.family import family_of
 from kcoral.web.requestid import HEADER, request_id_from
@@ -27,6 +27,12 @@ from kcoral.web.spool import UNREAD, Holds
 if TYPE_CHECKING:
     from kcoral.web.channel import KCoralChannel
     from kcoral.web.spool import Spool, SpoolWriter
+
+
+#: Chunks of a body forwarded while it arrives smaller than this are joined
+#: before it keeps them: each chunk it keeps is then at least this large
+#: (but its last), so what objects cost beside their bytes stays negligible.
+JOIN_BYTES = 64 << 10
 
 
 class RequestBody(io.BytesIO):
@@ -54,8 +60,10 @@ class KCoralRequest(server.Request):
     (within the spool's L{kept<kcoral.web.spool.Spool.kept>} budget), else
     written to a file; readers follow it while it arrives, and its client is
     read only while one does. Answered before its
-    body has all arrived (an error, say), it closes its connection after the
-    answer and drops the rest of the body.
+    body has all arrived (an error, say), it reads and drops the rest of the
+    body, and closes its connection after the answer the way a refusal does
+    (L{kcoral.web.channel.KCoralChannel.refuse}), so that its client reads
+    the answer rather than a reset.
     """
 
     channel: KCoralChannel
@@ -71,6 +79,9 @@ class KCoralRequest(server.Request):
     _arriving = False
     _expected = 0
     _write: Callable[[bytes], object]
+    #: Where the chunks of a streamed body go, once joined (L{_join}).
+    _keep: Callable[[bytes], object]
+    _small: bytearray
 
     @property
     def request_id(self) -> str:
@@ -120,18 +131,34 @@ class KCoralRequest(server.Request):
         body = spool.kept(length)
         if body is None:
             self._spooling = spool.writer(holds, self._spool_failed, length)
-            self._write = self._spooling.write
+            self._keep = self._spooling.write
             body = self._spooling.body
             assert body is not None  # of known length
         else:
-            self._write = body.arrived
+            self._keep = body.arrived
+        self._write = self._join
         self._body = body
+        self._small = bytearray()
         self._arriving = True
         self._expected = length
         holds.hold(UNREAD)
         body.paced = self._paced
+        body.stalled = self._stalled
         self.notifyFinish().addBoth(self._let_go)
         super().requestReceived(method, uri, version)
+
+    def _join(self, data: bytes) -> None:
+        """Hand C{data} on to the body, small chunks joined first: a budget
+        counts bytes, and a client sending tiny TCP segments would otherwise
+        have tens of bytes of object kept (or queued for writing) for each."""
+        small = self._small
+        if not small and len(data) >= JOIN_BYTES:
+            self._keep(data)
+            return
+        small += data
+        if len(small) >= JOIN_BYTES or self._received >= self._expected:
+            self._keep(bytes(small))
+            small.clear()
 
     @property
     def body(self) -> IBody:
@@ -174,6 +201,7 @@ class KCoralRequest(server.Request):
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
+        self._read_the_rest()
         channel = self.channel
         channel.site.metrics.observe(self.uri or b"other", status, 0.0)
         if not self._arriving:
@@ -190,6 +218,12 @@ class KCoralRequest(server.Request):
         else:
             channel.refuse(response)
             self.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
+
+    def _read_the_rest(self) -> None:
+        """Read (and drop) what its client still sends: a client held while
+        its answer is sent, then closed on, would get a reset, not the answer."""
+        if self._holds is not None:
+            self._holds.release_all()
 
     def _raw_answer(self, body: bytes) -> bytes:
         """The whole HTTP response of C{body} with this request's status and
@@ -243,6 +277,13 @@ class KCoralRequest(server.Request):
             self._holds.release(UNREAD)
         else:
             self._holds.hold(UNREAD)
+
+    def _stalled(self) -> None:
+        """Its body arrives too slowly for the forward that waits on it (and
+        holds a member's slot meanwhile): refused, which frees the member."""
+        if self._arriving and not self._refused:
+            self._refuse(RequestTimeout(
+                f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded"))
 
     def _let_go(self, _) -> None:
         """A body processed while it arrived is no longer needed."""
@@ -301,9 +342,13 @@ class KCoralRequest(server.Request):
             # Answered before its body ended: the rest cannot be told from a
             # next request, so it is dropped and the connection closes.
             self._arriving = False
+            # Twisted's channel answers "Expect: 100-continue" once gotLength
+            # returns, and this request may be answered from within it (an
+            # error found in its head): a stray 100 would follow the answer.
             self.requestHeaders.removeHeader(b"Expect")
             self.close_after_response()
             self.channel.discard_input()
+            self._read_the_rest()
         site = self.channel.site if self.channel is not None else None
         if site is not None and not self.finished and self._started is not None:
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)

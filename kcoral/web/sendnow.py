@@ -16,11 +16,14 @@ leaves the transport to the reactor's turn, as before. Twisted offers no
 such option of its own, and no library adds it.
 
 The same wrapper has the transport read and send up to L{READ_BYTES} at a
-time, in place of Twisted's 64 KiB reads and 128 KiB sends: a large body
-then passes through the protocols above it (HTTP parsing, a request's
-bounds, the spool, the client writing it on) in a sixteenth of the calls.
-The transport's C{bufferSize} is both that read size and what it buffers
-for writing before it pauses its producer.
+time, in place of Twisted's 64 KiB reads and 128 KiB sends, once the
+connection carries large data: a read that fills Twisted's size, or a
+write larger than it. A large body then passes through the protocols above
+it (HTTP parsing, a request's bounds, the spool, the client writing it on)
+in a sixteenth of the calls; a small request or a probe keeps Twisted's
+sizes, since each read allocates its whole size before the socket fills
+any of it. The transport's C{bufferSize} is both that read size and what
+it buffers for writing before it pauses its producer.
 
 Under TLS the wrapper goes below the TLS layer of an outgoing connection
 (L{SendNowEndpoint}); a listening TLS port wraps its protocols above our
@@ -51,16 +54,29 @@ class SendNow(policies.ProtocolWrapper):
         # (a TLS layer, a test's transport) is written as it always was.
         if isinstance(transport, FileDescriptor):
             self._descriptor = transport
-            transport.bufferSize = transport.SEND_LIMIT = READ_BYTES
         super().makeConnection(transport)
 
+    def dataReceived(self, data):
+        self._carries(len(data))
+        super().dataReceived(data)
+
     def write(self, data):
+        self._carries(len(data))
         super().write(data)
         self._send()
 
     def writeSequence(self, data):
+        self._carries(sum(map(len, data)))
         super().writeSequence(data)
         self._send()
+
+    def _carries(self, size: int) -> None:
+        """C{size} bytes passed at once: as many as a read takes, or more,
+        and the connection reads and sends L{READ_BYTES} at a time from now on."""
+        transport = self._descriptor
+        if transport is not None and transport.bufferSize <= size and \
+                transport.bufferSize < READ_BYTES:
+            transport.bufferSize = transport.SEND_LIMIT = READ_BYTES
 
     def unregisterProducer(self):
         super().unregisterProducer()

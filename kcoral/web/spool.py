@@ -35,8 +35,9 @@ SPOOL_THRESHOLD = 8 << 20
 #: Bytes received but not yet written beyond which the client is paused.
 WAITING_BYTES = 4 << 20
 #: Bytes of the bodies forwarded while they arrive that a service keeps in
-#: memory, all of them together, as the chunks they arrived in (no copy):
-#: a body that would take it past this goes to a file.
+#: memory, all of them together, as the chunks they arrived in (no copy;
+#: small ones joined, L{kcoral.web.request.JOIN_BYTES}, so that their bytes
+#: are nearly all they cost): a body that would take it past this goes to a file.
 KEPT_BYTES = 48 << 20
 #: Threads writing and reading spooled bodies: disk bandwidth, not threads,
 #: bounds them, and the reactor's own pool stays free for name lookups.
@@ -54,6 +55,8 @@ class Spool:
         self.kept_bytes = kept_bytes
         self._kept = 0
         self._reactor = reactor
+        #: What times the bodies it holds (L{kcoral.web.body.SpooledBody.behind}).
+        self.clock = reactor
         self._in_thread = in_thread
         self._pool: ThreadPool | None = None
 
@@ -77,7 +80,8 @@ class Spool:
         def closed() -> None:
             self._kept -= length
 
-        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed)
+        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed,
+                           clock=self.clock)
 
     def writer(self, holds: Holds, failed: Callable[[Failure], object],
                length: int | None = None) -> SpoolWriter:
@@ -185,7 +189,8 @@ class SpoolWriter:
         self._writing = self._discarded = False
         self._spilled = length is not None
         #: The body, readable while it arrives (None: of unknown length).
-        self.body = None if length is None else SpooledBody(length, self._serial)
+        self.body = None if length is None else SpooledBody(length, self._serial,
+                                                               clock=spool.clock)
         self._failure: Failure | None = None
         self._done: Deferred[IBody] | None = None
 
