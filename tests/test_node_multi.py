@@ -476,10 +476,12 @@ async def test_sigkill_one_worker_under_load(nodes, spin, quick):
     _, samples = await scrape(node.url)
     assert samples[("kcoral_worker_restarts_total", (("worker", "worker0"),))] == 1
     assert samples.get(("kcoral_worker_restarts_total", (("worker", "worker1"),)), 0) == 0
-    # The new worker0 takes work again.
+    # The new worker0 takes work again: four runs of a second each at once
+    # are more than worker1's capacity, and waiting there for a slot would
+    # take longer than a cold start on worker0.
     urls = await node.worker_urls()
-    again = await DeferredList([run(node.url, program, np.int32(1000), x, request_id=f"again-{i}")
-                                for i in range(2)], fireOnOneErrback=True, consumeErrors=True)
+    again = await DeferredList([run(node.url, program, spin.seconds(1.0), x, request_id=f"again-{i}")
+                                for i in range(4)], fireOnOneErrback=True, consumeErrors=True)
     assert all(ok for ok, _ in again)
     assert await executions(urls["worker0"]) >= 1
 
