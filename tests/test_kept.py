@@ -14,6 +14,7 @@ import os
 import signal
 
 import attrs
+import jax
 import numpy as np
 import pytest
 import pytest_twisted
@@ -29,7 +30,6 @@ from tests.test_server import metrics, sample
 
 pytestmark = pytest.mark.integration
 
-jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 STEPS = 20

@@ -9,6 +9,7 @@ them; 422 arrays_apart; 410 array_lost where no member does).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -46,8 +47,6 @@ from kcoral.server.kept import KeptStore
 from kcoral.server.upload_cache import UploadCache
 from tests.fakes import node_report
 from tests.test_worker import HEALTHY, URL, Supervised
-
-jax = pytest.importorskip("jax")
 
 P = "a" * 64
 A, B = "0123456789abcdef", "fedcba9876543210"

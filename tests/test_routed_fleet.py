@@ -20,8 +20,6 @@ from tests.test_server import sample
 
 pytestmark = pytest.mark.integration
 
-pytest.importorskip("jax")
-
 
 async def conflicts(urls: list[str]) -> float:
     """The 409s the workers at C{urls} answered to runs, together."""

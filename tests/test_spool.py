@@ -621,7 +621,6 @@ def _peak_rss() -> int:
     return int(re.search(r"VmHWM:\s*(\d+) kB", status).group(1)) << 10
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc")
 @pytest.mark.parametrize("streaming", [(answers_its_digest,)], indirect=True)
 @pytest_twisted.ensureDeferred
 async def test_a_256_mib_body_passes_in_bounded_memory(streaming):
