@@ -50,6 +50,7 @@ The exit status is 0 whatever the numbers; ``doc/benchmarks.rst``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -61,7 +62,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -289,30 +290,40 @@ def workloads(rng):
     return [("8 programs x 16 MiB", many), ("1 program x 8 weight sets", one)]
 
 
-def drive(runners: list[Runner], runs: int) -> dict:
-    """C{runs} more runs of each client's call, all clients at once; their
-    figures."""
+def all_at_once(loops: list[Callable[[], object]]) -> float:
+    """The seconds C{loops} took, each in a thread of its own, all started
+    at once; a RuntimeError naming the first that failed."""
     failures: list[BaseException] = []
-    sent, resent = sum(r.sent for r in runners), sum(r.resent for r in runners)
-    for r in runners:
-        r.latencies = []
 
-    def loop(runner: Runner) -> None:
+    def run(loop: Callable[[], object]) -> None:
         try:
-            for _ in range(runs):
-                runner.run()
+            loop()
         except BaseException as e:
             failures.append(e)
 
-    threads = [threading.Thread(target=loop, args=(r,), daemon=True) for r in runners]
+    threads = [threading.Thread(target=run, args=(loop,), daemon=True) for loop in loops]
     started = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - started
     if failures:
         raise RuntimeError(f"{len(failures)} client(s) failed: {failures[0]!r}")
+    return time.perf_counter() - started
+
+
+def drive(runners: list[Runner], runs: int) -> dict:
+    """C{runs} more runs of each client's call, all clients at once; their
+    figures."""
+    sent, resent = sum(r.sent for r in runners), sum(r.resent for r in runners)
+    for r in runners:
+        r.latencies = []
+
+    def loop(runner: Runner) -> None:
+        for _ in range(runs):
+            runner.run()
+
+    elapsed = all_at_once([functools.partial(loop, r) for r in runners])
     latencies = [x for r in runners for x in r.latencies]
     return {"runs": len(latencies), "seconds": elapsed,
             "runs_per_second": len(latencies) / elapsed,

@@ -32,12 +32,12 @@ The exit status is 0 whatever the numbers; ``doc/benchmarks.rst``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from affinity import (
     ROUTER_WAYS,
     SETS,
     WORKERS_PER_NODE,
+    all_at_once,
     eight_programs,
     started_front,
     started_pool,
@@ -70,29 +71,19 @@ def drive(front: str, programs, sets, x, rounds: int) -> dict:
 
     clients = [Client(front, busy_timeout=300) for _ in range(CLIENTS)]
     latencies: list[list[float]] = [[] for _ in clients]
-    failures: list[BaseException] = []
 
     def loop(c: int) -> None:
-        try:
-            for k in range(rounds * SETS):
-                p = (c + k) % SETS
-                began = time.perf_counter()
-                clients[c].run(programs[p], sets[p], x)
-                latencies[c].append(time.perf_counter() - began)
-        except BaseException as e:
-            failures.append(e)
+        for k in range(rounds * SETS):
+            p = (c + k) % SETS
+            began = time.perf_counter()
+            clients[c].run(programs[p], sets[p], x)
+            latencies[c].append(time.perf_counter() - began)
 
-    threads = [threading.Thread(target=loop, args=(c,), daemon=True) for c in range(CLIENTS)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
-    for client in clients:
-        client.close()
-    if failures:
-        raise RuntimeError(f"{len(failures)} client(s) failed: {failures[0]!r}")
+    try:
+        elapsed = all_at_once([functools.partial(loop, c) for c in range(CLIENTS)])
+    finally:
+        for client in clients:
+            client.close()
     every = [s for each in latencies for s in each]
     sent = sum(client.bytes_sent for client in clients)
     weights = sum(w.nbytes for w in sets)
