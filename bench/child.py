@@ -329,3 +329,18 @@ def write_results(results: object, path: str | None) -> None:
     """C{results} as JSON in the file C{path}, where one is given (--json)."""
     if path:
         Path(path).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def start_py_spy(pid: int, output: str, *options: str) -> subprocess.Popen:
+    """py-spy (from this Python's environment) recording C{pid} at 200 Hz
+    into C{output}, raw; stopped with L{stop_py_spy}."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+         "--rate", "200", "--format", "raw", *options, "--output", output],
+        stdout=subprocess.DEVNULL)
+
+
+def stop_py_spy(profiler: subprocess.Popen | None) -> None:
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+        profiler.wait(60)

@@ -40,7 +40,6 @@ import argparse
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child import start_jax, write_results  # noqa: E402
+from child import start_jax, start_py_spy, stop_py_spy, write_results  # noqa: E402
 from compare import Body, measure, post, start_haproxy  # noqa: E402
 from procstat import cpu_seconds  # noqa: E402
 from router import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready  # noqa: E402
@@ -207,10 +206,7 @@ def main() -> int:
         urls = {"router": router.found["url"]}
         groups = {"worker": [node.worker_pid], "router": [router.pid]}
         if args.profile_router:
-            profiler = subprocess.Popen(
-                [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(router.pid),
-                 "--rate", "200", "--format", "raw", "--threads", "--output", args.profile_router],
-                stdout=subprocess.DEVNULL)
+            profiler = start_py_spy(router.pid, args.profile_router, "--threads")
         haproxy, urls["haproxy"] = start_haproxy(work, worker_url, None)
         services.append(haproxy)
         groups["haproxy"] = [haproxy.pid]
@@ -247,9 +243,7 @@ def main() -> int:
                     cell["rss_peak_mib"] = memory_mib(router.pid)["VmHWM"]
                 row["paths"][path] = cell
     finally:
-        if profiler is not None:
-            profiler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
-            profiler.wait(60)
+        stop_py_spy(profiler)
         for service in reversed(services):
             service.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -57,8 +57,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -69,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from child import KCoralChild, start_jax, write_results  # noqa: E402
+from child import KCoralChild, start_jax, start_py_spy, stop_py_spy, write_results  # noqa: E402
 from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
 
@@ -457,10 +455,7 @@ def main() -> int:
         pids = {"worker": node.worker_pid, "router": router.process.pid, "client": os.getpid(),
                 "supervisor": node.process.pid}
         if args.profile_router:
-            profiler = subprocess.Popen(
-                [str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
-                 str(router.process.pid), "--rate", "200", "--format", "raw",
-                 "--gil", "--output", args.profile_router], stdout=subprocess.DEVNULL)
+            profiler = start_py_spy(router.process.pid, args.profile_router, "--gil")
         paths = {"direct": worker_url, "router": router_url}
         if args.baseline:
             baseline = BaselineRouter(args.baseline, worker_url, router_cores)
@@ -504,9 +499,7 @@ def main() -> int:
                 row["ratio"] = row["router"]["runs_per_second"] / row["direct"]["runs_per_second"]
                 results["rows"].append(row)
     finally:
-        if profiler is not None:
-            profiler.send_signal(signal.SIGINT)  # py-spy writes its file and exits
-            profiler.wait(60)
+        stop_py_spy(profiler)
         for service in reversed(services):
             service.stop()
 
