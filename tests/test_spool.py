@@ -746,3 +746,18 @@ def test_a_streamed_body_sent_in_tiny_segments_is_kept_in_few_chunks(tmp_path):
     chunks = request.body.chunks
     assert 1 < len(chunks) <= len(body) // JOIN_BYTES + 1
     assert all(len(chunk) >= JOIN_BYTES for chunk in chunks[:-1])
+
+
+def test_a_whole_body_is_read_from_its_file_or_its_chunks(tmp_path):
+    """SpooledBody.read gives all of a body that has arrived: read from its file in its
+    serial's thread, or joined from the chunks it is kept in."""
+    data = os.urandom(2 * READ_BYTES + 3)
+    file = (tmp_path / "body").open("w+b")
+    file.write(data)
+    file.flush()
+    in_thread = Threads()
+    on_file = SpooledBody(len(data), Serial(in_thread), file, len(data)).read()
+    assert not on_file.called  # nothing read on the calling thread
+    in_thread.run()
+    in_memory = SpooledBody(len(data), Serial(in_thread), chunks=[data[:5], data[5:]]).read()
+    assert on_file.result == data and in_memory.result == data

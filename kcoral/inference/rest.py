@@ -8,9 +8,8 @@ id header.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 from urllib.parse import unquote
 
 from klein import Klein
@@ -55,18 +54,7 @@ def _header_length(request) -> int | None:
         raise BadRequest("Inference-Header-Content-Length must be a number") from None
 
 
-def _read_file(file: IO[bytes], length: int) -> bytes:
-    chunks, offset = [], 0
-    while offset < length:
-        chunk = os.pread(file.fileno(), length - offset, offset)
-        if not chunk:
-            raise EOFError(f"spooled body ends at {offset} of {length} bytes")
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
-def _body(request) -> Deferred[bytes | memoryview]:
+def _body(request) -> Deferred[memoryview]:
     """The whole request body: a view of it in memory, or what a KCoral site
     spooled to a file, read in the spool's thread (never on the reactor's)."""
     view = request.content.getbuffer()
@@ -74,7 +62,7 @@ def _body(request) -> Deferred[bytes | memoryview]:
         return succeed(view)
     body = body_of(request)
     if isinstance(body, SpooledBody):
-        return body.serial.call(_read_file, body.file, body.length)
+        return body.read().addCallback(memoryview)
     return succeed(view)
 
 

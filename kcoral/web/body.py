@@ -189,6 +189,13 @@ class SpooledBody:
     def send(self) -> IBodyProducer:
         return FileReader(self)
 
+    def read(self) -> Deferred[bytes]:
+        """All of it, once it has all arrived: joined from its chunks, or
+        read from its file in its serial's thread (never on the reactor's)."""
+        if self.chunks is not None:
+            return succeed(b"".join(self.chunks))
+        return self.serial.call(_read_whole, self.file, self.length)
+
     def close(self) -> Deferred[None]:
         self._waiting = []
         self._following = {}
@@ -205,6 +212,17 @@ def _pread(file: IO[bytes], size: int, offset: int) -> bytes:
     # The descriptor asked for at each read: a file closed meanwhile fails
     # the read, where its number might already name another file.
     return os.pread(file.fileno(), size, offset)
+
+
+def _read_whole(file: IO[bytes], length: int) -> bytes:
+    chunks, offset = [], 0
+    while offset < length:
+        chunk = _pread(file, length - offset, offset)
+        if not chunk:
+            raise EOFError(f"spooled body ends at {offset} of {length} bytes")
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 @implementer(IBodyProducer)
