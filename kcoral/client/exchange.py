@@ -170,11 +170,12 @@ class RunCall:
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
             headers[INPUTS_HEADER] = self.inputs_header
-        if self.kept:
+        kept = self.kept
+        if kept:
             # The worker checks every id the body names; a Router needs one
             # to find that worker, and a few to find a lost one early. All of
             # them could pass the 16 KiB a request head may take.
-            headers[KEPT_HEADER] = ",".join(self.kept[:MAX_KEPT_LISTED])
+            headers[KEPT_HEADER] = ",".join(kept[:MAX_KEPT_LISTED])
         if request_id:
             headers["X-Request-ID"] = request_id
         # A second run of one that keeps outputs would leave the first's on
