@@ -480,9 +480,12 @@ class StreamingRouter:
         """The Router's port."""
         return self._ports[-1].getHost().port
 
-    async def connect(self) -> Uploader:
+    async def upload(self, length: int = LARGE, headers: bytes = b"") -> Uploader:
+        """A client connected, that has sent the head of a run of C{length} bytes."""
         endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", self.port)
-        return await connectProtocol(endpoint, Uploader())
+        client = await connectProtocol(endpoint, Uploader())
+        client.head(length, headers)
+        return client
 
     async def close(self) -> None:
         await self.app.outgoing.close()
@@ -527,8 +530,7 @@ async def test_a_large_body_reaches_the_member_while_it_arrives(streaming):
     """The Router forwards a body over the spool's threshold before its last byte arrives."""
     chunk = os.urandom(READ_BYTES)
     count = LARGE // READ_BYTES
-    client = await streaming.connect()
-    client.head(count * READ_BYTES)
+    client = await streaming.upload(count * READ_BYTES)
     most = client.send(chunk, count - 1)
     await until(lambda: most.done and streaming.members.connections and
                 streaming.members.connections[0].count >= READ_BYTES,
@@ -554,8 +556,7 @@ async def test_a_run_turned_away_is_sent_whole_to_another_member(streaming):
     """A 503 before or after the body has all arrived: another member gets it all, from its start."""
     chunk = os.urandom(READ_BYTES)
     count = LARGE // READ_BYTES
-    client = await streaming.connect()
-    client.head(count * READ_BYTES)
+    client = await streaming.upload(count * READ_BYTES)
     client.send(chunk, count)
     status, body = await _answer_of(client)
     first, second = streaming.members.connections
@@ -576,8 +577,7 @@ def _lost_after(size: int) -> Callable[[Member], object]:
 async def test_a_member_lost_during_the_body_is_a_502_never_resent(streaming):
     """A connection lost after part of the body was sent: a 502, the rest dropped, no second member."""
     chunk = os.urandom(READ_BYTES)
-    client = await streaming.connect()
-    client.head(LARGE)
+    client = await streaming.upload(LARGE)
     client.send(chunk, 2 * SPOOL_THRESHOLD // READ_BYTES)
     status, body = await _answer_of(client)
     assert status == 502 and b"node_failure" in body
@@ -590,8 +590,7 @@ async def test_a_member_lost_during_the_body_is_a_502_never_resent(streaming):
 async def test_a_client_gone_mid_body_cancels_its_forward(streaming):
     """A client that leaves while its body is being forwarded closes the member's request."""
     chunk = os.urandom(READ_BYTES)
-    client = await streaming.connect()
-    client.head(LARGE)
+    client = await streaming.upload(LARGE)
     client.send(chunk, 2)
     await until(lambda: streaming.members.connections and streaming.members.connections[0].count
                 >= READ_BYTES, "the body's start at the member", 30)
@@ -607,8 +606,7 @@ async def test_a_client_gone_mid_body_cancels_its_forward(streaming):
 async def test_a_run_refused_at_its_head_closes_its_connection(streaming):
     """A run answered before its body arrived (a bad header) gets its JSON error, and its
     connection closes after it: the rest of the body is dropped, never read as a request."""
-    client = await streaming.connect()
-    client.head(LARGE, b"X-KCoral-Devices: none\r\n")
+    client = await streaming.upload(LARGE, b"X-KCoral-Devices: none\r\n")
     client.send(os.urandom(READ_BYTES), 2)
     status, body = await _answer_of(client)
     assert status == 400 and b"X-KCoral-Devices" in body
@@ -630,8 +628,7 @@ async def test_a_256_mib_body_passes_in_bounded_memory(streaming):
     count = 256
     Path("/proc/self/clear_refs").write_text("5")
     before = _peak_rss()
-    client = await streaming.connect()
-    client.head(count * READ_BYTES)
+    client = await streaming.upload(count * READ_BYTES)
     client.send(chunk, count)
     status, body = await _answer_of(client)
     assert status == 200 and body == _digest_of(chunk, count)
