@@ -45,11 +45,12 @@ def serve(node, reactor, servers):
 
 
 def test_children_start_reporter_or_workers_then_gateway():
-    """Standalone the children are the workers then the gateway; under a Router, reporter then workers."""
+    """Standalone the children are the workers then the gateway; under a Router, reporter then
+    workers; either way the heap settles last, once the gateway's objects exist."""
     node, _, _, _ = supervisor()
-    assert [type(c).__name__ for c in node] == ["MultiService", "Gateway"]
+    assert [type(c).__name__ for c in node] == ["MultiService", "Gateway", "SettledHeap"]
     node, _, _, _ = supervisor(**UNDER_A_ROUTER)
-    assert [type(c).__name__ for c in node] == ["Reporters", "MultiService"]
+    assert [type(c).__name__ for c in node] == ["Reporters", "MultiService", "SettledHeap"]
 
 
 def test_the_gateway_serves_the_healthy_workers():

@@ -22,6 +22,7 @@ from twisted.logger import Logger
 
 from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
+from kcoral.heap import SettledHeap
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.gateway import Gateway, gateway_config
@@ -110,6 +111,7 @@ class SupervisorService(service.MultiService):
         self.workers.setServiceParent(self)
         if self.gateway is not None:
             self.gateway.setServiceParent(self)
+        SettledHeap().setServiceParent(self)
 
     def _advertised(self, worker: Worker) -> str:
         if not worker.url:
