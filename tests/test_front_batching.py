@@ -78,15 +78,18 @@ class ModelWorker(Resource):
 
 
 class Front:
-    """A pool of one worker of one slot that has C{mlp} ready, batched by C{most_rows}."""
+    """A pool of one node that has C{mlp} ready, batched by C{most_rows}: one
+    worker of one slot, or one per C{capacities}, on C{gpu_target}."""
 
-    def __init__(self, worker: ModelWorker, most_rows: int = 8):
+    def __init__(self, worker: ModelWorker, most_rows: int = 8, *, capacities=(1,),
+                 gpu_target: str = "sm_90"):
         self.clock = Clock()
         self.pool = Pool(self.clock, max_status_age_seconds=5.0, unhealthy_threshold=3,
                          recovery_threshold=1, node_retention_seconds=600.0)
-        body = node_report(host="10.0.0.1", capacities=(1,))
-        body["workers"][0]["models"] = [{"name": "mlp", "version": "1", "state": "READY",
-                                         "reason": "", "max_batch_size": most_rows}]
+        body = node_report(host="10.0.0.1", capacities=capacities, gpu_target=gpu_target)
+        for each in body["workers"]:
+            each["models"] = [{"name": "mlp", "version": "1", "state": "READY",
+                               "reason": "", "max_batch_size": most_rows}]
         self.pool.report("n", parse_report(body))
         self.pool.observe()
         self.worker = worker
@@ -159,6 +162,38 @@ def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_
     assert front.worker.rows == [1, 6]
     for body, outcome in zip(bodies, outcomes):
         assert outcome[0].body == alone(*body)
+
+
+def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
+    """A node's CPU workers are one lane: while a batch runs, the next waits, free slots or not,
+    and takes everything that arrived meanwhile."""
+    worker = ModelWorker()
+    front = Front(worker, capacities=(1, 1), gpu_target="cpu")
+    first = front.infer(*request(rows(1, 0)))[1]
+    front.turn()
+    later = [front.infer(*request(rows(1, seed)))[1] for seed in (1, 2, 3)]
+    front.turn()
+    assert len(worker.held) == 1
+    worker.release()
+    front.turn()
+    assert len(first) == 1 and len(worker.held) == 1
+    worker.release()
+    front.turn()
+    assert worker.rows == [1, 3]
+    assert all(len(done) == 1 and not isinstance(done[0], Exception) for done in later)
+
+
+def test_each_gpu_worker_is_a_lane_of_its_own():
+    """GPU workers run batches side by side: a second batch goes to the other worker at once."""
+    worker = ModelWorker()
+    front = Front(worker, capacities=(1, 1))
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    for seed in (1, 2, 3):
+        front.infer(*request(rows(1, seed)))
+    front.turn()
+    worker.release()
+    assert worker.rows == [1, 3]
 
 
 def test_rows_never_cross_between_concurrent_clients():

@@ -14,8 +14,16 @@ joins, and the batch takes the head of the queue: the requests whose
 inputs have the same names, datatypes and dimensions past the first as
 the oldest's, and that name the same outputs, as many as fit in the
 model's C{max_batch_size} rows. None is taken past one that does not fit,
-so no client's requests are reordered. The next lease is asked for at
-once, so every free slot takes a batch of what waits.
+so no client's requests are reordered.
+
+A model has at most as many batches in flight as it has lanes
+(L{Pool.batch_lanes}): one per worker that has it ready, except that the
+CPU workers of one node make one lane. They share the host's cores, and
+one execution already spreads over all of them, so a second batch at the
+same time only competes with the first; held back instead, the requests
+that arrive meanwhile make the next batch larger, and each forwarded batch
+costs the front and the worker the same whatever its rows. The next lease
+is asked for as soon as a lane is free.
 
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
@@ -125,6 +133,8 @@ class _Waiting:
 class _Batch:
     members: list[_Waiting]
     forward: Deferred | None = None
+    #: Whether it holds one of its queue's lanes until it is answered.
+    lane: bool = False
 
 
 @attrs.define(eq=False)
@@ -138,6 +148,8 @@ class _Queue:
     #: Whether a lease has been asked for and not yet used, and since when.
     asking: bool = False
     asked: float = 0.0
+    #: Its batches forwarded on a lease of their own and not yet answered.
+    in_flight: int = 0
 
 
 def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
@@ -160,6 +172,7 @@ class FrontBatcher:
     def __init__(self, forwarder: Forwarder, clock, most_waiting: int):
         self._forwarder = forwarder
         self._scheduler = forwarder.scheduler
+        self._pool = forwarder.scheduler.pool
         self._clock = clock
         self._most_waiting = most_waiting
         self._queues: dict[bytes, _Queue] = {}
@@ -200,8 +213,10 @@ class FrontBatcher:
         return waiting.answer
 
     def _ask(self, queue: _Queue) -> None:
-        """Ask for a lease for the queue's next batch, once at a time."""
-        if queue.asking or not queue.waiting:
+        """Ask for a lease for the queue's next batch, once at a time, while
+        the model has a lane free."""
+        if (queue.asking or not queue.waiting
+                or queue.in_flight >= max(self._pool.batch_lanes(queue.demand.model), 1)):
             return
         queue.asking, queue.asked = True, self._clock.seconds()
         self._scheduler.acquire(queue.demand).addCallbacks(
@@ -290,6 +305,9 @@ class FrontBatcher:
                           ids=[m.call.request_id for m in batch.members])
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
                                                 1, first.span, lease=lease, waited=lease is None)
+        if lease is not None:
+            batch.lane = True
+            first.queue.in_flight += 1
         batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
 
     def _broken(self, failure: Failure, batch: _Batch) -> None:
@@ -300,6 +318,11 @@ class FrontBatcher:
               InternalError("the inference's answer could not be handed over"))
 
     def _answered(self, result, batch: _Batch) -> None:
+        if batch.lane:
+            queue = batch.members[0].queue
+            queue.in_flight -= 1
+            self._ask(queue)
+            self._tidy(queue)
         live = [m for m in batch.members if not m.answer.called]
         if isinstance(result, Failure):
             _fail(live, result)
@@ -350,8 +373,9 @@ class FrontBatcher:
             batch.forward.cancel()
 
     def _tidy(self, queue: _Queue) -> None:
-        """Forget a queue with nothing waiting nor asked for."""
-        if not queue.waiting and not queue.asking and self._queues.get(queue.path) is queue:
+        """Forget a queue with nothing waiting, asked for nor in flight."""
+        if (not queue.waiting and not queue.asking and not queue.in_flight
+                and self._queues.get(queue.path) is queue):
             del self._queues[queue.path]
 
 

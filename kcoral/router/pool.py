@@ -275,6 +275,13 @@ class Pool:
         """Whether a usable member has C{model} ready."""
         return any(model in m.ready_models and m.usable for m in self.ring.members)
 
+    def batch_lanes(self, model: str | None) -> int:
+        """How many batches of C{model} may run side by side: one for each
+        usable member that has it ready, save that the CPU workers of a node
+        are one (they share its cores, which each execution spreads over)."""
+        return len({m.node.node_id if m.node.gpu_target == "cpu" else (m.node.node_id, m.name)
+                    for m in self.ring.members if m.usable and model in m.ready_models})
+
     def most_devices(self) -> int | None:
         """The most devices a healthy member of a ready node owns; None when
         there is no such member."""
