@@ -183,6 +183,24 @@ def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
     assert all(len(done) == 1 and not isinstance(done[0], Exception) for done in later)
 
 
+def test_a_batch_that_runs_too_long_no_longer_holds_back_the_next():
+    """A batch on its way for LANE_HOLD_SECONDS lets go of its lane: the next takes a free slot."""
+    worker = ModelWorker()
+    front = Front(worker, capacities=(1, 1), gpu_target="cpu")
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    later = front.infer(*request(rows(1, 1)))[1]
+    front.clock.advance(batching.LANE_HOLD_SECONDS - 0.01)
+    front.turn()
+    assert len(worker.held) == 1
+    front.clock.advance(0.01)
+    front.turn()
+    assert len(worker.held) == 2
+    worker.release()
+    front.turn()
+    assert worker.rows == [1, 1] and len(later) == 1
+
+
 def test_each_gpu_worker_is_a_lane_of_its_own():
     """GPU workers run batches side by side: a second batch goes to the other worker at once."""
     worker = ModelWorker()

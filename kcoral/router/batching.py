@@ -23,7 +23,10 @@ one execution already spreads over all of them, so a second batch at the
 same time only competes with the first; held back instead, the requests
 that arrive meanwhile make the next batch larger, and each forwarded batch
 costs the front and the worker the same whatever its rows. The next lease
-is asked for as soon as a lane is free.
+is asked for as soon as a lane is free, or once the batch in it has been on
+its way for C{LANE_HOLD_SECONDS}: a worker that hangs, or a model that runs
+that long, then no longer holds back the others, which take free slots as
+they come.
 
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
@@ -86,6 +89,9 @@ from kcoral.web.family import INFERENCE_HEADER_LENGTH
 log = Logger()
 
 _BINARY = b"application/octet-stream"
+
+#: How long a batch holds its lane at most (see the module's docstring).
+LANE_HOLD_SECONDS = 1.0
 _JSON = b"application/json"
 
 
@@ -133,8 +139,8 @@ class _Waiting:
 class _Batch:
     members: list[_Waiting]
     forward: Deferred | None = None
-    #: Whether it holds one of its queue's lanes until it is answered.
-    lane: bool = False
+    #: While it holds one of its queue's lanes: when it lets go of it unanswered.
+    lane: DelayedCall | None = None
 
 
 @attrs.define(eq=False)
@@ -306,7 +312,7 @@ class FrontBatcher:
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
                                                 1, first.span, lease=lease, waited=lease is None)
         if lease is not None:
-            batch.lane = True
+            batch.lane = self._clock.callLater(LANE_HOLD_SECONDS, self._free_lane, batch)
             first.queue.in_flight += 1
         batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
 
@@ -317,12 +323,18 @@ class FrontBatcher:
         _fail([m for m in batch.members if m.batch is batch],
               InternalError("the inference's answer could not be handed over"))
 
+    def _free_lane(self, batch: _Batch) -> None:
+        """C{batch} lets go of its lane: the next batch may take it."""
+        queue = batch.members[0].queue
+        batch.lane = None
+        queue.in_flight -= 1
+        self._ask(queue)
+        self._tidy(queue)
+
     def _answered(self, result, batch: _Batch) -> None:
-        if batch.lane:
-            queue = batch.members[0].queue
-            queue.in_flight -= 1
-            self._ask(queue)
-            self._tidy(queue)
+        if batch.lane is not None:
+            batch.lane.cancel()
+            self._free_lane(batch)
         live = [m for m in batch.members if not m.answer.called]
         if isinstance(result, Failure):
             _fail(live, result)
