@@ -89,10 +89,10 @@ from kcoral.web.family import INFERENCE_HEADER_LENGTH
 log = Logger()
 
 _BINARY = b"application/octet-stream"
+_JSON = b"application/json"
 
 #: How long a batch holds its lane at most (see the module's docstring).
 LANE_HOLD_SECONDS = 1.0
-_JSON = b"application/json"
 
 
 @attrs.frozen
