@@ -165,10 +165,10 @@ def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_
 
 
 def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
-    """A node's CPU workers are one lane: while a batch runs, the next waits, free slots or not,
-    and takes everything that arrived meanwhile."""
+    """A node's CPU workers are one lane: while a batch of a quarter of the model's rows runs, the
+    next waits, free slots or not, and takes everything that arrived meanwhile."""
     worker = ModelWorker()
-    front = Front(worker, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=4, capacities=(1, 1), gpu_target="cpu")
     first = front.infer(*request(rows(1, 0)))[1]
     front.turn()
     later = [front.infer(*request(rows(1, seed)))[1] for seed in (1, 2, 3)]
@@ -186,7 +186,7 @@ def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
 def test_a_batch_that_runs_too_long_no_longer_holds_back_the_next():
     """A batch on its way for LANE_HOLD_SECONDS lets go of its lane: the next takes a free slot."""
     worker = ModelWorker()
-    front = Front(worker, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=4, capacities=(1, 1), gpu_target="cpu")
     front.infer(*request(rows(1, 0)))
     front.turn()
     later = front.infer(*request(rows(1, 1)))[1]
@@ -201,10 +201,21 @@ def test_a_batch_that_runs_too_long_no_longer_holds_back_the_next():
     assert worker.rows == [1, 1] and len(later) == 1
 
 
+def test_a_small_batch_holds_no_lane():
+    """A batch of less than a quarter of the model's rows holds no lane: the next takes a free slot."""
+    worker = ModelWorker()
+    front = Front(worker, most_rows=8, capacities=(1, 1), gpu_target="cpu")
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    front.infer(*request(rows(1, 1)))
+    front.turn()
+    assert len(worker.held) == 2
+
+
 def test_each_gpu_worker_is_a_lane_of_its_own():
     """GPU workers run batches side by side: a second batch goes to the other worker at once."""
     worker = ModelWorker()
-    front = Front(worker, capacities=(1, 1))
+    front = Front(worker, most_rows=4, capacities=(1, 1))
     front.infer(*request(rows(1, 0)))
     front.turn()
     for seed in (1, 2, 3):

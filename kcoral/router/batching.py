@@ -16,17 +16,20 @@ the oldest's, and that name the same outputs, as many as fit in the
 model's C{max_batch_size} rows. None is taken past one that does not fit,
 so no client's requests are reordered.
 
-A model has at most as many batches in flight as it has lanes
-(L{Pool.batch_lanes}): one per worker that has it ready, except that the
-CPU workers of one node make one lane. They share the host's cores, and
-one execution already spreads over all of them, so a second batch at the
-same time only competes with the first; held back instead, the requests
-that arrive meanwhile make the next batch larger, and each forwarded batch
-costs the front and the worker the same whatever its rows. The next lease
-is asked for as soon as a lane is free, or once the batch in it has been on
-its way for C{LANE_HOLD_SECONDS}: a worker that hangs, or a model that runs
-that long, then no longer holds back the others, which take free slots as
-they come.
+Once the front is busy, a model has at most as many batches in flight as
+it has lanes (L{Pool.batch_lanes}): one per worker that has it ready,
+except that the CPU workers of one node make one lane. They share the
+host's cores, and one execution already spreads over all of them, so a
+second batch at the same time only competes with the first; held back
+instead, the requests that arrive meanwhile make the next batch larger,
+and each forwarded batch costs the front and the worker the same whatever
+its rows. The batches' size tells how busy: only a batch of at least
+C{LANE_SHARE} of the model's C{max_batch_size} rows holds a lane. Smaller
+ones (a few clients, the cores not all in use) go to free slots as they
+come, since holding them back would only add to their latency. The next
+lease is asked for as soon as a lane is free, or once the batch in it has
+been on its way for C{LANE_HOLD_SECONDS}: a worker that hangs, or a model
+that runs that long, then no longer holds back the others.
 
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
@@ -91,7 +94,9 @@ log = Logger()
 _BINARY = b"application/octet-stream"
 _JSON = b"application/json"
 
-#: How long a batch holds its lane at most (see the module's docstring).
+#: The share of a model's rows from which a batch holds a lane, and how
+#: long at most (see the module's docstring).
+LANE_SHARE = 0.25
 LANE_HOLD_SECONDS = 1.0
 
 
@@ -311,7 +316,7 @@ class FrontBatcher:
                           ids=[m.call.request_id for m in batch.members])
         batch.forward = self._forwarder.forward(request, MemoryBody(bytes(body)), first.queue.demand,
                                                 1, first.span, lease=lease, waited=lease is None)
-        if lease is not None:
+        if lease is not None and sum(m.rows for m in batch.members) >= LANE_SHARE * first.queue.most_rows:
             batch.lane = self._clock.callLater(LANE_HOLD_SECONDS, self._free_lane, batch)
             first.queue.in_flight += 1
         batch.forward.addBoth(self._answered, batch).addErrback(self._broken, batch)
