@@ -7,10 +7,12 @@ its answers until the test releases them, on a fake clock.
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
-from twisted.internet.defer import CancelledError
+import pytest_twisted
+from twisted.internet.defer import CancelledError, gatherResults
 from twisted.internet.task import Clock
 from twisted.web import server
 from twisted.web.resource import Resource
@@ -411,6 +413,33 @@ def test_a_fault_while_forming_or_answering_a_batch_fails_its_members_and_frees_
     front.worker.release()
     front.turn()
     assert done[0].body == alone(*body)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_large_merged_answer_is_split_off_the_reactor(monkeypatch):
+    """A merged answer over ON_REACTOR_BYTES is split and encoded in a thread; each client still
+    gets its own rows' bytes."""
+    encoded_in: list[int] = []
+
+    def encode(*args):
+        encoded_in.append(threading.get_ident())
+        return encode_infer(*args)
+
+    monkeypatch.setattr(batching, "encode_infer", encode)
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    # Rows of 16 KiB: each body parses on the reactor, the answer of eight does not.
+    bodies = [request(rows(1, seed, columns=4096)) for seed in range(1, 9)]
+    assert all(len(body) <= ON_REACTOR_BYTES for body, _ in bodies)
+    sent = [front.infer(*body) for body in bodies]
+    for _ in range(2):
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 8]
+    yield gatherResults([d for d, _ in sent])
+    assert [done[0].body for _, done in sent] == [alone(*body) for body in bodies]
+    assert len(encoded_in) == 8 and threading.get_ident() not in encoded_in
 
 
 def test_a_request_sent_again_alone_has_its_queue_wait_observed_once():

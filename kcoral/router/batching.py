@@ -33,7 +33,9 @@ that runs that long, then no longer holds back the others.
 
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
-as the worker encodes an answer, the same bytes as it gets alone. A
+as the worker encodes an answer, the same bytes as it gets alone (a merged
+answer over C{ON_REACTOR_BYTES} is split in a thread, as a worker encodes a
+large answer). A
 request that cannot merge (a model of no batch dimension, a body larger
 than C{ON_REACTOR_BYTES}, which it would parse on the reactor, a body that
 does not parse, parameters beyond C{binary_data_output}, more rows than a
@@ -64,6 +66,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
+from kcoral.common.offreactor import off_reactor
 from kcoral.errors import (
     BadRequest,
     InternalError,
@@ -336,7 +339,7 @@ class FrontBatcher:
         self._ask(queue)
         self._tidy(queue)
 
-    def _answered(self, result, batch: _Batch) -> None:
+    def _answered(self, result, batch: _Batch) -> Deferred | None:
         if batch.lane is not None:
             batch.lane.cancel()
             self._free_lane(batch)
@@ -347,7 +350,10 @@ class FrontBatcher:
             for member in live:
                 _settle(member, _answer_of, result)
         elif result.code == 200:
-            self._split(result, batch)
+            # A large answer is split in a thread, as a worker encodes it.
+            members = batch.members
+            return off_reactor(len(result.body), _split, result, members).addCallbacks(
+                _hand_over, _fail_each, callbackArgs=(members,), errbackArgs=(members,))
         elif _one_members(result.code):
             for member in live:
                 log.info("{request_id} sent alone: its batch was answered {status}",
@@ -356,23 +362,7 @@ class FrontBatcher:
                 self._send(member.batch)
         else:
             _fail(live, error_from_answer(result.code, result.body))
-
-    def _split(self, answer, batch: _Batch) -> None:
-        """Each live member's answer from its own rows of the merged C{answer}."""
-        try:
-            name, version, outputs = parse_answer(answer.body, _header_length(answer))
-            total = sum(m.rows for m in batch.members)
-            if any(not o.shape or o.shape[0] != total for o in outputs.values()):
-                raise ProgramFailed(f"the model answered outputs of other than {total} rows")
-        except ProgramFailed as e:
-            _fail(batch.members, e)
-            return
-        start = 0
-        for member in batch.members:
-            rows = {key: output[start:start + member.rows] for key, output in outputs.items()}
-            start += member.rows
-            if not member.answer.called:
-                _settle(member, encode_infer, name, version, member.parsed, rows)
+        return None
 
     def _cancelled(self, waiting: _Waiting) -> None:
         batch = waiting.batch
@@ -420,6 +410,44 @@ def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None
         member.answer.errback()
     else:
         member.answer.callback(value)
+
+
+def _split(answer, members: list[_Waiting]) -> list[InferAnswer | Failure]:
+    """Each member's answer (or its failure) from its own rows of the merged
+    C{answer}; L{ProgramFailed} when the answer does not parse or has other
+    than their rows."""
+    name, version, outputs = parse_answer(answer.body, _header_length(answer))
+    total = sum(m.rows for m in members)
+    if any(not o.shape or o.shape[0] != total for o in outputs.values()):
+        raise ProgramFailed(f"the model answered outputs of other than {total} rows")
+    answers: list[InferAnswer | Failure] = []
+    start = 0
+    for member in members:
+        rows = {key: output[start:start + member.rows] for key, output in outputs.items()}
+        start += member.rows
+        assert member.parsed is not None  # a merged request's members were parsed
+        try:
+            answers.append(encode_infer(name, version, member.parsed, rows))
+        except Exception:
+            answers.append(Failure())
+    return answers
+
+
+def _hand_over(answers: list[InferAnswer | Failure], members: list[_Waiting]) -> None:
+    """Fire the answers of C{members} that still wait for one."""
+    for member, answer in zip(members, answers, strict=True):
+        if not member.answer.called:
+            if isinstance(answer, Failure):
+                member.answer.errback(answer)
+            else:
+                member.answer.callback(answer)
+
+
+def _fail_each(failure: Failure, members: list[_Waiting]) -> None:
+    """A merged answer that is malformed fails each member alike; any other
+    failure is this module's fault, and goes on."""
+    failure.trap(ProgramFailed)
+    _fail(members, failure)
 
 
 def _header_length(answer) -> int | None:

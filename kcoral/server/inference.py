@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from twisted.internet.defer import Deferred, fail, inlineCallbacks, maybeDeferred, succeed
-from twisted.internet.threads import deferToThread
+from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
 from twisted.logger import Logger
 from zope.interface import implementer
 
 from kcoral._version import __version__
+from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, NotFound, ServerBusy
 from kcoral.inference.front import (
     IInferenceFront,
@@ -26,7 +26,7 @@ from kcoral.inference.front import (
 )
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
-from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
+from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
     READY,
@@ -157,7 +157,7 @@ class ServerInference:
             if refusal is not None:
                 raise refusal
             manifest = model.manifest
-            request = yield _off_reactor(len(call.body), parse_infer, call.body, call.header_length)
+            request = yield off_reactor(len(call.body), parse_infer, call.body, call.header_length)
             try:
                 rows = manifest.check(request.inputs)
             except InvalidInput as e:
@@ -166,7 +166,7 @@ class ServerInference:
                 outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id)
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
-            answer = yield _off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
+            answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
                                         manifest.name, str(manifest.version), request, outputs)
         except KCoralError as e:
             if not isinstance(e, NotFound):
@@ -201,16 +201,6 @@ class ServerInference:
         self._metrics.batch_size.labels(name).observe(1)
         outputs = yield self._slots.in_thread(rid, model.run_batch, inputs, 1)
         return outputs
-
-
-def _off_reactor(size: int, f: Callable, *args) -> Deferred:
-    # Larger bodies and answers are decoded and encoded in a thread.
-    if size <= ON_REACTOR_BYTES:
-        try:
-            return succeed(f(*args))
-        except Exception:
-            return fail()
-    return deferToThread(f, *args)
 
 
 def _version(version: str | None) -> int | None:
