@@ -24,7 +24,9 @@ The load is Triton's perf_analyzer (2.51.0, the last wheel whose binary
 runs on glibc 2.36; fetched into ``.bench-venv/perf_analyzer`` with the
 CUDA runtime it links, and Debian's ``libb64-0d``, installed with apt-get
 when missing and run as root), one run per front, protocol and
-concurrency: ``--concurrency-range C:C``, windows of ``--seconds``, stable
+concurrency (every front started first, and each concurrency measured on
+all of them in turn, so that the machine's drift over the run falls on
+all alike): ``--concurrency-range C:C``, windows of ``--seconds``, stable
 within 50 %. KServe serves no model configuration, which perf_analyzer
 reads first: it gets ``bench/serving_load.py`` instead, the same closed
 loop from ``tritonclient`` threads (in two processes from 2 concurrent
@@ -438,7 +440,9 @@ def fmt(value, spec: str) -> str:
 def report(cells: list[dict]) -> dict:
     print(f"\n{'front':<16} {'proto':<5} {'load':<13} {'c':>4} {'infer/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'CPU ms/inf':>10} {'batch':>6} {'others':>6}")
-    for c in cells:
+    # Measured round the fronts, shown front by front.
+    fronts = list(dict.fromkeys(c["front"] for c in cells))
+    for c in sorted(cells, key=lambda c: (fronts.index(c["front"]), c["protocol"] != "http")):
         print(f"{c['front']:<16} {c['protocol']:<5} {c['load']:<13} {c['concurrency']:>4} "
               f"{fmt(c['throughput'], ',.0f'):>9} {fmt(c['p50_ms'], '.2f'):>8} {fmt(c['p99_ms'], '.2f'):>8} "
               f"{fmt(c.get('cpu_ms_per_inference'), '.3f'):>10} {fmt(c.get('mean_batch'), '.1f'):>6} "
@@ -558,32 +562,34 @@ def main() -> int:
         kcoral_load = (perf_analyzer_load, pa) if args.load == "perf_analyzer" else (loop_load, loop)
         plans = {"gateway": kcoral_load, "router": kcoral_load, "triton": kcoral_load,
                  "kserve": (loop_load, loop)}
+        # Every front is started first and the cells go round them, one
+        # concurrency at a time: this shared machine's speed drifts over a
+        # run, and fronts measured in turn would each get a part of it.
+        runs = []
         for name in fronts:
             if name == "floor":
                 continue
-            print(f"== {name}", flush=True)
+            print(f"== starting {name}", flush=True)
             if name in ("gateway", "router"):
                 start = start_gateway if name == "gateway" else start_router
                 front = start(started, directory / "models", args.gpus, delay)
             else:
                 front = start_peer(started, name, pythons[name], directory / "params.npz",
                                    args.max_batch_delay)
-            load, options = plans[name]
-            runs = [(front, load, options)]
+            runs.append((front, *plans[name]))
             if name == "gateway" and "kserve" in fronts and args.load == "perf_analyzer":
                 same = Front("gateway-loop", front.children, front.targets["http"], front.targets["grpc"],
                              front.metrics)
                 runs.append((same, loop_load, loop))
-            for protocol in protocols:
+        for protocol in protocols:
+            for front in started:
                 check_answer(front, protocol, params)
+            for c in concurrency:
                 for measured_front, load, options in runs:
-                    for c in concurrency:
-                        result = cell(measured_front, protocol, c, load, **options)
-                        print(f"  {measured_front.name} {protocol} c={c}: {result['throughput']:,.0f}/s "
-                              f"p99 {fmt(result['p99_ms'], '.2f')} ms", flush=True)
-                        results["cells"].append(result)
-            front.stop()
-            started.remove(front)
+                    result = cell(measured_front, protocol, c, load, **options)
+                    print(f"  {measured_front.name} {protocol} c={c}: {result['throughput']:,.0f}/s "
+                          f"p99 {fmt(result['p99_ms'], '.2f')} ms", flush=True)
+                    results["cells"].append(result)
         if "floor" in fronts:
             results["cells"] += floor(args.gpus, params, 2 * seconds)
     except ChildFailed as e:
