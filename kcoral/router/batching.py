@@ -162,7 +162,7 @@ class _Queue:
     #: Whether a lease has been asked for and not yet used, and since when.
     asking: bool = False
     asked: float = 0.0
-    #: Its batches forwarded on a lease of their own and not yet answered.
+    #: Its batches that hold a lane (forwarded, not yet answered).
     in_flight: int = 0
 
 
