@@ -15,6 +15,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import pytest_twisted
@@ -282,22 +283,40 @@ async def test_a_large_input_runs_through_a_router(processes):
     assert float(result) == pytest.approx(float((x * 2).sum()), rel=1e-5)
 
 
+@attrs.frozen
+class Streamed:
+    """A site that forwards bodies while they arrive, on a fake clock, sent the head of a POST."""
+
+    clock: Clock
+    threads: Threads
+    spool: Spool
+    channel: object
+    transport: object
+    request: object
+
+
+def streamed_post(tmp_path, length: int, **spool_options) -> Streamed:
+    """The head of a POST of C{length} bytes, sent to a site that streams every body."""
+    threads, resource, clock = Threads(), Bodies(), Clock()
+    spool = Spool(clock, THRESHOLD, str(tmp_path), threads, **spool_options)
+    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource, spool=spool,
+                     streams=lambda method, path: True)
+    channel, transport = connect(site)
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % length)
+    [request] = resource.requests
+    return Streamed(clock, threads, spool, channel, transport, request)
+
+
 @pytest.mark.parametrize("kept_bytes", [0, KEPT_BYTES], ids=["on-disk", "in-memory"])
 def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path, kept_bytes):
     """A request its site streams is processed at its head; its client is not read (nor timed
     out, nor timed for its rate) until a reader follows the body, which then gets each chunk as
     it arrives; done, it lets go of its file, or of its share of the memory kept."""
-    threads = Threads()
-    resource = Bodies()
-    clock = Clock()
-    spool = Spool(clock, THRESHOLD, str(tmp_path), threads, kept_bytes)
-    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource, spool=spool,
-                     streams=lambda method, path: True)
-    channel, transport = connect(site)
     body = os.urandom(50_000)
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                         % len(body))
-    [request] = resource.requests
+    post = streamed_post(tmp_path, len(body), kept_bytes=kept_bytes)
+    clock, threads, spool = post.clock, post.threads, post.spool
+    channel, transport, request = post.channel, post.transport, post.request
     assert transport.producerState == "paused"
     # Longer than the idle timeout, and than the body's grace at the least rate.
     clock.advance(120)
@@ -324,14 +343,8 @@ def test_a_streamed_body_is_read_only_while_a_reader_follows_it(tmp_path, kept_b
 def test_a_streamed_body_that_trickles_in_is_refused_and_its_handling_cancelled(tmp_path):
     """A body read by a forward, but arriving under the least rate, is refused with a 408, and
     what its handler waits on learns that its client is gone."""
-    clock = Clock()
-    resource = Bodies()
-    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
-                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
-                     streams=lambda method, path: True)
-    channel, transport = connect(site)
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n")
-    [request] = resource.requests
+    post = streamed_post(tmp_path, 50_000)
+    clock, channel, transport, request = post.clock, post.channel, post.transport, post.request
     gone: list = []
     request.notifyFinish().addErrback(gone.append)
     consumer = Consumer(pause=False)
@@ -693,15 +706,8 @@ def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tm
     """A body a forward waits on that keeps the least rate of every body, but not the pace a
     forward asks, is refused with a 408 when its window ends, and its handling is cancelled
     (so its member is freed); time the forward was paused by its member is not counted."""
-    clock = Clock()
-    resource = Bodies()
-    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
-                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
-                     streams=lambda method, path: True)
-    channel, transport = connect(site)
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                         % (64 << 20))
-    [request] = resource.requests
+    post = streamed_post(tmp_path, 64 << 20)
+    clock, channel, transport, request = post.clock, post.channel, post.transport, post.request
     gone: list = []
     request.notifyFinish().addErrback(gone.append)
     consumer = Consumer(pause=False)
@@ -724,16 +730,9 @@ def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tm
 def test_a_streamed_body_sent_in_tiny_segments_is_kept_in_few_chunks(tmp_path):
     """Tiny segments of a body kept in memory are joined before it keeps them (each kept chunk
     but the last is at least JOIN_BYTES), and a reader still gets every byte, in order."""
-    clock = Clock()
-    resource = Bodies()
-    site = fake_site(clock, max_request_bytes=64 << 20, resource=resource,
-                     spool=Spool(clock, THRESHOLD, str(tmp_path), Threads()),
-                     streams=lambda method, path: True)
-    channel, _ = connect(site)
     body = os.urandom(3 * JOIN_BYTES + 1000)
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                         % len(body))
-    [request] = resource.requests
+    post = streamed_post(tmp_path, len(body))
+    channel, request = post.channel, post.request
     consumer = Consumer(pause=False)
     reader = consumer.producer = request.body.send()
     done = reader.startProducing(consumer)
