@@ -113,6 +113,16 @@ class Front:
         d.addCallbacks(done.append, lambda f: done.append(f.value))
         return d, done
 
+    def serve_until_answered(self, outcomes: list[list]) -> list[bytes]:
+        """Let the worker answer until every outcome is in; the bodies it was sent, in order."""
+        sent = []
+        while any(not o for o in outcomes):
+            self.turn()
+            sent += [r.content.getvalue() for r in self.worker.held]
+            self.worker.release()
+            self.turn()
+        return sent
+
     def turn(self) -> None:
         """The reactor's next turn: batches form, requests and answers travel."""
         self.client.flush()
@@ -354,12 +364,7 @@ def test_what_cannot_merge_goes_alone_as_it_came(most_rows):
     front = Front(ModelWorker(), most_rows=most_rows)
     bodies = [request(rows(3, i)) for i in range(3)]
     outcomes = [front.infer(*body)[1] for body in bodies]
-    sent = []
-    while any(not o for o in outcomes):
-        front.turn()
-        sent += [r.content.getvalue() for r in front.worker.held]
-        front.worker.release()
-        front.turn()
+    sent = front.serve_until_answered(outcomes)
     assert sent == [body for body, _ in bodies]
 
 
@@ -470,12 +475,7 @@ def test_a_body_too_large_to_parse_on_the_reactor_goes_alone_unparsed(monkeypatc
     columns = ON_REACTOR_BYTES // 4 + 1
     bodies = [request(rows(1, i, columns)) for i in range(1, 3)]
     outcomes = [front.infer(*body)[1] for body in bodies]
-    sent = []
-    while any(not o for o in outcomes):
-        front.turn()
-        sent += [r.content.getvalue() for r in front.worker.held]
-        front.worker.release()
-        front.turn()
+    sent = front.serve_until_answered(outcomes)
     assert len(parsed) == 1
     assert sent == [request(rows(1, 0))[0]] + [body for body, _ in bodies]
     assert [o[0].body for o in outcomes] == [alone(*body) for body in bodies]
