@@ -384,10 +384,8 @@ def test_a_malformed_answer_to_a_batch_fails_each_member_and_frees_the_slot():
     assert front.pool.active() == 0
     front.worker.header_length = None
     body = request(rows(2, 9))
-    _, done = front.infer(*body)
-    front.turn()
-    front.worker.release()
-    front.turn()
+    done = front.infer(*body)[1]
+    front.serve_until_answered([done])
     assert done[0].body == alone(*body)
 
 
@@ -413,10 +411,8 @@ def test_a_fault_while_forming_or_answering_a_batch_fails_its_members_and_frees_
     assert front.pool.active() == 0
     monkeypatch.undo()
     body = request(rows(2, 9))
-    _, done = front.infer(*body)
-    front.turn()
-    front.worker.release()
-    front.turn()
+    done = front.infer(*body)[1]
+    front.serve_until_answered([done])
     assert done[0].body == alone(*body)
 
 

@@ -294,6 +294,15 @@ class Streamed:
     transport: object
     request: object
 
+    def follow(self) -> tuple[FileReader, list]:
+        """A reader following the body, and the failures its request finishes with."""
+        gone: list = []
+        self.request.notifyFinish().addErrback(gone.append)
+        consumer = Consumer(pause=False)
+        reader = consumer.producer = self.request.body.send()
+        reader.startProducing(consumer)
+        return reader, gone
+
 
 def streamed_post(tmp_path, length: int, **spool_options) -> Streamed:
     """The head of a POST of C{length} bytes, sent to a site that streams every body."""
@@ -344,12 +353,8 @@ def test_a_streamed_body_that_trickles_in_is_refused_and_its_handling_cancelled(
     """A body read by a forward, but arriving under the least rate, is refused with a 408, and
     what its handler waits on learns that its client is gone."""
     post = streamed_post(tmp_path, 50_000)
-    clock, channel, transport, request = post.clock, post.channel, post.transport, post.request
-    gone: list = []
-    request.notifyFinish().addErrback(gone.append)
-    consumer = Consumer(pause=False)
-    reader = consumer.producer = request.body.send()
-    reader.startProducing(consumer)
+    clock, channel, transport = post.clock, post.channel, post.transport
+    reader, gone = post.follow()
     for _ in range(12):
         clock.advance(1)
         channel.dataReceived(b"t" * 100)
@@ -707,12 +712,8 @@ def test_a_streamed_body_under_the_forward_pace_is_refused_once_a_window_ends(tm
     forward asks, is refused with a 408 when its window ends, and its handling is cancelled
     (so its member is freed); time the forward was paused by its member is not counted."""
     post = streamed_post(tmp_path, 64 << 20)
-    clock, channel, transport, request = post.clock, post.channel, post.transport, post.request
-    gone: list = []
-    request.notifyFinish().addErrback(gone.append)
-    consumer = Consumer(pause=False)
-    reader = consumer.producer = request.body.send()
-    reader.startProducing(consumer)
+    clock, channel, transport = post.clock, post.channel, post.transport
+    reader, gone = post.follow()
     channel.dataReceived(b"f" * (5 * PACE_BYTES_PER_SECOND))
     reader.pauseProducing()
     clock.advance(60)  # the member's time
