@@ -13,6 +13,10 @@ import attrs
 
 from kcoral.common.cached import Cached, parse_cached
 
+#: The GPU target of a worker that runs on the host's CPU (all of a node's
+#: CPU workers share its cores).
+CPU_TARGET = "cpu"
+
 MAX_WORKERS = 64
 MAX_WORKER_CAPACITY = 1024
 MAX_WORKER_DEVICES = 1024

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from twisted.logger import Logger
 
-from kcoral.common.report import NodeReport, WorkerReport
+from kcoral.common.report import CPU_TARGET, NodeReport, WorkerReport
 from kcoral.router.member import (
     DRAINING,
     GONE,
@@ -279,7 +279,7 @@ class Pool:
         """How many batches of C{model} may run side by side: one for each
         usable member that has it ready, save that the CPU workers of a node
         are one (they share its cores, which each execution spreads over)."""
-        return len({m.node.node_id if m.node.gpu_target == "cpu" else (m.node.node_id, m.name)
+        return len({m.node.node_id if m.node.gpu_target == CPU_TARGET else (m.node.node_id, m.name)
                     for m in self.ring.members if m.usable and model in m.ready_models})
 
     def most_devices(self) -> int | None:

@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from kcoral._version import __version__
 from kcoral.common.cached import MAX_PROGRAMS
 from kcoral.common.hostdevices import HOST_DEVICE_COUNT, host_device_flags
+from kcoral.common.report import CPU_TARGET
 from kcoral.errors import (
     BadRequest,
     MissingContent,
@@ -91,7 +92,7 @@ def _select_platform(gpus: str, devices: int) -> None:
 
 def gpu_target_of(device) -> str:
     if device.platform == "cpu":
-        return "cpu"
+        return CPU_TARGET
     capability = getattr(device, "compute_capability", "")
     return f"{device.platform}:sm_{capability.replace('.', '')}" if capability else device.platform
 
