@@ -74,7 +74,8 @@ class ServerService(service.MultiService):
         guard = client_guard(config, reactor)
         #: The models every worker loads before it is ready (None: no repository).
         self.repository = None if config.model_repository is None else ModelRepository(
-            config.model_repository, observe_compile=metrics.compile_seconds.observe)
+            config.model_repository, observe_compile=metrics.compile_seconds.observe,
+            batch_invariant=config.batch_invariant)
         inference_metrics = InferenceMetrics(registry)
 
         def inference(app: ServerApp) -> ServerInference:
