@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import kcoral  # noqa: E402
 from kcoral.models.bundle import PARAMS, PROGRAM  # noqa: E402
 from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
+from kcoral.server.invariant import deterministic_flags  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
     READY,
     UNAVAILABLE,
@@ -291,6 +292,17 @@ def test_batch_invariant_compiles_once_per_model(invariant):
     assert all(models.get(name).batch_invariant for name in ("mlp", "layer", "two"))
     models.get("mlp").infer({"input": rows(5)})
     assert len(compiles) == 3
+
+
+@pytest.mark.parametrize(("flags", "made"), [
+    ("", "--xla_gpu_deterministic_ops=true"),
+    ("--xla_cpu_max_isa=AVX2", "--xla_cpu_max_isa=AVX2 --xla_gpu_deterministic_ops=true"),
+    ("--xla_gpu_deterministic_ops=false", "--xla_gpu_deterministic_ops=false"),
+])
+def test_batch_invariant_makes_gpu_executions_deterministic(flags, made):
+    """A batch-invariant worker's XLA_FLAGS make GPU executions deterministic, unless they
+    already name that flag."""
+    assert deterministic_flags(flags) == made
 
 
 def test_rows_under_several_xla_configurations(tmp_path):

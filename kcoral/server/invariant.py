@@ -19,6 +19,18 @@ from typing import Any
 
 #: The dtype of the loop's trip count, the number of real rows.
 COUNT_DTYPE = "int32"
+#: The XLA flag that makes a GPU's executions the same run to run (no
+#: atomics in its sums and scatters, the same algorithm for a shape every
+#: time): without it, one row at one shape need not give the same bytes twice.
+DETERMINISTIC_GPU = "--xla_gpu_deterministic_ops"
+
+
+def deterministic_flags(flags: str) -> str:
+    """C{flags} (an C{XLA_FLAGS} value) with GPU executions deterministic,
+    unless they say otherwise themselves."""
+    if DETERMINISTIC_GPU in flags:
+        return flags
+    return f"{flags} {DETERMINISTIC_GPU}=true".strip()
 
 
 def row_size(exported, params: int, smallest: int) -> int:
