@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -255,7 +255,7 @@ def assert_invariant(model, inputs: dict) -> dict:
     return whole
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(batch=arrays(np.float32, st.tuples(st.integers(1, 8), st.just(16)),
                     elements=st.floats(-100, 100, width=32)))
 def test_batch_invariant_rows_are_the_same_bytes_alone_or_batched(invariant, batch):

@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 #: The dtype of the loop's trip count, the number of real rows.
-COUNT_DTYPE = "int32"
+COUNT_DTYPE = np.int32
 #: The XLA flag that makes a GPU's executions the same run to run (no
 #: atomics in its sums and scatters, the same algorithm for a shape every
 #: time): without it, one row at one shape need not give the same bytes twice.

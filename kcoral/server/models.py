@@ -100,7 +100,7 @@ class LoadedModel:
             return {spec.name: np.asarray(output)
                     for spec, output in zip(self.manifest.outputs, outputs)}
         if self.batch_invariant:
-            size, count = self.manifest.max_batch_size, [np.dtype(COUNT_DTYPE).type(rows)]
+            size, count = self.manifest.max_batch_size, [COUNT_DTYPE(rows)]
         else:
             size, count = self.manifest.batch_size_for(rows), []
         arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
