@@ -9,6 +9,7 @@ and the floor: the same JAX function called in this process.
     .venv/bin/python bench/serving.py                  # about ten minutes
     .venv/bin/python bench/serving.py --quick          # concurrency 1 and 16, short windows
     .venv/bin/python bench/serving.py --fronts kcoral,floor --load loop --gpus 0
+    .venv/bin/python bench/serving.py --quick --fronts kcoral,floor --load loop --batch-invariant
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
 ... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)
@@ -41,6 +42,11 @@ PyTriton, tritonserver and its Python stub; KServe) over a cell, from
 rest of the machine used meanwhile. The gateway's mean executed
 batch comes from its ``kcoral_inference_batch_size`` histogram, read
 before and after each cell.
+
+``--batch-invariant`` starts a second node, the same but for
+``--batch-invariant`` on its command line, and measures its gateway
+(``gateway-invariant``) beside the first in every round: the cost of a
+row's bytes not depending on its batch, in inferences/s and p99.
 
 Targets: the gateway >= 1.2x Triton's throughput from concurrency 16 on
 with the same or a lower p99, >= 0.9x at concurrency 1; >= 3x KServe's
@@ -226,17 +232,18 @@ def workers_ready(gpus: str) -> dict[str, str]:
     return {f"worker{i}": rf"(worker{i} is ready)" for i in range(2 if gpus == "none" else 1)}
 
 
-def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
+def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str],
+                  name: str = "gateway") -> Front:
     """The node's gateway in front of its two CPU workers; on one GPU a node
-    is one server, with no gateway: that server."""
+    is one server, with no gateway: that server. C{delay}: its further options."""
     grpc = free_port()
     if gpus == "none":
         ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
     else:
         ready = {"url": r"kcoral server listening on http://(\S+)"}
     node = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc),
-                        *node_options(repository, gpus, delay)], ready, name="gateway", timeout=300)
-    front = Front("gateway", [node], node.found["url"], f"127.0.0.1:{grpc}",
+                        *node_options(repository, gpus, delay)], ready, name=name, timeout=300)
+    front = Front(name, [node], node.found["url"], f"127.0.0.1:{grpc}",
                   f"http://{node.found['url']}/metrics")
     started.append(front)
     front.wait_ready()
@@ -474,6 +481,7 @@ def report(cells: list[dict]) -> dict:
     compare(kserve_base, "kserve", "KCoral gateway / KServe (the same tritonclient loop):",
             lambda c: TARGET_KSERVE if c >= 16 else None)
     compare("router", "gateway", "Router / gateway:", lambda c: TARGET_ROUTER)
+    compare("gateway-invariant", "gateway", "Batch-invariant gateway / gateway:", lambda c: None)
     for c in cells:
         if c["front"] == "gateway" and c["concurrency"] == 64 and c.get("mean_batch") is not None:
             print(f"\nmean executed batch at c=64 ({c['protocol']}): {c['mean_batch']:.1f} rows "
@@ -510,6 +518,8 @@ def main() -> int:
                         help="microseconds a batch waits for more requests (Triton; KCoral where it has one)")
     parser.add_argument("--gpus", default="none", help="KCoral's device and the floor's: none or an index")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also measure the gateway of a node started with --batch-invariant")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     fronts = [name for item in args.fronts.split(",")
@@ -517,6 +527,8 @@ def main() -> int:
     unknown = set(fronts) - set(FRONTS)
     if unknown:
         parser.error(f"unknown fronts: {', '.join(sorted(unknown))}")
+    if args.batch_invariant and "gateway" not in fronts:
+        parser.error("--batch-invariant measures beside the gateway: --fronts gateway or kcoral")
     if args.gpus != "none" and {"triton", "kserve"} & set(fronts):
         parser.error("the peers run on the CPU only: --fronts kcoral,floor with --gpus")
     concurrency = [int(c) for c in (args.concurrency or ",".join(
@@ -577,6 +589,11 @@ def main() -> int:
                 front = start_peer(started, name, pythons[name], directory / "params.npz",
                                    args.max_batch_delay)
             runs.append((front, *plans[name]))
+            if name == "gateway" and args.batch_invariant:
+                print("== starting gateway-invariant", flush=True)
+                runs.append((start_gateway(started, directory / "models", args.gpus,
+                                           [*delay, "--batch-invariant"], "gateway-invariant"),
+                             *kcoral_load))
             if name == "gateway" and "kserve" in fronts and args.load == "perf_analyzer":
                 same = Front("gateway-loop", front.children, front.targets["http"], front.targets["grpc"],
                              front.metrics)
@@ -603,8 +620,10 @@ def main() -> int:
     results["wall_seconds"] = time.monotonic() - began
     write_results(results, args.json)
     # The last line says what was measured (the GPU check keeps it).
-    top = [c for c in results["cells"] if c["front"] == "gateway" and c["concurrency"] == max(concurrency)]
-    found = [f"gateway {c['protocol']} c={c['concurrency']} {c['throughput']:,.0f}/s" for c in top]
+    top = [c for c in results["cells"] if c["front"] in ("gateway", "gateway-invariant")
+           and c["concurrency"] == max(concurrency)]
+    found = [f"{c['front']} {c['protocol']} c={c['concurrency']} {c['throughput']:,.0f}/s"
+             for c in top]
     found += [f"floor {c['concurrency']} {c['throughput']:,.0f}/s"
               for c in results["cells"] if c["front"] == "floor"]
     print(f"\nserving: {len(results['cells'])} cells in {results['wall_seconds']:.0f} s; {'; '.join(found)}")

@@ -7,15 +7,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import safetensors.numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
 
+import kcoral  # noqa: E402
 from kcoral.models.bundle import PARAMS, PROGRAM  # noqa: E402
 from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
+from kcoral.server.invariant import deterministic_flags  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
     READY,
     UNAVAILABLE,
@@ -25,6 +36,7 @@ from kcoral.server.models import (  # noqa: E402
     RepositoryError,
     UnknownModel,
 )
+from tests.rowcheck import ROUNDING_ULPS, assert_within_rounding, runs  # noqa: E402
 from tests.test_bundle import export_mlp, mlp, mlp_params  # noqa: E402
 
 
@@ -152,13 +164,14 @@ def test_infer(repository, count):
 
 
 def test_rows_independent(repository):
-    """A row's outputs are the same bytes alone, padded, or among other rows of a batch."""
+    """A row's outputs alone, padded, or among other rows of a batch are equal within the
+    model's rounding (ROUNDING_ULPS of the row's largest output)."""
     model = repository[0].get("mlp")
     batch = rows(8)
     whole = model.infer({"input": batch})["output"]
     for start, count in [(0, 1), (0, 3), (5, 3), (2, 6)]:
         part = model.infer({"input": batch[start:start + count]})["output"]
-        assert part.tobytes() == whole[start:start + count].tobytes()
+        assert_within_rounding(whole[start:start + count], part)
 
 
 @pytest.mark.parametrize(("inputs", "message"), [
@@ -192,3 +205,120 @@ def test_get(repository):
     with pytest.raises(ModelUnavailable, match="model 'cuda_only' is unavailable: exported for cuda") as e:
         models.get("cuda_only")
     assert e.value.reason.startswith("exported for cuda")
+
+
+# -- batch invariant ------------------------------------------------------------------------
+
+#: The XLA CPU configurations rowcheck runs under (XLA_FLAGS, on one core): the
+#: default; one core without Eigen's threads; the widest vectors off (x86 only).
+XLA_CONFIGURATIONS = [("", False), ("--xla_cpu_multi_thread_eigen=false", True)] + (
+    [("--xla_cpu_max_isa=SSE4_2", False), ("--xla_cpu_max_isa=AVX2", False)]
+    if platform.machine() in ("x86_64", "AMD64") else [])
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def layer(w, x):
+    # A Python branch on the batch size: JAX exports one program per size.
+    return jnp.tanh(x @ w) if x.shape[0] > 1 else jnp.tanh(x @ w)
+
+
+def two_ways(w, a, b):
+    return a @ w, b * 3
+
+
+@pytest.fixture(scope="module")
+def invariant(tmp_path_factory):
+    """A batch-invariant repository, loaded: the MLP (one program of a symbolic batch), a
+    layer exported once per batch size (2, 4 and 8: none of one row) and a model of two
+    inputs and two outputs; and the seconds of each compile of the load."""
+    path = tmp_path_factory.mktemp("invariant")
+    export_mlp(path / "mlp")
+    w = np.random.default_rng(5).standard_normal((16, 16)).astype(np.float32)
+    kcoral.export_bundle(layer, w, rows(1), dir=path / "layer", name="layer", batch_sizes=[2, 4, 8])
+    kcoral.export_bundle(two_ways, w, rows(1), np.zeros((1, 3), np.int32), dir=path / "two",
+                         name="two", batch_sizes=[1, 4])
+    compiles: list[float] = []
+    models = ModelRepository(path, observe_compile=compiles.append, batch_invariant=True)
+    models.load(jax.local_devices()[0])
+    return models, compiles, w
+
+
+def assert_invariant(model, inputs: dict) -> dict:
+    """Every run of consecutive rows of the batch C{inputs} sent alone gets the bytes the
+    same rows get in the whole batch; the whole batch's outputs."""
+    whole = model.infer(inputs)
+    for start, count in runs(len(next(iter(inputs.values())))):
+        part = model.infer({name: x[start:start + count] for name, x in inputs.items()})
+        for name, output in part.items():
+            assert output.tobytes() == whole[name][start:start + count].tobytes(), (name, start,
+                                                                                   count)
+    return whole
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=arrays(np.float32, st.tuples(st.integers(1, 8), st.just(16)),
+                    elements=st.floats(-100, 100, width=32)))
+def test_batch_invariant_rows_are_the_same_bytes_alone_or_batched(invariant, batch):
+    """Batch invariant, every run of rows of any batch gets the same bytes alone as in the
+    batch, wherever it sits; and they equal the MLP's within its rounding."""
+    whole = assert_invariant(invariant[0].get("mlp"), {"input": batch})
+    assert_within_rounding(whole["output"], np.asarray(jax.jit(mlp)(mlp_params(), batch)))
+
+
+def test_batch_invariant_with_a_program_per_batch_size(invariant):
+    """Batch invariant, a model exported once per batch size, none of them one row, gives a
+    row the same bytes alone or batched (computed in its smallest program beside zeros)."""
+    models, _, w = invariant
+    batch = rows(8)
+    whole = assert_invariant(models.get("layer"), {"input": batch})
+    assert_within_rounding(whole["output"], np.tanh(batch @ w))
+
+
+def test_batch_invariant_with_several_inputs_and_outputs(invariant):
+    """Batch invariant, each output of a model of several inputs and outputs (one of them
+    integers) is the same bytes for a row alone or batched."""
+    models, _, w = invariant
+    a, b = rows(4), np.arange(12, dtype=np.int32).reshape(4, 3)
+    whole = assert_invariant(models.get("two"), {"input0": a, "input1": b})
+    np.testing.assert_array_equal(whole["output1"], b * 3)
+    assert_within_rounding(whole["output0"], a @ w)
+
+
+def test_batch_invariant_compiles_once_per_model(invariant):
+    """Batch invariant, the load compiles each batched model once, whatever its batch
+    sizes, and says so in its models; inference compiles nothing."""
+    models, compiles, _ = invariant
+    assert len(compiles) == 3
+    assert all(models.get(name).batch_invariant for name in ("mlp", "layer", "two"))
+    models.get("mlp").infer({"input": rows(5)})
+    assert len(compiles) == 3
+
+
+@pytest.mark.parametrize(("flags", "made"), [
+    ("", "--xla_gpu_deterministic_ops=true"),
+    ("--xla_cpu_max_isa=AVX2", "--xla_cpu_max_isa=AVX2 --xla_gpu_deterministic_ops=true"),
+    ("--xla_gpu_deterministic_ops=false", "--xla_gpu_deterministic_ops=false"),
+])
+def test_batch_invariant_makes_gpu_executions_deterministic(flags, made):
+    """A batch-invariant worker's XLA_FLAGS make GPU executions deterministic, unless they
+    already name that flag."""
+    assert deterministic_flags(flags) == made
+
+
+def test_rows_under_several_xla_configurations(tmp_path):
+    """Under XLA CPU configurations that change the kernels and the threads, the default's
+    batched rows stay within ROUNDING_ULPS of the same rows alone, and on this CPU some are
+    not their bytes (a promise of bytes would fail here); batch invariant, all are."""
+    export_mlp(tmp_path / "mlp")
+    found = []
+    for flags, one_core in XLA_CONFIGURATIONS:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.rowcheck", str(tmp_path), *["--one-core"] * one_core],
+            env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}, cwd=ROOT,
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (flags, done.stderr[-3000:])
+        found.append(json.loads(done.stdout.splitlines()[-1]))
+    assert [(f["xla_flags"], f["cores"] == 1) for f in found] == XLA_CONFIGURATIONS, found
+    assert all(f["ulps"] <= ROUNDING_ULPS for f in found), found
+    assert all(f["invariant_differing"] == 0 for f in found), found
+    assert any(f["differing"] for f in found), found

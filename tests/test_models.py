@@ -6,7 +6,8 @@ C{--model-repository} by a standalone server, by a node of two CPU workers
 (its node file naming the repository with seed 004's C{model_repo} key), and
 by two nodes behind a Router; each front driven over REST and gRPC by
 tritonclient's own clients, unchanged (in threads: they block), and by plain
-HTTP requests where status codes and headers matter.
+HTTP requests where status codes and headers matter. A server and a node
+started batch invariant give each row the bytes it gets alone.
 
 Each topology is started once for the module; its tests share it.
 """
@@ -27,6 +28,7 @@ from twisted.internet.threads import deferToThread
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, ChildProcess, kcoral_argv, until
 from tests.httputil import request
+from tests.rowcheck import assert_within_rounding
 from tests.test_node_multi import Node as MultiNode
 from tests.test_node_multi import assert_reaped, scrape
 from tests.test_routed import start_node as start_routed_node
@@ -218,6 +220,45 @@ def infer_body(name: str = "input", shape=(1, 16), datatype: str = "FP32", data=
         "data": data if data is not None else [0.5] * count}]}).encode()
 
 
+@attrs.frozen
+class Merged:
+    """Requests sent one at a time, then all at once, to a front."""
+
+    alone: list        # each request's outputs, sent alone
+    together: list     # each request's outputs, sent with the others
+    refused: list      # the answers to the bad requests sent with the others
+    executions: float  # the executions of the model the workers ran for them
+    rows: float        # the rows of those executions
+
+
+async def alone_then_together(url: str, inputs: list, bad: tuple[bytes, ...] = ()) -> Merged:
+    """Infer each of C{inputs} alone, then all of them (and the bodies C{bad}) at once."""
+    from kcoral import AsyncClient
+
+    client = AsyncClient(url)
+    try:
+        alone = [await client.infer("mlp", x) for x in inputs]
+        _, before = await scrape(url)
+        refusals = [Deferred.fromCoroutine(request("POST", url + "/v2/models/mlp/infer",
+                                                   body=body)) for body in bad]
+        together = await gatherResults([client.infer("mlp", x, request_id=f"together-{i}")
+                                        for i, x in enumerate(inputs)])
+        refused = await gatherResults(refusals)
+        _, after = await scrape(url)
+    finally:
+        await client.close()
+
+    def added(name: str) -> float:
+        return total(after, name, model="mlp") - total(before, name, model="mlp")
+    return Merged(alone, together, refused, added("kcoral_inference_batch_size_count"),
+                  added("kcoral_inference_batch_size_sum"))
+
+
+def model_health(health: dict) -> dict:
+    """The /health entry of model mlp."""
+    return {model["name"]: model for model in health["models"]}["mlp"]
+
+
 # -- a standalone server ----------------------------------------------------------------------
 
 @attrs.define
@@ -237,6 +278,16 @@ async def server(module_processes, repository) -> Front:
         server_args("--model-repository", repository.path, "--grpc-port", "0"),
         name="server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
     return Front(service.url, await grpc_address(service.process), service.process)
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def invariant_server(module_processes, repository) -> str:
+    """A standalone server started with --batch-invariant: its URL."""
+    service = await module_processes.start_service(
+        server_args("--model-repository", repository.path, "--batch-invariant"),
+        name="invariant-server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
+    assert service.process.matching(r"model mlp is ready, batch-invariant"), service.process.tail()
+    return service.url
 
 
 @pytest_twisted.ensureDeferred
@@ -282,30 +333,42 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest_twisted.ensureDeferred
-async def test_concurrent_inferences_are_batched_and_each_gets_its_own_rows_bit_for_bit(server):
-    """Sixteen clients at once, each with rows of its own (1 to 3 of them): fewer executions
-    than requests, and each answer the same bytes as the same rows sent alone."""
-    from kcoral import AsyncClient
+def concurrent_rows(seed: int, count: int) -> list:
+    """The inputs of C{count} clients, each with rows of its own (1 to 3 of them)."""
+    return [rows(1 + i % 3, seed=seed + i) for i in range(count)]
 
-    inputs = [rows(1 + i % 3, seed=100 + i) for i in range(16)]
-    client = AsyncClient(server.url)
-    try:
-        alone = [await client.infer("mlp", x) for x in inputs]
-        _, before = await scrape(server.url)
-        together = await gatherResults([client.infer("mlp", x, request_id=f"batch-{i}")
-                                        for i, x in enumerate(inputs)])
-        _, after = await scrape(server.url)
-    finally:
-        await client.close()
-    for one, batched in zip(alone, together):
+
+def check_batched(merged: Merged, inputs: list) -> None:
+    """Every row of C{inputs} ran, in fewer executions than requests."""
+    assert merged.rows == sum(len(x) for x in inputs)
+    assert merged.executions < len(inputs), merged.executions
+
+
+@pytest_twisted.ensureDeferred
+async def test_concurrent_inferences_are_batched_and_each_gets_its_own_rows(server):
+    """Sixteen clients at once, each with rows of its own (1 to 3 of them): fewer executions
+    than requests, and each answer equal to the same rows sent alone within the model's
+    rounding; /health says the server is not batch invariant."""
+    inputs = concurrent_rows(100, 16)
+    merged = await alone_then_together(server.url, inputs)
+    for one, batched in zip(merged.alone, merged.together):
+        assert_within_rounding(batched["output"], one["output"])
+    check_batched(merged, inputs)
+    health = (await request("GET", server.url + "/health")).json
+    assert model_health(health)["batch_invariant"] is False
+
+
+@pytest_twisted.ensureDeferred
+async def test_batch_invariant_server_gives_each_row_the_bytes_it_gets_alone(invariant_server):
+    """A server started with --batch-invariant batches sixteen clients at once and gives
+    each the same bytes as its rows sent alone; its /health says so for the model."""
+    inputs = concurrent_rows(100, 16)
+    merged = await alone_then_together(invariant_server, inputs)
+    for one, batched in zip(merged.alone, merged.together):
         assert one["output"].tobytes() == batched["output"].tobytes()
-    executions = (total(after, "kcoral_inference_batch_size_count", model="mlp")
-                  - total(before, "kcoral_inference_batch_size_count", model="mlp"))
-    batched_rows = (total(after, "kcoral_inference_batch_size_sum", model="mlp")
-                    - total(before, "kcoral_inference_batch_size_sum", model="mlp"))
-    assert batched_rows == sum(len(x) for x in inputs)
-    assert executions < len(inputs), executions
+    check_batched(merged, inputs)
+    health = (await request("GET", invariant_server + "/health")).json
+    assert model_health(health)["batch_invariant"] is True
 
 
 @pytest_twisted.ensureDeferred
@@ -343,15 +406,13 @@ class NodeFront(Front):
     workers: int = 2
 
 
-@pytest_twisted.async_fixture(scope="module")
-async def node(module_processes, repository, tmp_path_factory) -> NodeFront:
-    """A node of two CPU workers whose node file names the repository with C{model_repo}."""
-    path = tmp_path_factory.mktemp("node") / "node.yaml"
+async def start_node(module_processes, path, settings: dict, name: str) -> NodeFront:
+    """A node of two CPU workers from a node file of C{settings}, written at C{path}."""
     path.write_text(yaml.safe_dump({"host": "127.0.0.1", "gpus": "none", "cpu_workers": 2,
-                                    "model_repo": repository.path}))
+                                    **settings}))
     child = module_processes.spawn(kcoral_argv("server", "--config", str(path), "--port", "0",
                                     "--grpc-port", "0", "--health-interval-seconds", "0.5"),
-                        name="node", env=server_env())
+                        name=name, env=server_env())
     try:
         url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
         for i in range(2):
@@ -365,6 +426,21 @@ async def node(module_processes, repository, tmp_path_factory) -> NodeFront:
         await child.stop()
         raise
     return NodeFront(url, grpc, child)
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def node(module_processes, repository, tmp_path_factory) -> NodeFront:
+    """A node of two CPU workers whose node file names the repository with C{model_repo}."""
+    return await start_node(module_processes, tmp_path_factory.mktemp("node") / "node.yaml",
+                            {"model_repo": repository.path}, "node")
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def invariant_node(module_processes, repository, tmp_path_factory) -> NodeFront:
+    """A node of two CPU workers whose node file says C{batch_invariant: true}."""
+    return await start_node(module_processes, tmp_path_factory.mktemp("inode") / "node.yaml",
+                            {"model_repo": repository.path, "batch_invariant": True},
+                            "invariant-node")
 
 
 @pytest_twisted.ensureDeferred
@@ -391,34 +467,40 @@ async def test_node_serves_models_through_its_gateway(node, repository):
     assert total(samples, "kcoral_inference_requests_total", model="mlp") >= 3 * len(ROWS)
 
 
+#: Requests that cannot merge with the others: more rows than a batch, another datatype.
+UNMERGEABLE = (infer_body(shape=(9, 16)), infer_body(datatype="FP64"))
+
+
 @pytest_twisted.ensureDeferred
 async def test_gateway_merges_concurrent_inferences_and_each_gets_its_own_rows(node):
     """Thirty-two clients at once through the gateway, each with rows of its own, and
     among them requests that cannot merge (more rows than a batch, another datatype):
-    each good answer the same bytes as its rows sent alone, each bad one its own 400,
-    and the workers ran fewer executions than requests."""
-    from kcoral import AsyncClient
+    each good answer equal to its rows sent alone within the model's rounding, each bad
+    one its own 400, and the workers ran fewer executions than requests."""
+    inputs = concurrent_rows(200, 32)
+    merged = await alone_then_together(node.url, inputs, UNMERGEABLE)
+    for one, batched in zip(merged.alone, merged.together):
+        assert_within_rounding(batched["output"], one["output"])
+    assert [answer.code for answer in merged.refused] == [400, 400], merged.refused
+    assert merged.executions < len(inputs), merged.executions
 
-    inputs = [rows(1 + i % 3, seed=200 + i) for i in range(32)]
-    client = AsyncClient(node.url)
-    try:
-        alone = [await client.infer("mlp", x) for x in inputs]
-        _, before = await scrape(node.url)
-        bad = [Deferred.fromCoroutine(request("POST", node.url + "/v2/models/mlp/infer",
-                                              body=body))
-               for body in (infer_body(shape=(9, 16)), infer_body(datatype="FP64"))]
-        together = await gatherResults([client.infer("mlp", x, request_id=f"merge-{i}")
-                                        for i, x in enumerate(inputs)])
-        refused = await gatherResults(bad)
-        _, after = await scrape(node.url)
-    finally:
-        await client.close()
-    for one, merged in zip(alone, together):
-        assert one["output"].tobytes() == merged["output"].tobytes()
-    assert [answer.code for answer in refused] == [400, 400], refused
-    executions = (total(after, "kcoral_inference_batch_size_count", model="mlp")
-                  - total(before, "kcoral_inference_batch_size_count", model="mlp"))
-    assert executions < len(inputs), executions
+
+@pytest_twisted.ensureDeferred
+async def test_batch_invariant_gateway_gives_each_row_the_bytes_it_gets_alone(invariant_node):
+    """Through the gateway of a node whose node file says batch_invariant, thirty-two
+    clients at once (and two requests that cannot merge) are merged into fewer executions,
+    and each good answer is the same bytes as its rows sent alone; each worker's /health
+    says the model is batch invariant."""
+    inputs = concurrent_rows(200, 32)
+    merged = await alone_then_together(invariant_node.url, inputs, UNMERGEABLE)
+    for one, batched in zip(merged.alone, merged.together):
+        assert one["output"].tobytes() == batched["output"].tobytes()
+    assert [answer.code for answer in merged.refused] == [400, 400], merged.refused
+    assert merged.executions < len(inputs), merged.executions
+    health = (await request("GET", invariant_node.url + "/health", timeout=10)).json
+    for worker in health["workers"]:
+        answer = (await request("GET", worker["url"] + "/health", timeout=10)).json
+        assert model_health(answer)["batch_invariant"] is True, worker
 
 
 @pytest_twisted.ensureDeferred

@@ -336,3 +336,28 @@ def test_a_node_file_value_is_checked_like_the_option(tmp_path):
     assert "supervisor.failure_threshold" in str(e.value) and "positive" in str(e.value)
     path.write_text("capacity: 3\n")
     assert node_options("--config", str(path))["capacity"] == 3
+
+
+def test_batch_invariant_from_the_command_line_or_the_node_file(tmp_path):
+    """--batch-invariant, or the node file's batch_invariant: true, reaches ServerConfig and
+    each worker's command line; off by default; a node file value other than true or false
+    is refused, naming the key."""
+    from kcoral.node.devices import WorkerSpec
+    from kcoral.node.supervisor import worker_argv
+
+    def worker(options) -> list[str]:
+        return worker_argv(options.server_config(), WorkerSpec("worker0", 0, None), 8001)
+
+    path = tmp_path / "node.yaml"
+    assert node_options().server_config().batch_invariant is False
+    assert "--batch-invariant" not in worker(node_options("--cpu-workers", "2"))
+    assert node_options("--batch-invariant").server_config().batch_invariant is True
+    path.write_text("batch_invariant: true\n")
+    options = node_options("--cpu-workers", "2", "--config", str(path))
+    assert options.server_config().batch_invariant is True
+    assert "--batch-invariant" in worker(options)
+    path.write_text("batch_invariant: false\n")
+    assert node_options("--config", str(path)).server_config().batch_invariant is False
+    path.write_text("batch_invariant: 1\n")
+    with pytest.raises(usage.UsageError, match="'batch_invariant' must be true or false"):
+        node_options("--config", str(path))

@@ -94,10 +94,17 @@ def load(path: str, options: KCoralOptions, given: set[str]) -> None:
     if not isinstance(data, dict):
         raise NodeFileError(f"node file {path} must be a mapping of option names")
     known = {name.rstrip("=") for name in options.longOpt} - {"config", "help", "version"}
+    flags = {name for name in known if name in options.longOpt}
     for option, (where, value) in _flatten(data, path).items():
         if option not in known:
             raise NodeFileError(f"unknown node file key {where!r}")
         if option in given:
+            continue
+        if option in flags:
+            # A flag (an option that takes no value) is true or false in YAML.
+            if not isinstance(value, bool):
+                raise NodeFileError(f"node file key {where!r} must be true or false, got {value!r}")
+            options[option] = int(value)
             continue
         text = _typed(value, options.defaults.get(option), where)
         coerce = options.coercions.get(option, str)

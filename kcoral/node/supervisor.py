@@ -41,7 +41,7 @@ WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "que
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "kept_bytes",
                    "kept_idle_seconds", "compilation_cache_dir",
-                   "model_repository", "max_batch_delay_microseconds",
+                   "model_repository", "max_batch_delay_microseconds", "batch_invariant",
                    "tls_cert", "tls_key", "log_format", "tracing")
 
 
@@ -51,7 +51,10 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
             "--gpus", spec.gpus_argument]
     for name in WORKER_SETTINGS:
         value = getattr(server, name)
-        if value is not None:
+        if isinstance(value, bool):
+            # A flag: named when set, left out when not.
+            argv += [f"--{option_name(name)}"] if value else []
+        elif value is not None:
             argv += [f"--{option_name(name)}", str(value)]
     if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.

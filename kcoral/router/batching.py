@@ -33,7 +33,8 @@ that runs that long, then no longer holds back the others.
 
 A merged request carries every input as a binary tensor and asks for
 every output in binary; each client's answer is encoded from its own rows
-as the worker encodes an answer, the same bytes as it gets alone (a merged
+as the worker encodes an answer, the same bytes as the worker would answer
+for those rows (a merged
 answer over C{ON_REACTOR_BYTES} is split in a thread, as a worker encodes a
 large answer). A
 request that cannot merge (a model of no batch dimension, a body larger

@@ -9,8 +9,10 @@ past one that does not fit, so no client's requests are reordered. A batch
 short of C{max_batch_size} waits until its oldest request has waited
 C{delay} seconds (0: it goes with what is queued), and goes at once when
 it fills. The model pads it to its next compiled batch size; each request
-gets exactly its own rows, the same bytes as running alone (a row-wise
-model's rows do not depend on each other). A request whose client left
+gets exactly its own rows, equal to running alone within the model's
+rounding (a row-wise model's rows do not depend on each other, but XLA's
+kernels round differently by batch size), or the same bytes with
+C{--batch-invariant}. A request whose client left
 before its batch started is dropped from it.
 
 Everything here runs on the reactor's thread except the execution, which

@@ -141,12 +141,15 @@ class ServerInference:
 
     def health(self) -> list[dict]:
         """The index as /health lists it, with what a Router needs to keep a
-        ready model's batches full: its max_batch_size."""
+        ready model's batches full: its max_batch_size; and whether its rows'
+        outputs are the same bytes whatever their batch."""
         listed = self.index()
         for model in listed:
             if model["state"] == READY:
                 assert self._repository is not None  # else nothing is listed
-                model["max_batch_size"] = self._repository.get(model["name"]).manifest.max_batch_size
+                loaded = self._repository.get(model["name"])
+                model["max_batch_size"] = loaded.manifest.max_batch_size
+                model["batch_invariant"] = loaded.batch_invariant
         return listed
 
     @inlineCallbacks

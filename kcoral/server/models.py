@@ -1,7 +1,8 @@
 """
 The models one worker serves: every bundle folder of its model repository,
-loaded onto its device and compiled for each batch size before the worker
-says it is ready.
+loaded onto its device and compiled for each batch size (or, batch
+invariant, once, see L{kcoral.server.invariant}) before the worker says it
+is ready.
 
 Everything here blocks (disk, hashing, JAX): a worker calls
 L{ModelRepository.load} and L{LoadedModel.infer} from worker threads, never
@@ -22,6 +23,7 @@ from twisted.logger import Logger
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
+from kcoral.server.invariant import COUNT_DTYPE, row_by_row, row_size
 
 log = Logger()
 
@@ -67,11 +69,14 @@ class ModelStatus:
 @attrs.frozen
 class LoadedModel:
     """A model ready to run: its params on the device, a compiled executable
-    for each of its batch sizes (for size 0 when it is not batched)."""
+    for each of its batch sizes (for size 0 when it is not batched); or,
+    C{batch_invariant}, one for C{max_batch_size} rows that computes each
+    row on its own and takes the count of real rows."""
 
     manifest: ModelManifest
     _params: tuple = attrs.field(repr=False)
     _executables: Mapping[int, Any] = attrs.field(repr=False)
+    batch_invariant: bool = False
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs, by name in the manifest's order, of one request's
@@ -82,18 +87,25 @@ class LoadedModel:
         """
         The outputs of C{rows} rows, their inputs already checked with
         C{manifest.check} (a batcher's requests concatenated): padded with
-        zero rows up to the smallest compiled batch size that holds them, the
-        padding's outputs dropped. A row's outputs do not depend on the other
-        rows of its batch, as long as the model is row-wise.
+        zero rows up to the smallest compiled batch size that holds them (or,
+        batch invariant, to C{max_batch_size}), the padding's outputs
+        dropped. A row's outputs do not depend on the other rows of its batch
+        beyond the model's rounding, as long as the model is row-wise; batch
+        invariant, not at all.
         """
-        if self.manifest.max_batch_size:
-            size = self.manifest.batch_size_for(rows)
-            arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
-        else:
+        if not self.manifest.max_batch_size:
             # Not batched: one program, of the manifest's shapes, known as size 0.
-            size, arrays = 0, [inputs[spec.name] for spec in self.manifest.inputs]
-        outputs = self._executables[size](*self._params, *arrays)
-        return {spec.name: np.asarray(output)[:rows] if size else np.asarray(output)
+            outputs = self._executables[0](*self._params,
+                                           *[inputs[spec.name] for spec in self.manifest.inputs])
+            return {spec.name: np.asarray(output)
+                    for spec, output in zip(self.manifest.outputs, outputs)}
+        if self.batch_invariant:
+            size, count = self.manifest.max_batch_size, [COUNT_DTYPE(rows)]
+        else:
+            size, count = self.manifest.batch_size_for(rows), []
+        arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
+        outputs = self._executables[size](*self._params, *arrays, *count)
+        return {spec.name: np.asarray(output)[:rows]
                 for spec, output in zip(self.manifest.outputs, outputs)}
 
 
@@ -111,13 +123,17 @@ class ModelRepository:
     C{model.json} is one, named after its folder. A model that cannot load is
     listed UNAVAILABLE with its reason; the others are served.
 
-    C{observe_compile} is given the seconds of each compile.
+    C{observe_compile} is given the seconds of each compile. With
+    C{batch_invariant}, a batched model's row has the same outputs, byte for
+    byte, whatever else is in its batch (L{kcoral.server.invariant}).
     """
 
     def __init__(self, path: str | os.PathLike, *,
-                 observe_compile: Callable[[float], None] = lambda seconds: None):
+                 observe_compile: Callable[[float], None] = lambda seconds: None,
+                 batch_invariant: bool = False):
         self.path = os.fspath(path)
         self._observe_compile = observe_compile
+        self._batch_invariant = batch_invariant
         self._models: dict[str, LoadedModel | ModelStatus] = {}
 
     def load(self, device) -> None:
@@ -133,7 +149,8 @@ class ModelRepository:
             try:
                 bundle = read_bundle(os.path.join(self.path, name))
                 version = bundle.manifest.version
-                self._settle(name, self._load(name, bundle, device, platform))
+                model = self._load(name, bundle, device, platform)
+                self._settle(name, model)
             except Exception as e:
                 # Out of device memory and compile errors alike: XLA raises
                 # no class of its own for either.
@@ -142,7 +159,12 @@ class ModelRepository:
                 log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
                 self._settle(name, ModelStatus(name, version, UNAVAILABLE, reason))
             else:
-                log.info("model {name} is ready", name=name)
+                if model.batch_invariant and model.manifest.max_batch_size:
+                    log.info("model {name} is ready, batch-invariant: every batch runs through "
+                             "one executable of {rows} rows that computes each row on its own",
+                             name=name, rows=model.manifest.max_batch_size)
+                else:
+                    log.info("model {name} is ready", name=name)
 
     def _settle(self, name: str, model: LoadedModel | ModelStatus) -> None:
         # Loading runs in a thread while the reactor lists the models: a new
@@ -181,6 +203,7 @@ class ModelRepository:
                                f"runs {platform}: export it for {platform} too")
         params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in bundle.params]
         sharding = SingleDeviceSharding(device)
+        invariant = self._batch_invariant and manifest.max_batch_size > 0
         executables = {}
         placed = tuple(jax.device_put(bundle.params, device))
         for program in manifest.programs:
@@ -190,14 +213,26 @@ class ModelRepository:
                 raise _Unavailable(f"{program.file}: not a jax.export program: "
                                    f"{_first_line(e)}") from None
             _check_signature(program.file, exported, manifest, params)
-            for size in program.batch_sizes or (0,):
-                inputs = [jax.ShapeDtypeStruct((size, *spec.shape[1:]) if size else spec.shape,
-                                               spec.dtype) for spec in manifest.inputs]
-                started = time.perf_counter()
-                executables[size] = jax.jit(exported.call, in_shardings=sharding).lower(
-                    *params, *inputs).compile()
-                self._observe_compile(time.perf_counter() - started)
-        return LoadedModel(manifest, placed, executables)
+            if not invariant:
+                for size in program.batch_sizes or (0,):
+                    executables[size] = self._compiled(exported.call, sharding, params,
+                                                       _inputs(manifest, size))
+            elif manifest.batch_sizes[0] in program.batch_sizes:
+                # The program of the smallest size computes each row.
+                size = row_size(exported, len(params), manifest.batch_sizes[0])
+                executables[manifest.max_batch_size] = self._compiled(
+                    row_by_row(exported.call, len(params), size), sharding, params,
+                    [*_inputs(manifest, manifest.max_batch_size),
+                     jax.ShapeDtypeStruct((), COUNT_DTYPE)])
+        return LoadedModel(manifest, placed, executables, batch_invariant=self._batch_invariant)
+
+    def _compiled(self, function: Callable, sharding, params: list, inputs: list):
+        import jax
+
+        started = time.perf_counter()
+        executable = jax.jit(function, in_shardings=sharding).lower(*params, *inputs).compile()
+        self._observe_compile(time.perf_counter() - started)
+        return executable
 
     def index(self) -> list[ModelStatus]:
         """Every model and its state, in name order."""
@@ -220,6 +255,14 @@ class ModelRepository:
 
 class _Unavailable(Exception):
     """A model that cannot be served; the message says why."""
+
+
+def _inputs(manifest: ModelManifest, size: int) -> list:
+    """The model's inputs at batch size C{size} (0: its fixed shapes)."""
+    import jax
+
+    return [jax.ShapeDtypeStruct((size, *spec.shape[1:]) if size else spec.shape, spec.dtype)
+            for spec in manifest.inputs]
 
 
 def _check_signature(file: str, exported, manifest: ModelManifest, params: list) -> None:

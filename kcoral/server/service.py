@@ -5,6 +5,8 @@ C{--devices-per-worker}), one HTTP port.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry
 from twisted.application import service
 from twisted.application.internet import TimerService
@@ -26,6 +28,7 @@ from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.inference import InferenceMetrics, ServerInference, Slots
+from kcoral.server.invariant import deterministic_flags
 from kcoral.server.kept import KeptStore, kept_metrics
 from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.upload_cache import UploadCache
@@ -53,6 +56,9 @@ class ServerService(service.MultiService):
         super().__init__()
         self.config = config
         self._reactor = reactor
+        if config.batch_invariant:
+            # Read when JAX starts its backend, in the load, after this.
+            os.environ["XLA_FLAGS"] = deterministic_flags(os.environ.get("XLA_FLAGS", ""))
         registry = CollectorRegistry()
         metrics = ExecutorMetrics(registry)
         self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
@@ -74,7 +80,8 @@ class ServerService(service.MultiService):
         guard = client_guard(config, reactor)
         #: The models every worker loads before it is ready (None: no repository).
         self.repository = None if config.model_repository is None else ModelRepository(
-            config.model_repository, observe_compile=metrics.compile_seconds.observe)
+            config.model_repository, observe_compile=metrics.compile_seconds.observe,
+            batch_invariant=config.batch_invariant)
         inference_metrics = InferenceMetrics(registry)
 
         def inference(app: ServerApp) -> ServerInference:

@@ -115,6 +115,12 @@ class NodeOptions(KCoralOptions):
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
 
+    optFlags = [
+        ["batch-invariant", None, ("Give each row of a batched model the same output bytes "
+                                   "whatever else is in its batch (each row computed on its "
+                                   "own: slower) [node file: batch_invariant].")],
+    ]
+
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
                    "node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
     hidden = frozenset(row[0] for row in SUPERVISOR_OPTIONS)
