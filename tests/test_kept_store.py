@@ -393,6 +393,39 @@ def test_arrays_of_no_member_are_lost_at_the_router():
     lost.addErrback(lambda _: None)
 
 
+def test_kept_arrays_pin_a_run_that_names_no_program():
+    """A run with the kept header but no program header goes to the arrays' member, every time."""
+    routed = Routed()
+    for _ in range(8):
+        for ids, holder in (((f"{A}-{B}",), routed.a), ((f"{B}-{A}", f"{B}-{B}"), routed.b)):
+            run = Demand.of(None, None, ",".join(ids).encode())
+            assert run is not None and run.arrays == ids
+            assert routed.pool.pick(run) is holder
+
+
+def test_a_bad_kept_header_is_refused_without_a_program_header():
+    """A malformed kept header is a bad request whether the program is named or not."""
+    for program in (None, b"", b"nope", P.encode()):
+        for bad in (b"../../x", b"zzzz", f"{A}-{B},".encode()):
+            with pytest.raises(BadRequest):
+                Demand.of(program, None, bad)
+    assert Demand.of(None, None, None) is None and Demand.of(None, None, b"") is None
+
+
+def test_a_kept_id_in_a_path_is_checked_as_in_the_header():
+    """An id in a path is a kept array's id, or a WireError, like each entry of the header."""
+    from kcoral.protocol.wire import kept_id, kept_ids
+
+    assert kept_id(f"{A}-{B}") == f"{A}-{B}"
+    for bad in ("zzzz", "../../x", f"{A}-{B}/", "", f"{A}-{B}".upper()):
+        with pytest.raises(WireError):
+            kept_id(bad)
+        with pytest.raises(WireError):
+            kept_ids(bad, 1)
+    with pytest.raises(WireError):
+        kept_id(f"{A}-{B},{A}-{A}")
+
+
 def test_the_kept_header_lists_ids_within_bounds():
     """The kept header is 0 to 4,096 kept arrays' ids (at least one for a delete); else a bad request."""
     from kcoral.protocol.wire import kept_ids

@@ -41,6 +41,7 @@ from kcoral.protocol.wire import (
     PROGRAM_HEADER,
     WireError,
     holder_of_all,
+    kept_id,
     kept_ids,
 )
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
@@ -223,12 +224,16 @@ class RouterApp:
     # fetch or a delete does not wait behind runs, and only that member can answer.
     @app.route("/v1/arrays/<kept>", methods=["GET", "DELETE"])
     def array(self, request, kept) -> Deferred:
-        return self._to_holder(request, (kept,))
+        try:
+            ids = (kept_id(kept),)
+        except WireError as e:
+            return self._answered(request, fail(BadRequest(str(e))))
+        return self._to_holder(request, ids)
 
     @app.route("/v1/arrays", methods=["DELETE"])
     def arrays(self, request) -> Deferred:
         try:
-            ids = kept_ids((request.getHeader(_KEPT_HEADER) or b"").decode("ascii", "replace"), 1)
+            ids = kept_ids(request.getHeader(_KEPT_HEADER), 1)
         except WireError as e:
             return self._answered(request, fail(BadRequest(str(e))))
         return self._to_holder(request, ids)
