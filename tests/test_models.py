@@ -502,3 +502,42 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     error = await deferToThread(grpc_error, router.grpc, "broken", rows(1))
     assert "UNAVAILABLE" in str(error.status()), error
     assert (await request("GET", router.url + "/readyz")).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_serving_another_mlp_is_refused_under_one_router(routed, repository,
+                                                                        module_processes, tmp_path):
+    """A third node whose mlp has another signature has it refused: logged, unavailable with
+    the reason on its worker, said in the index, and every inference lands where it fits."""
+    import kcoral
+
+    router = routed.router
+    other = tmp_path / "models"
+    kcoral.export_bundle(lambda p, x: x @ p["w"], {"w": np.ones((12, 4), np.float32)},
+                         np.zeros((1, 12), np.float32), dir=str(other / "mlp"), name="mlp",
+                         batch_sizes=[1])
+    mark = router.process.mark()
+    late = await start_routed_node(module_processes, router.url, "n2",
+                                   "--model-repository", str(other))
+    try:
+        await router.process.wait_for_line(
+            r"model mlp version 1 refused: n2/worker0 serves another model", 60, since=mark)
+
+        async def refused_on_n2():
+            nodes = {n["node_id"]: n for n in
+                     (await request("GET", router.url + "/v1/nodes", timeout=10)).json["nodes"]}
+            [model] = nodes["n2"]["workers"][0]["models"] if "n2" in nodes else [None]
+            return model if model and model["state"] == "UNAVAILABLE" else None
+        model = await until(refused_on_n2, "n2's mlp unavailable at the Router", 60)
+        assert "n2/worker0 serves another model named mlp" in model["reason"], model
+
+        index = await request("POST", router.url + "/v2/repository/index", body=b"{}")
+        mlp = {entry["name"]: entry for entry in index.json}["mlp"]
+        assert mlp["state"] == "READY" and mlp["reason"] == model["reason"], index.json
+        # Each inference fits the metadata the clients read: none reaches n2.
+        for _ in range(8):
+            x = rows(3)
+            got = await deferToThread(http_infer, router.http, x, False)
+            np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
+    finally:
+        await late.process.stop()

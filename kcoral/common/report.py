@@ -38,6 +38,7 @@ class InvalidReport(ValueError):
 
 
 _INSTANCE = re.compile(r"\A[0-9a-f]{16}\Z")
+_SIGNATURE = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
 def parse_instance(value: object) -> str | None:
@@ -56,6 +57,9 @@ class ModelState:
     reason: str = ""
     #: The most rows of one batch (0: not batched).
     max_batch_size: int = 0
+    #: The digest of its inputs' and outputs' names, datatypes and shapes
+    #: (L{kcoral.models.manifest.ModelManifest.signature}); "" when not said.
+    signature: str = ""
 
     @property
     def ready(self) -> bool:
@@ -82,7 +86,10 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
         most = entry.get("max_batch_size", 0)
         if type(most) is not int or not 0 <= most <= 1 << 16:
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed max_batch_size")
-        models.append(ModelState(entry["name"], version, state, reason, most))
+        signature = entry.get("signature", "")
+        if not (isinstance(signature, str) and (signature == "" or _SIGNATURE.match(signature))):
+            raise InvalidReport(f"{what}: model {entry['name']} has a malformed signature")
+        models.append(ModelState(entry["name"], version, state, reason, most, signature))
     return tuple(models)
 
 

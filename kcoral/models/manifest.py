@@ -11,6 +11,7 @@ make its model unavailable with a reason, never crash a worker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -166,6 +167,15 @@ class ModelManifest:
             "programs": [p.to_json() for p in self.programs],
             "params": None if self.params is None else self.params.to_json(),
         }
+
+    @property
+    def signature(self) -> str:
+        """The digest of what a client sees of the model: each input's and
+        output's name, datatype and shape, in order. Two models of one name
+        with different signatures are different models; the same model
+        exported for other platforms, or batched otherwise, has the same."""
+        tensors = [[t.to_json() for t in self.inputs], [t.to_json() for t in self.outputs]]
+        return hashlib.sha256(json.dumps(tensors, separators=(",", ":")).encode()).hexdigest()
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), indent=2).encode() + b"\n"

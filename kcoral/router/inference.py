@@ -100,15 +100,24 @@ class RouterInference:
 
     def repository_index(self) -> Deferred:
         # A model ready anywhere is ready here; else the first reason given.
+        # A ready one that a member was refused for another signature says
+        # why (only the pool's refusals leave a signature on a model that is
+        # not ready: a worker signs only those it has ready).
         models: dict[tuple[str, str], dict] = {}
+        refused: dict[tuple[str, str], str] = {}
         for node in self._pool.nodes.values():
             for member in node.members.values():
                 for state in member.models:
                     key = (state.name, state.version)
+                    if state.signature and not state.ready:
+                        refused.setdefault(key, state.reason)
                     if key not in models or state.ready and member.usable:
                         models[key] = {"name": state.name, "version": state.version,
                                        "state": state.state if member.usable else "UNAVAILABLE",
                                        "reason": state.reason}
+        for key, reason in refused.items():
+            if not models[key]["reason"]:
+                models[key]["reason"] = reason
         return succeed([models[key] for key in sorted(models)])
 
     def infer(self, name, version, call: InferCall) -> Deferred:

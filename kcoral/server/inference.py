@@ -140,13 +140,16 @@ class ServerInference:
                 for m in self._repository.index()]
 
     def health(self) -> list[dict]:
-        """The index as /health lists it, with what a Router needs to keep a
-        ready model's batches full: its max_batch_size."""
+        """The index as /health lists it, with what a Router needs of a ready
+        model: its max_batch_size, to keep its batches full, and its
+        signature, to refuse another model of the same name elsewhere."""
         listed = self.index()
         for model in listed:
             if model["state"] == READY:
                 assert self._repository is not None  # else nothing is listed
-                model["max_batch_size"] = self._repository.get(model["name"]).manifest.max_batch_size
+                manifest = self._repository.get(model["name"]).manifest
+                model["max_batch_size"] = manifest.max_batch_size
+                model["signature"] = manifest.signature
         return listed
 
     @inlineCallbacks
