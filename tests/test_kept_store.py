@@ -24,6 +24,7 @@ from kcoral.errors import (
     BadRequest,
     KeptMemoryFull,
     ProgramFailed,
+    ProgramRejected,
 )
 from kcoral.protocol.wire import (
     KeptInput,
@@ -224,14 +225,15 @@ def step_program():
 
 def test_a_run_keeps_some_outputs_and_answers_the_others(executor):
     """With one flag per output, the kept ones stay (their bytes alone reserved), the others come
-    inline; flags of another number than the outputs are a malformed request (400)."""
+    inline; flags of another number than the outputs do not fit the program (422)."""
     ex, _ = executor(KeptStore(16))
     token, state = outputs_of(ex.execute(
         run_of(step_program(), np.ones(4, np.float32), np.float32(2), keep=(False, True)), "r"))
     assert token.tolist() == 3.0 and isinstance(state, Reference) and state.shape == (4,)
     assert ex.kept.nbytes == 16
-    with pytest.raises(BadRequest, match="'keep' has 3 entries"):
+    with pytest.raises(ProgramRejected, match="'keep' has 3 entries") as rejected:
         ex.execute(run_of(step_program(), state, np.float32(2), keep=(False, True, True)), "r")
+    assert rejected.value.status == 422
 
 
 def test_a_run_frees_arrays_once_it_succeeded(executor, monkeypatch):

@@ -247,7 +247,8 @@ class Executor:
         try:
             keeps = run.keeps(len(exported.out_avals))
         except WireError as e:
-            raise BadRequest(str(e)) from None
+            # The frame is well formed: it does not fit this program's outputs.
+            raise ProgramRejected(str(e)) from None
         key_types = tuple([spec.key_type for spec in specs])
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature
