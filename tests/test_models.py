@@ -336,6 +336,34 @@ async def test_server_refuses_bad_inferences(server, repository):
     np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest_twisted.ensureDeferred
+async def test_non_finite_floats_travel_in_binary_and_are_refused_in_json(server):
+    """A NaN output asked for as JSON is 400 asking for binary, and comes back in binary; JSON
+    inputs of NaN or 1e400 are 400; the server answers strict JSON and stays ready."""
+    x = rows(1)
+    x[0, 0] = np.nan  # binary input: NaN travels; the MLP's outputs all become NaN
+    header = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                          "parameters": {"binary_data_size": x.nbytes}}]}
+    for binary, code in ((False, 400), (True, 200)):
+        header["parameters"] = {"binary_data_output": binary}
+        text = json.dumps(header).encode()
+        answer = await request("POST", f"{server.url}/v2/models/mlp/infer", body=text + x.tobytes(),
+                               headers={"Content-Type": "application/octet-stream",
+                                        "Inference-Header-Content-Length": str(len(text))})
+        assert answer.code == code, answer
+        if binary:
+            length = int(answer.header("Inference-Header-Content-Length"))
+            assert np.isnan(np.frombuffer(answer.body[length:], np.float32)).all()
+        else:
+            assert "ask for it as binary data" in answer.json["error"], answer
+    for value in ("NaN", "1e400"):
+        body = infer_body().replace(b"0.5]", value.encode() + b"]")
+        answer = await request("POST", f"{server.url}/v2/models/mlp/infer", body=body,
+                               headers={"Content-Type": "application/json"})
+        assert answer.code == 400 and answer.request_id, (value, answer)
+    assert (await request("GET", server.url + "/readyz")).code == 200
+
+
 # -- a node of two CPU workers, from a node file ----------------------------------------------
 
 @attrs.define
