@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from kcoral.common.cached import Cached, parse_cached
+from kcoral.protocol.counts import MOST_VERSION, read_count
 
 #: The GPU target of a worker that runs on the host's CPU (all of a node's
 #: CPU workers share its cores).
@@ -79,7 +80,7 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
                 or not MODEL_NAME.match(entry["name"]):
             raise InvalidReport(f"{what}: each model needs a name of 1-64 of [A-Za-z0-9_.-]")
         version, state, reason = entry.get("version", "1"), entry.get("state", ""), entry.get("reason", "")
-        if not (isinstance(version, str) and version.isdigit() and len(version) <= 9
+        if not (isinstance(version, str) and read_count(version, MOST_VERSION) is not None
                 and isinstance(state, str) and 0 < len(state) <= 32
                 and isinstance(reason, str) and len(reason) <= MAX_REASON):
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed version, state or reason")

@@ -34,6 +34,7 @@ from kcoral.errors import (
 )
 from kcoral.inference.rest import InferenceResource
 from kcoral.metrics import SECONDS_BUCKETS, render
+from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import (
     DEVICES_HEADER,
     INPUTS_HEADER,
@@ -361,10 +362,8 @@ def _devices(header: bytes | None) -> int | None:
     when the header is no count."""
     if header is None:
         return 1
-    # int() takes "+2", " 2" and "2_0": a count is its digits only.
-    if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
-        return None
-    return int(header)
+    devices = read_count(header, MAX_DEVICES)
+    return None if devices is None or devices < 1 else devices
 
 
 def _not_sent(failure: Failure):

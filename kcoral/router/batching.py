@@ -77,6 +77,7 @@ from kcoral.errors import (
 )
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
+from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.protocol.inference import (
     ON_REACTOR_BYTES,
     InferRequest,
@@ -456,11 +457,10 @@ def _header_length(answer) -> int | None:
     length = answer.headers.get(INFERENCE_HEADER_LENGTH)
     if length is None:
         return None
-    try:
-        return int(length)
-    except ValueError:
-        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}"
-                            ) from None
+    counted = read_count(length, MOST_BYTES)
+    if counted is None:
+        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}")
+    return counted
 
 
 def _answer_of(answer) -> InferAnswer:

@@ -18,6 +18,7 @@ from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME
 from kcoral.errors import NotFound, ServerBusy, error_from_answer
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
@@ -51,8 +52,8 @@ class RouterInference:
     def _ready_members(self, name: str, version: str | None) -> list[Member]:
         """The usable members that have the model ready; NotFound when no
         member has it at all (ready or not)."""
-        if not MODEL_NAME.match(name) or (version is not None and not (
-                version.isdigit() and len(version) <= 9)):
+        if not MODEL_NAME.match(name) or (
+                version is not None and read_count(version, MOST_VERSION) is None):
             raise NotFound(f"unknown model {name[:64]!r}")
         listed = False
         ready = []

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
 from kcoral.errors import BadRequest
+from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
 
 #: Entries the Router keeps per member, reported and learned together.
@@ -73,8 +74,9 @@ class Demand:
         named: list[tuple[str, int]] = []
         for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
             content, _, size = entry.strip().partition("=")
-            if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
-                named.append((content, int(size)))
+            nbytes = read_count(size, MAX_BYTES)
+            if is_digest(content) and nbytes is not None:
+                named.append((content, nbytes))
         return cls(digest, tuple(named), kept=holder, arrays=arrays)
 
     @classmethod

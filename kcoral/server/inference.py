@@ -26,6 +26,7 @@ from kcoral.inference.front import (
 )
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
+from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
@@ -209,6 +210,7 @@ class ServerInference:
 def _version(version: str | None) -> int | None:
     if version is None:
         return None
-    if not version.isdigit() or len(version) > 9:
+    number = read_count(version, MOST_VERSION)
+    if number is None:
         raise NotFound(f"unknown model version {version[:32]!r}")
-    return int(version)
+    return number
