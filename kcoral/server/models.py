@@ -131,7 +131,7 @@ class ModelRepository:
         for name in self._folders():
             version = 1
             try:
-                bundle = read_bundle(os.path.join(self.path, name))
+                bundle = read_bundle(os.path.join(self.path, name), within=self.path)
                 version = bundle.manifest.version
                 self._settle(name, self._load(name, bundle, device, platform))
             except Exception as e:
