@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest
-from kcoral.models.manifest import DATATYPES
 from kcoral.protocol.inference import (
     MAX_HEADER_BYTES,
     InferRequest,
@@ -28,6 +27,7 @@ from kcoral.protocol.inference import (
     parse_infer,
     rest_of_grpc_infer,
 )
+from kcoral.protocol.tensors import DATATYPES
 
 #: An array of each datatype, with values its type holds.
 ARRAYS = {name: (np.arange(6).reshape(2, 3) % 2 == 1 if name == "BOOL" else

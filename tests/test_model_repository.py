@@ -15,7 +15,8 @@ import safetensors.numpy
 jax = pytest.importorskip("jax")
 
 from kcoral.models.bundle import PARAMS, PROGRAM, BundleError, read_bundle  # noqa: E402
-from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
+from kcoral.models.manifest import MANIFEST  # noqa: E402
+from kcoral.protocol.tensors import InvalidInput  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
     READY,
     UNAVAILABLE,

@@ -21,7 +21,6 @@ import numpy as np
 
 from kcoral.errors import ProgramExportError
 from kcoral.models.manifest import (
-    DATATYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     InvalidManifest,
@@ -29,9 +28,9 @@ from kcoral.models.manifest import (
     ParamsFile,
     ProgramFile,
     TensorSpec,
-    datatype_of,
 )
 from kcoral.program import DEFAULT_PLATFORMS
+from kcoral.protocol.tensors import DATATYPES, datatype_of
 
 PARAMS = "params.safetensors"
 #: The program exported with a symbolic batch dimension, serving every size.

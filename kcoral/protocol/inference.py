@@ -21,7 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.models.manifest import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
+from kcoral.protocol.tensors import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
 
 #: The most elements of one dimension, and of all of them together (zeros
 #: counted as one): numpy cannot shape more, even an empty array.

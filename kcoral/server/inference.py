@@ -25,9 +25,9 @@ from kcoral.inference.front import (
     server_metadata,
 )
 from kcoral.metrics import SECONDS_BUCKETS
-from kcoral.models.manifest import InvalidInput
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
     READY,
