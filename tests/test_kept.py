@@ -286,7 +286,8 @@ def frame_of(program: Program, *inputs) -> bytes:
 
 @pytest_twisted.ensureDeferred
 async def test_a_run_named_by_its_kept_header_alone_reaches_its_array(two_routers):
-    """A run with the kept header and no program header runs on its array's worker, every time."""
+    """A run with the kept header and no program header runs on its array's worker, every time;
+    one with kept inputs and no kept header is a bad request, never told its array is lost."""
     (a, _), _ = two_routers
     double = Program.from_function(lambda v: v * 2, np.zeros(3, np.float32))
     client = AsyncClient(a.url, busy_timeout=30)
@@ -299,6 +300,11 @@ async def test_a_run_named_by_its_kept_header_alone_reaches_its_array(two_router
                 "Content-Type": REQUEST_CONTENT_TYPE, "X-KCoral-Kept": kept.id})
             assert ran.code == 200, ran
             assert decode_result(ran.body)[0].tolist() == [0, 2, 4]
+        # Without the header it cannot be routed: refused as such wherever it lands, never a 410.
+        for _ in range(8):
+            unrouted = await request("POST", a.url + "/v1/run", body=body, headers={
+                "Content-Type": REQUEST_CONTENT_TYPE, "X-KCoral-Program": double.digest})
+            assert unrouted.code == 400 and "X-KCoral-Kept must list" in unrouted.error()["message"]
         await client.delete(kept)
     finally:
         await client.close()

@@ -27,6 +27,7 @@ from kcoral.errors import (
     ProgramRejected,
 )
 from kcoral.protocol.wire import (
+    Blob,
     KeptInput,
     Reference,
     RunRequest,
@@ -426,6 +427,20 @@ def test_a_kept_id_in_a_path_is_checked_as_in_the_header():
             kept_ids(bad, 1)
     with pytest.raises(WireError):
         kept_id(f"{A}-{B},{A}-{A}")
+
+
+def test_a_run_of_kept_arrays_lists_their_worker_in_its_header():
+    """A run whose kept inputs or frees the header does not name (none, or another worker's)
+    is a WireError; listing some of them, of their worker, is enough."""
+    run = RunRequest(Blob(P), (KeptInput(f"{A}-{B}"),), free=(f"{A}-{A}",))
+    assert run.kept == (f"{A}-{B}", f"{A}-{A}")
+    run.routed_by((f"{A}-{A}",))
+    for listed in ((), (f"{B}-{A}",)):
+        with pytest.raises(WireError, match="must list the kept arrays"):
+            run.routed_by(listed)
+    with pytest.raises(ArraysApart):
+        run.routed_by((f"{A}-{A}", f"{B}-{A}"))
+    RunRequest(Blob(P), ()).routed_by(())
 
 
 def test_the_kept_header_lists_ids_within_bounds():

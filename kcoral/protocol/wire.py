@@ -186,6 +186,23 @@ class RunRequest:
     #: The kept arrays it frees once it succeeded.
     free: tuple[str, ...] = ()
 
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """The kept arrays it names: its kept inputs, then those it frees."""
+        inputs = (spec.kept for spec in self.inputs if isinstance(spec, KeptInput))
+        return tuple(dict.fromkeys([*inputs, *self.free]))
+
+    def routed_by(self, listed: Sequence[str]) -> None:
+        """L{WireError} unless C{listed}, the ids of its C{X-KCoral-Kept}
+        header, name the worker of the kept arrays it uses: a Router places
+        a run by the header alone, and a run placed elsewhere would be told
+        that arrays another worker holds are lost. L{ArraysApart} when either
+        names several workers."""
+        named = self.kept
+        if named and holder_of_all(listed) != holder_of_all(named):
+            raise WireError(f"{KEPT_HEADER} must list the kept arrays the run uses (or some of "
+                            f"them), so that it is sent to the worker that holds them")
+
     def keeps(self, outputs: int) -> tuple[bool, ...]:
         """Whether each of its C{outputs} outputs stays on the worker;
         L{WireError} when C{keep} lists another number of them."""

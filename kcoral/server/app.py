@@ -134,7 +134,7 @@ class ServerApp:
                 raise refusal
             try:
                 run = decode_request(request.content.getbuffer())
-                kept_ids(request.getHeader(KEPT_HEADER))
+                run.routed_by(kept_ids(request.getHeader(KEPT_HEADER)))
             except WireError as e:
                 raise BadRequest(str(e)) from None
             announced = request.getHeader(PROGRAM_HEADER)

@@ -225,8 +225,7 @@ class Executor:
         assert digest is not None  # the decoder requires the program's
         # Lost arrays first: resending content would not bring them back.
         # Those it frees are checked too, and all must be on this worker.
-        kept = self.kept.take([*(spec.kept for spec in run.inputs if isinstance(spec, KeptInput)),
-                               *run.free])
+        kept = self.kept.take(run.kept)
         missing: list[str] = []
         serialized = self._content(run.program, "program", missing)
         contents = [None if isinstance(spec, KeptInput) else
