@@ -1,8 +1,8 @@
 """
 One model name, one signature, across a Router's pool (and a gateway's): a
-member that reports a ready model under a name another member claimed first
-for another signature has it refused, with the reason, logged once, and is
-never given its inferences; the claim passes on once its holder leaves.
+member that reports a ready model under a name other members serve with
+another signature has it refused, with the reason, logged once, and is
+never given its inferences; the claim passes on once none serves it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 
 from kcoral.common.queue import WaitQueue
-from kcoral.common.report import InvalidReport, parse_report
+from kcoral.common.report import InvalidReport, ModelState, WorkerReport, parse_report
 from kcoral.router.forward import Forwarder
 from kcoral.router.inference import RouterInference
 from kcoral.router.pool import READY, Pool
@@ -118,6 +118,35 @@ def test_the_claim_passes_on_once_its_holder_leaves():
     # And the first, back, is now the later one.
     fleet.report("first", report(SMALL, session="s3"))
     assert fleet.member("first").ready_models == {}
+
+
+def test_a_gateways_worker_restarted_with_another_model_is_refused():
+    """In a gateway's static pool, a worker that comes back with another mlp than its sibling
+    (the bundle replaced under it) has it refused; the sibling keeps serving."""
+    fleet = Fleet()
+
+    def worker(name: str, signature: str) -> WorkerReport:
+        return WorkerReport(name, f"http://127.0.0.1:{9000 + int(name[-1])}", True, 1, 0, models=(
+            ModelState("mlp", signature=signature),))
+    fleet.pool.set_static("local", [worker("worker0", SMALL), worker("worker1", SMALL)],
+                          gpu_target="cpu", runtime={})
+    fleet.pool.set_static("local", [worker("worker0", SMALL), worker("worker1", LARGE)],
+                          gpu_target="cpu", runtime={})
+    members = fleet.pool.nodes["local"].members
+    assert members["worker0"].ready_models == {"mlp": 0} and members["worker1"].ready_models == {}
+    assert "local/worker1 serves another model" in members["worker1"].models[0].reason
+
+
+def test_the_claimant_changing_its_own_model_does_not_change_the_name():
+    """The first member to serve mlp coming back with another one is refused while another
+    member still serves the first; the name keeps its signature."""
+    fleet = Fleet()
+    fleet.report("first", report(SMALL))
+    fleet.report("second", report(SMALL, session="s2", host="10.0.0.2"))
+    fleet.report("first", report(LARGE))
+    assert fleet.member("first").ready_models == {}
+    assert fleet.member("second").ready_models == {"mlp": 0}
+    assert "first/worker0 serves another model" in fleet.member("first").models[0].reason
 
 
 def test_a_malformed_signature_is_an_invalid_report():

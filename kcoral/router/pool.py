@@ -63,7 +63,7 @@ class Pool:
         #: Which member with free capacity runs what.
         self.placement = ROUTINGS[routing](self.residency)
         #: The signature each ready model name stands for, and who claimed it.
-        self.signatures = ModelSignatures(self._present)
+        self.signatures = ModelSignatures(self._present, lambda: self.ring.members)
         #: Every member, usable or not, on the ring placement walks.
         self.ring = Ring()
         #: The capacity of the healthy members; None once a report or a

@@ -7,13 +7,13 @@ UNAVAILABLE, with the reason, logged, and never given an inference. A
 client that read the model's metadata from one member must never get a 400
 (or a wrong answer) from another by the luck of placement.
 
-A claim lasts while its member is in the pool and reports the model ready
-with that signature; then the next member to report the name claims it.
+A claim lasts while a member in the pool serves the model ready with that
+signature; then the next member to report the name claims it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 from twisted.logger import Logger
@@ -33,31 +33,28 @@ def _where(member: Member) -> str:
 
 class ModelSignatures:
     """
-    The signature each ready model name stands for in a pool, and the
-    member that claimed it; C{present} says whether a member is still one
-    of the pool's.
+    The signature each ready model name stands for in a pool, and a member
+    that serves it; C{present} says whether a member is still one of the
+    pool's, C{members} gives them all.
     """
 
-    def __init__(self, present: Callable[[Member], bool]):
+    def __init__(self, present: Callable[[Member], bool], members: Callable[[], Iterable[Member]]):
         self._present = present
+        self._members = members
         self._claims: dict[Key, tuple[str, Member]] = {}
 
     def admit(self, member: Member, models: tuple[ModelState, ...]) -> tuple[ModelState, ...]:
-        """C{models} as C{member} reports them, each ready one whose name a
-        present member claimed first for another signature made UNAVAILABLE
-        with the reason; the claims of C{member} follow its report."""
-        ready = {(m.name, m.version): m.signature for m in models if m.ready and m.signature}
-        for key, (signature, claimant) in list(self._claims.items()):
-            if claimant is member and ready.get(key) != signature:
-                del self._claims[key]
+        """C{models} as C{member} reports them, each ready one whose name
+        other present members serve with another signature made UNAVAILABLE
+        with the reason."""
         admitted = []
         for model in models:
-            key = (model.name, model.version)
-            if key not in ready:
+            if not (model.ready and model.signature):
                 admitted.append(model)
                 continue
-            claim = self._claims.get(key)
-            if claim is None or not self._holds(*claim, key):
+            key = (model.name, model.version)
+            claim = self._claim(key, member, model.signature)
+            if claim is None:
                 self._claims[key] = (model.signature, member)
                 admitted.append(model)
                 continue
@@ -82,7 +79,28 @@ class ModelSignatures:
             if claimant is member:
                 del self._claims[key]
 
-    def _holds(self, signature: str, claimant: Member, key: Key) -> bool:
+    def _claim(self, key: Key, member: Member, signature: str) -> tuple[str, Member] | None:
+        """The signature C{key} stands for and a member that serves it; None
+        when no present member but C{member} serves it. A claim outlives the
+        member that made it while another serves its signature: a member
+        that changes its own model does not change the name's."""
+        claim = self._claims.get(key)
+        if claim is not None:
+            claimed, claimant = claim
+            if claimant is member and claimed == signature:
+                return claim  # its own heartbeat: the common case, at no cost
+            if claimant is not member and self._serves(claimant, key, claimed):
+                return claim
+        for other in self._members():
+            if other is not member and self._present(other):
+                for model in other.models:
+                    if (model.name, model.version) == key and model.ready and model.signature:
+                        self._claims[key] = (model.signature, other)
+                        return self._claims[key]
+        self._claims.pop(key, None)
+        return None
+
+    def _serves(self, claimant: Member, key: Key, signature: str) -> bool:
         return self._present(claimant) and any(
             (m.name, m.version) == key and m.ready and m.signature == signature
             for m in claimant.models)
