@@ -122,3 +122,43 @@ def test_an_answer_that_is_not_a_kcoral_error_still_maps_to_its_status(content):
     """Content that is not a KCoral error (HTML, deep JSON, bad UTF-8) still maps by status."""
     error = error_from_answer(503, content)
     assert isinstance(error, ServerBusy) and error.message.startswith("HTTP 503: ")
+
+
+def _documented_rows() -> tuple[set[tuple[int, str]], str]:
+    """The (status, type) rows of doc/protocol.rst's error table, and the table's text."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "doc" / "protocol.rst").read_text()
+    table = text[text.index("\nErrors\n"):text.index("\nBounds a server enforces\n")]
+    rows = {(int(code), kind) for code, kind in re.findall(r"^(\d{3})\s+``([a-z_]+)``", table, re.M)}
+    return rows, table
+
+
+def test_every_error_a_service_sends_is_in_the_documented_table():
+    """Each error class a KCoral service answers with has its status and type in the table."""
+    from kcoral.errors import ERRORS
+
+    rows, _ = _documented_rows()
+    sent = {(cls.status, cls.type) for cls in ERRORS}
+    assert sent <= rows, sorted(sent - rows)
+    assert {kind for _, kind in rows} <= {cls.type for cls in ERRORS}
+
+
+def test_every_reason_a_service_sends_is_documented():
+    """Each reason the services' code gives an error is named in the table (the client's own are not sent)."""
+    import ast
+    import pathlib
+
+    _, table = _documented_rows()
+    root = pathlib.Path(kcoral.__file__).parent
+    reasons = set()
+    for path in root.rglob("*.py"):
+        if "client" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "reason" \
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                reasons.add(node.value.value)
+    assert reasons, "no reason found: the scan is broken"
+    assert {r for r in reasons if f"``{r}``" not in table} == set()

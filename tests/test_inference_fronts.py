@@ -34,8 +34,9 @@ from kcoral.inference.front import (
 from kcoral.inference.grpcfront import GrpcFront
 from kcoral.inference.rest import InferenceResource
 from kcoral.metrics import HttpMetrics
-from kcoral.models.manifest import InvalidInput, ModelManifest
+from kcoral.models.manifest import ModelManifest
 from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.tensors import InvalidInput
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from kcoral.web.family import INFERENCE
 from kcoral.web.front import Front

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest
-from kcoral.models.manifest import DATATYPES
 from kcoral.protocol.inference import (
     MAX_HEADER_BYTES,
     InferRequest,
@@ -25,6 +27,7 @@ from kcoral.protocol.inference import (
     parse_infer,
     rest_of_grpc_infer,
 )
+from kcoral.protocol.tensors import DATATYPES
 
 #: An array of each datatype, with values its type holds.
 ARRAYS = {name: (np.arange(6).reshape(2, 3) % 2 == 1 if name == "BOOL" else
@@ -264,3 +267,54 @@ def test_grpc_raw_contents_must_match_inputs():
     del pb.raw_input_contents[1]
     with pytest.raises(BadRequest, match="raw_input_contents"):
         rest_of_grpc_infer(pb)
+
+
+FLOATS = [d for d in DATATYPES if d in ("FP16", "BF16", "FP32", "FP64")]
+
+
+def _strict(text: bytes):
+    """C{text} read as strict JSON: NaN and Infinity are no JSON values."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in an answer: not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@given(datatype=st.sampled_from(FLOATS), values=st.lists(
+    st.sampled_from([0.5, -2.0, float("nan"), float("inf"), float("-inf")]), min_size=1, max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_an_answer_is_strict_json_or_refused_and_binary_carries_every_float(datatype, values):
+    """Outputs with NaN or infinities are refused in JSON (400, asking for binary) and carried
+    bit for bit in binary; whatever is answered as JSON is strict JSON."""
+    array = np.array(values).astype(DATATYPES[datatype])
+    asked = InferRequest(None, {}, (), False, {})
+    if np.isfinite(array.astype(np.float64)).all():
+        answer = encode_infer("m", "1", asked, {"y": array})
+        assert _strict(answer.body)["outputs"][0]["data"] == array.astype(np.float64).tolist()
+    else:
+        with pytest.raises(BadRequest, match="ask for it as binary data"):
+            encode_infer("m", "1", asked, {"y": array})
+    binary = encode_infer("m", "1", attrs.evolve(asked, binary_output_default=True), {"y": array})
+    _strict(binary.body[:binary.header_length])
+    carried = np.frombuffer(binary.body[binary.header_length:], DATATYPES[datatype])
+    assert carried.tobytes() == array.tobytes()
+
+
+@pytest.mark.parametrize("datatype", FLOATS)
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", "1e400", "-1e400"])
+def test_json_inputs_past_json_or_the_datatype_are_refused(datatype, text):
+    """JSON inputs of NaN or Infinity (no JSON values) or a number no float holds are 400."""
+    body = b'{"inputs": [{"name": "x", "datatype": "%s", "shape": [2], "data": [1.5, %s]}]}' % (
+        datatype.encode(), text.encode())
+    with pytest.raises(BadRequest, match="not a JSON value|past the finite range"):
+        parse_infer(body, None)
+
+
+@pytest.mark.parametrize("datatype, text", [("FP16", "70000"), ("BF16", "1e39"), ("FP32", "1e39")])
+def test_json_inputs_past_the_datatypes_range_are_refused(datatype, text):
+    """A finite JSON number that the input's datatype rounds to an infinity is 400, never inf."""
+    body = b'{"inputs": [{"name": "x", "datatype": "%s", "shape": [1], "data": [%s]}]}' % (
+        datatype.encode(), text.encode())
+    with pytest.raises(BadRequest, match="past the finite range"):
+        parse_infer(body, None)
+    finite = parse_infer(body.replace(text.encode(), b"-1000.0"), None).inputs["x"]
+    assert finite.astype(np.float64).tolist() == [-1000.0]

@@ -23,6 +23,7 @@ from twisted.internet.threads import deferToThread
 
 from kcoral import ArrayLost, AsyncClient, Client, Program, ProgramRejected, RemoteArray
 from kcoral.errors import KeptMemoryFull
+from kcoral.protocol.wire import REQUEST_CONTENT_TYPE, decode_result, encode_request, wire_array
 from tests.conftest import TEST_GPUS
 from tests.httputil import request
 from tests.test_routed import pool_nodes, start_node, start_router, until_ready
@@ -275,6 +276,58 @@ async def test_a_kept_array_is_used_through_either_router(two_routers):
         assert lost.value.status == 410 and lost.value.lost == [kept.id]
     finally:
         await gatherResults([via_a.close(), via_b.close()])
+
+
+def frame_of(program: Program, *inputs) -> bytes:
+    """The body of a run of C{program} on C{inputs}, as L{encode_request} takes them."""
+    parts, _ = encode_request(program.digest, program.serialized, inputs)
+    return b"".join(bytes(part) for part in parts)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_run_named_by_its_kept_header_alone_reaches_its_array(two_routers):
+    """A run with the kept header and no program header runs on its array's worker, every time;
+    one with kept inputs and no kept header is a bad request, never told its array is lost."""
+    (a, _), _ = two_routers
+    double = Program.from_function(lambda v: v * 2, np.zeros(3, np.float32))
+    client = AsyncClient(a.url, busy_timeout=30)
+    try:
+        kept = await client.put(np.arange(3, dtype=np.float32))
+        body = frame_of(double, kept.reference)
+        # Two workers: a run placed by load alone would miss it about half the time.
+        for _ in range(8):
+            ran = await request("POST", a.url + "/v1/run", body=body, headers={
+                "Content-Type": REQUEST_CONTENT_TYPE, "X-KCoral-Kept": kept.id})
+            assert ran.code == 200, ran
+            assert decode_result(ran.body)[0].tolist() == [0, 2, 4]
+        # Without the header it cannot be routed: refused as such wherever it lands, never a 410.
+        for _ in range(8):
+            unrouted = await request("POST", a.url + "/v1/run", body=body, headers={
+                "Content-Type": REQUEST_CONTENT_TYPE, "X-KCoral-Program": double.digest})
+            assert unrouted.code == 400 and "X-KCoral-Kept must list" in unrouted.error()["message"]
+        await client.delete(kept)
+    finally:
+        await client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_kept_ids_are_checked_alike_on_every_route(two_routers):
+    """A malformed kept id is 400 in a run's header, a path or a delete's header, at a Router and a worker."""
+    (a, _), _ = two_routers
+    double = Program.from_function(lambda v: v * 2, np.float32(0))
+    worker = (await pool_nodes(a))["kept-node"]["workers"][0]["url"]
+    body = frame_of(double, (wire_array(np.float32(1)), None, True))
+    for base in (a.url, worker):
+        for program in ({}, {"X-KCoral-Program": double.digest}):
+            refused = await request("POST", base + "/v1/run", body=body, headers={
+                "Content-Type": REQUEST_CONTENT_TYPE, "X-KCoral-Kept": "../../x", **program})
+            assert refused.code == 400 and refused.error()["type"] == "bad_request", refused
+        for method in ("GET", "DELETE"):
+            refused = await request(method, base + "/v1/arrays/zzzz")
+            assert refused.code == 400 and refused.error()["type"] == "bad_request", refused
+        refused = await request("DELETE", base + "/v1/arrays", headers={"X-KCoral-Kept": "zzzz"})
+        assert refused.code == 400 and refused.error()["type"] == "bad_request", refused
+        assert (await request("GET", base + "/health")).code == 200
 
 
 @pytest_twisted.ensureDeferred

@@ -24,8 +24,10 @@ from kcoral.errors import (
     BadRequest,
     KeptMemoryFull,
     ProgramFailed,
+    ProgramRejected,
 )
 from kcoral.protocol.wire import (
+    Blob,
     KeptInput,
     Reference,
     RunRequest,
@@ -224,14 +226,15 @@ def step_program():
 
 def test_a_run_keeps_some_outputs_and_answers_the_others(executor):
     """With one flag per output, the kept ones stay (their bytes alone reserved), the others come
-    inline; flags of another number than the outputs are a malformed request (400)."""
+    inline; flags of another number than the outputs do not fit the program (422)."""
     ex, _ = executor(KeptStore(16))
     token, state = outputs_of(ex.execute(
         run_of(step_program(), np.ones(4, np.float32), np.float32(2), keep=(False, True)), "r"))
     assert token.tolist() == 3.0 and isinstance(state, Reference) and state.shape == (4,)
     assert ex.kept.nbytes == 16
-    with pytest.raises(BadRequest, match="'keep' has 3 entries"):
+    with pytest.raises(ProgramRejected, match="'keep' has 3 entries") as rejected:
         ex.execute(run_of(step_program(), state, np.float32(2), keep=(False, True, True)), "r")
+    assert rejected.value.status == 422
 
 
 def test_a_run_frees_arrays_once_it_succeeded(executor, monkeypatch):
@@ -391,6 +394,53 @@ def test_arrays_of_no_member_are_lost_at_the_router():
     assert isinstance(lost.result.value, ArrayLost)
     assert lost.result.value.lost == [f"{'1' * 16}-{B}"]
     lost.addErrback(lambda _: None)
+
+
+def test_kept_arrays_pin_a_run_that_names_no_program():
+    """A run with the kept header but no program header goes to the arrays' member, every time."""
+    routed = Routed()
+    for _ in range(8):
+        for ids, holder in (((f"{A}-{B}",), routed.a), ((f"{B}-{A}", f"{B}-{B}"), routed.b)):
+            run = Demand.of(None, None, ",".join(ids).encode())
+            assert run is not None and run.arrays == ids
+            assert routed.pool.pick(run) is holder
+
+
+def test_a_bad_kept_header_is_refused_without_a_program_header():
+    """A malformed kept header is a bad request whether the program is named or not."""
+    for program in (None, b"", b"nope", P.encode()):
+        for bad in (b"../../x", b"zzzz", f"{A}-{B},".encode()):
+            with pytest.raises(BadRequest):
+                Demand.of(program, None, bad)
+    assert Demand.of(None, None, None) is None and Demand.of(None, None, b"") is None
+
+
+def test_a_kept_id_in_a_path_is_checked_as_in_the_header():
+    """An id in a path is a kept array's id, or a WireError, like each entry of the header."""
+    from kcoral.protocol.wire import kept_id, kept_ids
+
+    assert kept_id(f"{A}-{B}") == f"{A}-{B}"
+    for bad in ("zzzz", "../../x", f"{A}-{B}/", "", f"{A}-{B}".upper()):
+        with pytest.raises(WireError):
+            kept_id(bad)
+        with pytest.raises(WireError):
+            kept_ids(bad, 1)
+    with pytest.raises(WireError):
+        kept_id(f"{A}-{B},{A}-{A}")
+
+
+def test_a_run_of_kept_arrays_lists_their_worker_in_its_header():
+    """A run whose kept inputs or frees the header does not name (none, or another worker's)
+    is a WireError; listing some of them, of their worker, is enough."""
+    run = RunRequest(Blob(P), (KeptInput(f"{A}-{B}"),), free=(f"{A}-{A}",))
+    assert run.kept == (f"{A}-{B}", f"{A}-{A}")
+    run.routed_by((f"{A}-{A}",))
+    for listed in ((), (f"{B}-{A}",)):
+        with pytest.raises(WireError, match="must list the kept arrays"):
+            run.routed_by(listed)
+    with pytest.raises(ArraysApart):
+        run.routed_by((f"{A}-{A}", f"{B}-{A}"))
+    RunRequest(Blob(P), ()).routed_by(())
 
 
 def test_the_kept_header_lists_ids_within_bounds():

@@ -54,9 +54,9 @@ def test_no_import_crosses_between_server_node_and_router():
     assert crossing == []
 
 
-def test_no_modules_import_each_other_in_a_circle():
-    """The import graph of kcoral has no cycle (Tarjan's strongly connected components)."""
-    graph = _imports()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of C{graph} with more than one
+    vertex (Tarjan's): each a set of vertices that reach each other."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -84,4 +84,25 @@ def test_no_modules_import_each_other_in_a_circle():
     for v in sorted(graph):
         if v not in index:
             visit(v)
+    return cycles
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """The import graph of kcoral has no cycle (Tarjan's strongly connected components)."""
+    cycles = _cycles(_imports())
+    assert cycles == []
+
+
+def test_no_packages_import_each_other_in_a_circle():
+    """Seen package by package (kcoral.protocol, kcoral.models, a top-level module as its own),
+    kcoral's imports have no cycle: each package builds on others, never back."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in _imports().items():
+        home = module.split(".")[1] if "." in module else module
+        packages.setdefault(home, set()).update(
+            t.split(".")[1] for t in targets if "." in t and t.split(".")[1] != home)
+    for targets in list(packages.values()):
+        for target in targets:
+            packages.setdefault(target, set())
+    cycles = _cycles(packages)
     assert cycles == []

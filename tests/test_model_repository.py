@@ -24,8 +24,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import kcoral  # noqa: E402
-from kcoral.models.bundle import PARAMS, PROGRAM  # noqa: E402
-from kcoral.models.manifest import MANIFEST, InvalidInput  # noqa: E402
+from kcoral.models.bundle import PARAMS, PROGRAM, BundleError, read_bundle  # noqa: E402
+from kcoral.models.manifest import MANIFEST  # noqa: E402
+from kcoral.protocol.tensors import InvalidInput  # noqa: E402
 from kcoral.server.invariant import deterministic_flags  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
     READY,
@@ -99,6 +100,35 @@ def test_misnamed_and_mismatched(tmp_path):
         "resized": "program.jax takes float32[32], float32[8], float32[16, 32], float32[32, 8], "
                    "float32[-1, 16]; the params and model.json say float32[4], float32[8], "
                    "float32[16, 32], float32[32, 8], float32[-1, 16]"}
+
+
+def test_a_folder_linked_from_outside_the_repository_is_refused(tmp_path):
+    """A model folder that is a link out of the repository is UNAVAILABLE with the reason;
+    a link to a folder inside it is served under its own name."""
+    outside, repository = tmp_path / "outside", tmp_path / "repository"
+    export_mlp(outside / "mlp", name="mlp")
+    export_mlp(repository / "real", name="inside")
+    repository.joinpath("mlp").symlink_to(outside / "mlp", target_is_directory=True)
+    repository.joinpath("inside").symlink_to("real", target_is_directory=True)
+    models = ModelRepository(repository)
+    models.load(jax.local_devices()[0])
+    states = {s.name: (s.state, s.reason) for s in models.index()}
+    assert states["mlp"][0] == UNAVAILABLE and "leads out of the model repository" in states["mlp"][1]
+    assert states["inside"] == (READY, "")
+    with pytest.raises(ModelUnavailable):
+        models.get("mlp")
+
+
+def test_a_folder_read_by_path_outside_its_repository_is_refused(tmp_path):
+    """read_bundle with the repository refuses a folder that resolves outside it, through
+    any link on its path, and reads the same folder where it lies inside."""
+    export_mlp(tmp_path / "outside" / "mlp", name="mlp")
+    (tmp_path / "repository").mkdir()
+    (tmp_path / "repository" / "up").symlink_to(tmp_path / "outside", target_is_directory=True)
+    for path in (tmp_path / "repository" / "up" / "mlp", tmp_path / "repository" / ".." / "outside" / "mlp"):
+        with pytest.raises(BundleError, match="leads out of the model repository"):
+            read_bundle(path, within=tmp_path / "repository")
+    assert read_bundle(tmp_path / "outside" / "mlp", within=tmp_path / "outside").manifest.name == "mlp"
 
 
 def test_not_a_program(tmp_path):

@@ -399,6 +399,51 @@ async def test_server_refuses_bad_inferences(server, repository):
     np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest_twisted.ensureDeferred
+async def test_non_finite_floats_travel_in_binary_and_are_refused_in_json(server):
+    """A NaN output asked for as JSON is 400 asking for binary, and comes back in binary; JSON
+    inputs of NaN or 1e400 are 400; the server answers strict JSON and stays ready."""
+    x = rows(1)
+    x[0, 0] = np.nan  # binary input: NaN travels; the MLP's outputs all become NaN
+    header = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 16],
+                          "parameters": {"binary_data_size": x.nbytes}}]}
+    for binary, code in ((False, 400), (True, 200)):
+        header["parameters"] = {"binary_data_output": binary}
+        text = json.dumps(header).encode()
+        answer = await request("POST", f"{server.url}/v2/models/mlp/infer", body=text + x.tobytes(),
+                               headers={"Content-Type": "application/octet-stream",
+                                        "Inference-Header-Content-Length": str(len(text))})
+        assert answer.code == code, answer
+        if binary:
+            length = int(answer.header("Inference-Header-Content-Length"))
+            assert np.isnan(np.frombuffer(answer.body[length:], np.float32)).all()
+        else:
+            assert "ask for it as binary data" in answer.json["error"], answer
+    for value in ("NaN", "1e400"):
+        body = infer_body().replace(b"0.5]", value.encode() + b"]")
+        answer = await request("POST", f"{server.url}/v2/models/mlp/infer", body=body,
+                               headers={"Content-Type": "application/json"})
+        assert answer.code == 400 and answer.request_id, (value, answer)
+    assert (await request("GET", server.url + "/readyz")).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_counts_that_int_would_take_are_refused(server):
+    """An Inference-Header-Content-Length of 1_0 or +10 is 400, a version of other digits than
+    ASCII's 404, never read as a number; the server stays ready."""
+    text = infer_body()
+    for length in ("1_0", "+10", "١٠"):
+        answer = await request("POST", f"{server.url}/v2/models/mlp/infer", body=text,
+                               headers={"Content-Type": "application/json",
+                                        "Inference-Header-Content-Length": length})
+        assert answer.code == 400 and "count of bytes" in answer.json["error"], (length, answer)
+    for version in ("%C2%B9", "%D9%A1", "1_0", "+1"):  # superscript one, Arabic-Indic one
+        answer = await request("GET", f"{server.url}/v2/models/mlp/versions/{version}")
+        assert answer.code == 404, (version, answer)
+    assert (await request("GET", server.url + "/v2/models/mlp/versions/1")).code == 200
+    assert (await request("GET", server.url + "/readyz")).code == 200
+
+
 # -- a node of two CPU workers, from a node file ----------------------------------------------
 
 @attrs.define
@@ -584,3 +629,42 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     error = await deferToThread(grpc_error, router.grpc, "broken", rows(1))
     assert "UNAVAILABLE" in str(error.status()), error
     assert (await request("GET", router.url + "/readyz")).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_serving_another_mlp_is_refused_under_one_router(routed, repository,
+                                                                        module_processes, tmp_path):
+    """A third node whose mlp has another signature has it refused: logged, unavailable with
+    the reason on its worker, said in the index, and every inference lands where it fits."""
+    import kcoral
+
+    router = routed.router
+    other = tmp_path / "models"
+    kcoral.export_bundle(lambda p, x: x @ p["w"], {"w": np.ones((12, 4), np.float32)},
+                         np.zeros((1, 12), np.float32), dir=str(other / "mlp"), name="mlp",
+                         batch_sizes=[1])
+    mark = router.process.mark()
+    late = await start_routed_node(module_processes, router.url, "n2",
+                                   "--model-repository", str(other))
+    try:
+        await router.process.wait_for_line(
+            r"model mlp version 1 refused: n2/worker0 serves another model", 60, since=mark)
+
+        async def refused_on_n2():
+            nodes = {n["node_id"]: n for n in
+                     (await request("GET", router.url + "/v1/nodes", timeout=10)).json["nodes"]}
+            [model] = nodes["n2"]["workers"][0]["models"] if "n2" in nodes else [None]
+            return model if model and model["state"] == "UNAVAILABLE" else None
+        model = await until(refused_on_n2, "n2's mlp unavailable at the Router", 60)
+        assert "n2/worker0 serves another model named mlp" in model["reason"], model
+
+        index = await request("POST", router.url + "/v2/repository/index", body=b"{}")
+        mlp = {entry["name"]: entry for entry in index.json}["mlp"]
+        assert mlp["state"] == "READY" and mlp["reason"] == model["reason"], index.json
+        # Each inference fits the metadata the clients read: none reaches n2.
+        for _ in range(8):
+            x = rows(3)
+            got = await deferToThread(http_infer, router.http, x, False)
+            np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
+    finally:
+        await late.process.stop()

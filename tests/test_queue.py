@@ -1,15 +1,19 @@
 """
 The wait queue (FIFO, bounded in length and in waiting time, cancellable) and
-the server's admission on top of it, on a fake clock: no sleeps.
+the server's admission on top of it, on a fake clock: no sleeps; and the
+batch queue both batchers take their batches from.
 """
 
 from __future__ import annotations
 
+import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 
-from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
+from kcoral.common.queue import BatchQueue, QueueFull, QueueTimeout, WaitQueue
 from kcoral.server.admission import Admission
 
 
@@ -186,3 +190,46 @@ def test_idle_fires_when_nothing_runs_or_waits(clock):
     assert queued.fired and not idle.fired
     gate.release()
     assert idle.result == ("ok", None)
+
+
+@attrs.define(eq=False)
+class Request:
+    kind: tuple | None
+    rows: int
+
+
+@given(requests=st.lists(st.tuples(st.sampled_from([("a",), ("b",), None]), st.integers(1, 8)),
+                         max_size=30),
+       most=st.integers(1, 8))
+@settings(max_examples=300, deadline=None)
+def test_batches_are_the_heads_that_share_a_kind_and_fit(requests, most):
+    """Batches taken until the queue is empty keep arrival order; each is the oldest and
+    those behind it of its kind, within the rows, and stops only where the next differs or
+    would not fit; a request of no kind goes alone."""
+    queue: BatchQueue[Request] = BatchQueue(len(requests) + 1)
+    arrived = [Request(kind, rows) for kind, rows in requests]
+    for request in arrived:
+        queue.append(request)
+    taken = []
+    while queue:
+        batch = queue.take(most)
+        first = batch[0]
+        assert all(r.kind == first.kind for r in batch)
+        assert len(batch) == 1 or (first.kind is not None and sum(r.rows for r in batch) <= most)
+        if queue and first.kind is not None:
+            following = queue.oldest
+            assert following.kind != first.kind or sum(r.rows for r in batch) + following.rows > most
+        taken.extend(batch)
+    assert taken == arrived
+
+
+def test_a_batch_queue_is_bounded_and_its_requests_leave():
+    """It is full at its bound; a request removed leaves (once); drained, it is empty."""
+    queue: BatchQueue[Request] = BatchQueue(2)
+    one, two = Request(("a",), 1), Request(("a",), 1)
+    queue.append(one)
+    assert not queue.full
+    queue.append(two)
+    assert queue.full and queue.head(8) == [one, two]
+    assert queue.remove(one) and not queue.remove(one)
+    assert queue.drain() == [two] and len(queue) == 0 and not queue.full

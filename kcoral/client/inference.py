@@ -17,7 +17,8 @@ from zope.interface import implementer
 
 from kcoral.client.exchange import ICall, Response, Send
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.models.manifest import DATATYPES, NAME, InvalidInput, datatype_of
+from kcoral.models.manifest import NAME
+from kcoral.protocol.tensors import DATATYPES, InvalidInput, datatype_of
 from kcoral.protocol.wire import byte_view
 from kcoral.tracing import current_traceparent
 from kcoral.web.family import INFERENCE_HEADER_LENGTH

@@ -1,16 +1,26 @@
 """
+The queues of requests that wait.
+
 The wait queue: one FIFO of requests waiting for capacity, bounded in length
 (full: refused at once) and in waiting time (expired: refused). A waiter that
-is cancelled, because its client went away, leaves the queue at once.
+is cancelled, because its client went away, leaves the queue at once. The
+Router, the embedded gateway and each server's admission all queue here.
 
-The Router, the embedded gateway and each server's admission all queue here.
+The batch queue: the inferences of one batched model waiting in arrival
+order to go as one batch, which both batchers (a worker's, and a Router's or
+gateway's at the front) take from it. A batch is the queue's head as far as
+its requests share the oldest's kind (the dimensions past the first, and
+what else must match to merge) and fit the model's rows: a request is never
+split, none is taken past one that does not fit, so no client's requests are
+reordered.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from itertools import islice
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred, fail
@@ -100,3 +110,79 @@ class WaitQueue:
     def fail_all(self, error: Exception) -> None:
         while self._waiters:
             self.fail_next(error)
+
+
+class Batchable(Protocol):
+    """A request a L{BatchQueue} holds: its rows, and what another must
+    share with it to go in one batch (None: it goes alone)."""
+
+    @property
+    def kind(self) -> tuple | None: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+B = TypeVar("B", bound=Batchable)
+
+
+class BatchQueue(Generic[B]):
+    """The requests of one batched model waiting, oldest first, at most
+    C{most_waiting} of them."""
+
+    def __init__(self, most_waiting: int):
+        self.most_waiting = most_waiting
+        self._waiting: deque[B] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __iter__(self) -> Iterator[B]:
+        return iter(self._waiting)
+
+    @property
+    def full(self) -> bool:
+        return len(self._waiting) >= self.most_waiting
+
+    @property
+    def oldest(self) -> B:
+        """The request that waits longest; the queue must not be empty."""
+        return self._waiting[0]
+
+    def append(self, request: B) -> None:
+        self._waiting.append(request)
+
+    def remove(self, request: B) -> bool:
+        """Take C{request} out (its client left); False when it no longer waits."""
+        try:
+            self._waiting.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    def head(self, most_rows: int) -> list[B]:
+        """The requests of the next batch of at most C{most_rows} rows: the
+        oldest, and those behind it that share its kind and fit."""
+        first = self._waiting[0]
+        batch, rows = [first], first.rows
+        if first.kind is None:
+            return batch
+        for request in islice(self._waiting, 1, None):
+            if request.kind != first.kind or rows + request.rows > most_rows:
+                break
+            batch.append(request)
+            rows += request.rows
+        return batch
+
+    def take(self, most_rows: int) -> list[B]:
+        """The next batch (L{head}), out of the queue."""
+        batch = self.head(most_rows)
+        for _ in batch:
+            self._waiting.popleft()
+        return batch
+
+    def drain(self) -> list[B]:
+        """Every request waiting, out of the queue: what all of them meet."""
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        return waiting

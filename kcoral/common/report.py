@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from kcoral.common.cached import Cached, parse_cached
+from kcoral.protocol.counts import MOST_VERSION, read_count
 
 #: The GPU target of a worker that runs on the host's CPU (all of a node's
 #: CPU workers share its cores).
@@ -38,6 +39,7 @@ class InvalidReport(ValueError):
 
 
 _INSTANCE = re.compile(r"\A[0-9a-f]{16}\Z")
+_SIGNATURE = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
 def parse_instance(value: object) -> str | None:
@@ -56,6 +58,9 @@ class ModelState:
     reason: str = ""
     #: The most rows of one batch (0: not batched).
     max_batch_size: int = 0
+    #: The digest of its inputs' and outputs' names, datatypes and shapes
+    #: (L{kcoral.models.manifest.ModelManifest.signature}); "" when not said.
+    signature: str = ""
 
     @property
     def ready(self) -> bool:
@@ -75,14 +80,17 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
                 or not MODEL_NAME.match(entry["name"]):
             raise InvalidReport(f"{what}: each model needs a name of 1-64 of [A-Za-z0-9_.-]")
         version, state, reason = entry.get("version", "1"), entry.get("state", ""), entry.get("reason", "")
-        if not (isinstance(version, str) and version.isdigit() and len(version) <= 9
+        if not (isinstance(version, str) and read_count(version, MOST_VERSION) is not None
                 and isinstance(state, str) and 0 < len(state) <= 32
                 and isinstance(reason, str) and len(reason) <= MAX_REASON):
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed version, state or reason")
         most = entry.get("max_batch_size", 0)
         if type(most) is not int or not 0 <= most <= 1 << 16:
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed max_batch_size")
-        models.append(ModelState(entry["name"], version, state, reason, most))
+        signature = entry.get("signature", "")
+        if not (isinstance(signature, str) and (signature == "" or _SIGNATURE.match(signature))):
+            raise InvalidReport(f"{what}: model {entry['name']} has a malformed signature")
+        models.append(ModelState(entry["name"], version, state, reason, most, signature))
     return tuple(models)
 
 

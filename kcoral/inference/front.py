@@ -10,8 +10,9 @@ import attrs
 from twisted.internet.defer import Deferred
 from zope.interface import Interface
 
-from kcoral.models.manifest import ModelManifest, TensorSpec, config_type
+from kcoral.models.manifest import ModelManifest, TensorSpec
 from kcoral.protocol.inference import InferAnswer
+from kcoral.protocol.tensors import config_type
 
 __all__ = ["IInferenceFront", "InferAnswer", "InferCall", "model_config_of", "model_metadata_of",
            "server_metadata"]

@@ -21,6 +21,7 @@ from werkzeug.exceptions import NotFound as NoSuchRoute
 
 from kcoral.errors import BadRequest, InternalError, KCoralError, MethodNotAllowed, NotFound
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.family import INFER_ROUTES, INFERENCE_HEADER_LENGTH, TRACE_HEADERS
 from kcoral.web.requestid import RequestIdResource
@@ -48,10 +49,10 @@ def _header_length(request) -> int | None:
     value = request.getHeader(INFERENCE_HEADER_LENGTH)
     if value is None:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest("Inference-Header-Content-Length must be a number") from None
+    length = read_count(value, MOST_BYTES)
+    if length is None:
+        raise BadRequest("Inference-Header-Content-Length must be a count of bytes, in digits")
+    return length
 
 
 def _body(request) -> Deferred[memoryview]:

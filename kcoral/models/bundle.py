@@ -21,7 +21,6 @@ import numpy as np
 
 from kcoral.errors import ProgramExportError
 from kcoral.models.manifest import (
-    DATATYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     InvalidManifest,
@@ -29,9 +28,9 @@ from kcoral.models.manifest import (
     ParamsFile,
     ProgramFile,
     TensorSpec,
-    datatype_of,
 )
 from kcoral.program import DEFAULT_PLATFORMS
+from kcoral.protocol.tensors import DATATYPES, datatype_of
 
 PARAMS = "params.safetensors"
 #: The program exported with a symbolic batch dimension, serving every size.
@@ -245,18 +244,21 @@ def _write(dir: str | os.PathLike, file: str, data: bytes) -> None:
     os.replace(out.name, os.path.join(dir, file))
 
 
-def read_bundle(path: str | os.PathLike) -> Bundle:
+def read_bundle(path: str | os.PathLike, within: str | os.PathLike | None = None) -> Bundle:
     """
     The bundle in the folder C{path}, every file checked against its manifest
     (a plain file in the folder, not a link; bounded; its SHA-256), and its
-    params against their count and the datatypes served. A BundleError says
-    which file is wrong and how.
+    params against their count and the datatypes served. With C{within} (a
+    model repository), the folder must be in it once links are resolved. A
+    BundleError says which file is wrong and how.
     """
     try:
         folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise BundleError(f"{path}: cannot open the bundle folder: {e.strerror}") from None
     try:
+        if within is not None:
+            _inside(path, folder, within)
         data, _ = _read(folder, MANIFEST, MAX_MANIFEST_BYTES)
         try:
             manifest = ModelManifest.loads(data)
@@ -272,6 +274,24 @@ def read_bundle(path: str | os.PathLike) -> Bundle:
     finally:
         os.close(folder)
     return Bundle(manifest, programs, params)
+
+
+def _inside(path: str | os.PathLike, folder: int, root: str | os.PathLike) -> None:
+    """Refuse the opened C{folder} unless C{path}, links resolved, is a folder
+    inside C{root}: a link may rename a model within its repository, never
+    lead out of it to what the operator did not put there. The folder
+    opened must be the one resolved, or a link swapped meanwhile would pass."""
+    resolved, top = os.path.realpath(path), os.path.realpath(root)
+    if resolved == top or os.path.commonpath([resolved, top]) != top:
+        raise BundleError("the model's folder is a link that leads out of the model "
+                          "repository: a model's folder and files must be in it")
+    try:
+        named = os.stat(resolved)
+    except OSError as e:
+        raise BundleError(f"cannot look at the model's folder: {e.strerror}") from None
+    opened = os.fstat(folder)
+    if (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+        raise BundleError("the model's folder changed while it was read: load it again")
 
 
 def _verified(folder: int, file: str, digest: str, most: int) -> bytes:

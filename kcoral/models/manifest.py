@@ -11,33 +11,20 @@ make its model unavailable with a reason, never crash a worker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
 
 import attrs
-import ml_dtypes
 import numpy as np
 
-#: The inference protocol's datatypes KCoral serves, and their arrays'
-#: dtypes. BYTES (strings) has no JAX type.
-DATATYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
-}
-_DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+from kcoral.protocol.tensors import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of
 
 #: A model's or a tensor's name, and a bundle's file names: never a path.
 NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 #: Bounds on what a manifest may describe.
 MAX_MANIFEST_BYTES = 1 << 20
-MAX_TENSORS = 64
-MAX_RANK = 16
 MAX_BATCH_SIZES = 16
 MAX_BATCH_SIZE = 1 << 16
 MANIFEST = "model.json"
@@ -47,32 +34,6 @@ _DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
 
 class InvalidManifest(ValueError):
     """A manifest that cannot be served; the message says why."""
-
-
-class InvalidInput(ValueError):
-    """An inference's inputs do not fit the model (answered with 400)."""
-
-
-def datatype_of(dtype) -> str:
-    """The protocol's name of C{dtype}; ValueError for a type it has none of."""
-    try:
-        return _DATATYPE_OF[np.dtype(dtype).newbyteorder("=")]
-    except KeyError:
-        raise ValueError(f"dtype {np.dtype(dtype)} has no inference-protocol datatype") from None
-
-
-def dtype_of(datatype: object) -> np.dtype:
-    """The dtype of the protocol's C{datatype}; InvalidInput for BYTES or an unknown name."""
-    if datatype == "BYTES":
-        raise InvalidInput("datatype BYTES is not served: JAX has no strings")
-    if not isinstance(datatype, str) or datatype not in DATATYPES:
-        raise InvalidInput(f"unknown datatype {str(datatype)[:32]!r}")
-    return DATATYPES[datatype]
-
-
-def config_type(datatype: str) -> str:
-    """Triton's model-configuration name of C{datatype} (C{TYPE_FP32} ...)."""
-    return "TYPE_" + datatype
 
 
 @attrs.frozen
@@ -166,6 +127,15 @@ class ModelManifest:
             "programs": [p.to_json() for p in self.programs],
             "params": None if self.params is None else self.params.to_json(),
         }
+
+    @property
+    def signature(self) -> str:
+        """The digest of what a client sees of the model: each input's and
+        output's name, datatype and shape, in order. Two models of one name
+        with different signatures are different models; the same model
+        exported for other platforms, or batched otherwise, has the same."""
+        tensors = [[t.to_json() for t in self.inputs], [t.to_json() for t in self.outputs]]
+        return hashlib.sha256(json.dumps(tensors, separators=(",", ":")).encode()).hexdigest()
 
     def dumps(self) -> bytes:
         return json.dumps(self.to_json(), indent=2).encode() + b"\n"

@@ -21,7 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.models.manifest import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
+from kcoral.protocol.tensors import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
 
 #: The most elements of one dimension, and of all of them together (zeros
 #: counted as one): numpy cannot shape more, even an empty array.
@@ -102,12 +102,17 @@ def _header(body: bytes | memoryview, header_length: int | None) -> tuple[dict, 
         raise BadRequest(f"the inference request's JSON is over {MAX_HEADER_BYTES} bytes: "
                          "send large tensors as binary data")
     try:
-        header = json.loads(bytes(body[:size]))
+        header = json.loads(bytes(body[:size]), parse_constant=_not_json)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise BadRequest(f"the inference request is not JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise BadRequest("the inference request must be a JSON object")
     return header, size
+
+
+def _not_json(constant: str):
+    """Python reads NaN and Infinity where JSON has no such values: refused."""
+    raise ValueError(f"{constant} is not a JSON value: send non-finite floats as binary data")
 
 
 def _parameters(value: object, what: str) -> dict:
@@ -203,9 +208,16 @@ def _json_array(name: str, data: object, dtype: np.dtype, shape: list[int], coun
     if dtype.kind in "iu" and not all(type(v) is int for v in flat):
         raise BadRequest(f"input {name!r}: integer data must be integers")
     try:
-        return np.array(flat, dtype=dtype).reshape(shape)
+        with np.errstate(over="ignore"):
+            array = np.array(flat, dtype=dtype).reshape(shape)
     except (OverflowError, ValueError) as e:
         raise BadRequest(f"input {name!r}: {str(e)[:200]}") from None
+    # JSON numbers are finite: one past the datatype's range (1e400, or 1e39
+    # for FP32) would become an infinity the client never wrote.
+    if (dtype.kind == "f" or dtype in _HALF_FLOATS) and not np.isfinite(array).all():
+        raise BadRequest(f"input {name!r}: a number is past the finite range of "
+                         f"{datatype_of(dtype)}: send non-finite floats as binary data")
+    return array
 
 
 def _flatten(name: str, data: list, depth: int, into: list) -> None:
@@ -263,12 +275,12 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
             tensor["parameters"] = {"binary_data_size": data.nbytes}
             buffers.append(data.reshape(-1).view(np.uint8).data)
         else:
-            tensor["data"] = _json_values(array)
+            tensor["data"] = _json_values(name, array)
         tensors.append(tensor)
     answer: dict = {"model_name": model_name, "model_version": model_version, "outputs": tensors}
     if request.id is not None:
         answer["id"] = request.id
-    header = json.dumps(answer).encode()
+    header = json.dumps(answer, allow_nan=False).encode()
     if not buffers:
         return InferAnswer(header, None)
     return InferAnswer(b"".join([header, *buffers]), len(header))
@@ -318,11 +330,17 @@ def parse_answer(body: bytes | memoryview, header_length: int | None
         raise ProgramFailed(f"a malformed inference answer: {str(e)[:200]}") from None
 
 
-def _json_values(array: np.ndarray) -> list:
+def _json_values(name: str, array: np.ndarray) -> list:
+    """The values of output C{name} as JSON holds them; L{BadRequest} for
+    NaN or an infinity, which JSON has no value for (the binary form carries
+    them as they are)."""
     flat = array.reshape(-1)
     if flat.dtype in _HALF_FLOATS:
         # FP16 and BF16 have no Python type of their own: JSON holds their floats.
         flat = flat.astype(np.float32)
+    if flat.dtype.kind == "f" and not np.isfinite(flat).all():
+        raise BadRequest(f"output {name!r} holds NaN or infinite values, which JSON cannot "
+                         f"carry: ask for it as binary data (parameters.binary_data true)")
     return flat.tolist()
 
 

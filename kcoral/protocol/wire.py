@@ -86,11 +86,23 @@ def holder_of(kept: str) -> str | None:
     return None if match is None else match.group(1)
 
 
-def kept_ids(value: str, least: int = 0) -> tuple[str, ...]:
-    """The ids an C{X-KCoral-Kept} header lists (none for an empty one);
-    L{WireError} for an entry that is no kept array's id, for fewer than
-    C{least} or more than L{MAX_ARRAYS}."""
-    ids = tuple(value.strip().split(",")) if value.strip() else ()
+def kept_id(value: str) -> str:
+    """C{value}, a kept array's id as a path names it; L{WireError} for
+    anything else, as for an entry of the C{X-KCoral-Kept} header."""
+    if holder_of(value) is None:
+        raise WireError(f"{value[:40]!r} is no kept array's id")
+    return value
+
+
+def kept_ids(value: str | bytes | None, least: int = 0) -> tuple[str, ...]:
+    """The ids an C{X-KCoral-Kept} header lists (none for an empty or
+    absent one); L{WireError} for an entry that is no kept array's id, for
+    fewer than C{least} or more than L{MAX_ARRAYS}. Every route and front
+    reads the header through this, whatever else the request says."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    value = (value or "").strip()
+    ids = tuple(value.split(",")) if value else ()
     if not least <= len(ids) <= MAX_ARRAYS:
         raise WireError(f"{KEPT_HEADER} must list {least} to {MAX_ARRAYS} kept arrays")
     if any(holder_of(kept) is None for kept in ids):
@@ -173,6 +185,23 @@ class RunRequest:
     keep: bool | tuple[bool, ...] = False
     #: The kept arrays it frees once it succeeded.
     free: tuple[str, ...] = ()
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """The kept arrays it names: its kept inputs, then those it frees."""
+        inputs = (spec.kept for spec in self.inputs if isinstance(spec, KeptInput))
+        return tuple(dict.fromkeys([*inputs, *self.free]))
+
+    def routed_by(self, listed: Sequence[str]) -> None:
+        """L{WireError} unless C{listed}, the ids of its C{X-KCoral-Kept}
+        header, name the worker of the kept arrays it uses: a Router places
+        a run by the header alone, and a run placed elsewhere would be told
+        that arrays another worker holds are lost. L{ArraysApart} when either
+        names several workers."""
+        named = self.kept
+        if named and holder_of_all(listed) != holder_of_all(named):
+            raise WireError(f"{KEPT_HEADER} must list the kept arrays the run uses (or some of "
+                            f"them), so that it is sent to the worker that holds them")
 
     def keeps(self, outputs: int) -> tuple[bool, ...]:
         """Whether each of its C{outputs} outputs stays on the worker;

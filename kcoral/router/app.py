@@ -34,6 +34,7 @@ from kcoral.errors import (
 )
 from kcoral.inference.rest import InferenceResource
 from kcoral.metrics import SECONDS_BUCKETS, render
+from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import (
     DEVICES_HEADER,
     INPUTS_HEADER,
@@ -41,6 +42,7 @@ from kcoral.protocol.wire import (
     PROGRAM_HEADER,
     WireError,
     holder_of_all,
+    kept_id,
     kept_ids,
 )
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
@@ -223,12 +225,16 @@ class RouterApp:
     # fetch or a delete does not wait behind runs, and only that member can answer.
     @app.route("/v1/arrays/<kept>", methods=["GET", "DELETE"])
     def array(self, request, kept) -> Deferred:
-        return self._to_holder(request, (kept,))
+        try:
+            ids = (kept_id(kept),)
+        except WireError as e:
+            return self._answered(request, fail(BadRequest(str(e))))
+        return self._to_holder(request, ids)
 
     @app.route("/v1/arrays", methods=["DELETE"])
     def arrays(self, request) -> Deferred:
         try:
-            ids = kept_ids((request.getHeader(_KEPT_HEADER) or b"").decode("ascii", "replace"), 1)
+            ids = kept_ids(request.getHeader(_KEPT_HEADER), 1)
         except WireError as e:
             return self._answered(request, fail(BadRequest(str(e))))
         return self._to_holder(request, ids)
@@ -356,10 +362,8 @@ def _devices(header: bytes | None) -> int | None:
     when the header is no count."""
     if header is None:
         return 1
-    # int() takes "+2", " 2" and "2_0": a count is its digits only.
-    if not header.isdigit() or not 1 <= int(header) <= MAX_DEVICES:
-        return None
-    return int(header)
+    devices = read_count(header, MAX_DEVICES)
+    return None if devices is None or devices < 1 else devices
 
 
 def _not_sent(failure: Failure):

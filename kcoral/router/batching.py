@@ -57,7 +57,6 @@ fail; the lease is asked for again for those that arrived since.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -68,6 +67,7 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from kcoral.common.offreactor import off_reactor
+from kcoral.common.queue import BatchQueue
 from kcoral.errors import (
     BadRequest,
     InternalError,
@@ -78,6 +78,7 @@ from kcoral.errors import (
 )
 from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.logs import debug_enabled
+from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.protocol.inference import (
     ON_REACTOR_BYTES,
     InferRequest,
@@ -159,7 +160,7 @@ class _Queue:
     path: bytes
     demand: Demand
     most_rows: int
-    waiting: deque[_Waiting] = attrs.Factory(deque)
+    waiting: BatchQueue[_Waiting]
     #: Whether a lease has been asked for and not yet used, and since when.
     asking: bool = False
     asked: float = 0.0
@@ -203,9 +204,9 @@ class FrontBatcher:
         queue = self._queues.get(request.path)
         if queue is None:
             queue = self._queues[request.path] = _Queue(request.path, Demand.of_model(model),
-                                                        most_rows)
+                                                        most_rows, BatchQueue(self._most_waiting))
         queue.most_rows = most_rows
-        if len(queue.waiting) >= self._most_waiting:
+        if queue.waiting.full:
             raise ServerBusy(f"{len(queue.waiting)} inferences of this model are already waiting",
                              reason="queue_full")
         parsed, kind, rows = None, None, 0
@@ -254,8 +255,7 @@ class FrontBatcher:
         else:
             # No member, a draining front, the front's queue full: every
             # request waiting now would meet the same.
-            waiting, queue.waiting = queue.waiting, deque()
-            for request in waiting:
+            for request in queue.waiting.drain():
                 request.expiry.cancel()
                 request.answer.errback(failure)
         self._tidy(queue)
@@ -289,17 +289,11 @@ class FrontBatcher:
     def _take(self, queue: _Queue, batch: _Batch) -> None:
         """Take the next batch into C{batch}: the queue's head, as far as
         its requests merge and fit."""
-        first = queue.waiting[0]
-        rows, now = 0, self._clock.seconds()
-        while queue.waiting:
-            request = queue.waiting[0]
-            if batch.members and (first.kind is None or request.kind != first.kind
-                                  or rows + request.rows > queue.most_rows):
-                break
-            queue.waiting.popleft().expiry.cancel()
+        now = self._clock.seconds()
+        for request in queue.waiting.take(queue.most_rows):
+            request.expiry.cancel()
             batch.members.append(request)
             request.batch = batch
-            rows += request.rows
             self._forwarder.observe_wait(now - request.arrived)
 
     def _send(self, batch: _Batch, lease: Lease | None = None) -> None:
@@ -368,9 +362,7 @@ class FrontBatcher:
     def _cancelled(self, waiting: _Waiting) -> None:
         batch = waiting.batch
         if batch is None:
-            try:
-                waiting.queue.waiting.remove(waiting)
-            except ValueError:
+            if not waiting.queue.waiting.remove(waiting):
                 return
             waiting.expiry.cancel()
             log.info("{request_id} dropped: the client went away before its batch was sent",
@@ -457,11 +449,10 @@ def _header_length(answer) -> int | None:
     length = answer.headers.get(INFERENCE_HEADER_LENGTH)
     if length is None:
         return None
-    try:
-        return int(length)
-    except ValueError:
-        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}"
-                            ) from None
+    counted = read_count(length, MOST_BYTES)
+    if counted is None:
+        raise ProgramFailed(f"the worker answered a malformed header length: {length[:64]!r}")
+    return counted
 
 
 def _answer_of(answer) -> InferAnswer:

@@ -18,6 +18,7 @@ from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME
 from kcoral.errors import NotFound, ServerBusy, error_from_answer
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
@@ -51,8 +52,8 @@ class RouterInference:
     def _ready_members(self, name: str, version: str | None) -> list[Member]:
         """The usable members that have the model ready; NotFound when no
         member has it at all (ready or not)."""
-        if not MODEL_NAME.match(name) or (version is not None and not (
-                version.isdigit() and len(version) <= 9)):
+        if not MODEL_NAME.match(name) or (
+                version is not None and read_count(version, MOST_VERSION) is None):
             raise NotFound(f"unknown model {name[:64]!r}")
         listed = False
         ready = []
@@ -100,15 +101,24 @@ class RouterInference:
 
     def repository_index(self) -> Deferred:
         # A model ready anywhere is ready here; else the first reason given.
+        # A ready one that a member was refused for another signature says
+        # why (only the pool's refusals leave a signature on a model that is
+        # not ready: a worker signs only those it has ready).
         models: dict[tuple[str, str], dict] = {}
+        refused: dict[tuple[str, str], str] = {}
         for node in self._pool.nodes.values():
             for member in node.members.values():
                 for state in member.models:
                     key = (state.name, state.version)
+                    if state.signature and not state.ready:
+                        refused.setdefault(key, state.reason)
                     if key not in models or state.ready and member.usable:
                         models[key] = {"name": state.name, "version": state.version,
                                        "state": state.state if member.usable else "UNAVAILABLE",
                                        "reason": state.reason}
+        for key, reason in refused.items():
+            if not models[key]["reason"]:
+                models[key]["reason"] = reason
         return succeed([models[key] for key in sorted(models)])
 
     def infer(self, name, version, call: InferCall) -> Deferred:

@@ -26,6 +26,7 @@ from kcoral.router.member import (
 from kcoral.router.placement import ROUTINGS, Run, Wait
 from kcoral.router.residency import Demand, Residency
 from kcoral.router.ring import Ring
+from kcoral.router.signatures import ModelSignatures
 
 log = Logger()
 
@@ -61,6 +62,8 @@ class Pool:
         self.residency = Residency(clock, grace_seconds=max_status_age_seconds)
         #: Which member with free capacity runs what.
         self.placement = ROUTINGS[routing](self.residency)
+        #: The signature each ready model name stands for, and who claimed it.
+        self.signatures = ModelSignatures(self._present, lambda: self.ring.members)
         #: Every member, usable or not, on the ring placement walks.
         self.ring = Ring()
         #: The capacity of the healthy members; None once a report or a
@@ -117,7 +120,7 @@ class Pool:
                            f"gone ones are forgotten after {self.retention:g} s")
         old = self.nodes.get(node_id)
         if old is not None:
-            self._off_ring(old)
+            self._off_ring(*old.members.values())
         node = self.nodes[node_id] = Node(node_id, session)
         log.info("node {node_id} joined with {workers} worker(s), target {target}",
                  node_id=node_id, workers=len(workers), target=gpu_target)
@@ -129,7 +132,7 @@ class Pool:
         node.gpu_target, node.runtime = gpu_target, runtime
         for gone in set(node.members) - {w.name for w in workers}:
             if node.members[gone].active == 0:
-                self.ring.remove(node.members.pop(gone))
+                self._off_ring(node.members.pop(gone))
             else:
                 node.members[gone].healthy = False
         for worker in workers:
@@ -147,8 +150,8 @@ class Pool:
             self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
-            member.models = worker.models
-            member.ready_models = {m.name: m.max_batch_size for m in worker.models if m.ready}
+            member.models = self.signatures.admit(member, worker.models)
+            member.ready_models = {m.name: m.max_batch_size for m in member.models if m.ready}
             member.instance = worker.instance
 
     def leave(self, node_id: str, session: str) -> bool:
@@ -222,12 +225,18 @@ class Pool:
 
     def _forget(self, node: Node) -> None:
         del self.nodes[node.node_id]
-        self._off_ring(node)
+        self._off_ring(*node.members.values())
         self._capacity = None
 
-    def _off_ring(self, node: Node) -> None:
-        for member in node.members.values():
+    def _off_ring(self, *members: Member) -> None:
+        for member in members:
             self.ring.remove(member)
+            self.signatures.forget(member)
+
+    def _present(self, member: Member) -> bool:
+        node = member.node
+        return (self.nodes.get(node.node_id) is node and node.state != GONE
+                and node.members.get(member.name) is member)
 
     def _changed(self) -> None:
         """A report changed what members there are, or their health or capacity."""

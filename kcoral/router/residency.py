@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
 from kcoral.errors import BadRequest
+from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
 
 #: Entries the Router keeps per member, reported and learned together.
@@ -50,24 +51,32 @@ class Demand:
     def of(cls, program: bytes | None, inputs: bytes | None,
            kept: bytes | None = None) -> Demand | None:
         """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs} and
-        C{X-KCoral-Kept} headers state, or None without a program digest. An
-        input entry that does not parse is left out: placement by content is
-        a preference, never a refusal (the worker checks the frame itself).
-        Kept arrays are a hard constraint: L{ArraysApart} when they name
+        C{X-KCoral-Kept} headers state; None when they name neither a program
+        digest nor kept arrays. An input entry that does not parse is left
+        out: placement by content is a preference, never a refusal (the
+        worker checks the frame itself). Kept arrays are a hard constraint,
+        read whether the program is named or not (a run placed elsewhere
+        would be told its arrays are lost): L{ArraysApart} when they name
         several workers, L{BadRequest} for an id that is none."""
-        digest = (program or b"").decode("ascii", "replace")
-        if not is_digest(digest):
-            return None
         try:
-            arrays = kept_ids(kept.decode("ascii", "replace")) if kept else ()
+            arrays = kept_ids(kept)
         except WireError as e:
             raise BadRequest(str(e)) from None
         holder = holder_of_all(arrays)
+        digest = (program or b"").decode("ascii", "replace")
+        if not is_digest(digest):
+            if holder is None:
+                return None
+            # Placed by its arrays alone. Its program, for the residency it
+            # shares with runs, stands for them, as a model's name does for
+            # an inference: a digest no program has.
+            return cls(_digest_of(f"kept:{holder}"), kept=holder, arrays=arrays)
         named: list[tuple[str, int]] = []
         for entry in (inputs or b"").decode("ascii", "replace").split(",")[:MAX_INPUTS_LISTED]:
             content, _, size = entry.strip().partition("=")
-            if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
-                named.append((content, int(size)))
+            nbytes = read_count(size, MAX_BYTES)
+            if is_digest(content) and nbytes is not None:
+                named.append((content, nbytes))
         return cls(digest, tuple(named), kept=holder, arrays=arrays)
 
     @classmethod
@@ -75,7 +84,7 @@ class Demand:
         """What an inference of model C{name} needs: a member that has it
         ready. Its program, for the residency it shares with runs, is the
         digest of the model's name."""
-        return cls(hashlib.sha256(f"model:{name}".encode()).hexdigest(), model=name)
+        return cls(_digest_of(f"model:{name}"), model=name)
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +102,10 @@ class Demand:
         """What the run hashes by where nothing holds it: its largest input
         (variants of one program spread by their weights), else its program."""
         return max(self.inputs, key=lambda entry: entry[1])[0] if self.inputs else self.program
+
+
+def _digest_of(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
 
 
 #: When a reported entry was learned: before anything the Router learned.

@@ -29,6 +29,7 @@ from kcoral.protocol.wire import (
     RESULT_CONTENT_TYPE,
     WireError,
     decode_request,
+    kept_id,
     kept_ids,
 )
 from kcoral.server.admission import Admission
@@ -133,6 +134,7 @@ class ServerApp:
                 raise refusal
             try:
                 run = decode_request(request.content.getbuffer())
+                run.routed_by(kept_ids(request.getHeader(KEPT_HEADER)))
             except WireError as e:
                 raise BadRequest(str(e)) from None
             announced = request.getHeader(PROGRAM_HEADER)
@@ -164,6 +166,10 @@ class ServerApp:
     @inlineCallbacks
     def get_array(self, request, kept):
         try:
+            kept_id(kept)
+        except WireError as e:
+            return error_response(request, BadRequest(str(e)))
+        try:
             frame = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.fetch, kept)
         except KCoralError as e:
             return error_response(request, e)
@@ -172,6 +178,10 @@ class ServerApp:
 
     @app.route("/v1/arrays/<kept>", methods=["DELETE"])
     def delete_array(self, request, kept):
+        try:
+            kept_id(kept)
+        except WireError as e:
+            return error_response(request, BadRequest(str(e)))
         return self._delete(request, [kept])
 
     # Many at once, named by the header a Router routes them by.

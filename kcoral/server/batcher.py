@@ -1,11 +1,10 @@
 """
 Dynamic batching: concurrent inferences of one model run as one execution.
 
-Requests wait in arrival order. Once the model may run (its batch holds an
-admission slot, like a run), the batch takes the requests at the head of
-the queue whose dimensions past the first match the oldest's, as many as
-fit in C{max_batch_size} rows: a request is never split, and none is taken
-past one that does not fit, so no client's requests are reordered. A batch
+Requests wait in arrival order (L{BatchQueue}). Once the model may run (its
+batch holds an admission slot, like a run), the batch takes the requests at
+the head of the queue whose dimensions past the first match the oldest's,
+as many as fit in C{max_batch_size} rows. A batch
 short of C{max_batch_size} waits until its oldest request has waited
 C{delay} seconds (0: it goes with what is queued), and goes at once when
 it fills. The model pads it to its next compiled batch size; each request
@@ -21,7 +20,6 @@ runs on a worker thread with its slot.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -31,6 +29,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.common.queue import BatchQueue
 from kcoral.errors import ServerBusy
 from kcoral.server.models import LoadedModel
 
@@ -69,8 +68,7 @@ class Batcher:
         self._clock = clock
         self._delay = delay
         self._observe = observe
-        self._most_waiting = most_waiting
-        self._queue: deque[_Request] = deque()
+        self._queue: BatchQueue[_Request] = BatchQueue(most_waiting)
         #: Whether a slot has been asked for and not yet used.
         self._asking = False
         #: The timer of a slot held while a short batch waits for more rows.
@@ -83,7 +81,7 @@ class Batcher:
         starts takes it out of the queue. Past C{most_waiting} requests
         waiting, it fails at once with L{ServerBusy} C{queue_full}.
         """
-        if len(self._queue) >= self._most_waiting:
+        if self._queue.full:
             return fail(ServerBusy(f"{len(self._queue)} inferences of {self.model.manifest.name} "
                                    "are already waiting", reason="queue_full"))
         request = _Request(inputs, rows, tuple(a.shape[1:] for a in inputs.values()),
@@ -98,9 +96,7 @@ class Batcher:
         return request.answer
 
     def _cancelled(self, request: _Request) -> None:
-        try:
-            self._queue.remove(request)
-        except ValueError:
+        if not self._queue.remove(request):
             return  # already in a batch on the device: its answer is dropped
         log.info("{request_id} dropped: the client went away before its batch ran",
                  request_id=request.request_id)
@@ -116,8 +112,7 @@ class Batcher:
         # The server's queue is full or timed out: every request waiting now
         # would have met the same.
         self._asking = False
-        waiting, self._queue = self._queue, deque()
-        for request in waiting:
+        for request in self._queue.drain():
             request.answer.errback(failure)
 
     def _granted(self, _) -> None:
@@ -125,7 +120,7 @@ class Batcher:
         if not self._queue:
             self._release()
             return
-        left = self._queue[0].arrived + self._delay - self._clock.seconds()
+        left = self._queue.oldest.arrived + self._delay - self._clock.seconds()
         if left > 0 and self._may_grow():
             self._waiting = self._clock.callLater(left, self._waited)
             return
@@ -138,29 +133,16 @@ class Batcher:
         else:
             self._release()
 
-    def _head(self) -> list[_Request]:
-        """The requests of the next batch: the queue's head, as far as they fit."""
-        first = self._queue[0]
-        batch, rows = [], 0
-        for request in self._queue:
-            if request.kind != first.kind or rows + request.rows > self._most:
-                break
-            batch.append(request)
-            rows += request.rows
-        return batch
-
     def _may_grow(self) -> bool:
         """Whether the next batch could take more requests: it is short of
         max_batch_size rows, and no request already waits behind it (which
         would have joined it if it could)."""
-        head = self._head()
+        head = self._queue.head(self._most)
         return sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
 
     def _start(self) -> None:
         """Run the next batch with the slot held."""
-        batch = self._head()
-        for _ in batch:
-            self._queue.popleft()
+        batch = self._queue.take(self._most)
         now = self._clock.seconds()
         rows = sum(r.rows for r in batch)
         self._observe(rows, [now - r.arrived for r in batch])

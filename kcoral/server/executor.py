@@ -225,8 +225,7 @@ class Executor:
         assert digest is not None  # the decoder requires the program's
         # Lost arrays first: resending content would not bring them back.
         # Those it frees are checked too, and all must be on this worker.
-        kept = self.kept.take([*(spec.kept for spec in run.inputs if isinstance(spec, KeptInput)),
-                               *run.free])
+        kept = self.kept.take(run.kept)
         missing: list[str] = []
         serialized = self._content(run.program, "program", missing)
         contents = [None if isinstance(spec, KeptInput) else
@@ -247,7 +246,8 @@ class Executor:
         try:
             keeps = run.keeps(len(exported.out_avals))
         except WireError as e:
-            raise BadRequest(str(e)) from None
+            # The frame is well formed: it does not fit this program's outputs.
+            raise ProgramRejected(str(e)) from None
         key_types = tuple([spec.key_type for spec in specs])
 
         # The dtype itself: .str is "<V1" for most float8 types (the signature

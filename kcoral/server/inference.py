@@ -25,8 +25,9 @@ from kcoral.inference.front import (
     server_metadata,
 )
 from kcoral.metrics import SECONDS_BUCKETS
-from kcoral.models.manifest import InvalidInput
+from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
     READY,
@@ -140,15 +141,17 @@ class ServerInference:
                 for m in self._repository.index()]
 
     def health(self) -> list[dict]:
-        """The index as /health lists it, with what a Router needs to keep a
-        ready model's batches full: its max_batch_size; and whether its rows'
-        outputs are the same bytes whatever their batch."""
+        """The index as /health lists it, with what a Router needs of a ready
+        model: its max_batch_size, to keep its batches full, and its
+        signature, to refuse another model of the same name elsewhere; and
+        whether its rows' outputs are the same bytes whatever their batch."""
         listed = self.index()
         for model in listed:
             if model["state"] == READY:
                 assert self._repository is not None  # else nothing is listed
                 loaded = self._repository.get(model["name"])
                 model["max_batch_size"] = loaded.manifest.max_batch_size
+                model["signature"] = loaded.manifest.signature
                 model["batch_invariant"] = loaded.batch_invariant
         return listed
 
@@ -209,6 +212,7 @@ class ServerInference:
 def _version(version: str | None) -> int | None:
     if version is None:
         return None
-    if not version.isdigit() or len(version) > 9:
+    number = read_count(version, MOST_VERSION)
+    if number is None:
         raise NotFound(f"unknown model version {version[:32]!r}")
-    return int(version)
+    return number

@@ -147,7 +147,7 @@ class ModelRepository:
         for name in self._folders():
             version = 1
             try:
-                bundle = read_bundle(os.path.join(self.path, name))
+                bundle = read_bundle(os.path.join(self.path, name), within=self.path)
                 version = bundle.manifest.version
                 model = self._load(name, bundle, device, platform)
                 self._settle(name, model)

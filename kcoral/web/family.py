@@ -68,7 +68,7 @@ def _route(label: str) -> tuple[str, re.Pattern[bytes]]:
 #: C{POST /v1/run}: a program and its inputs in, its outputs out.
 RUN = Family(
     "run", b"/v1/run", routes=(_route("/v1/run"),),
-    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), *TRACE_HEADERS),
+    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), KEPT_HEADER.encode(), *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After"))
 
 #: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end;
