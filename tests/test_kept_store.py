@@ -263,9 +263,10 @@ def test_a_run_frees_arrays_once_it_succeeded(executor, monkeypatch):
 
 
 def identity_program():
-    from kcoral.client.remote import identity
+    from kcoral.client.remote import keeper
 
-    return identity((4,), np.dtype(np.float32))
+    program, _ = keeper(np.zeros(4, np.float32))
+    return program
 
 
 # -- the frame --------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ not answers 409, and it goes inline then, once.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -21,6 +21,7 @@ import numpy as np
 from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
+from kcoral.client.owned import apart
 from kcoral.client.remote import IArrayOwner, RemoteArray
 from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
 from kcoral.program import Program
@@ -105,6 +106,11 @@ class ICall(Interface):
     def outputs(response: Response) -> Any:
         """What the call returns, from its 200 answer."""
 
+    def spare(lost: list[str]) -> bool:
+        """Whether the kept arrays C{lost}, which its answer said are gone,
+        are only some it frees in passing (L{RunCall.orphans}): it leaves
+        them out, to be sent again."""
+
 
 @implementer(ICall)
 @attrs.define
@@ -125,6 +131,10 @@ class RunCall:
     keep: tuple[bool, ...]
     owner: IArrayOwner | None
     free: tuple[str, ...] = ()
+    #: Arrays of the same worker that nothing refers to any more, freed in
+    #: passing with the run; unlike C{free}'s, one found gone already is
+    #: left out, and the run sent again.
+    orphans: tuple[str, ...] = ()
 
     @classmethod
     def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep=False, free=None,
@@ -152,7 +162,9 @@ class RunCall:
         call = cls(program, arrays, digests, inputs.key_types, references, flags, owner,
                    tuple(dict.fromkeys(leaf.id for leaf in freed)))
         # Refused here rather than by the worker: no request reaches them together.
-        holder_of_all(call.kept)
+        error = apart(call.kept)
+        if error is not None:
+            raise error
         return call
 
     @property
@@ -165,7 +177,7 @@ class RunCall:
         inputs = [(a, d, d is None or d not in referenced) if r is None else r
                   for a, d, r in zip(self.arrays, self.digests, self.references)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
-                                       keep=self.keep, free=self.free)
+                                       keep=self.keep, free=self.free + self.orphans)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
@@ -180,7 +192,7 @@ class RunCall:
             headers["X-Request-ID"] = request_id
         # A second run of one that keeps outputs would leave the first's on
         # the worker; of one that frees arrays, would find them gone.
-        repeatable = not (self.free or any(self.keep))
+        repeatable = not (self.free or self.orphans or any(self.keep))
         if redispatch and repeatable:
             headers[REDISPATCH_HEADER] = "true"
         traceparent = current_traceparent()
@@ -191,7 +203,19 @@ class RunCall:
     @property
     def kept(self) -> list[str]:
         """The kept arrays the run names, those it frees too, in order."""
-        return sorted({r.kept for r in self.references if r is not None} | set(self.free))
+        return sorted({r.kept for r in self.references if r is not None} | set(self.free)
+                      | set(self.orphans))
+
+    @property
+    def holder(self) -> str | None:
+        """The worker of the kept arrays it names (None: it names none)."""
+        return holder_of_all(self.kept)
+
+    def spare(self, lost: list[str]) -> bool:
+        if not lost or not set(lost) <= set(self.orphans):
+            return False
+        self.orphans = tuple(kept for kept in self.orphans if kept not in lost)
+        return True
 
     @property
     def inputs_header(self) -> str:
@@ -248,26 +272,31 @@ def keep_flags(keep, outputs) -> tuple[bool, ...]:
     return tuple(bool(flag) for flag in jax.tree.leaves(spread))
 
 
-def deletions(arrays: Sequence[RemoteArray]) -> list[Send]:
-    """The requests (C{DELETE}) that free C{arrays}: one for each worker
-    that holds some, of up to L{MAX_KEPT_LISTED} of them."""
+def deletions(ids: Sequence[str]) -> list[Send]:
+    """The requests (C{DELETE}) that free the kept arrays of C{ids}: one
+    for each worker that holds some, of up to L{MAX_KEPT_LISTED} of them."""
     held: dict[str | None, list[str]] = {}
-    for array in arrays:
-        held.setdefault(holder_of(array.id), []).append(array.id)
+    for kept in dict.fromkeys(ids):
+        held.setdefault(holder_of(kept), []).append(kept)
     return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_PATH,
                  repeatable=False)
-            for ids in (list(dict.fromkeys(ids)) for ids in held.values())
+            for ids in held.values()
             for i in range(0, len(ids), MAX_KEPT_LISTED)]
 
 
-def deletion_error(errors: list[KCoralError]) -> KCoralError:
+def deletion_error(errors: list[KCoralError], spared: Iterable[str] = ()) -> KCoralError | None:
     """What a delete whose requests (one a worker, all sent) were refused
     with C{errors} raises: one L{ArrayLost} naming every array gone, where
-    that is all they say; else the first other error."""
+    that is all they say; else the first other error. None where the only
+    arrays gone are of C{spared} (freed in passing: gone is as good)."""
     others = [e for e in errors if not isinstance(e, ArrayLost)]
     if others:
         return others[0]
-    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost]
+    spared = set(spared)
+    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost
+            if kept not in spared]
+    if not lost:
+        return None
     return ArrayLost(f"no worker holds kept array(s) {', '.join(lost[:8])} (deleted, expired, "
                      f"or its worker restarted); the others are freed", details={"lost": lost})
 
@@ -300,6 +329,8 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
             held.update(call.content_digests())
             return call.outputs(response)
         error = error_of(response)
+        if isinstance(error, ArrayLost) and call.spare(error.lost):
+            continue
         if isinstance(error, MissingContent) and not resent:
             # The server lacks content we thought it held (a restart, an
             # eviction, another node behind a Router) or sent by reference
