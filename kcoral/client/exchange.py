@@ -12,6 +12,7 @@ not answers 409, and it goes inline then, once.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any
@@ -256,10 +257,18 @@ def keep_flags(keep, outputs) -> tuple[bool, ...]:
     it). A TypeError for a leaf that is no bool, a ValueError for a
     structure that does not fit.
     """
-    import jax
-
     if isinstance(keep, (bool, np.bool_)):
         return (bool(keep),) * outputs.num_leaves
+    if isinstance(keep, tuple) and all(type(flag) is bool for flag in keep):
+        # A loop's keep=(True, False), the same on every step: worked out once.
+        return _spread(keep, outputs)
+    return _spread.__wrapped__(keep, outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _spread(keep, outputs) -> tuple[bool, ...]:
+    import jax
+
     flags = jax.tree.leaves(keep)
     if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
         raise TypeError(f"keep takes True, False or a structure of them, not {keep!r}")

@@ -82,9 +82,11 @@ class RemoteArray:
         return stand_in(self.shape, self.dtype, self.key_type)
 
 
+@functools.lru_cache(maxsize=256)
 def stand_in(shape: tuple[int, ...], dtype: np.dtype, key_type: str | None):
     """An array of this type that holds no bytes (typed PRNG keys where
-    C{key_type} names their implementation)."""
+    C{key_type} names their implementation): read only, so one serves every
+    run of a loop."""
     zero = np.zeros((), dtype)
     if key_type is None:
         return np.broadcast_to(zero, shape)
