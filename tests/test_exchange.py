@@ -374,3 +374,27 @@ def test_a_deletion_raises_once_every_request_was_sent():
     assert isinstance(lost, ArrayLost) and lost.lost == ["x", "y"]
     busy = ServerBusy("busy", reason="queue_full")
     assert deletion_error([ArrayLost("a", details={"lost": ["x"]}), busy]) is busy
+
+
+def test_a_run_keeping_outputs_beside_arrays_goes_anywhere_where_there_is_no_room(program, inputs):
+    """The near header asks for the worker of the client's arrays; 507 there: sent again without it, once."""
+    from kcoral.errors import KeptMemoryFull
+    from kcoral.protocol.wire import KEPT_HEADER, NEAR_HEADER
+
+    beside = f"{A}-{'1' * 16}"
+    call = RunCall.prepare(program, inputs, {}, keep=(False, True), owner=Owner())
+    call.near = beside
+    sent = []
+
+    def answers():
+        steps = exchange(call, set(), busy_timeout=0)
+        step = next(steps)
+        sent.append(step.headers)
+        step = steps.send(error(507, KeptMemoryFull("full")))
+        sent.append(step.headers)
+        with pytest.raises(KeptMemoryFull):
+            steps.send(error(507, KeptMemoryFull("full")))
+
+    answers()
+    assert sent[0][NEAR_HEADER] == beside and KEPT_HEADER not in sent[0]
+    assert NEAR_HEADER not in sent[1]

@@ -191,6 +191,18 @@ async def test_a_tree_is_put_in_one_request_on_one_worker(shape):
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_fresh_run_keeps_its_outputs_beside_the_clients_arrays(shape):
+    """A run naming no kept array keeps its outputs on the worker of the client's arrays, every time."""
+    double = Program.from_function(lambda v: v * 2, np.zeros(3, np.float32))
+    with Client(shape.url) as client:
+        first = await deferToThread(client.put, np.ones(3, np.float32))
+        outputs = [await deferToThread(client.run, double, np.full(3, n, np.float32), keep=True)
+                   for n in range(6)]
+        assert {holder_of(o.id) for o in outputs} == {holder_of(first.id)}
+        assert (await deferToThread(outputs[-1].fetch)).tolist() == [10.0] * 3
+
+
+@pytest_twisted.ensureDeferred
 async def test_arrays_no_longer_referenced_are_freed(shape):
     """A loop with no delete leaves only the arrays still referenced; the last reference frees the rest."""
     params, x, y = mlp_data()

@@ -42,7 +42,7 @@ from kcoral.client.owned import FREE_AFTER_SECONDS, Owned, forgotten
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
 from kcoral.client.sync import _retry_after, client_headers
-from kcoral.errors import ArrayLost, KCoralError, KeptMemoryFull, NodeFailure
+from kcoral.errors import KCoralError, NodeFailure
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
 from kcoral.web.outgoing import tls_policy
 
@@ -186,24 +186,14 @@ class AsyncClient:
             self._freeing.start(FREE_AFTER_SECONDS, now=False)
         return outputs
 
-    @inlineCallbacks
-    def put(self, tree, *, near: RemoteArray | None = None, request_id: str | None = None):
+    def put(self, tree, *, near: RemoteArray | None = None,
+            request_id: str | None = None) -> Deferred:
         """A Deferred of C{tree} (an array or any pytree of them) uploaded
         and kept on one worker in one request, as L{kcoral.RemoteArray}s in
         its structure: beside C{near} where given, as L{kcoral.Client.put}
         places it."""
-        beside = self._owned.nearest() if near is None else near
-        if beside is not None:
-            program, args = keeper(tree, beside)
-            try:
-                kept = yield self.run(program, *args, keep=True, request_id=request_id)
-                return kept
-            except (ArrayLost, KeptMemoryFull):
-                if near is not None:
-                    raise
-        program, args = keeper(tree)
-        kept = yield self.run(program, *args, keep=True, request_id=request_id)
-        return kept
+        program, args = keeper(tree, near)
+        return self.run(program, *args, keep=True, request_id=request_id)
 
     @inlineCallbacks
     def fetch(self, array: RemoteArray):

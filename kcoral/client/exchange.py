@@ -24,7 +24,14 @@ from zope.interface import Interface, implementer
 
 from kcoral.client.owned import apart
 from kcoral.client.remote import IArrayOwner, RemoteArray
-from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
+from kcoral.errors import (
+    ArrayLost,
+    KCoralError,
+    KeptMemoryFull,
+    MissingContent,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -33,6 +40,7 @@ from kcoral.protocol.wire import (
     KEPT_HEADER,
     MAX_INPUTS_LISTED,
     MAX_KEPT_LISTED,
+    NEAR_HEADER,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
@@ -107,10 +115,10 @@ class ICall(Interface):
     def outputs(response: Response) -> Any:
         """What the call returns, from its 200 answer."""
 
-    def spare(lost: list[str]) -> bool:
-        """Whether the kept arrays C{lost}, which its answer said are gone,
-        are only some it frees in passing (L{RunCall.orphans}): it leaves
-        them out, to be sent again."""
+    def spare(error: KCoralError) -> bool:
+        """Whether C{error}, its answer, is about what it asked only in
+        passing (L{RunCall.orphans} gone already, no room beside
+        L{RunCall.near}): it leaves that out, to be sent again."""
 
 
 @implementer(ICall)
@@ -136,6 +144,9 @@ class RunCall:
     #: passing with the run; unlike C{free}'s, one found gone already is
     #: left out, and the run sent again.
     orphans: tuple[str, ...] = ()
+    #: A kept array beside which a run that names none keeps its outputs,
+    #: where its worker has room: the client's arrays stay together.
+    near: str | None = None
 
     @classmethod
     def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep=False, free=None,
@@ -189,6 +200,8 @@ class RunCall:
             # to find that worker, and a few to find a lost one early. All of
             # them could pass the 16 KiB a request head may take.
             headers[KEPT_HEADER] = ",".join(kept[:MAX_KEPT_LISTED])
+        if self.near is not None and not kept:
+            headers[NEAR_HEADER] = self.near
         if request_id:
             headers["X-Request-ID"] = request_id
         # A second run of one that keeps outputs would leave the first's on
@@ -212,7 +225,11 @@ class RunCall:
         """The worker of the kept arrays it names (None: it names none)."""
         return holder_of_all(self.kept)
 
-    def spare(self, lost: list[str]) -> bool:
+    def spare(self, error: KCoralError) -> bool:
+        if isinstance(error, KeptMemoryFull) and self.near is not None:
+            self.near = None  # anywhere there is room
+            return True
+        lost = error.lost if isinstance(error, ArrayLost) else []
         if not lost or not set(lost) <= set(self.orphans):
             return False
         self.orphans = tuple(kept for kept in self.orphans if kept not in lost)
@@ -338,7 +355,7 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
             held.update(call.content_digests())
             return call.outputs(response)
         error = error_of(response)
-        if isinstance(error, ArrayLost) and call.spare(error.lost):
+        if call.spare(error):
             continue
         if isinstance(error, MissingContent) and not resent:
             # The server lacks content we thought it held (a restart, an

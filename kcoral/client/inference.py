@@ -82,7 +82,7 @@ class InferCall:
     def outputs(self, response: Response) -> dict[str, np.ndarray]:
         return outputs_of(response.body, response.header_length)
 
-    def spare(self, lost: list[str]) -> bool:
+    def spare(self, error) -> bool:
         return False  # an inference names no kept arrays
 
 

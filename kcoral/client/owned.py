@@ -108,10 +108,14 @@ class Owned:
 
     def sending(self, call: RunCall) -> None:
         """C{call} is about to be sent: it frees in passing the orphans of
-        the worker it goes to, where it names one."""
+        the worker it goes to, where it names one; where it names none and
+        keeps outputs, it keeps them beside the client's arrays."""
         holder = call.holder
         if holder is not None:
             call.orphans = self.orphans(holder)
+        elif any(call.keep):
+            nearest = self.nearest()
+            call.near = None if nearest is None else nearest.id
 
     def ran(self, call: RunCall, outputs: Any) -> None:
         """C{call} succeeded with C{outputs}: what it freed is gone, the

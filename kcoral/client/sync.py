@@ -40,7 +40,7 @@ from kcoral.client.inference import InferCall
 from kcoral.client.owned import FREE_AFTER_SECONDS, STOP, Owned, forgotten
 from kcoral.client.progress import upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
-from kcoral.errors import ArrayLost, KCoralError, KeptMemoryFull, NodeFailure
+from kcoral.errors import KCoralError, NodeFailure
 from kcoral.program import Program
 from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
@@ -243,7 +243,9 @@ class Client:
         with a bool at each leaf (C{(False, True)}: the first output comes
         back, the second stays). C{free}, L{kcoral.RemoteArray}s or a
         structure of them (the state this run replaces), are freed on their
-        worker in the same request, once the run succeeded.
+        worker in the same request, once the run succeeded. A run that keeps
+        outputs and takes no kept array keeps them beside the arrays this
+        client holds, while that worker has room.
         """
         call = RunCall.prepare(program, args, kwargs, keep=keep, free=free, owner=self)
         with self._lock:
@@ -265,19 +267,12 @@ class Client:
         """
         Upload C{tree}, an array or any pytree of them, and keep it all on
         one worker, in one request: L{kcoral.RemoteArray}s in its
-        structure. Beside C{near} where given; else beside the arrays this
-        client holds while that worker has room for it (where it has not,
-        or is gone, on any worker).
+        structure. Beside C{near} where given (or L{kcoral.errors.KeptMemoryFull},
+        L{kcoral.errors.ArrayLost}); else beside the arrays this client
+        holds while that worker has room for it (where it has not, or is
+        gone, on any worker).
         """
-        beside = self._owned.nearest() if near is None else near
-        if beside is not None:
-            program, args = keeper(tree, beside)
-            try:
-                return self.run(program, *args, keep=True, request_id=request_id)
-            except (ArrayLost, KeptMemoryFull):
-                if near is not None:
-                    raise
-        program, args = keeper(tree)
+        program, args = keeper(tree, near)
         return self.run(program, *args, keep=True, request_id=request_id)
 
     def fetch(self, array: RemoteArray):

@@ -23,7 +23,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
 from kcoral.errors import BadRequest
-from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
+from kcoral.protocol.wire import (
+    MAX_INPUTS_LISTED,
+    WireError,
+    holder_of,
+    holder_of_all,
+    is_digest,
+    kept_ids,
+)
 
 #: Entries the Router keeps per member, reported and learned together.
 MAX_HELD = 4 * MAX_CONTENTS
@@ -45,16 +52,20 @@ class Demand:
     #: Content a member believed to hold it said it lacks (a 409): only a
     #: member believed to hold all of it takes the run again.
     required: tuple[str, ...] = ()
+    #: The instance id of the worker beside whose arrays a run that names
+    #: none would keep its outputs: a preference, while it has a free slot.
+    near: str | None = None
 
     @classmethod
     def of(cls, program: bytes | None, inputs: bytes | None,
-           kept: bytes | None = None) -> Demand | None:
-        """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs} and
-        C{X-KCoral-Kept} headers state, or None without a program digest. An
-        input entry that does not parse is left out: placement by content is
-        a preference, never a refusal (the worker checks the frame itself).
-        Kept arrays are a hard constraint: L{ArraysApart} when they name
-        several workers, L{BadRequest} for an id that is none."""
+           kept: bytes | None = None, near: bytes | None = None) -> Demand | None:
+        """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs},
+        C{X-KCoral-Kept} and C{X-KCoral-Near} headers state, or None without
+        a program digest. An input entry, or a near id, that does not parse
+        is left out: placement by content or beside arrays is a preference,
+        never a refusal (the worker checks the frame itself). Kept arrays
+        are a hard constraint: L{ArraysApart} when they name several
+        workers, L{BadRequest} for an id that is none."""
         digest = (program or b"").decode("ascii", "replace")
         if not is_digest(digest):
             return None
@@ -68,7 +79,8 @@ class Demand:
             content, _, size = entry.strip().partition("=")
             if is_digest(content) and size.isdigit() and int(size) <= MAX_BYTES:
                 named.append((content, int(size)))
-        return cls(digest, tuple(named), kept=holder, arrays=arrays)
+        beside = holder_of(near.decode("ascii", "replace").strip()) if near and not arrays else None
+        return cls(digest, tuple(named), kept=holder, arrays=arrays, near=beside)
 
     @classmethod
     def of_model(cls, name: str) -> Demand:
