@@ -99,3 +99,16 @@ def test_the_freeing_thread_stops_on_the_mark():
     gc.collect()
     owned.orphans()  # drains the queue, the mark put back
     assert owned.wait() is False
+
+
+def test_orphans_a_run_left_wake_the_freer():
+    """Orphans of another worker, drained by a run that took none of them, still wake the freeing thread."""
+    owned = Owned()
+    array = made(owned, B, 1)
+    kept = array.id
+    del array
+    gc.collect()
+    assert owned.orphans(A) == ()  # a run on another worker drained the queue
+    assert not owned.orphaned.empty()
+    assert owned.wait() is True
+    assert owned.orphans() == (kept,)

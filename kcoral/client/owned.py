@@ -27,8 +27,10 @@ from kcoral.protocol.wire import holder_of
 if TYPE_CHECKING:
     from kcoral.client.exchange import RunCall
 
-#: What L{Owned.wait} returns for once the client closed: no array's id.
+#: What L{Owned.wait} returns False for, once the client closed; and what
+#: wakes it with orphans left that no request took: no array's ids either.
 STOP = ""
+WAKE = "*"
 
 #: The most ids no longer referenced that one run frees in passing.
 MOST_FREED_IN_PASSING = 64
@@ -88,12 +90,20 @@ class Owned:
                           if holder is None or holder_of(kept) == holder)[:most]
             for kept in taken:
                 del self._pending[kept]
+            left = bool(self._pending)
+        if left:
+            # Orphans of other workers, which the caller leaves: its drain
+            # may have taken from the queue what would wake the freer.
+            self.orphaned.put(WAKE)
         return taken
 
     def unfreed(self, ids: Iterable[str]) -> None:
         """Orphans that L{orphans} gave out and that were not freed after all."""
+        ids = list(ids)
         with self._lock:
             self._pending.update(dict.fromkeys(ids))
+        if ids:
+            self.orphaned.put(WAKE)
 
     def everything(self) -> list[str]:
         """Every array the client holds, referenced or not; none are its any more."""
@@ -134,8 +144,9 @@ class Owned:
         self.unfreed(kept for kept in call.orphans if kept not in lost)
 
     def wait(self) -> bool:
-        """Block until an array's last reference goes (True; it is among
-        the L{orphans} now), or L{STOP} is put on the queue (False)."""
+        """Block until an array's last reference goes, or orphans are left
+        (True; they are among the L{orphans} now), or L{STOP} is put on the
+        queue (False)."""
         kept = self.orphaned.get()
         if kept == STOP:
             return False
