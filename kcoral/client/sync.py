@@ -258,7 +258,7 @@ class Client:
             self._owned.ran(call, outputs)
             forgotten(free, self)
             if any(call.keep) and self._freer is None:
-                self._freer = threading.Thread(target=_free_orphans, name="kcoral-client-frees",
+                self._freer = threading.Thread(target=_freeing, name="kcoral-client-frees",
                                                args=(self._owned, weakref.ref(self)), daemon=True)
                 self._freer.start()
         return outputs
@@ -368,7 +368,7 @@ class Client:
         return json.loads(answer.body)
 
 
-def _free_orphans(owned: Owned, client: weakref.ref) -> None:
+def _freeing(owned: Owned, client: weakref.ref) -> None:
     """
     The body of a client's freeing thread: once an array's last reference
     goes, give the client's next request L{FREE_AFTER_SECONDS} to free it in
