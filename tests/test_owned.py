@@ -85,13 +85,19 @@ def test_every_array_is_freed_once_whether_dropped_or_deleted(arrays):
     del kept
 
 
-def test_the_freeing_thread_stops_on_the_mark():
-    """wait() is True once an array is orphaned, False on STOP, which a drain leaves for it."""
-    owned = Owned()
-    array = made(owned, A, 1)
+def orphaned(owned: Owned, holder: str) -> str:
+    """The id of an array of C{owned}, on C{holder}, whose last reference went."""
+    array = made(owned, holder, 1)
     kept = array.id
     del array
     gc.collect()
+    return kept
+
+
+def test_the_freeing_thread_stops_on_the_mark():
+    """wait() is True once an array is orphaned, False on STOP, which a drain leaves for it."""
+    owned = Owned()
+    kept = orphaned(owned, A)
     owned.orphaned.put(STOP)
     assert owned.wait() is True
     assert owned.orphans() == (kept,)
@@ -104,10 +110,7 @@ def test_the_freeing_thread_stops_on_the_mark():
 def test_orphans_a_run_left_wake_the_freer():
     """Orphans of another worker, drained by a run that took none of them, still wake the freeing thread."""
     owned = Owned()
-    array = made(owned, B, 1)
-    kept = array.id
-    del array
-    gc.collect()
+    kept = orphaned(owned, B)
     assert owned.orphans(A) == ()  # a run on another worker drained the queue
     assert not owned.orphaned.empty()
     assert owned.wait() is True

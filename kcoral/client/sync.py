@@ -117,7 +117,9 @@ class Client:
         self.redispatch = redispatch
         self._auth = client_headers(token)
         self._conn: Connection | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a run holds it from the orphans it takes to the
+        # arrays it made, around the exchange that holds it too.
+        self._lock = threading.RLock()
         self._held: set[str] = set()
         self.keep_on_close = keep_on_close
         self._owned = Owned()
@@ -251,7 +253,7 @@ class Client:
         with self._lock:
             self._owned.sending(call)
             try:
-                outputs = self._exchange(call, request_id)
+                outputs = self._call(call, request_id)
             except BaseException as e:
                 self._owned.failed(call, e)
                 raise
@@ -316,9 +318,7 @@ class Client:
         for C{inputs}: one array (the model's one input) or a dict of arrays
         by input name.
         """
-        call = InferCall.prepare(model, inputs)
-        with self._lock:
-            return self._exchange(call, request_id)
+        return self._call(InferCall.prepare(model, inputs), request_id)
 
     def models(self) -> list[dict]:
         """The repository index: each model's name, version, state and reason."""
@@ -333,24 +333,24 @@ class Client:
             return self._request(method, path, send,
                                  None if self.timeout is None else time.monotonic() + self.timeout)
 
-    def _exchange(self, call: ICall, request_id: str | None):
-        """The outputs of C{call}, made under the client's lock."""
+    def _call(self, call: ICall, request_id: str | None):
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
-                         request_id=request_id, redispatch=self.redispatch)
-        answer = None
-        while True:
-            try:
-                step = steps.send(answer)
-            except StopIteration as done:
-                return done.value
-            if isinstance(step, Send):
-                answer = self._request("POST", step.path, step, deadline)
-            else:
-                if deadline is not None and time.monotonic() + step.seconds > deadline:
-                    raise TimeoutError("the client's timeout passed while the server was busy")
-                time.sleep(step.seconds)
-                answer = None
+        with self._lock:
+            steps = exchange(call, self._held, busy_timeout=self.busy_timeout,
+                             request_id=request_id, redispatch=self.redispatch)
+            answer = None
+            while True:
+                try:
+                    step = steps.send(answer)
+                except StopIteration as done:
+                    return done.value
+                if isinstance(step, Send):
+                    answer = self._request("POST", step.path, step, deadline)
+                else:
+                    if deadline is not None and time.monotonic() + step.seconds > deadline:
+                        raise TimeoutError("the client's timeout passed while the server was busy")
+                    time.sleep(step.seconds)
+                    answer = None
 
     def _free_orphans(self) -> None:
         """Free the arrays no longer referenced that no request took along."""
