@@ -34,7 +34,7 @@ heads included, as the kernel counts it). The generated tokens must equal the fl
 status is 1 (0 whatever the speed).
 
 Targets: at most 1 KiB of request bodies a token, and at least 0.8x the
-floor's tokens per second. ``doc/benchmarks.rst`` ("Kept arrays: training
+floor's tokens per second (0.75x through the Router). ``doc/benchmarks.rst`` ("Kept arrays: training
 and decoding") records a run.
 """
 
@@ -72,7 +72,9 @@ FIRST_TOKEN = 1
 WAYS = ("floor", "kept", "router")
 
 TARGET_BYTES = 1024
-TARGET_FLOOR_RATIO = 0.8
+#: The least tokens/s of each way, as a share of the floor's: through a
+#: Router, a hop more.
+TARGET_FLOOR_RATIO = {"kept": 0.8, "router": 0.75}
 
 
 # -- the model ----------------------------------------------------------------------
@@ -187,13 +189,12 @@ class Kept(Way):
     """
 
     def __init__(self, name: str, client, program, params, cache):
-        import jax
 
         super().__init__()
         self.name, self._client, self._program = name, client, program
         started = time.perf_counter()
-        self._params = jax.tree.map(client.put, params)
-        self._cache = client.put(cache)
+        self._params = client.put(params)  # one request
+        self._cache = client.put(cache)    # beside them
         self.put_seconds = time.perf_counter() - started
         client.delete(client.run(program, self._params, self._cache, np.int32(0), np.int32(0),
                                  keep=(True, False))[0])
@@ -306,8 +307,8 @@ def judge(results: dict) -> bool:
                    f"{way['bodies'] / count:,.0f} B")]
         if base:
             ratio = way["tokens_per_second"] / base["tokens_per_second"]
-            checks.append((f">= {TARGET_FLOOR_RATIO}x the floor's tokens/s", ratio >= TARGET_FLOOR_RATIO,
-                           f"{ratio:.2f}x"))
+            least = TARGET_FLOOR_RATIO[name]
+            checks.append((f">= {least}x the floor's tokens/s", ratio >= least, f"{ratio:.2f}x"))
         for what, met, value in checks:
             print(f"{name}: {what}: {value} ({'met' if met else 'NOT met'})")
             results["targets"].append({"way": name, "target": what, "value": value, "met": met})

@@ -325,9 +325,31 @@ def test_arrays_kept_on_two_workers_are_refused_before_sending(program, inputs):
     """Kept arrays of two workers in one run: ArraysApart (422) before any request."""
     from kcoral.errors import ArraysApart
 
-    with pytest.raises(ArraysApart):
+    with pytest.raises(ArraysApart) as apart:
         RunCall.prepare(program, (remote(f"{A}-{'1' * 16}", inputs[0].shape), inputs[1]), {},
                         free=remote(f"{B}-{'2' * 16}"), owner=Owner())
+    # It says which arrays are where, and what to do.
+    assert apart.value.details["workers"] == {A: [f"{A}-{'1' * 16}"], B: [f"{B}-{'2' * 16}"]}
+    assert f"{A}-{'1' * 16} on worker {A}" in str(apart.value)
+    assert "client.put(x, near=array)" in str(apart.value)
+
+
+def test_orphans_found_gone_are_left_out_and_the_run_sent_again(program, inputs):
+    """Arrays freed in passing that the worker no longer holds: the run goes again without them, once each."""
+    from kcoral.errors import ArrayLost
+
+    kept, gone, there = f"{A}-{'1' * 16}", f"{A}-{'2' * 16}", f"{A}-{'3' * 16}"
+    driver = Driver(program, (remote(kept, inputs[0].shape), inputs[1]))
+    driver.call.orphans = (gone, there)
+    lost = error(410, ArrayLost("gone", details={"lost": [gone]}))
+    driver.run(lost, ok([np.float32(3), np.float32(2)]))
+    assert [run.free for run in driver.sent] == [(gone, there), (there,)]
+    # A lost input of the run itself is the caller's error, never resent.
+    driver = Driver(program, (remote(kept, inputs[0].shape), inputs[1]))
+    driver.call.orphans = (gone,)
+    with pytest.raises(ArrayLost):
+        driver.run(error(410, ArrayLost("gone", details={"lost": [kept, gone]})))
+    assert len(driver.sent) == 1
 
 
 def test_a_deletion_is_one_request_per_worker():
@@ -336,10 +358,10 @@ def test_a_deletion_is_one_request_per_worker():
     from kcoral.protocol.wire import KEPT_HEADER, MAX_KEPT_LISTED
 
     a1, a2, b1 = remote(f"{A}-{'1' * 16}"), remote(f"{A}-{'2' * 16}"), remote(f"{B}-{'1' * 16}")
-    sends = deletions([a1, b1, a2, a1])
+    sends = deletions([a1.id, b1.id, a2.id, a1.id])
     assert [(s.path, s.length, s.repeatable) for s in sends] == [("/v1/arrays", 0, False)] * 2
     assert [s.headers[KEPT_HEADER] for s in sends] == [f"{a1.id},{a2.id}", b1.id]
-    many = [remote(f"{A}-{i:016x}") for i in range(MAX_KEPT_LISTED + 1)]
+    many = [f"{A}-{i:016x}" for i in range(MAX_KEPT_LISTED + 1)]
     assert [len(s.headers[KEPT_HEADER].split(",")) for s in deletions(many)] == [MAX_KEPT_LISTED, 1]
 
 
@@ -352,3 +374,27 @@ def test_a_deletion_raises_once_every_request_was_sent():
     assert isinstance(lost, ArrayLost) and lost.lost == ["x", "y"]
     busy = ServerBusy("busy", reason="queue_full")
     assert deletion_error([ArrayLost("a", details={"lost": ["x"]}), busy]) is busy
+
+
+def test_a_run_keeping_outputs_beside_arrays_goes_anywhere_where_there_is_no_room(program, inputs):
+    """The near header asks for the worker of the client's arrays; 507 there: sent again without it, once."""
+    from kcoral.errors import KeptMemoryFull
+    from kcoral.protocol.wire import KEPT_HEADER, NEAR_HEADER
+
+    beside = f"{A}-{'1' * 16}"
+    call = RunCall.prepare(program, inputs, {}, keep=(False, True), owner=Owner())
+    call.near = beside
+    sent = []
+
+    def answers():
+        steps = exchange(call, set(), busy_timeout=0)
+        step = next(steps)
+        sent.append(step.headers)
+        step = steps.send(error(507, KeptMemoryFull("full")))
+        sent.append(step.headers)
+        with pytest.raises(KeptMemoryFull):
+            steps.send(error(507, KeptMemoryFull("full")))
+
+    answers()
+    assert sent[0][NEAR_HEADER] == beside and KEPT_HEADER not in sent[0]
+    assert NEAR_HEADER not in sent[1]

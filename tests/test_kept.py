@@ -75,15 +75,17 @@ async def test_a_training_loop_keeps_its_parameters_on_the_worker(start_server):
     step = Program.from_function(mlp_step, params, x, y)
 
     def train():
-        with Client(server.url) as client:
+        # The losses stay referenced, and kept past the client's end.
+        with Client(server.url, keep_on_close=True) as client:
             remote = jax.tree.map(client.put, params)
             client.run(step, remote, x, y)  # sends the program, once
             sent = client.bytes_sent
-            losses = []
+            losses, kept_losses = [], []
             for _ in range(STEPS):
                 new, loss = client.run(step, remote, x, y, keep=True)
                 client.delete(*jax.tree.leaves(remote))
                 remote = new
+                kept_losses.append(loss)
                 losses.append(loss.fetch())
             return client.bytes_sent - sent, jax.tree.map(np.asarray, remote), losses, remote
 
@@ -146,12 +148,12 @@ async def test_a_decoding_step_is_one_request(start_server):
     program = decode_program()
 
     def decode():
-        with Client(server.url) as client:
-            cache = client.put(np.zeros((ROWS, 8), np.float32))
-            first = cache
-            token, tokens = np.int32(1), []
-            client.run(program, cache, token, np.int32(0))  # sends the program, once
-            return client, first, cache, token, tokens
+        client = Client(server.url)
+        cache = client.put(np.zeros((ROWS, 8), np.float32))
+        first = cache
+        token, tokens = np.int32(1), []
+        client.run(program, cache, token, np.int32(0))  # sends the program, once
+        return client, first, cache, token, tokens
 
     client, first, cache, token, tokens = await deferToThread(decode)
     before = await requests_answered(server)
@@ -185,7 +187,7 @@ async def test_a_failed_run_frees_nothing(start_server):
     program = decode_program()
 
     def runs():
-        with Client(server.url) as client:
+        with Client(server.url, keep_on_close=True) as client:
             cache = client.put(np.ones((ROWS, 8), np.float32))  # 512 B
             with pytest.raises(KeptMemoryFull):
                 client.run(program, cache, np.int32(1), np.int32(0), keep=True, free=cache)

@@ -266,9 +266,10 @@ def test_a_run_frees_arrays_once_it_succeeded(executor, monkeypatch):
 
 
 def identity_program():
-    from kcoral.client.remote import identity
+    from kcoral.client.remote import keeper
 
-    return identity((4,), np.dtype(np.float32))
+    program, _ = keeper(np.zeros(4, np.float32))
+    return program
 
 
 # -- the frame --------------------------------------------------------------------------------
@@ -460,3 +461,25 @@ def test_the_router_refuses_arrays_apart_and_bad_ids():
     with pytest.raises(BadRequest):
         demand("junk")
     assert demand() == Demand(P)
+
+
+def near(instance: str) -> Demand | None:
+    return Demand.of(P.encode(), None, None, f"{instance}-{'0' * 16}".encode())
+
+
+def test_a_run_that_names_no_array_keeps_its_outputs_beside_the_clients():
+    """A near id picks its member, warm or not; the run waits for it when full; anywhere once it is gone."""
+    routed = Routed()
+    routed.a.held.learn(Demand(P), 0.0)  # a warm member, for affinity's sake
+    assert routed.pool.pick(near(B)) is routed.b
+    first = routed.scheduler.acquire(near(B))
+    waiting = routed.scheduler.acquire(near(B))
+    assert first.result.member is routed.b and not waiting.called
+    first.result.release()
+    assert waiting.result.member is routed.b
+    waiting.result.release()
+    # No member reports the instance (restarted): a preference, never a 410.
+    assert routed.pool.pick(near("1" * 16)) in (routed.a, routed.b)
+    # Kept arrays named beside it pin the run; a near id that is none is left out.
+    assert Demand.of(P.encode(), None, f"{A}-{B}".encode(), f"{B}-{A}".encode()).near is None
+    assert Demand.of(P.encode(), None, None, b"../x").near is None

@@ -14,8 +14,9 @@ from io import BytesIO
 import treq
 from twisted.internet import error as netError
 from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.internet.task import deferLater
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.web.client import (
     Agent,
     FileBodyProducer,
@@ -37,12 +38,15 @@ from kcoral.client.exchange import (
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
+from kcoral.client.owned import FREE_AFTER_SECONDS, Owned, forgotten
 from kcoral.client.progress import CountingProducer, upload_bar
-from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
+from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
 from kcoral.client.sync import _retry_after, client_headers
-from kcoral.errors import NodeFailure
+from kcoral.errors import KCoralError, NodeFailure
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
 from kcoral.web.outgoing import tls_policy
+
+log = Logger()
 
 #: Inputs larger than this are prepared in a thread.
 _THREAD_BYTES = 1 << 20
@@ -59,7 +63,8 @@ class AsyncClient:
     is verified against the CAs of C{tls_ca} (default: the platform's roots);
     C{tls_client_cert} (a PEM chain) and C{tls_client_key} (default: inside
     it) are presented to a service that asks for a certificate
-    (C{--tls-client-ca}).
+    (C{--tls-client-ca}). The arrays it keeps are freed once nothing refers
+    to them, and when it closes, unless C{keep_on_close}.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
@@ -67,7 +72,7 @@ class AsyncClient:
                  pool: HTTPConnectionPool | None = None, progress: bool = False,
                  token: str | None = None, tls_ca: str | None = None,
                  tls_client_cert: str | None = None, tls_client_key: str | None = None,
-                 redispatch: bool = False):
+                 redispatch: bool = False, keep_on_close: bool = False):
         if reactor is None:
             from twisted.internet import reactor
         self._failover = Failover(urls_of(url))
@@ -83,15 +88,32 @@ class AsyncClient:
         self._auth: dict[bytes | str, list[bytes | str]] = {
             name: [value] for name, value in client_headers(token).items()}
         self.bytes_sent = 0
+        self.keep_on_close = keep_on_close
+        self._owned = Owned()
+        #: Frees the arrays no longer referenced that no run took along.
+        self._freeing = LoopingCall(self._free_orphans)
+        self._freeing.clock = reactor
 
     @property
     def url(self) -> str:
         """The URL in use."""
         return self._failover.current
 
+    @inlineCallbacks
     def close(self):
-        """Close idle connections; returns a Deferred."""
-        return self._pool.closeCachedConnections()
+        """A Deferred that fires once the arrays it kept are freed (unless
+        made with C{keep_on_close}: they stay, until deleted or idle) and
+        its idle connections closed."""
+        if self._freeing.running:
+            self._freeing.stop()
+        held = self._owned.everything()
+        if held and not self.keep_on_close:
+            try:
+                yield self._free(held)
+            except (KCoralError, OSError) as e:
+                log.warn("could not free {count} kept array(s) on closing: {why}",
+                         count=len(held), why=e)
+        yield self._pool.closeCachedConnections()
 
     @inlineCallbacks
     def _request(self, method: str, path: str, send: Send | None):
@@ -152,15 +174,26 @@ class AsyncClient:
         prepare = functools.partial(RunCall.prepare, program, args, kwargs, keep=keep, free=free,
                                     owner=self)
         call = prepare() if _small(args, kwargs) else (yield deferToThread(prepare))
-        outputs = yield self._call(call, request_id)
+        self._owned.sending(call)
+        try:
+            outputs = yield self._call(call, request_id)
+        except BaseException as e:
+            self._owned.failed(call, e)
+            raise
+        self._owned.ran(call, outputs)
+        forgotten(free, self)
+        if any(call.keep) and not self._freeing.running:
+            self._freeing.start(FREE_AFTER_SECONDS, now=False)
         return outputs
 
-    def put(self, array, *, request_id: str | None = None) -> Deferred:
-        """A Deferred L{kcoral.RemoteArray}: C{array} uploaded and kept on a worker."""
-        import jax
-
-        aval = jax.typeof(array)
-        return self.run(identity(aval.shape, aval.dtype), array, keep=True, request_id=request_id)
+    def put(self, tree, *, near: RemoteArray | None = None,
+            request_id: str | None = None) -> Deferred:
+        """A Deferred of C{tree} (an array or any pytree of them) uploaded
+        and kept on one worker in one request, as L{kcoral.RemoteArray}s in
+        its structure: beside C{near} where given, as L{kcoral.Client.put}
+        places it."""
+        program, args = keeper(tree, near)
+        return self.run(program, *args, keep=True, request_id=request_id)
 
     @inlineCallbacks
     def fetch(self, array: RemoteArray):
@@ -170,17 +203,40 @@ class AsyncClient:
             raise error_of(answer)
         return fetched(answer.body)
 
-    @inlineCallbacks
-    def delete(self, *arrays: RemoteArray):
+    def delete(self, *arrays: RemoteArray) -> Deferred:
         """A Deferred that fires once C{arrays} are freed on their workers
         (one request for each worker)."""
+        forgotten(arrays, self)
+        return self._free([array.id for array in arrays], strict=True)
+
+    def forget(self, *arrays: RemoteArray) -> None:
+        """C{arrays} were freed through another client: not this one's to free."""
+        self._owned.released(array.id for array in arrays)
+
+    @inlineCallbacks
+    def _free(self, ids: list[str], strict: bool = False):
+        """Free C{ids} on their workers, and the orphans with them (as
+        L{kcoral.Client}'s)."""
+        self._owned.released(ids)
+        orphans = self._owned.orphans(most=None)
         errors = []
-        for send in deletions(arrays):
+        for send in deletions([*ids, *orphans]):
             answer = yield self._request("DELETE", send.path, send)
             if answer.status != 200:
                 errors.append(error_of(answer))
-        if errors:
-            raise deletion_error(errors)
+        failure = deletion_error(errors, spared=orphans)
+        if strict and failure is not None:
+            raise failure
+
+    @inlineCallbacks
+    def _free_orphans(self):
+        """Free the arrays no longer referenced that no run took along."""
+        if self._owned.orphaned.empty():
+            return
+        try:
+            yield self._free([])
+        except (KCoralError, OSError) as e:
+            log.warn("could not free kept arrays no longer referenced: {why}", why=e)
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> Deferred:
         """A Deferred of the outputs by name of model C{model} for C{inputs}

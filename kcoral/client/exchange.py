@@ -12,8 +12,9 @@ not answers 409, and it goes inline then, once.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -21,8 +22,16 @@ import numpy as np
 from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
+from kcoral.client.owned import apart
 from kcoral.client.remote import IArrayOwner, RemoteArray
-from kcoral.errors import ArrayLost, KCoralError, MissingContent, ServerBusy, error_from_answer
+from kcoral.errors import (
+    ArrayLost,
+    KCoralError,
+    KeptMemoryFull,
+    MissingContent,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.program import Program
 from kcoral.protocol.wire import (
     CACHE_THRESHOLD_BYTES,
@@ -31,6 +40,7 @@ from kcoral.protocol.wire import (
     KEPT_HEADER,
     MAX_INPUTS_LISTED,
     MAX_KEPT_LISTED,
+    NEAR_HEADER,
     PROGRAM_HEADER,
     REDISPATCH_HEADER,
     REQUEST_CONTENT_TYPE,
@@ -105,6 +115,11 @@ class ICall(Interface):
     def outputs(response: Response) -> Any:
         """What the call returns, from its 200 answer."""
 
+    def spare(error: KCoralError) -> bool:
+        """Whether C{error}, its answer, is about what it asked only in
+        passing (L{RunCall.orphans} gone already, no room beside
+        L{RunCall.near}): it leaves that out, to be sent again."""
+
 
 @implementer(ICall)
 @attrs.define
@@ -125,6 +140,13 @@ class RunCall:
     keep: tuple[bool, ...]
     owner: IArrayOwner | None
     free: tuple[str, ...] = ()
+    #: Arrays of the same worker that nothing refers to any more, freed in
+    #: passing with the run; unlike C{free}'s, one found gone already is
+    #: left out, and the run sent again.
+    orphans: tuple[str, ...] = ()
+    #: A kept array beside which a run that names none keeps its outputs,
+    #: where its worker has room: the client's arrays stay together.
+    near: str | None = None
 
     @classmethod
     def prepare(cls, program: Program, args: tuple, kwargs: dict, *, keep=False, free=None,
@@ -152,7 +174,9 @@ class RunCall:
         call = cls(program, arrays, digests, inputs.key_types, references, flags, owner,
                    tuple(dict.fromkeys(leaf.id for leaf in freed)))
         # Refused here rather than by the worker: no request reaches them together.
-        holder_of_all(call.kept)
+        error = apart(call.kept)
+        if error is not None:
+            raise error
         return call
 
     @property
@@ -165,7 +189,7 @@ class RunCall:
         inputs = [(a, d, d is None or d not in referenced) if r is None else r
                   for a, d, r in zip(self.arrays, self.digests, self.references)]
         parts, length = encode_request(self.program.digest, program, inputs, self.key_types,
-                                       keep=self.keep, free=self.free)
+                                       keep=self.keep, free=self.free + self.orphans)
         headers = {"Content-Type": REQUEST_CONTENT_TYPE, PROGRAM_HEADER: self.program.digest,
                    DEVICES_HEADER: str(self.program.nr_devices)}
         if self.inputs_header:
@@ -176,11 +200,13 @@ class RunCall:
             # to find that worker, and a few to find a lost one early. All of
             # them could pass the 16 KiB a request head may take.
             headers[KEPT_HEADER] = ",".join(kept[:MAX_KEPT_LISTED])
+        if self.near is not None and not kept:
+            headers[NEAR_HEADER] = self.near
         if request_id:
             headers["X-Request-ID"] = request_id
         # A second run of one that keeps outputs would leave the first's on
         # the worker; of one that frees arrays, would find them gone.
-        repeatable = not (self.free or any(self.keep))
+        repeatable = not (self.free or self.orphans or any(self.keep))
         if redispatch and repeatable:
             headers[REDISPATCH_HEADER] = "true"
         traceparent = current_traceparent()
@@ -191,7 +217,23 @@ class RunCall:
     @property
     def kept(self) -> list[str]:
         """The kept arrays the run names, those it frees too, in order."""
-        return sorted({r.kept for r in self.references if r is not None} | set(self.free))
+        return sorted({r.kept for r in self.references if r is not None} | set(self.free)
+                      | set(self.orphans))
+
+    @property
+    def holder(self) -> str | None:
+        """The worker of the kept arrays it names (None: it names none)."""
+        return holder_of_all(self.kept)
+
+    def spare(self, error: KCoralError) -> bool:
+        if isinstance(error, KeptMemoryFull) and self.near is not None:
+            self.near = None  # anywhere there is room
+            return True
+        lost = error.lost if isinstance(error, ArrayLost) else []
+        if not lost or not set(lost) <= set(self.orphans):
+            return False
+        self.orphans = tuple(kept for kept in self.orphans if kept not in lost)
+        return True
 
     @property
     def inputs_header(self) -> str:
@@ -232,10 +274,18 @@ def keep_flags(keep, outputs) -> tuple[bool, ...]:
     it). A TypeError for a leaf that is no bool, a ValueError for a
     structure that does not fit.
     """
-    import jax
-
     if isinstance(keep, (bool, np.bool_)):
         return (bool(keep),) * outputs.num_leaves
+    if isinstance(keep, tuple) and all(type(flag) is bool for flag in keep):
+        # A loop's keep=(True, False), the same on every step: worked out once.
+        return _spread(keep, outputs)
+    return _spread.__wrapped__(keep, outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _spread(keep, outputs) -> tuple[bool, ...]:
+    import jax
+
     flags = jax.tree.leaves(keep)
     if not all(isinstance(flag, (bool, np.bool_)) for flag in flags):
         raise TypeError(f"keep takes True, False or a structure of them, not {keep!r}")
@@ -248,26 +298,31 @@ def keep_flags(keep, outputs) -> tuple[bool, ...]:
     return tuple(bool(flag) for flag in jax.tree.leaves(spread))
 
 
-def deletions(arrays: Sequence[RemoteArray]) -> list[Send]:
-    """The requests (C{DELETE}) that free C{arrays}: one for each worker
-    that holds some, of up to L{MAX_KEPT_LISTED} of them."""
+def deletions(ids: Sequence[str]) -> list[Send]:
+    """The requests (C{DELETE}) that free the kept arrays of C{ids}: one
+    for each worker that holds some, of up to L{MAX_KEPT_LISTED} of them."""
     held: dict[str | None, list[str]] = {}
-    for array in arrays:
-        held.setdefault(holder_of(array.id), []).append(array.id)
+    for kept in dict.fromkeys(ids):
+        held.setdefault(holder_of(kept), []).append(kept)
     return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_PATH,
                  repeatable=False)
-            for ids in (list(dict.fromkeys(ids)) for ids in held.values())
+            for ids in held.values()
             for i in range(0, len(ids), MAX_KEPT_LISTED)]
 
 
-def deletion_error(errors: list[KCoralError]) -> KCoralError:
+def deletion_error(errors: list[KCoralError], spared: Iterable[str] = ()) -> KCoralError | None:
     """What a delete whose requests (one a worker, all sent) were refused
     with C{errors} raises: one L{ArrayLost} naming every array gone, where
-    that is all they say; else the first other error."""
+    that is all they say; else the first other error. None where the only
+    arrays gone are of C{spared} (freed in passing: gone is as good)."""
     others = [e for e in errors if not isinstance(e, ArrayLost)]
     if others:
         return others[0]
-    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost]
+    spared = set(spared)
+    lost = [kept for e in errors if isinstance(e, ArrayLost) for kept in e.lost
+            if kept not in spared]
+    if not lost:
+        return None
     return ArrayLost(f"no worker holds kept array(s) {', '.join(lost[:8])} (deleted, expired, "
                      f"or its worker restarted); the others are freed", details={"lost": lost})
 
@@ -300,6 +355,8 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
             held.update(call.content_digests())
             return call.outputs(response)
         error = error_of(response)
+        if call.spare(error):
+            continue
         if isinstance(error, MissingContent) and not resent:
             # The server lacks content we thought it held (a restart, an
             # eviction, another node behind a Router) or sent by reference

@@ -83,6 +83,9 @@ class InferCall:
     def outputs(self, response: Response) -> dict[str, np.ndarray]:
         return outputs_of(response.body, response.header_length)
 
+    def spare(self, error) -> bool:
+        return False  # an inference names no kept arrays
+
 
 def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
     """The outputs by name of an inference's answer (binary tensors after a

@@ -29,6 +29,9 @@ class IArrayOwner(Interface):
     def delete(*arrays: RemoteArray) -> Any:
         """Free C{arrays} on their worker (or a Deferred that fires once they are)."""
 
+    def forget(*arrays: RemoteArray) -> None:
+        """C{arrays} were freed through another client: not this one's to free."""
+
 
 @attrs.frozen(eq=False)
 class RemoteArray:
@@ -76,12 +79,20 @@ class RemoteArray:
     def placeholder(self):
         """A stand-in of its type that holds no bytes, for the signature
         check of the run it is passed to."""
-        zero = np.zeros((), self.dtype)
-        if self.key_type is None:
-            return np.broadcast_to(zero, self.shape)
-        import jax
+        return stand_in(self.shape, self.dtype, self.key_type)
 
-        return jax.random.wrap_key_data(jax.numpy.zeros(self.shape, self.dtype), impl=self.key_type)
+
+@functools.lru_cache(maxsize=256)
+def stand_in(shape: tuple[int, ...], dtype: np.dtype, key_type: str | None):
+    """An array of this type that holds no bytes (typed PRNG keys where
+    C{key_type} names their implementation): read only, so one serves every
+    run of a loop."""
+    zero = np.zeros((), dtype)
+    if key_type is None:
+        return np.broadcast_to(zero, shape)
+    import jax
+
+    return jax.random.wrap_key_data(jax.numpy.zeros(shape, dtype), impl=key_type)
 
 
 def fetched(body: bytes):
@@ -94,15 +105,35 @@ def fetched(body: bytes):
     return jax.random.wrap_key_data(jax.numpy.asarray(array), impl=key_type)
 
 
+def keeper(tree, near: RemoteArray | None = None):
+    """
+    What a put of C{tree} (a pytree of arrays) runs, with C{keep=True}: the
+    program that returns its first argument, and its arguments. Beside
+    C{near}, the program takes that array too, and ignores it: a run that
+    names a kept array goes to its worker, through any Router, so the tree
+    is kept there.
+    """
+    import jax
+
+    leaves, structure = jax.tree.flatten(tree)
+    if any(isinstance(leaf, RemoteArray) for leaf in leaves):
+        raise TypeError("put takes arrays to upload; a RemoteArray is kept already")
+    avals = tuple((tuple(aval.shape), aval.dtype) for aval in map(jax.typeof, leaves))
+    if near is None:
+        return _keeper(structure, avals, None), (tree,)
+    return _keeper(structure, avals, (near.shape, near.dtype, near.key_type)), (tree, near)
+
+
 @functools.lru_cache(maxsize=64)
-def identity(shape: tuple[int, ...], dtype: np.dtype):
-    """The program that returns its one input, of this shape and dtype: a
-    run of it that keeps its output uploads an array to keep."""
+def _keeper(structure, avals: tuple, near: tuple | None):
     import jax
 
     from kcoral.program import Program
 
-    return Program.from_function(lambda x: x, jax.ShapeDtypeStruct(shape, dtype))
+    example = jax.tree.unflatten(structure, [jax.ShapeDtypeStruct(*aval) for aval in avals])
+    if near is None:
+        return Program.from_function(lambda kept: kept, example)
+    return Program.from_function(lambda kept, beside: kept, example, stand_in(*near))
 
 
 def path_of(array: RemoteArray) -> str:

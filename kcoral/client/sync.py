@@ -15,11 +15,13 @@ import os
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import attrs
 import numpy as np
+from twisted.logger import Logger
 from zope.interface import implementer
 
 from kcoral.client.connection import Connection, ProtocolError
@@ -35,12 +37,15 @@ from kcoral.client.exchange import (
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
 from kcoral.client.inference import InferCall
+from kcoral.client.owned import FREE_AFTER_SECONDS, STOP, Owned, forgotten
 from kcoral.client.progress import upload_bar
-from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
-from kcoral.errors import NodeFailure
+from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
+from kcoral.errors import KCoralError, NodeFailure
 from kcoral.program import Program
 from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
 from kcoral.web.family import INFERENCE_HEADER_LENGTH
+
+log = Logger()
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -96,12 +101,15 @@ class Client:
     every request (default: C{KCORAL_CLIENT_TOKEN}); an C{ssl_context} with a
     certificate loaded (C{load_cert_chain}) presents it to a service that
     asks for one (C{--tls-client-ca}). With C{progress}, request bodies of
-    64 MiB or more show a progress bar as they are sent.
+    64 MiB or more show a progress bar as they are sent. The arrays it keeps
+    are freed once nothing refers to them, and when it closes, unless
+    C{keep_on_close}.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
                  timeout: float | None = None, ssl_context=None, progress: bool = False,
-                 token: str | None = None, redispatch: bool = False):
+                 token: str | None = None, redispatch: bool = False,
+                 keep_on_close: bool = False):
         self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
         self.busy_timeout = busy_timeout
         self.timeout = timeout
@@ -109,8 +117,14 @@ class Client:
         self.redispatch = redispatch
         self._auth = client_headers(token)
         self._conn: Connection | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a run holds it from the orphans it takes to the
+        # arrays it made, around the exchange that holds it too.
+        self._lock = threading.RLock()
         self._held: set[str] = set()
+        self.keep_on_close = keep_on_close
+        self._owned = Owned()
+        #: The thread that frees the arrays no longer referenced, once there are some.
+        self._freer: threading.Thread | None = None
         #: Bytes of request bodies sent, for callers that watch traffic.
         self.bytes_sent = 0
 
@@ -126,7 +140,23 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the connection (a later call opens a new one)."""
+        """Free the arrays it kept (unless made with C{keep_on_close}: they
+        stay, until deleted or idle) and close the connection. A later call
+        opens a new one."""
+        with self._lock:
+            held = self._owned.everything()
+            if held and not self.keep_on_close:
+                try:
+                    self._free(held)
+                except (KCoralError, OSError) as e:
+                    log.warn("could not free {count} kept array(s) on closing: {why}",
+                             count=len(held), why=e)
+            if self._freer is not None:
+                self._owned.orphaned.put(STOP)
+                self._freer = None
+            self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -136,7 +166,7 @@ class Client:
         if conn is not None and conn.dropped():
             # The server closed this idle keep-alive connection (its idle
             # timeout, a restart): a request sent on it would be lost.
-            self.close()
+            self._disconnect()
             conn = None
         if conn is None:
             endpoint = self._failover.current
@@ -151,7 +181,7 @@ class Client:
         could not be reached nor is draining (or, where all fail, the last)."""
         for tried, endpoint in enumerate(self._failover.round()):
             if tried:
-                self.close()  # the connection was to the one before
+                self._disconnect()  # the connection was to the one before
             try:
                 response = self._request_at(endpoint, method, path, send, deadline)
             except NodeFailure as e:
@@ -186,10 +216,10 @@ class Client:
                     if bar is not None:
                         bar.close()
         except TimeoutError:
-            self.close()
+            self._disconnect()
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
         except (ProtocolError, OSError) as e:
-            self.close()
+            self._disconnect()
             if conn.answers and not conn.answering and not retried:
                 # A reused keep-alive connection the server closed as we sent
                 # on it (an idle close racing our request, as when a Router
@@ -200,7 +230,7 @@ class Client:
         if send is not None:
             self.bytes_sent += send.length
         if answer.will_close:
-            self.close()
+            self._disconnect()
         length = answer.header(INFERENCE_HEADER_LENGTH)
         return Response(answer.status, answer.body, _retry_after(answer.header(b"Retry-After")),
                         header_length=int(length) if length and length.isdigit() else None)
@@ -215,17 +245,37 @@ class Client:
         with a bool at each leaf (C{(False, True)}: the first output comes
         back, the second stays). C{free}, L{kcoral.RemoteArray}s or a
         structure of them (the state this run replaces), are freed on their
-        worker in the same request, once the run succeeded.
+        worker in the same request, once the run succeeded. A run that keeps
+        outputs and takes no kept array keeps them beside the arrays this
+        client holds, while that worker has room.
         """
-        return self._call(RunCall.prepare(program, args, kwargs, keep=keep, free=free, owner=self),
-                          request_id)
+        call = RunCall.prepare(program, args, kwargs, keep=keep, free=free, owner=self)
+        with self._lock:
+            self._owned.sending(call)
+            try:
+                outputs = self._call(call, request_id)
+            except BaseException as e:
+                self._owned.failed(call, e)
+                raise
+            self._owned.ran(call, outputs)
+            forgotten(free, self)
+            if any(call.keep) and self._freer is None:
+                self._freer = threading.Thread(target=_freeing, name="kcoral-client-frees",
+                                               args=(self._owned, weakref.ref(self)), daemon=True)
+                self._freer.start()
+        return outputs
 
-    def put(self, array, *, request_id: str | None = None) -> RemoteArray:
-        """Upload C{array} and keep it on a worker (a run of the identity program)."""
-        import jax
-
-        aval = jax.typeof(array)
-        return self.run(identity(aval.shape, aval.dtype), array, keep=True, request_id=request_id)
+    def put(self, tree, *, near: RemoteArray | None = None, request_id: str | None = None):
+        """
+        Upload C{tree}, an array or any pytree of them, and keep it all on
+        one worker, in one request: L{kcoral.RemoteArray}s in its
+        structure. Beside C{near} where given (or L{kcoral.errors.KeptMemoryFull},
+        L{kcoral.errors.ArrayLost}); else beside the arrays this client
+        holds while that worker has room for it (where it has not, or is
+        gone, on any worker).
+        """
+        program, args = keeper(tree, near)
+        return self.run(program, *args, keep=True, request_id=request_id)
 
     def fetch(self, array: RemoteArray):
         """The bytes of C{array}, copied back from its worker."""
@@ -237,11 +287,30 @@ class Client:
     def delete(self, *arrays: RemoteArray) -> None:
         """Free C{arrays} on their workers, one request for each worker;
         L{kcoral.errors.ArrayLost} naming those already gone (the others are freed)."""
-        errors = [error_of(answer) for answer in
-                  (self._simple("DELETE", send.path, send) for send in deletions(arrays))
-                  if answer.status != 200]
-        if errors:
-            raise deletion_error(errors)
+        forgotten(arrays, self)
+        ids = [array.id for array in arrays]
+        with self._lock:
+            self._free(ids, strict=True)
+
+    def forget(self, *arrays: RemoteArray) -> None:
+        """C{arrays} were freed through another client: not this one's to free."""
+        self._owned.released(array.id for array in arrays)
+
+    def _free(self, ids: list[str], strict: bool = False) -> None:
+        """Free C{ids} on their workers, and the orphans with them: one
+        request for each worker. With C{strict}, the error of those of
+        C{ids} that were gone, or of another refusal."""
+        self._owned.released(ids)
+        orphans = self._owned.orphans(most=None)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        errors = []
+        for send in deletions([*ids, *orphans]):
+            answer = self._request("DELETE", send.path, send, deadline)
+            if answer.status != 200:
+                errors.append(error_of(answer))
+        failure = deletion_error(errors, spared=orphans)
+        if strict and failure is not None:
+            raise failure
 
     def infer(self, model: str, inputs, *, request_id: str | None = None) -> dict[str, np.ndarray]:
         """
@@ -283,9 +352,33 @@ class Client:
                     time.sleep(step.seconds)
                     answer = None
 
+    def _free_orphans(self) -> None:
+        """Free the arrays no longer referenced that no request took along."""
+        with self._lock:
+            try:
+                self._free([])
+            except (KCoralError, OSError, TimeoutError) as e:
+                log.warn("could not free kept arrays no longer referenced: {why}", why=e)
+
     def health(self) -> dict:
         """The service's C{/health} document (also when it answers 503)."""
         answer = self._simple("GET", "/health")
         if answer.status is None:
             raise ConnectionError(f"could not reach {self.url}: {answer.problem}")
         return json.loads(answer.body)
+
+
+def _freeing(owned: Owned, client: weakref.ref) -> None:
+    """
+    The body of a client's freeing thread: once an array's last reference
+    goes, give the client's next request L{FREE_AFTER_SECONDS} to free it in
+    passing, then free what is left. It ends when the client closes (or is
+    gone): it holds no reference to the client meanwhile.
+    """
+    while owned.wait():
+        time.sleep(FREE_AFTER_SECONDS)
+        alive = client()
+        if alive is None:
+            return
+        alive._free_orphans()
+        del alive

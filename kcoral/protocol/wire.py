@@ -52,6 +52,11 @@ DEVICES_HEADER = "X-KCoral-Devices"
 #: deletion's), their ids comma-separated: a Router sends it to the worker
 #: that holds them without reading the body.
 KEPT_HEADER = "X-KCoral-Kept"
+#: The kept array beside which a run that keeps outputs, and names no kept
+#: array, would keep them (its id): a Router sends it to the worker that
+#: holds that array while that worker has a free slot. A preference, never
+#: a refusal; the worker does not read it.
+NEAR_HEADER = "X-KCoral-Near"
 #: Ids a client lists in that header at most, so that it fits a request head
 #: of 16 KiB with room to spare (34 bytes an id).
 MAX_KEPT_LISTED = 256

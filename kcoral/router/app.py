@@ -39,6 +39,7 @@ from kcoral.protocol.wire import (
     DEVICES_HEADER,
     INPUTS_HEADER,
     KEPT_HEADER,
+    NEAR_HEADER,
     PROGRAM_HEADER,
     WireError,
     holder_of_all,
@@ -70,6 +71,7 @@ _PROGRAM_HEADER = PROGRAM_HEADER.encode()
 _INPUTS_HEADER = INPUTS_HEADER.encode()
 _DEVICES_HEADER = DEVICES_HEADER.encode()
 _KEPT_HEADER = KEPT_HEADER.encode()
+_NEAR_HEADER = NEAR_HEADER.encode()
 NO_BODY = MemoryBody(b"")
 #: The most devices a run may ask for (a worker reports at most as many).
 MAX_DEVICES = 1024
@@ -208,7 +210,7 @@ class RouterApp:
             if devices is None:
                 raise BadRequest(f"{DEVICES_HEADER} must be a device count from 1 to {MAX_DEVICES}")
             demand = Demand.of(request.getHeader(_PROGRAM_HEADER), request.getHeader(_INPUTS_HEADER),
-                               request.getHeader(_KEPT_HEADER))
+                               request.getHeader(_KEPT_HEADER), request.getHeader(_NEAR_HEADER))
         except KCoralError as e:
             d = fail(e)
         else:

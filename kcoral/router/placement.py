@@ -91,6 +91,9 @@ class LeastLoaded:
         oldest = next(iter(runs), None)
         if oldest is None:
             return None
+        near = beside(ring.members, oldest[0], oldest[1])
+        if near is not None:
+            return (0, near) if near.active < near.capacity else None
         best = self.least_loaded(_owning(ring.members, oldest[1], oldest[0]))
         return None if best is None else (0, best)
 
@@ -136,6 +139,14 @@ class Affinity:
                 if member is None:
                     break
                 return index, member
+            near = beside(ring.members, demand, devices)
+            if near is not None:
+                # Its outputs stay where the client's other arrays are,
+                # which its next runs take together: it waits for that
+                # member, as a run of those arrays would.
+                if near.active >= near.capacity:
+                    break
+                return index, near
             found = self._cheapest(_free(ring.walk(demand.home), devices), demand, ahead)
             if found is None:
                 # No free member owns the devices it needs: it holds up the
@@ -199,6 +210,18 @@ class Affinity:
             if best_key is None or key < best_key:
                 best, best_key = (member, cost), key
         return best
+
+
+def beside(members: Iterable[Member], demand: Demand | None, devices: int) -> Member | None:
+    """The member that holds the arrays C{demand} would keep its outputs
+    beside, where it is usable and owns C{devices} devices, free or not;
+    else None (gone, restarted: the run is placed like any other)."""
+    if demand is None or demand.near is None:
+        return None
+    for member in members:
+        if member.instance == demand.near and member.usable and member.fits(devices, demand):
+            return member
+    return None
 
 
 def _free(members: Iterable[Member], devices: int) -> Iterator[Member]:

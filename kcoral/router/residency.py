@@ -24,7 +24,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kcoral.common.cached import MAX_BYTES, MAX_CONTENTS, Cached
 from kcoral.errors import BadRequest
 from kcoral.protocol.counts import read_count
-from kcoral.protocol.wire import MAX_INPUTS_LISTED, WireError, holder_of_all, is_digest, kept_ids
+from kcoral.protocol.wire import (
+    MAX_INPUTS_LISTED,
+    WireError,
+    holder_of,
+    holder_of_all,
+    is_digest,
+    kept_ids,
+)
 
 #: Entries the Router keeps per member, reported and learned together.
 MAX_HELD = 4 * MAX_CONTENTS
@@ -46,18 +53,22 @@ class Demand:
     #: Content a member believed to hold it said it lacks (a 409): only a
     #: member believed to hold all of it takes the run again.
     required: tuple[str, ...] = ()
+    #: The instance id of the worker beside whose arrays a run that names
+    #: none would keep its outputs: a preference, while it has a free slot.
+    near: str | None = None
 
     @classmethod
     def of(cls, program: bytes | None, inputs: bytes | None,
-           kept: bytes | None = None) -> Demand | None:
-        """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs} and
-        C{X-KCoral-Kept} headers state; None when they name neither a program
-        digest nor kept arrays. An input entry that does not parse is left
-        out: placement by content is a preference, never a refusal (the
-        worker checks the frame itself). Kept arrays are a hard constraint,
-        read whether the program is named or not (a run placed elsewhere
-        would be told its arrays are lost): L{ArraysApart} when they name
-        several workers, L{BadRequest} for an id that is none."""
+           kept: bytes | None = None, near: bytes | None = None) -> Demand | None:
+        """The demand the C{X-KCoral-Program}, C{X-KCoral-Inputs},
+        C{X-KCoral-Kept} and C{X-KCoral-Near} headers state; None when they
+        name neither a program digest nor kept arrays. An input entry, or a
+        near id, that does not parse is left out: placement by content or
+        beside arrays is a preference, never a refusal (the worker checks
+        the frame itself). Kept arrays are a hard constraint, read whether
+        the program is named or not (a run placed elsewhere would be told
+        its arrays are lost): L{ArraysApart} when they name several
+        workers, L{BadRequest} for an id that is none."""
         try:
             arrays = kept_ids(kept)
         except WireError as e:
@@ -77,7 +88,8 @@ class Demand:
             nbytes = read_count(size, MAX_BYTES)
             if is_digest(content) and nbytes is not None:
                 named.append((content, nbytes))
-        return cls(digest, tuple(named), kept=holder, arrays=arrays)
+        beside = holder_of(near.decode("ascii", "replace").strip()) if near and not arrays else None
+        return cls(digest, tuple(named), kept=holder, arrays=arrays, near=beside)
 
     @classmethod
     def of_model(cls, name: str) -> Demand:
