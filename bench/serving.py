@@ -90,6 +90,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VENVS = ROOT / ".bench-venv"
 PEERS = ROOT / "bench" / "serving_peers.py"
 LOADER = ROOT / "bench" / "serving_load.py"
+GRPC_FRONTS = ROOT / "bench" / "grpc_fronts.py"
 
 PYTRITON = "0.7.0"
 KSERVE = "0.21.0"
@@ -226,23 +227,38 @@ def workers_ready(gpus: str) -> dict[str, str]:
     return {f"worker{i}": rf"(worker{i} is ready)" for i in range(2 if gpus == "none" else 1)}
 
 
-def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
+def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str],
+                  grpc_front: str | None = None) -> Front:
     """The node's gateway in front of its two CPU workers; on one GPU a node
-    is one server, with no gateway: that server."""
+    is one server, with no gateway: that server. C{grpc_front}: one of
+    C{bench/grpc_fronts.py}'s variants in place of its gRPC front."""
     grpc = free_port()
     if gpus == "none":
         ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
     else:
         ready = {"url": r"kcoral server listening on http://(\S+)"}
+    name = "gateway" if grpc_front is None else f"gateway[{grpc_front}]"
+    program = ("-m", "kcoral") if grpc_front is None else (str(GRPC_FRONTS), grpc_front)
     node = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc),
-                        *node_options(repository, gpus, delay)], ready, name="gateway", timeout=300)
-    front = Front("gateway", [node], node.found["url"], f"127.0.0.1:{grpc}",
+                        *node_options(repository, gpus, delay)], ready, name=name, timeout=300,
+                       program=program)
+    front = Front(name, [node], node.found["url"], f"127.0.0.1:{grpc}",
                   f"http://{node.found['url']}/metrics")
     started.append(front)
     front.wait_ready()
     return front
 
 
+
+
+def start_grpc_floor(started: list[Front], kind: str) -> Front:
+    """A bare grpcio server answering a fixed response (gRPC only)."""
+    grpc = free_port()
+    floor = KCoralChild([kind, str(grpc)], {"ready": r"(floor ready)"}, name=f"grpc-{kind}",
+                        program=(str(GRPC_FRONTS),))
+    front = Front(f"grpc-{kind}", [floor], "", f"127.0.0.1:{grpc}")
+    started.append(front)
+    return front
 
 
 def start_router(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
@@ -468,8 +484,10 @@ def report(cells: list[dict]) -> dict:
             print(f"\n{title}")
             print("\n".join(lines))
 
-    compare("gateway", "triton", "KCoral gateway / Triton (perf_analyzer):",
-            lambda c: TARGET_TRITON_C1 if c == 1 else TARGET_TRITON if c >= 16 else None)
+    for front in dict.fromkeys(c["front"] for c in cells):
+        if front == "gateway" or front.startswith(("gateway[", "grpc-floor")):
+            compare(front, "triton", f"KCoral {front} / Triton (perf_analyzer):",
+                    lambda c: TARGET_TRITON_C1 if c == 1 else TARGET_TRITON if c >= 16 else None)
     kserve_base = "gateway-loop" if any(c["front"] == "gateway-loop" for c in cells) else "gateway"
     compare(kserve_base, "kserve", "KCoral gateway / KServe (the same tritonclient loop):",
             lambda c: TARGET_KSERVE if c >= 16 else None)
@@ -503,6 +521,10 @@ def main() -> int:
     parser.add_argument("--fronts", default=",".join(FRONTS),
                         help=f"comma-separated, of {', '.join(FRONTS)}; kcoral is gateway,router")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
+    parser.add_argument("--grpc-fronts", default="",
+                        help="comma-separated gRPC fronts of bench/grpc_fronts.py to measure too, each "
+                             "in a gateway of its own (thread-loop, reactor-loop, threaded), and the "
+                             "bare floors (floor-aio, floor-threaded)")
     parser.add_argument("--load", choices=["perf_analyzer", "loop"], default="perf_analyzer",
                         help="the load for every front but KServe's (which always gets the loop)")
     parser.add_argument("--seconds", type=float, help="one measurement window (default 2; --quick 1)")
@@ -577,15 +599,27 @@ def main() -> int:
                 front = start_peer(started, name, pythons[name], directory / "params.npz",
                                    args.max_batch_delay)
             runs.append((front, *plans[name]))
+            if name == "gateway":
+                for variant in filter(None, args.grpc_fronts.split(",")):
+                    print(f"== starting gRPC front {variant}", flush=True)
+                    if variant.startswith("floor"):
+                        runs.append((start_grpc_floor(started, variant), kcoral_load[0], kcoral_load[1]))
+                    else:
+                        runs.append((start_gateway(started, directory / "models", args.gpus, delay, variant),
+                                     *kcoral_load))
             if name == "gateway" and "kserve" in fronts and args.load == "perf_analyzer":
                 same = Front("gateway-loop", front.children, front.targets["http"], front.targets["grpc"],
                              front.metrics)
                 runs.append((same, loop_load, loop))
         for protocol in protocols:
             for front in started:
-                check_answer(front, protocol, params)
+                if not front.name.startswith("grpc-floor"):
+                    check_answer(front, protocol, params)
             for c in concurrency:
                 for measured_front, load, options in runs:
+                    # The gRPC fronts' variants and floors are measured over gRPC only.
+                    if measured_front.name.startswith(("grpc-floor", "gateway[")) and protocol != "grpc":
+                        continue
                     result = cell(measured_front, protocol, c, load, **options)
                     print(f"  {measured_front.name} {protocol} c={c}: {result['throughput']:,.0f}/s "
                           f"p99 {fmt(result['p99_ms'], '.2f')} ms", flush=True)

@@ -22,7 +22,9 @@ in this order, each step before the next costs anything:
     back to the gRPC thread to be encoded.
 
 The reactor never waits on gRPC, nor gRPC on the reactor's thread: each
-hands the other its work (C{callFromThread}, C{call_soon_threadsafe}).
+hands the other its work, all that came in one turn for one wake-up
+(L{Handoff}), so that the inferences of many calls reach a front's batcher
+together.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from twisted.python.failure import Failure
 
 from kcoral.errors import BadRequest, KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
+from kcoral.inference.handoff import Handoff
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.auth import IGuard
 from kcoral.web.family import TRACE_HEADERS
@@ -138,6 +141,10 @@ class GrpcFront(service.Service):
         self._unread: dict[asyncio.Future, float] = {}
         self._ended: dict[asyncio.Future, _Ended] = {}
         self._sweep = LoopingCall(self._sweep_unread)
+        # Requests go to the reactor, and answers back, in one turn for all
+        # those that came meanwhile (see L{Handoff}).
+        self._to_reactor: Handoff | None = None
+        self._to_loop: Handoff | None = None
         self._sweep.clock = self._clock
 
     @property
@@ -156,6 +163,10 @@ class GrpcFront(service.Service):
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="grpc", daemon=True).start()
         self._loop = loop
+        self._to_loop = Handoff(loop.call_soon_threadsafe)
+        # Handed over from the loop's own thread once the loop has run what
+        # is ready now: the requests whose messages came together go together.
+        self._to_reactor = Handoff(lambda run: loop.call_soon(self._reactor.callFromThread, run))
         # Waited for here, as a listening port is bound: the port is known
         # once the service has started (a few milliseconds).
         self._server, self.port = self._in_loop(self._start()).result()
@@ -251,9 +262,8 @@ class GrpcFront(service.Service):
     async def on_reactor(self, ask: Callable[[], Any]) -> Any:
         """What C{ask()} (run on the reactor's thread) fires with; a call
         that ends first cancels it."""
-        assert self._loop is not None
-        loop = self._loop
-        answered = loop.create_future()
+        assert self._loop is not None and self._to_loop is not None and self._to_reactor is not None
+        answered, to_loop, to_reactor = self._loop.create_future(), self._to_loop, self._to_reactor
         asked: list[Deferred] = []
 
         def settle(result: object) -> None:
@@ -267,17 +277,17 @@ class GrpcFront(service.Service):
         def start() -> None:
             d = maybeDeferred(ask)
             asked.append(d)
-            d.addBoth(lambda result: loop.call_soon_threadsafe(settle, result))
+            d.addBoth(lambda result: to_loop(settle, result))
 
         def cancel() -> None:
             for d in asked:
                 d.cancel()
 
-        self._reactor.callFromThread(start)
+        to_reactor(start)
         try:
             return await answered
         except asyncio.CancelledError:
-            self._reactor.callFromThread(cancel)
+            to_reactor(cancel)
             raise
 
     async def serve(self, context: grpc.aio.ServicerContext, answer: Callable[[str], Any], *,
