@@ -9,6 +9,8 @@ and the floor: the same JAX function called in this process.
     .venv/bin/python bench/serving.py                  # about ten minutes
     .venv/bin/python bench/serving.py --quick          # concurrency 1 and 16, short windows
     .venv/bin/python bench/serving.py --fronts kcoral,floor --load loop --gpus 0
+    .venv/bin/python bench/serving.py --fronts gateway,triton --protocols grpc \
+        --grpc-fronts reactor-loop,threaded,floor-aio,floor-threaded   # gRPC fronts side by side
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
 ... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)

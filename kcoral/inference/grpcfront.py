@@ -95,7 +95,7 @@ def status_code_of(error: KCoralError) -> grpc.StatusCode:
 
 
 class _Ended(Exception):
-    """A call ends now with C{code} and C{details}, logged or not as it was."""
+    """Why a call ends now: its status C{code} and C{details}."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -141,11 +141,11 @@ class GrpcFront(service.Service):
         self._unread: dict[asyncio.Future, float] = {}
         self._ended: dict[asyncio.Future, _Ended] = {}
         self._sweep = LoopingCall(self._sweep_unread)
+        self._sweep.clock = self._clock
         # Requests go to the reactor, and answers back, in one turn for all
         # those that came meanwhile (see L{Handoff}).
         self._to_reactor: Handoff | None = None
         self._to_loop: Handoff | None = None
-        self._sweep.clock = self._clock
 
     @property
     def unread(self) -> int:
