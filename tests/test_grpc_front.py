@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
 from twisted.internet import defer, threads
 from twisted.internet.task import Clock
 
@@ -327,22 +328,33 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest_twisted.async_fixture(scope="module")
-async def guarded_server(module_processes, tmp_path_factory):
-    """A standalone server with a client token and an MLP, serving gRPC: its address and pid."""
+def export_mlp(root) -> str:
+    """A repository in C{root} holding C{mlp}: tanh of 16 inputs, batches of one row."""
     import jax.numpy as jnp
 
     import kcoral
 
-    root = tmp_path_factory.mktemp("models")
-    params = {"w": np.eye(16, dtype=np.float32)}
-    kcoral.export_bundle(lambda p, x: jnp.tanh(x @ p["w"]), params, np.zeros((1, 16), np.float32),
-                         dir=str(root / "mlp"), name="mlp", batch_sizes=[1])
-    service = await module_processes.start_service(
-        server_args("--model-repository", str(root), "--grpc-port", "0", "--client-token", TOKEN),
+    kcoral.export_bundle(lambda p, x: jnp.tanh(x @ p["w"]), {"w": np.eye(16, dtype=np.float32)},
+                         np.zeros((1, 16), np.float32), dir=str(root / "mlp"), name="mlp",
+                         batch_sizes=[1])
+    return str(root)
+
+
+async def start_grpc_server(processes, repository: str, *args: str):
+    """A standalone server of C{repository} serving gRPC: its process and gRPC address."""
+    service = await processes.start_service(
+        server_args("--model-repository", repository, "--grpc-port", "0", *args),
         name="server", ready=SERVER_READY, env=server_env())
     found = await service.process.wait_for_line(r"over gRPC on [\d.]+:(?P<port>\d+)", 30)
-    return f"127.0.0.1:{found.group('port')}", service.process.pid
+    return service.process, f"127.0.0.1:{found.group('port')}"
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def guarded_server(module_processes, tmp_path_factory):
+    """A standalone server with a client token and an MLP, serving gRPC: its address and pid."""
+    process, address = await start_grpc_server(
+        module_processes, export_mlp(tmp_path_factory.mktemp("models")), "--client-token", TOKEN)
+    return address, process.pid
 
 
 def mlp_probes(address: str) -> tuple[float, np.ndarray]:
@@ -445,3 +457,49 @@ def test_a_handoff_from_many_threads_runs_every_call_once():
         if woken.acquire(timeout=0.01):
             runs.pop(0)()
     assert sorted(ran) == sorted(n * 10_000 + i for n in range(4) for i in range(2000))
+
+
+class Looping:
+    """Clients that infer in a loop, each until a call fails: the calls answered, and how
+    each loop ended."""
+
+    def __init__(self, address: str, clients: int):
+        self.answered = 0
+        self.ended: list[str] = []
+        self._address = address
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self) -> None:
+        client = grpcclient.InferenceServerClient(self._address)
+        given_input = grpcclient.InferInput("input", [1, 16], "FP32")
+        given_input.set_data_from_numpy(np.zeros((1, 16), np.float32))
+        try:
+            while True:
+                client.infer("mlp", [given_input], client_timeout=30)
+                self.answered += 1
+        except InferenceServerException as e:
+            self.ended.append(str(e.status()) + " " + str(e.message()))
+        finally:
+            client.close()
+
+    def done(self) -> bool:
+        return not any(thread.is_alive() for thread in self._threads)
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_under_load_fails_no_call(processes, tmp_path):
+    """SIGTERM under a steady gRPC load: the server exits 0, every call that reached the front
+    is answered without a fault (no error logged), and each client's calls are answered until
+    one is refused as UNAVAILABLE (draining, or the server gone) or CANCELLED (gRPC's own end
+    of a call it had not yet handed over when it stopped)."""
+    process, address = await start_grpc_server(processes, export_mlp(tmp_path))
+    load = Looping(address, 8)
+    await until(lambda: load.answered >= 100, "the load is on", timeout=60)
+    process.signal("TERM")
+    assert await process.exited(60) == 0, process.tail()
+    await until(load.done, "every client has ended", timeout=60)
+    assert {ended.split()[0] for ended in load.ended} <= {"StatusCode.UNAVAILABLE",
+                                                          "StatusCode.CANCELLED"}, load.ended
+    assert process.matching(r"Traceback|internal error|handed over failed") == []

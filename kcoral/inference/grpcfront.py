@@ -200,9 +200,10 @@ class GrpcFront(service.Service):
         if self._sweep.running:
             self._sweep.stop()
         server, loop = self._server, self._loop
-        self._server = self._loop = None
         if server is None or loop is None:
             return succeed(None)
+        # The loop stays: the calls in flight are answered through it.
+        self._server = None
         stopped: Deferred[None] = Deferred()
 
         def done(_: ThreadFuture) -> None:
