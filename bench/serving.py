@@ -236,36 +236,32 @@ def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list
     """The node's gateway in front of its two CPU workers; on one GPU a node
     is one server, with no gateway: that server. C{grpc_front}: one of
     C{bench/grpc_fronts.py}'s variants in place of its gRPC front."""
-    grpc = free_port()
     if gpus == "none":
         ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
     else:
         ready = {"url": r"kcoral server listening on http://(\S+)"}
-    name = "gateway" if grpc_front is None else f"gateway[{grpc_front}]"
-    program = ("-m", "kcoral") if grpc_front is None else (str(GRPC_FRONTS), grpc_front)
-    node = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc),
-                        *node_options(repository, gpus, delay)], ready, name=name, timeout=300,
-                       program=program)
-    front = Front(name, [node], node.found["url"], f"127.0.0.1:{grpc}",
-                  f"http://{node.found['url']}/metrics")
-    started.append(front)
-    front.wait_ready()
-    return front
-
-
+    return start_kcoral(started, "gateway", node_options(repository, gpus, delay), ready, grpc_front)
 
 
 def start_server(started: list[Front], repository: Path, delay: list[str],
                  grpc_front: str | None = None) -> Front:
     """A standalone server (one CPU worker, no gateway), with C{grpc_front}
     as L{start_gateway} takes it."""
+    return start_kcoral(started, "server", ["--gpus", "none", "--model-repository", str(repository),
+                                            *delay],
+                        {"url": r"kcoral server listening on http://(\S+)"}, grpc_front)
+
+
+def start_kcoral(started: list[Front], name: str, options: list[str], ready: dict[str, str],
+                 grpc_front: str | None) -> Front:
+    """C{kcoral server OPTIONS} with gRPC, once C{ready}'s lines are logged and its model is
+    ready; C{grpc_front} names a variant of its gRPC front (and the front's name)."""
     grpc = free_port()
-    name = "server" if grpc_front is None else f"server[{grpc_front}]"
+    if grpc_front is not None:
+        name = f"{name}[{grpc_front}]"
     program = ("-m", "kcoral") if grpc_front is None else (str(GRPC_FRONTS), grpc_front)
-    child = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc), "--gpus", "none",
-                         "--model-repository", str(repository), *delay],
-                        {"url": r"kcoral server listening on http://(\S+)"}, name=name, timeout=300,
-                        program=program)
+    child = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc), *options], ready,
+                        name=name, timeout=300, program=program)
     front = Front(name, [child], child.found["url"], f"127.0.0.1:{grpc}",
                   f"http://{child.found['url']}/metrics")
     started.append(front)
