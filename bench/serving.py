@@ -10,6 +10,8 @@ and the floor: the same JAX function called in this process.
     .venv/bin/python bench/serving.py --quick          # concurrency 1 and 16, short windows
     .venv/bin/python bench/serving.py --fronts kcoral,floor --load loop --gpus 0
     .venv/bin/python bench/serving.py --quick --fronts kcoral,floor --load loop --batch-invariant
+    .venv/bin/python bench/serving.py --fronts gateway,triton --protocols grpc \
+        --grpc-fronts reactor-loop,threaded,floor-aio,floor-threaded   # gRPC fronts side by side
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
 ... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)
@@ -92,10 +94,13 @@ CONCURRENCY = (1, 4, 16, 64)
 QUICK_CONCURRENCY = (1, 16)
 PROTOCOLS = ("http", "grpc")
 FRONTS = ("gateway", "router", "triton", "kserve", "floor")
+#: Fronts measured only when named: a standalone server (one CPU worker, no gateway).
+OTHER_FRONTS = ("server",)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VENVS = ROOT / ".bench-venv"
 PEERS = ROOT / "bench" / "serving_peers.py"
 LOADER = ROOT / "bench" / "serving_load.py"
+GRPC_FRONTS = ROOT / "bench" / "grpc_fronts.py"
 
 PYTRITON = "0.7.0"
 KSERVE = "0.21.0"
@@ -233,23 +238,52 @@ def workers_ready(gpus: str) -> dict[str, str]:
 
 
 def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str],
-                  name: str = "gateway") -> Front:
+                  name: str = "gateway", grpc_front: str | None = None) -> Front:
     """The node's gateway in front of its two CPU workers; on one GPU a node
-    is one server, with no gateway: that server. C{delay}: its further options."""
-    grpc = free_port()
+    is one server, with no gateway: that server. C{delay}: its further
+    options; C{grpc_front}: one of C{bench/grpc_fronts.py}'s variants in
+    place of its gRPC front."""
     if gpus == "none":
         ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
     else:
         ready = {"url": r"kcoral server listening on http://(\S+)"}
-    node = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc),
-                        *node_options(repository, gpus, delay)], ready, name=name, timeout=300)
-    front = Front(name, [node], node.found["url"], f"127.0.0.1:{grpc}",
-                  f"http://{node.found['url']}/metrics")
+    return start_kcoral(started, name, node_options(repository, gpus, delay), ready, grpc_front)
+
+
+def start_server(started: list[Front], repository: Path, delay: list[str],
+                 grpc_front: str | None = None) -> Front:
+    """A standalone server (one CPU worker, no gateway), with C{grpc_front}
+    as L{start_gateway} takes it."""
+    return start_kcoral(started, "server", ["--gpus", "none", "--model-repository", str(repository),
+                                            *delay],
+                        {"url": r"kcoral server listening on http://(\S+)"}, grpc_front)
+
+
+def start_kcoral(started: list[Front], name: str, options: list[str], ready: dict[str, str],
+                 grpc_front: str | None) -> Front:
+    """C{kcoral server OPTIONS} with gRPC, once C{ready}'s lines are logged and its model is
+    ready; C{grpc_front} names a variant of its gRPC front (and the front's name)."""
+    grpc = free_port()
+    if grpc_front is not None:
+        name = f"{name}[{grpc_front}]"
+    program = ("-m", "kcoral") if grpc_front is None else (str(GRPC_FRONTS), grpc_front)
+    child = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc), *options], ready,
+                        name=name, timeout=300, program=program)
+    front = Front(name, [child], child.found["url"], f"127.0.0.1:{grpc}",
+                  f"http://{child.found['url']}/metrics")
     started.append(front)
     front.wait_ready()
     return front
 
 
+def start_grpc_floor(started: list[Front], kind: str) -> Front:
+    """A bare grpcio server answering a fixed response (gRPC only)."""
+    grpc = free_port()
+    floor = KCoralChild([kind, str(grpc)], {"ready": r"(floor ready)"}, name=f"grpc-{kind}",
+                        program=(str(GRPC_FRONTS),))
+    front = Front(f"grpc-{kind}", [floor], "", f"127.0.0.1:{grpc}")
+    started.append(front)
+    return front
 
 
 def start_router(started: list[Front], repository: Path, gpus: str, delay: list[str]) -> Front:
@@ -475,8 +509,10 @@ def report(cells: list[dict]) -> dict:
             print(f"\n{title}")
             print("\n".join(lines))
 
-    compare("gateway", "triton", "KCoral gateway / Triton (perf_analyzer):",
-            lambda c: TARGET_TRITON_C1 if c == 1 else TARGET_TRITON if c >= 16 else None)
+    for front in dict.fromkeys(c["front"] for c in cells):
+        if front in ("gateway", "server") or front.startswith(("gateway[", "server[", "grpc-floor")):
+            compare(front, "triton", f"KCoral {front} / Triton (perf_analyzer):",
+                    lambda c: TARGET_TRITON_C1 if c == 1 else TARGET_TRITON if c >= 16 else None)
     kserve_base = "gateway-loop" if any(c["front"] == "gateway-loop" for c in cells) else "gateway"
     compare(kserve_base, "kserve", "KCoral gateway / KServe (the same tritonclient loop):",
             lambda c: TARGET_KSERVE if c >= 16 else None)
@@ -509,8 +545,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16,64; --quick 1,16)")
     parser.add_argument("--fronts", default=",".join(FRONTS),
-                        help=f"comma-separated, of {', '.join(FRONTS)}; kcoral is gateway,router")
+                        help=f"comma-separated, of {', '.join(FRONTS + OTHER_FRONTS)}; kcoral is "
+                             "gateway,router")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
+    parser.add_argument("--grpc-fronts", default="",
+                        help="comma-separated gRPC fronts of bench/grpc_fronts.py to measure too, each "
+                             "in a gateway of its own, and a standalone server with --fronts server "
+                             "(thread-loop, reactor-loop, threaded), and the bare floors (floor-aio, "
+                             "floor-threaded)")
     parser.add_argument("--load", choices=["perf_analyzer", "loop"], default="perf_analyzer",
                         help="the load for every front but KServe's (which always gets the loop)")
     parser.add_argument("--seconds", type=float, help="one measurement window (default 2; --quick 1)")
@@ -524,7 +566,7 @@ def main() -> int:
     args = parser.parse_args()
     fronts = [name for item in args.fronts.split(",")
               for name in (("gateway", "router") if item == "kcoral" else (item,))]
-    unknown = set(fronts) - set(FRONTS)
+    unknown = set(fronts) - set(FRONTS) - set(OTHER_FRONTS)
     if unknown:
         parser.error(f"unknown fronts: {', '.join(sorted(unknown))}")
     if args.batch_invariant and "gateway" not in fronts:
@@ -547,7 +589,7 @@ def main() -> int:
                                                    "tritonclient[http,grpc]==2.60.0", f"jax=={TRITON_JAX}"])
     if "kserve" in fronts:
         pythons["kserve"] = ensure_venv("kserve", [f"kserve=={KSERVE}", f"jax=={metadata.version('jax')}"])
-    measured = [f for f in fronts if f in ("gateway", "router", "triton")]
+    measured = [f for f in fronts if f in ("gateway", "router", "triton", "server")]
     perf_analyzer = ensure_perf_analyzer() if args.load == "perf_analyzer" and measured else None
 
     results = {"command": " ".join(sys.argv), "machine": machine(), "seconds": seconds,
@@ -559,7 +601,7 @@ def main() -> int:
         model.save_params(directory / "params.npz", params)
         delay = kcoral_batch_delay(args.max_batch_delay)
         results["kcoral_batch_delay_flag"] = bool(delay)
-        if {"gateway", "router"} & set(fronts):
+        if {"gateway", "router", "server"} & set(fronts):
             code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
                     "import serving_model as m; "
                     f"kcoral.export_bundle(m.mlp, m.load_params({str(directory / 'params.npz')!r}), "
@@ -572,7 +614,7 @@ def main() -> int:
               "directory": directory}
         loop = {"seconds": 2 * seconds, "warmup": seconds}
         kcoral_load = (perf_analyzer_load, pa) if args.load == "perf_analyzer" else (loop_load, loop)
-        plans = {"gateway": kcoral_load, "router": kcoral_load, "triton": kcoral_load,
+        plans = {"gateway": kcoral_load, "router": kcoral_load, "triton": kcoral_load, "server": kcoral_load,
                  "kserve": (loop_load, loop)}
         # Every front is started first and the cells go round them, one
         # concurrency at a time: this shared machine's speed drifts over a
@@ -585,6 +627,8 @@ def main() -> int:
             if name in ("gateway", "router"):
                 start = start_gateway if name == "gateway" else start_router
                 front = start(started, directory / "models", args.gpus, delay)
+            elif name == "server":
+                front = start_server(started, directory / "models", delay)
             else:
                 front = start_peer(started, name, pythons[name], directory / "params.npz",
                                    args.max_batch_delay)
@@ -594,15 +638,32 @@ def main() -> int:
                 runs.append((start_gateway(started, directory / "models", args.gpus,
                                            [*delay, "--batch-invariant"], "gateway-invariant"),
                              *kcoral_load))
+            if name in ("gateway", "server"):
+                for variant in filter(None, args.grpc_fronts.split(",")):
+                    print(f"== starting gRPC front {variant} ({name})", flush=True)
+                    if variant.startswith("floor"):
+                        if name == "gateway":
+                            runs.append((start_grpc_floor(started, variant), *kcoral_load))
+                    elif name == "gateway":
+                        runs.append((start_gateway(started, directory / "models", args.gpus, delay,
+                                                   grpc_front=variant), *kcoral_load))
+                    else:
+                        runs.append((start_server(started, directory / "models", delay, variant),
+                                     *kcoral_load))
             if name == "gateway" and "kserve" in fronts and args.load == "perf_analyzer":
                 same = Front("gateway-loop", front.children, front.targets["http"], front.targets["grpc"],
                              front.metrics)
                 runs.append((same, loop_load, loop))
         for protocol in protocols:
             for front in started:
-                check_answer(front, protocol, params)
+                if not front.name.startswith("grpc-floor"):
+                    check_answer(front, protocol, params)
             for c in concurrency:
                 for measured_front, load, options in runs:
+                    # The gRPC fronts' variants and floors are measured over gRPC only.
+                    if (measured_front.name.startswith(("grpc-floor", "gateway[", "server["))
+                            and protocol != "grpc"):
+                        continue
                     result = cell(measured_front, protocol, c, load, **options)
                     print(f"  {measured_front.name} {protocol} c={c}: {result['throughput']:,.0f}/s "
                           f"p99 {fmt(result['p99_ms'], '.2f')} ms", flush=True)

@@ -2,29 +2,52 @@
 The inference protocol's gRPC service (C{inference.GRPCInferenceService})
 for one L{IInferenceFront}.
 
-gRPC's server runs its handlers in a pool of threads; each handler asks the
-reactor for its answer (one C{blockingCallFromThread}) and does the
-conversions to and from the REST form in its own thread, so that the reactor
-never copies a tensor for it. An inference travels in the REST form, as the
-front takes it: no front needs a model's manifest to serve gRPC.
+gRPC's asyncio server runs on an event loop of its own, in one thread (the
+gRPC thread), so that a call costs a coroutine, not a thread, for as long as
+it lasts: a client that sends a call's metadata and never its message holds
+no thread of the service. Every method is served on raw bytes (no
+deserializer runs before the handler does), which lets each call be judged
+in this order, each step before the next costs anything:
+
+ 1. the call count: past C{max_calls} calls at once, RESOURCE_EXHAUSTED;
+ 2. the client token, read from the metadata: a call without it ends
+    UNAUTHENTICATED before a byte of its message is read or parsed;
+ 3. the message, awaited at most C{message_seconds} (DEADLINE_EXCEEDED
+    after) by at most C{max_unread} calls at once (the oldest of them ends
+    RESOURCE_EXHAUSTED when another must wait); ServerLive, ServerReady and
+    ServerMetadata never read theirs (it is empty), so that no number of
+    slow calls keeps a probe waiting;
+ 4. the message parsed (upb) and converted to the REST form in the gRPC
+    thread, and handed to the front on the reactor's thread; its answer comes
+    back to the gRPC thread to be encoded.
+
+The reactor never waits on gRPC, nor gRPC on the reactor's thread: each
+hands the other its work, all that came in one turn for one wake-up
+(L{Handoff}), so that the inferences of many calls reach a front's batcher
+together.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
-from concurrent import futures
+from concurrent.futures import Future as ThreadFuture
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import model_config_pb2, service_pb2
 from twisted.application import service
-from twisted.internet import threads
-from twisted.internet.defer import CancelledError, Deferred, fail, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
-from kcoral.errors import KCoralError, ServerBusy
+from kcoral.errors import BadRequest, KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
+from kcoral.inference.handoff import Handoff
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.auth import IGuard
 from kcoral.web.family import TRACE_HEADERS
@@ -32,17 +55,34 @@ from kcoral.web.requestid import request_id_from
 
 log = Logger()
 
+#: The service every method belongs to.
+SERVICE = "inference.GRPCInferenceService"
+
 #: The metadata keys of the request id, and of a client token.
 REQUEST_ID = "x-request-id"
 AUTHORIZATION = "authorization"
+
+#: How long a call's message may take to arrive once its metadata has: gRPC
+#: hands over a message only whole, so this bounds the whole of it (256 MiB
+#: at 10 MB/s takes 27 s), as the REST front's head timeout does a head.
+MESSAGE_SECONDS = 30.0
+#: The most calls that may wait for their message at once: clients that open
+#: calls and send nothing hold at most these, each at most L{MESSAGE_SECONDS}.
+MAX_UNREAD = 64
+#: How often the calls waiting for their message are checked against
+#: L{MESSAGE_SECONDS}.
+SWEEP_SECONDS = 1.0
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
+    507: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -54,6 +94,15 @@ def status_code_of(error: KCoralError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT if 400 <= error.status < 500 else grpc.StatusCode.INTERNAL
 
 
+class _Ended(Exception):
+    """Why a call ends now: its status C{code} and C{details}."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 class GrpcFront(service.Service):
     """
     Serves C{front} over gRPC on C{host}:C{port} (0: any free port, then in
@@ -61,25 +110,47 @@ class GrpcFront(service.Service):
     when given C{tls} (the certificate and key files, PEM; with C{client_ca},
     clients must present a certificate it signed). With a C{guard}, all but
     ServerLive, ServerReady and ServerMetadata need the client token in the
-    C{authorization} metadata.
+    C{authorization} metadata. At most C{max_calls} calls at once, of which
+    at most C{max_unread} wait for their message, each at most
+    C{message_seconds} by C{clock} (the reactor's unless given).
     """
 
     def __init__(self, front: IInferenceFront, *, reactor, host: str = "127.0.0.1", port: int = 0,
-                 max_message_bytes: int = 64 << 20, threads: int = 128,
-                 max_calls: int = 1024,
+                 max_message_bytes: int = 64 << 20, max_calls: int = 1024,
+                 max_unread: int = MAX_UNREAD, message_seconds: float = MESSAGE_SECONDS,
                  guard: IGuard | None = None, tls: tuple[str, str] | None = None,
-                 client_ca: str | None = None):
+                 client_ca: str | None = None, clock=None):
         self.front = front
         self.guard = guard
         self.host = host
         self.port = port
         self._reactor = reactor
+        self._clock = clock or reactor
         self._max_message_bytes = max_message_bytes
-        self._threads = threads
         self._max_calls = max_calls
+        self._max_unread = max_unread
+        self._message_seconds = message_seconds
         self._tls = tls
         self._client_ca = client_ca
-        self._server: grpc.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        # Touched only in the gRPC thread.
+        self._calls = 0
+        # The reads of the calls waiting for their message, oldest first, by
+        # deadline; and why the ones ended early were.
+        self._unread: dict[asyncio.Future, float] = {}
+        self._ended: dict[asyncio.Future, _Ended] = {}
+        self._sweep = LoopingCall(self._sweep_unread)
+        self._sweep.clock = self._clock
+        # Requests go to the reactor, and answers back, in one turn for all
+        # those that came meanwhile (see L{Handoff}).
+        self._to_reactor: Handoff | None = None
+        self._to_loop: Handoff | None = None
+
+    @property
+    def unread(self) -> int:
+        """How many calls wait for their message now."""
+        return len(self._unread)
 
     def _credentials(self) -> grpc.ServerCredentials:
         assert self._tls is not None
@@ -89,88 +160,182 @@ class GrpcFront(service.Service):
                                            require_client_auth=ca is not None)
 
     def startService(self) -> None:
-        # Each call holds a thread while the front answers it (a batch, a
-        # queue wait): enough threads that a front's batches fill from many
-        # clients at once, and a bound on the calls waiting for one, past
-        # which gRPC answers RESOURCE_EXHAUSTED.
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="grpc"),
-            maximum_concurrent_rpcs=self._max_calls,
-            options=[("grpc.max_receive_message_length", self._max_message_bytes),
-                     ("grpc.max_send_message_length", self._max_message_bytes)])
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(self), server)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        address = f"{host}:{self.port}"
-        if self._tls is None:
-            self.port = server.add_insecure_port(address)
-        else:
-            self.port = server.add_secure_port(address, self._credentials())
-        server.start()
-        # Held while it serves: a gRPC server that is garbage-collected stops.
-        self._server = server
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="grpc", daemon=True).start()
+        self._loop = loop
+        self._to_loop = Handoff(loop.call_soon_threadsafe)
+        # Handed over from the loop's own thread once the loop has run what
+        # is ready now: the requests whose messages came together go together.
+        self._to_reactor = Handoff(lambda run: loop.call_soon(self._reactor.callFromThread, run))
+        # Waited for here, as a listening port is bound: the port is known
+        # once the service has started (a few milliseconds).
+        self._server, self.port = self._in_loop(self._start()).result()
+        self._sweep.start(SWEEP_SECONDS, now=False)
         super().startService()
         log.info("serving the inference protocol over gRPC on {host}:{port}", host=self.host,
                  port=self.port)
 
+    async def _start(self) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.max_send_message_length", self._max_message_bytes)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            name: grpc.stream_unary_rpc_method_handler(handler)
+            for name, handler in _Methods(self).handlers().items()}),))
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        address = f"{host}:{self.port}"
+        if self._tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, self._credentials())
+        await server.start()
+        return server, port
+
+    def _in_loop(self, coroutine) -> ThreadFuture:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
     def stopService(self, grace: float = 5.0) -> Deferred[None]:
         super().stopService()
-        server, self._server = self._server, None
-        if server is None:
+        if self._sweep.running:
+            self._sweep.stop()
+        server, loop = self._server, self._loop
+        if server is None or loop is None:
             return succeed(None)
-        # The wait runs in a thread: handlers still running need the reactor
-        # to answer them.
-        return threads.deferToThreadPool(self._reactor, self._reactor.getThreadPool(),
-                                         lambda: server.stop(grace).wait())
+        # The loop stays: the calls in flight are answered through it.
+        self._server = None
+        stopped: Deferred[None] = Deferred()
 
-    def call(self, context: grpc.ServicerContext, ask: Callable[[str], Any],
-             answer: Callable[[Any], Any], *, guarded: bool = True) -> Any:
+        def done(_: ThreadFuture) -> None:
+            loop.call_soon_threadsafe(loop.stop)
+            self._reactor.callFromThread(stopped.callback, None)
+
+        # Calls in flight are answered meanwhile: the reactor runs until
+        # this Deferred fires.
+        asyncio.run_coroutine_threadsafe(server.stop(grace), loop).add_done_callback(done)
+        return stopped
+
+    def _sweep_unread(self) -> None:
+        """Ends the calls whose message is overdue (asked of the gRPC thread)."""
+        if self._unread and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._expire, self._clock.seconds())
+
+    def _expire(self, now: float) -> None:
+        for read, deadline in list(self._unread.items()):
+            if deadline <= now:
+                self._end(read, _Ended(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"the call's message did not arrive within "
+                                       f"{self._message_seconds:g} s"))
+
+    def _end(self, read: asyncio.Future, why: _Ended) -> None:
+        """Ends the call waiting on C{read} with C{why}."""
+        del self._unread[read]
+        self._ended[read] = why
+        read.cancel()
+
+    async def message(self, context: grpc.aio.ServicerContext) -> bytes:
         """
-        C{answer} (run in this thread) of what C{ask(request_id)} fires with,
-        asked on the reactor's thread once the guard (if C{guarded}) admits
-        the call; a KCoral error from either aborts the call with its status.
-        An RPC that ends first cancels what it asked.
+        The call's message, once it has arrived; L{_Ended} if it takes too
+        long, or if it is the oldest of too many calls waiting for theirs: a
+        client that opens calls and sends nothing ends its own, not the
+        others', whose messages come right after their metadata.
         """
-        metadata = dict(context.invocation_metadata())
-        rid = request_id_from(_ascii(metadata.get(REQUEST_ID)))
-        context.set_trailing_metadata(((REQUEST_ID, rid),))
+        if len(self._unread) >= self._max_unread:
+            self._end(next(iter(self._unread)), _Ended(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the call's message had not arrived when {self._max_unread} more calls waited "
+                "for theirs"))
+        read = asyncio.ensure_future(context.read())
+        self._unread[read] = self._clock.seconds() + self._message_seconds
+        try:
+            message = await read
+        except asyncio.CancelledError:
+            ended = self._ended.pop(read, None)
+            if ended is None:
+                raise
+            raise ended from None
+        finally:
+            self._unread.pop(read, None)
+        if message is grpc.aio.EOF:
+            raise _Ended(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without its message")
+        return message
+
+    async def on_reactor(self, ask: Callable[[], Any]) -> Any:
+        """What C{ask()} (run on the reactor's thread) fires with; a call
+        that ends first cancels it."""
+        assert self._loop is not None and self._to_loop is not None and self._to_reactor is not None
+        answered, to_loop, to_reactor = self._loop.create_future(), self._to_loop, self._to_reactor
         asked: list[Deferred] = []
 
-        def on_reactor() -> Deferred:
+        def settle(result: object) -> None:
+            if answered.cancelled():
+                return
+            if isinstance(result, Failure):
+                answered.set_exception(result.value or CancelledError())
+            else:
+                answered.set_result(result)
+
+        def start() -> None:
+            d = maybeDeferred(ask)
+            asked.append(d)
+            d.addBoth(lambda result: to_loop(settle, result))
+
+        def cancel() -> None:
+            for d in asked:
+                d.cancel()
+
+        to_reactor(start)
+        try:
+            return await answered
+        except asyncio.CancelledError:
+            to_reactor(cancel)
+            raise
+
+    async def serve(self, context: grpc.aio.ServicerContext, answer: Callable[[str], Any], *,
+                    guarded: bool = True) -> bytes:
+        """
+        The serialized answer of one call, C{await answer(request_id)}, once
+        the call count and the guard (if C{guarded}) admit it; a KCoral error
+        from C{answer} ends the call with its status.
+        """
+        metadata = dict(context.invocation_metadata() or ())
+        rid = request_id_from(_ascii(metadata.get(REQUEST_ID)))
+        context.set_trailing_metadata(((REQUEST_ID, rid),))
+        self._calls += 1
+        try:
+            ended = await self._answer(metadata, rid, answer, guarded)
+        finally:
+            self._calls -= 1
+        if isinstance(ended, bytes):
+            return ended
+        # abort raises: the call ends with this status.
+        return await context.abort(ended.code, ended.details)
+
+    async def _answer(self, metadata: dict, rid: str, answer: Callable[[str], Any],
+                      guarded: bool) -> bytes | _Ended:
+        try:
+            if self._calls > self._max_calls:
+                raise _Ended(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{self._max_calls} calls are already in progress")
             if guarded and self.guard is not None:
                 error = self.guard.refused(_ascii(metadata.get(AUTHORIZATION)), rid)
                 if error is not None:
                     raise error
-            d = maybeDeferred(ask, rid)
-            asked.append(d)
-            return d
-
-        def ended() -> None:
-            # Also called once the RPC is answered, when what it asked has
-            # fired: no wake-up of the reactor for that (a stale read only
-            # costs a cancel that does nothing).
-            for d in asked:
-                if not d.called:
-                    self._reactor.callFromThread(d.cancel)
-
-        context.add_callback(ended)
-        try:
-            return answer(threads.blockingCallFromThread(self._reactor, on_reactor))
+            return await answer(rid)
+        except _Ended as e:
+            log.info("{request_id} answered {code}: {message}", request_id=rid, code=e.code.name,
+                     message=e.details)
+            return e
         except CancelledError:
-            context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+            return _Ended(grpc.StatusCode.CANCELLED, "the call was cancelled")
         except KCoralError as e:
             log.info("{request_id} answered {status}: {message}", request_id=rid,
                      status=e.status, message=e.message)
             message = f"{e.message} ({e.reason})" if isinstance(e, ServerBusy) and e.reason else e.message
-            context.abort(status_code_of(e), message)
+            return _Ended(status_code_of(e), message)
         except Exception as e:
             log.failure("{request_id} internal error", request_id=rid)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
-
-    def forwarded(self, context: grpc.ServicerContext) -> dict[bytes, bytes]:
-        """The metadata an inference forwards, as HTTP headers."""
-        metadata = dict(context.invocation_metadata())
-        return {name: value.encode() for name in TRACE_HEADERS
-                if isinstance(value := metadata.get(name.decode()), str)}
+            return _Ended(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
 
 def _read(path: str) -> bytes:
@@ -188,13 +353,31 @@ def _ascii(value: object) -> bytes | None:
         return None
 
 
+def _parsed(message_type, raw: bytes):
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise BadRequest(f"the message is not a {message_type.DESCRIPTOR.name}") from None
+
+
 def _tensors(specs: list[dict]) -> list[service_pb2.ModelMetadataResponse.TensorMetadata]:
     return [service_pb2.ModelMetadataResponse.TensorMetadata(
         name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in specs]
 
 
-class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """The service's methods, each one call of the front."""
+def _metadata_response(value: dict) -> service_pb2.ModelMetadataResponse:
+    return service_pb2.ModelMetadataResponse(
+        name=value["name"], versions=value["versions"], platform=value["platform"],
+        inputs=_tensors(value["inputs"]), outputs=_tensors(value["outputs"]))
+
+
+def _config_response(value: dict) -> service_pb2.ModelConfigResponse:
+    return service_pb2.ModelConfigResponse(config=json_format.ParseDict(
+        value, model_config_pb2.ModelConfig(), ignore_unknown_fields=True))
+
+
+class _Methods:
+    """The service's methods, each one call of the front, on raw bytes."""
 
     def __init__(self, served: GrpcFront):
         self._served = served
@@ -203,55 +386,74 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def _front(self) -> IInferenceFront:
         return self._served.front
 
-    def ServerLive(self, request, context):
-        return service_pb2.ServerLiveResponse(live=True)
+    def handlers(self) -> dict[str, Callable]:
+        return {
+            "ServerLive": self.ServerLive,
+            "ServerReady": self._server_method(
+                lambda front: front.ready(), lambda ready: service_pb2.ServerReadyResponse(ready=ready)),
+            "ServerMetadata": self._server_method(
+                lambda front: front.metadata(), lambda value: service_pb2.ServerMetadataResponse(
+                    name=value["name"], version=value["version"], extensions=value["extensions"])),
+            "ModelReady": self._model_method(
+                service_pb2.ModelReadyRequest, lambda front, name, version: front.model_ready(name, version),
+                lambda ready: service_pb2.ModelReadyResponse(ready=ready)),
+            "ModelMetadata": self._model_method(
+                service_pb2.ModelMetadataRequest,
+                lambda front, name, version: front.model_metadata(name, version), _metadata_response),
+            "ModelConfig": self._model_method(
+                service_pb2.ModelConfigRequest,
+                lambda front, name, version: front.model_config(name, version), _config_response),
+            "RepositoryIndex": self.RepositoryIndex,
+            "ModelInfer": self.ModelInfer,
+        }
 
-    def ServerReady(self, request, context):
-        return self._served.call(context, lambda rid: self._front.ready(),
-                                 lambda ready: service_pb2.ServerReadyResponse(ready=ready),
-                                 guarded=False)
+    async def _request(self, context, message_type):
+        return _parsed(message_type, await self._served.message(context))
 
-    def ServerMetadata(self, request, context):
-        return self._served.call(context, lambda rid: self._front.metadata(), lambda value: (
-            service_pb2.ServerMetadataResponse(name=value["name"], version=value["version"],
-                                               extensions=value["extensions"])), guarded=False)
+    async def ServerLive(self, requests, context) -> bytes:
+        async def answer(rid):
+            return service_pb2.ServerLiveResponse(live=True).SerializeToString()
+        return await self._served.serve(context, answer, guarded=False)
 
-    def ModelReady(self, request, context):
-        return self._served.call(
-            context, lambda rid: self._front.model_ready(request.name, request.version or None),
-            lambda ready: service_pb2.ModelReadyResponse(ready=ready))
+    def _server_method(self, ask: Callable[[IInferenceFront], Deferred], respond: Callable[[Any], Any]):
+        """An open method about the server, whose (empty) message is never read."""
+        async def handler(requests, context) -> bytes:
+            async def answer(rid):
+                value = await self._served.on_reactor(lambda: ask(self._front))
+                return respond(value).SerializeToString()
+            return await self._served.serve(context, answer, guarded=False)
+        return handler
 
-    def ModelMetadata(self, request, context):
-        return self._served.call(
-            context, lambda rid: self._front.model_metadata(request.name, request.version or None),
-            lambda value: service_pb2.ModelMetadataResponse(
-                name=value["name"], versions=value["versions"], platform=value["platform"],
-                inputs=_tensors(value["inputs"]), outputs=_tensors(value["outputs"])))
+    def _model_method(self, message_type, ask: Callable[[IInferenceFront, str, str | None], Deferred],
+                      respond: Callable[[Any], Any]):
+        """A guarded method about one model (and version), named by its message."""
+        async def handler(requests, context) -> bytes:
+            async def answer(rid):
+                request = await self._request(context, message_type)
+                value = await self._served.on_reactor(
+                    lambda: ask(self._front, request.name, request.version or None))
+                return respond(value).SerializeToString()
+            return await self._served.serve(context, answer)
+        return handler
 
-    def ModelConfig(self, request, context):
-        return self._served.call(
-            context, lambda rid: self._front.model_config(request.name, request.version or None),
-            lambda value: service_pb2.ModelConfigResponse(config=json_format.ParseDict(
-                value, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)))
-
-    def RepositoryIndex(self, request, context):
-        return self._served.call(
-            context, lambda rid: self._front.repository_index(),
-            lambda models: service_pb2.RepositoryIndexResponse(models=[
+    async def RepositoryIndex(self, requests, context) -> bytes:
+        async def answer(rid):
+            request = await self._request(context, service_pb2.RepositoryIndexRequest)
+            models = await self._served.on_reactor(self._front.repository_index)
+            return service_pb2.RepositoryIndexResponse(models=[
                 service_pb2.RepositoryIndexResponse.ModelIndex(
                     name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
-                for m in models if not request.ready or m["state"] == "READY"]))
+                for m in models if not request.ready or m["state"] == "READY"]).SerializeToString()
+        return await self._served.serve(context, answer)
 
-    def ModelInfer(self, request, context):
-        headers = self._served.forwarded(context)
-        try:
-            # Converted here, in gRPC's thread; a bad request is answered
-            # after the guard has admitted the call, as every answer is.
-            rest = rest_of_grpc_infer(request)
-        except KCoralError as e:
-            refused = e
-            return self._served.call(context, lambda rid: fail(refused), lambda _: None)
-        return self._served.call(
-            context, lambda rid: self._front.infer(
-                rest.model, rest.version, InferCall(rest.body, rest.header_length, rid, headers)),
-            lambda answer: grpc_of_rest_answer(answer.body, answer.header_length))
+    async def ModelInfer(self, requests, context) -> bytes:
+        metadata = dict(context.invocation_metadata() or ())
+        headers = {name: value.encode() for name in TRACE_HEADERS
+                   if isinstance(value := metadata.get(name.decode()), str)}
+
+        async def answer(rid):
+            rest = rest_of_grpc_infer(await self._request(context, service_pb2.ModelInferRequest))
+            answered = await self._served.on_reactor(lambda: self._front.infer(
+                rest.model, rest.version, InferCall(rest.body, rest.header_length, rid, headers)))
+            return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
+        return await self._served.serve(context, answer)

@@ -1,0 +1,505 @@
+"""
+The gRPC front's bounds, as a client that does not play by the rules meets
+them: calls that send their metadata and never their message, calls without
+the token, garbage and oversized messages, too many calls; and its drain.
+Raw C{grpc} channels make the calls that tritonclient would not; tritonclient
+makes the ordinary ones, which must keep being answered meanwhile.
+
+Most tests serve a fake front in this process (the time bound on the
+injected clock); the last ones attack a real standalone server, with a real
+model, and watch its memory and CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import pytest_twisted
+import tritonclient.grpc as grpcclient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+from twisted.internet import defer, threads
+from twisted.internet.task import Clock
+
+from kcoral.errors import BadRequest
+from kcoral.inference.front import InferCall
+from kcoral.inference.grpcfront import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
+from kcoral.inference.handoff import Handoff
+from kcoral.protocol.inference import MAX_TYPED_VALUES, parse_infer, rest_of_grpc_infer
+from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
+from procstat import cpu_seconds  # bench/procstat.py (tests/conftest.py)
+from tests.conftest import server_args, server_env
+from tests.harness import SERVER_READY, until
+from tests.test_inference_fronts import TOKEN, DoubleFront, HangingFront
+
+ADMITTED = (("authorization", f"Bearer {TOKEN}"),)
+#: How long an ordinary call may take while the service is under attack.
+ANSWERED_WITHIN = 2.0
+
+
+def infer_message(model: str = "double", rows: int = 1) -> bytes:
+    """A ModelInferRequest of C{rows} rows of 4 FP32 in raw_input_contents."""
+    pb = service_pb2.ModelInferRequest(model_name=model)
+    pb.inputs.add(name="x", datatype="FP32", shape=[rows, 4])
+    pb.raw_input_contents.append(np.ones((rows, 4), np.float32).tobytes())
+    return pb.SerializeToString()
+
+
+class RawCalls:
+    """
+    Calls on one channel, with raw bytes: with a message, or holding it back
+    until L{release} (its call then ends without one).
+    """
+
+    def __init__(self, target: str):
+        self.channel = grpc.insecure_channel(target)
+        self._gate = threading.Event()
+
+    def _requests(self, message: bytes | None) -> Iterator[bytes]:
+        if message is not None:
+            yield message
+        else:
+            self._gate.wait()
+
+    def start(self, method: str, message: bytes | None = None,
+              metadata: tuple = ()) -> defer.Deferred[grpc.StatusCode]:
+        """A call of C{method}: its status code once it ends."""
+        from twisted.internet import reactor
+
+        call = self.channel.stream_unary(f"/{SERVICE}/{method}")
+        future = call.future(self._requests(message), metadata=metadata, timeout=60)
+        ended: defer.Deferred[grpc.StatusCode] = defer.Deferred()
+        future.add_done_callback(lambda f: reactor.callFromThread(ended.callback, f.code()))
+        return ended
+
+    def release(self) -> None:
+        self._gate.set()
+
+    def close(self) -> None:
+        self.release()
+        self.channel.close()
+
+
+def in_thread(f, *args):
+    return defer.ensureDeferred(threads.deferToThread(f, *args))
+
+
+def timed_probes(target: str, metadata: dict, model: str, x: np.ndarray, names: tuple[str, str]
+                 ) -> tuple[float, np.ndarray]:
+    """tritonclient's ServerLive, then one inference of C{x} (input and output C{names}): their
+    seconds together, and the answer."""
+    client = grpcclient.InferenceServerClient(target)
+    try:
+        began = time.monotonic()
+        assert client.is_server_live(client_timeout=10)
+        given_input = grpcclient.InferInput(names[0], list(x.shape), "FP32")
+        given_input.set_data_from_numpy(x)
+        result = client.infer(model, [given_input], headers=metadata, client_timeout=10)
+        return time.monotonic() - began, result.as_numpy(names[1])
+    finally:
+        client.close()
+
+
+def double_probes(target: str) -> tuple[float, np.ndarray]:
+    return timed_probes(target, dict(ADMITTED), "double", np.ones((1, 4), np.float32), ("x", "y"))
+
+
+@pytest_twisted.async_yield_fixture
+async def serve():
+    """C{await serve(front, **options)}: a started GrpcFront, guarded by the client token, and
+    stopped after the test."""
+    from twisted.internet import reactor
+
+    started: list[GrpcFront] = []
+
+    async def start(front, **options) -> GrpcFront:
+        grpc_front = GrpcFront(front, reactor=reactor, guard=TokenGuard.of([TOKEN], CLIENT_ROUTES),
+                               **options)
+        grpc_front.startService()
+        started.append(grpc_front)
+        return grpc_front
+
+    yield start
+    for grpc_front in started:
+        if grpc_front.running:
+            await grpc_front.stopService(grace=0)
+
+
+def target(grpc_front: GrpcFront) -> str:
+    return f"127.0.0.1:{grpc_front.port}"
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_without_the_token_end_before_their_message(serve):
+    """A guarded method called without the token ends UNAUTHENTICATED at once, though its message
+    never comes; the front is never asked."""
+    front = DoubleFront()
+    grpc_front = await serve(front)
+    calls = RawCalls(target(grpc_front))
+    try:
+        codes = await defer.gatherResults([calls.start(method) for method in (
+            "ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "RepositoryIndex")] * 28)
+        assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
+        assert front.calls == [] and grpc_front.unread == 0
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_message_that_does_not_come_ends_the_call_on_the_clock(serve):
+    """A call whose message has not come within the bound (on the injected clock) ends
+    DEADLINE_EXCEEDED; before that, it is still open."""
+    clock = Clock()
+    grpc_front = await serve(DoubleFront(), clock=clock)
+    calls = RawCalls(target(grpc_front))
+    try:
+        ended = calls.start("ModelInfer", metadata=ADMITTED)
+        await until(lambda: grpc_front.unread == 1, "the call waits for its message")
+        clock.advance(MESSAGE_SECONDS - SWEEP_SECONDS)
+        assert not ended.called and grpc_front.unread == 1
+        clock.advance(2 * SWEEP_SECONDS)
+        assert await ended == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert grpc_front.unread == 0
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_too_many_waiting_calls_end_the_oldest_and_starve_no_one(serve):
+    """Past the bound on calls waiting for their message, the oldest of them ends
+    RESOURCE_EXHAUSTED; ServerLive and inferences of other clients are answered meanwhile."""
+    grpc_front = await serve(DoubleFront(), max_unread=4)
+    calls = RawCalls(target(grpc_front))
+    try:
+        held = []
+        for count in range(1, 5):
+            held.append(calls.start("ModelInfer", metadata=ADMITTED))
+            await until(lambda count=count: grpc_front.unread == count, "the call waits")
+        more = [calls.start("ModelInfer", metadata=ADMITTED) for _ in range(2)]
+        assert await held[0] == await held[1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        seconds, y = await in_thread(double_probes, target(grpc_front))
+        assert seconds < ANSWERED_WITHIN
+        np.testing.assert_array_equal(y, np.full((1, 4), 2, np.float32))
+        assert grpc_front.unread <= 4
+        calls.release()
+        codes = await defer.gatherResults([*held[2:], *more])
+        assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_probes_never_wait_for_their_message(serve):
+    """ServerLive, ServerReady and ServerMetadata answer without waiting for a message."""
+    grpc_front = await serve(DoubleFront())
+    calls = RawCalls(target(grpc_front))
+    try:
+        codes = await defer.gatherResults([calls.start(method) for method in (
+            "ServerLive", "ServerReady", "ServerMetadata")])
+        assert codes == [grpc.StatusCode.OK] * 3
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_garbage_oversized_and_unknown_calls(serve):
+    """A message that is not the method's is INVALID_ARGUMENT, one over the size bound
+    RESOURCE_EXHAUSTED, a method not served UNIMPLEMENTED; the front answers the next call."""
+    front = DoubleFront()
+    grpc_front = await serve(front, max_message_bytes=1 << 20)
+    calls = RawCalls(target(grpc_front))
+    try:
+        assert await calls.start("ModelInfer", b"\xff\xff\xff", ADMITTED) == (
+            grpc.StatusCode.INVALID_ARGUMENT)
+        assert await calls.start("ModelInfer", infer_message(rows=70_000), ADMITTED) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert await calls.start("ModelStreamInfer", b"", ADMITTED) == grpc.StatusCode.UNIMPLEMENTED
+        assert front.calls == []
+        assert await calls.start("ModelInfer", infer_message(), ADMITTED) == grpc.StatusCode.OK
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_calls_past_the_count_are_refused(serve):
+    """Past C{max_calls} calls at once, a call ends RESOURCE_EXHAUSTED; ServerLive too, since
+    the bound is on every call."""
+    front = HangingFront()
+    grpc_front = await serve(front, max_calls=1)
+    calls = RawCalls(target(grpc_front))
+    try:
+        hanging = calls.start("ModelInfer", infer_message(), ADMITTED)
+        pending = await front.arrived
+        assert await calls.start("ModelInfer", infer_message(), ADMITTED) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED)
+        pending.callback(DoubleFront()._infer("double", _call()))
+        assert await hanging == grpc.StatusCode.OK
+    finally:
+        calls.close()
+
+
+def _call() -> InferCall:
+    """The inference of L{infer_message} as the front receives it."""
+    rest = rest_of_grpc_infer(service_pb2.ModelInferRequest.FromString(infer_message()))
+    return InferCall(rest.body, rest.header_length, "r")
+
+
+@pytest_twisted.ensureDeferred
+async def test_stopping_answers_the_calls_in_flight(serve):
+    """A front stopping (SIGTERM) answers the calls it has, then stops."""
+    front = HangingFront()
+    grpc_front = await serve(front)
+    calls = RawCalls(target(grpc_front))
+    try:
+        in_flight = calls.start("ModelInfer", infer_message(), ADMITTED)
+        pending = await front.arrived
+        stopped = grpc_front.stopService(grace=30)
+        assert not stopped.called
+        pending.callback(DoubleFront()._infer("double", _call()))
+        assert await in_flight == grpc.StatusCode.OK
+        await stopped
+    finally:
+        calls.close()
+
+
+# -- typed contents -------------------------------------------------------------------------
+
+@settings(max_examples=50, deadline=None)
+@given(hnp.arrays(st.sampled_from([np.float32, np.float64]), hnp.array_shapes(max_dims=3, max_side=6),
+                  elements={"allow_nan": True}))
+def test_float_contents_are_their_bytes(array):
+    """FP32 and FP64 inputs in their typed fields become the same array, bit for bit."""
+    datatype = "FP32" if array.dtype == np.float32 else "FP64"
+    pb = service_pb2.ModelInferRequest(model_name="m")
+    tensor = pb.inputs.add(name="x", datatype=datatype, shape=list(array.shape))
+    getattr(tensor.contents, f"{datatype.lower()}_contents").extend(array.reshape(-1).tolist())
+    rest = rest_of_grpc_infer(service_pb2.ModelInferRequest.FromString(pb.SerializeToString()))
+    got = parse_infer(rest.body, rest.header_length).inputs["x"]
+    assert got.dtype == array.dtype and got.tobytes() == array.tobytes()
+
+
+def test_large_integer_contents_are_refused():
+    """Integers in a typed field past the bound are refused, pointing at raw_input_contents."""
+    pb = service_pb2.ModelInferRequest(model_name="m")
+    tensor = pb.inputs.add(name="x", datatype="INT32", shape=[MAX_TYPED_VALUES + 1])
+    tensor.contents.int_contents.extend(np.zeros(MAX_TYPED_VALUES + 1, np.int32).tolist())
+    with pytest.raises(BadRequest, match="raw_input_contents"):
+        rest_of_grpc_infer(pb)
+
+
+# -- a real server under attack -------------------------------------------------------------
+
+def _field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def huge_typed_message(megabytes: int) -> bytes:
+    """A ModelInferRequest of C{megabytes} MiB of fp32_contents, encoded by hand (building it
+    as a message would take longer than the test)."""
+    count = (megabytes << 20) // 4
+    contents = _field(6, bytes(count * 4))
+    tensor = _field(1, b"input") + _field(2, b"FP32") + _field(3, _varint(1) + _varint(count)) \
+        + _field(5, contents)
+    return _field(1, b"mlp") + _field(5, tensor)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def export_mlp(root) -> str:
+    """A repository in C{root} holding C{mlp}: tanh of 16 inputs, batches of one row."""
+    import jax.numpy as jnp
+
+    import kcoral
+
+    kcoral.export_bundle(lambda p, x: jnp.tanh(x @ p["w"]), {"w": np.eye(16, dtype=np.float32)},
+                         np.zeros((1, 16), np.float32), dir=str(root / "mlp"), name="mlp",
+                         batch_sizes=[1])
+    return str(root)
+
+
+async def start_grpc_server(processes, repository: str, *args: str):
+    """A standalone server of C{repository} serving gRPC: its process and gRPC address."""
+    service = await processes.start_service(
+        server_args("--model-repository", repository, "--grpc-port", "0", *args),
+        name="server", ready=SERVER_READY, env=server_env())
+    found = await service.process.wait_for_line(r"over gRPC on [\d.]+:(?P<port>\d+)", 30)
+    return service.process, f"127.0.0.1:{found.group('port')}"
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def guarded_server(module_processes, tmp_path_factory):
+    """A standalone server with a client token and an MLP, serving gRPC: its address and pid."""
+    process, address = await start_grpc_server(
+        module_processes, export_mlp(tmp_path_factory.mktemp("models")), "--client-token", TOKEN)
+    return address, process.pid
+
+
+def mlp_probes(address: str) -> tuple[float, np.ndarray]:
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+    seconds, y = timed_probes(address, dict(ADMITTED), "mlp", x, ("input", "output"))
+    np.testing.assert_allclose(y, np.tanh(x), rtol=1e-6)
+    return seconds, y
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_server_held_by_message_less_calls_answers_others(guarded_server):
+    """140 calls that never send their message, without the token and then with it, hold
+    nothing: ServerLive and a real inference are answered within the bound meanwhile."""
+    address, _ = guarded_server
+    for metadata, ended in (((), grpc.StatusCode.UNAUTHENTICATED), (ADMITTED, None)):
+        calls = RawCalls(address)
+        try:
+            held = [calls.start("ModelInfer", metadata=metadata) for _ in range(140)]
+            if ended is not None:
+                assert set(await defer.gatherResults(held)) == {ended}
+            seconds, _ = await in_thread(mlp_probes, address)
+            assert seconds < ANSWERED_WITHIN, seconds
+        finally:
+            calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_huge_message_without_the_token_is_never_read(guarded_server):
+    """150 MiB of fp32_contents without the token: UNAUTHENTICATED, under half a second of the
+    server's CPU and 64 MiB of its memory, and a real inference answered meanwhile."""
+    address, pid = guarded_server
+    message = huge_typed_message(150)
+    calls = RawCalls(address)
+    try:
+        rss, cpu = rss_bytes(pid), cpu_seconds(pid)
+        refused = calls.start("ModelInfer", message)
+        seconds, _ = await in_thread(mlp_probes, address)
+        assert await refused == grpc.StatusCode.UNAUTHENTICATED
+        assert seconds < ANSWERED_WITHIN, seconds
+        assert cpu_seconds(pid) - cpu < 0.5
+        assert rss_bytes(pid) - rss < 64 << 20
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_huge_typed_message_with_the_token_is_parsed_in_moments(guarded_server):
+    """With the token, 150 MiB of fp32_contents is read without a Python float apiece: answered
+    (INVALID_ARGUMENT: not the model's shape) within a few seconds, and ServerLive meanwhile."""
+    address, pid = guarded_server
+    message = huge_typed_message(150)
+    calls = RawCalls(address)
+    try:
+        cpu = cpu_seconds(pid)
+        answered = calls.start("ModelInfer", message, ADMITTED)
+        seconds, _ = await in_thread(mlp_probes, address)
+        assert await answered == grpc.StatusCode.INVALID_ARGUMENT
+        assert seconds < ANSWERED_WITHIN, seconds
+        assert cpu_seconds(pid) - cpu < 3.0
+    finally:
+        calls.close()
+
+
+# -- hand-offs between threads ----------------------------------------------------------------
+
+def test_a_handoff_wakes_once_for_all_calls_handed_over_meanwhile():
+    """Calls handed over before the other thread runs go in one wake-up, in order; a call
+    handed over after that run wakes it again; a call that raises does not stop the others."""
+    wakes: list = []
+    ran: list = []
+    handoff = Handoff(wakes.append)
+    handoff(ran.append, 1)
+    handoff(lambda: 1 / 0)
+    handoff(ran.append, 2)
+    assert len(wakes) == 1 and ran == []
+    wakes.pop()()
+    assert ran == [1, 2]
+    handoff(ran.append, 3)
+    assert len(wakes) == 1
+    wakes.pop()()
+    assert ran == [1, 2, 3]
+
+
+def test_a_handoff_from_many_threads_runs_every_call_once():
+    """Calls handed over from several threads at once, while the other thread runs them,
+    each run exactly once."""
+    woken = threading.Semaphore(0)
+    runs: list = []
+    ran: list[int] = []
+    handoff = Handoff(lambda run: (runs.append(run), woken.release()))
+
+    def hand(base: int) -> None:
+        for i in range(2000):
+            handoff(ran.append, base + i)
+
+    threads_ = [threading.Thread(target=hand, args=(n * 10_000,)) for n in range(4)]
+    for thread in threads_:
+        thread.start()
+    while any(thread.is_alive() for thread in threads_) or runs:
+        if woken.acquire(timeout=0.01):
+            runs.pop(0)()
+    assert sorted(ran) == sorted(n * 10_000 + i for n in range(4) for i in range(2000))
+
+
+class Looping:
+    """Clients that infer in a loop, each until a call fails: the calls answered, and how
+    each loop ended."""
+
+    def __init__(self, address: str, clients: int):
+        self.answered = 0
+        self.ended: list[str] = []
+        self._address = address
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(clients)]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self) -> None:
+        client = grpcclient.InferenceServerClient(self._address)
+        given_input = grpcclient.InferInput("input", [1, 16], "FP32")
+        given_input.set_data_from_numpy(np.zeros((1, 16), np.float32))
+        try:
+            while True:
+                client.infer("mlp", [given_input], client_timeout=30)
+                self.answered += 1
+        except InferenceServerException as e:
+            self.ended.append(str(e.status()) + " " + str(e.message()))
+        finally:
+            client.close()
+
+    def done(self) -> bool:
+        return not any(thread.is_alive() for thread in self._threads)
+
+
+@pytest_twisted.ensureDeferred
+async def test_sigterm_under_load_fails_no_call(processes, tmp_path):
+    """SIGTERM under a steady gRPC load: the server exits 0, every call that reached the front
+    is answered without a fault (no error logged), and each client's calls are answered until
+    one is refused as UNAVAILABLE (draining, or the server gone) or CANCELLED (gRPC's own end
+    of a call it had not yet handed over when it stopped)."""
+    process, address = await start_grpc_server(processes, export_mlp(tmp_path))
+    load = Looping(address, 8)
+    await until(lambda: load.answered >= 100, "the load is on", timeout=60)
+    process.signal("TERM")
+    assert await process.exited(60) == 0, process.tail()
+    await until(load.done, "every client has ended", timeout=60)
+    assert {ended.split()[0] for ended in load.ended} <= {"StatusCode.UNAVAILABLE",
+                                                          "StatusCode.CANCELLED"}, load.ended
+    assert process.matching(r"Traceback|internal error|handed over failed") == []
