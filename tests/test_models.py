@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import attrs
 import numpy as np
@@ -336,6 +337,48 @@ async def test_server_refuses_bad_inferences(server, repository):
     np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
 
 
+async def check_refused_at_once(front: Front) -> None:
+    """
+    The broken model is refused at once on every path, with its state and
+    reason: REST 400 (no Retry-After), gRPC FAILED_PRECONDITION, and
+    C{Client.infer} a L{BadRequest} naming its request; an unknown model is
+    C{NotFound} (404) with its request id.
+    """
+    from kcoral import AsyncClient, BadRequest, NotFound, ServerBusy
+
+    started = time.monotonic()
+    refused = await request("POST", front.url + "/v2/models/broken/infer", body=infer_body(),
+                            headers={"Content-Type": "application/json"})
+    assert refused.code == 400 and refused.request_id, refused
+    message = refused.json["error"]
+    assert "'broken'" in message and "UNAVAILABLE" in message and "model.json" in message, message
+    assert not refused.headers.getRawHeaders(b"Retry-After"), refused
+    error = await deferToThread(grpc_error, front.grpc, "broken", rows(1))
+    assert "FAILED_PRECONDITION" in str(error.status()), error
+    assert "UNAVAILABLE" in error.message() and "model.json" in error.message(), error
+
+    client = AsyncClient(front.url)
+    try:
+        with pytest.raises(BadRequest) as failed:
+            await client.infer("broken", rows(1))
+        assert not isinstance(failed.value, ServerBusy)
+        assert failed.value.status == 400 and failed.value.request_id, failed.value
+        assert "model.json" in str(failed.value) and failed.value.request_id in str(failed.value)
+        with pytest.raises(NotFound) as unknown:
+            await client.infer("nope", rows(1), request_id="unknown-1")
+        assert unknown.value.status == 404 and unknown.value.request_id == "unknown-1"
+    finally:
+        await client.close()
+    # Nothing waited in a queue or for a retry.
+    assert time.monotonic() - started < 20
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_refuses_a_broken_model_at_once(server):
+    """A standalone server refuses a model that failed to load at once, with its reason."""
+    await check_refused_at_once(server)
+
+
 # -- a node of two CPU workers, from a node file ----------------------------------------------
 
 @attrs.define
@@ -422,6 +465,21 @@ async def test_gateway_merges_concurrent_inferences_and_each_gets_its_own_rows(n
 
 
 @pytest_twisted.ensureDeferred
+async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(node):
+    """The gateway refuses a model every worker failed to load at once, with its reason;
+    a request a worker refuses is logged once by the worker and once by the gateway."""
+    await check_refused_at_once(node)
+    answer = await request("POST", node.url + "/v2/models/mlp/infer",
+                           body=infer_body(shape=(9, 16)),
+                           headers={"Content-Type": "application/json", "X-Request-ID": "once-1"})
+    assert answer.code == 400, answer
+    await node.process.wait_for_line(r"\[worker\d\] .*once-1 answered 400", 30)
+    gateway = [line for line in node.process.matching("once-1") if "[worker" not in line]
+    assert len(gateway) == 1, node.process.matching("once-1")
+    assert len(node.process.matching("once-1")) == 2, node.process.matching("once-1")
+
+
+@pytest_twisted.ensureDeferred
 async def test_node_exits_0_on_sigterm(node):
     """SIGTERM to a node serving models drains it, exits with status 0 and leaves no worker."""
     node.process.signal("TERM")
@@ -493,12 +551,6 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     assert over.code == 400 and over.request_id, over
     error = await deferToThread(grpc_error, router.grpc, "mlp", rows(9))
     assert "INVALID_ARGUMENT" in str(error.status()), error
-    # Members list "broken", none has it ready: 503 no_ready_node, at once, not queued.
-    unready = await request("POST", router.url + "/v2/models/broken/infer", body=infer_body(),
-                            headers={"Content-Type": "application/json"})
-    assert unready.code == 503 and unready.request_id, unready
-    assert "no member has model 'broken' ready" in unready.json["error"]
-    assert unready.headers.getRawHeaders(b"Retry-After"), unready
-    error = await deferToThread(grpc_error, router.grpc, "broken", rows(1))
-    assert "UNAVAILABLE" in str(error.status()), error
+    # Every member says "broken" failed to load: refused at once, not queued (below).
+    await check_refused_at_once(router)
     assert (await request("GET", router.url + "/readyz")).code == 200

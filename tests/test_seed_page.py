@@ -164,7 +164,6 @@ async def test_the_node_page_runs_as_written(processes, page, tmp_path_factory):
 
     node.signal("TERM")
     assert await node.exited(60) == 0, node.tail()
-    assert not node.matching("router is draining")
 
 
 def test_the_page_layout(tmp_path, monkeypatch):

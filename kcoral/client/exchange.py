@@ -13,6 +13,7 @@ not answers 409, and it goes inline then, once.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -272,11 +273,13 @@ def deletion_error(errors: list[KCoralError]) -> KCoralError:
                      f"or its worker restarted); the others are freed", details={"lost": lost})
 
 
-def error_of(response: Response) -> KCoralError:
-    """The error an answer that is not 200 stands for (one that never came: busy)."""
+def error_of(response: Response, request_id: str | None = None) -> KCoralError:
+    """The error an answer that is not 200 stands for (one that never came:
+    busy), naming C{request_id} where the answer does not."""
     if response.status is None:
-        return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable")
-    return error_from_answer(response.status, response.body)
+        return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable",
+                          request_id=request_id)
+    return error_from_answer(response.status, response.body, request_id)
 
 
 def exchange(call: ICall, held: set[str], *, busy_timeout: float,
@@ -290,6 +293,9 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
     with None once the time has passed.
     """
     give_up = clock() + busy_timeout
+    # The client names every request, so that an error it raises names the
+    # request in the services' logs, whatever form the error body takes.
+    request_id = request_id or uuid.uuid4().hex
     resent = False
     attempt = 0
     while True:
@@ -299,7 +305,7 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
         if response.status == 200:
             held.update(call.content_digests())
             return call.outputs(response)
-        error = error_of(response)
+        error = error_of(response, request_id)
         if isinstance(error, MissingContent) and not resent:
             # The server lacks content we thought it held (a restart, an
             # eviction, another node behind a Router) or sent by reference

@@ -23,7 +23,7 @@ from twisted.internet import threads
 from twisted.internet.defer import CancelledError, Deferred, fail, maybeDeferred, succeed
 from twisted.logger import Logger
 
-from kcoral.errors import KCoralError, ServerBusy
+from kcoral.errors import KCoralError, ModelNotReady, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.auth import IGuard
@@ -47,7 +47,10 @@ _CODES = {
 
 
 def status_code_of(error: KCoralError) -> grpc.StatusCode:
-    """The gRPC status of a KCoral error: that of its HTTP status."""
+    """The gRPC status of a KCoral error: that of its HTTP status (a model
+    that cannot serve: the precondition of a loaded model fails)."""
+    if isinstance(error, ModelNotReady):
+        return grpc.StatusCode.FAILED_PRECONDITION
     code = _CODES.get(error.status)
     if code is not None:
         return code
@@ -158,8 +161,9 @@ class GrpcFront(service.Service):
         except CancelledError:
             context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
         except KCoralError as e:
-            log.info("{request_id} answered {status}: {message}", request_id=rid,
-                     status=e.status, message=e.message)
+            (log.debug if e.relayed else log.info)(
+                "{request_id} answered {status}: {message}", request_id=rid, status=e.status,
+                message=e.message)
             message = f"{e.message} ({e.reason})" if isinstance(e, ServerBusy) and e.reason else e.message
             context.abort(status_code_of(e), message)
         except Exception as e:

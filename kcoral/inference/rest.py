@@ -115,8 +115,11 @@ class InferenceResource(RequestIdResource):
             return failure  # the client went away: nobody to answer
         error = failure.value
         if isinstance(error, KCoralError):
-            log.info("{request_id} answered {status}: {message}", request_id=request.request_id,
-                     status=error.status, message=error.message)
+            # A member's answer passed on was logged by the member, and by
+            # the forwarder naming it: once is enough.
+            (log.debug if error.relayed else log.info)(
+                "{request_id} answered {status}: {message}", request_id=request.request_id,
+                status=error.status, message=error.message)
             return error_response(request, error)
         log.failure("{request_id} internal error", failure, request_id=request.request_id)
         return error_response(request, InternalError(f"internal error: {type(failure.value).__name__}"))

@@ -15,8 +15,8 @@ from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, suc
 from zope.interface import implementer
 
 from kcoral._version import __version__
-from kcoral.common.report import MODEL_NAME
-from kcoral.errors import NotFound, ServerBusy, error_from_answer
+from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState
+from kcoral.errors import ModelNotReady, NotFound, ServerBusy, error_from_answer
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
@@ -49,28 +49,36 @@ class RouterInference:
         self._tracing = tracing
 
     def _ready_members(self, name: str, version: str | None) -> list[Member]:
-        """The usable members that have the model ready; NotFound when no
-        member has it at all (ready or not)."""
+        """
+        The usable members that have the model ready. NotFound when no
+        member has it at all (ready or not); L{ModelNotReady} when every
+        member that lists it serves and says it failed (waiting would not
+        help); none while a member may still come to serve it.
+        """
         if not MODEL_NAME.match(name) or (version is not None and not (
                 version.isdigit() and len(version) <= 9)):
             raise NotFound(f"unknown model {name[:64]!r}")
-        listed = False
-        ready = []
+        listed: list[tuple[Member, ModelState]] = []
         for node in self._pool.nodes.values():
             for member in node.members.values():
                 for state in member.models:
                     if state.name == name and (version is None or state.version == version):
-                        listed = True
-                        if state.ready and member.usable:
-                            ready.append(member)
+                        listed.append((member, state))
         if not listed:
             raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else ""))
+        ready = [member for member, state in listed if state.ready and member.usable]
+        if not ready and all(member.usable and state.state == UNAVAILABLE
+                             for member, state in listed):
+            reason = next((state.reason for _, state in listed if state.reason), "no reason given")
+            raise ModelNotReady(f"model {name!r} is {UNAVAILABLE} on every member: {reason}",
+                                reason="model_unavailable")
         return ready
 
     def _holder(self, name: str, version: str | None) -> Member:
         ready = self._ready_members(name, version)
         if not ready:
-            raise ServerBusy(f"no member has model {name!r} ready", reason="no_ready_node")
+            raise ServerBusy(f"model {name!r} is loading: no member has it ready yet",
+                             reason="model_loading")
         return min(ready, key=lambda m: m.active / (m.capacity or 1))
 
     @inlineCallbacks

@@ -16,7 +16,7 @@ from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, KCoralError, NotFound, ServerBusy
+from kcoral.errors import BadRequest, KCoralError, ModelNotReady, NotFound, ServerBusy
 from kcoral.inference.front import (
     IInferenceFront,
     InferCall,
@@ -30,6 +30,7 @@ from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
     READY,
+    UNAVAILABLE,
     LoadedModel,
     ModelRepository,
     ModelUnavailable,
@@ -105,8 +106,8 @@ class ServerInference:
             raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else "")) \
                 from None
         except ModelUnavailable as e:
-            raise ServerBusy(f"model {name!r} is unavailable: {e.reason}",
-                             reason="model_unavailable") from None
+            raise ModelNotReady(f"model {name!r} is {UNAVAILABLE}: {e.reason}",
+                                reason="model_unavailable") from None
 
     def ready(self) -> Deferred:
         return succeed(self._is_ready())
@@ -124,7 +125,7 @@ class ServerInference:
         def ready() -> bool:
             try:
                 self._model(name, version)
-            except ServerBusy:
+            except ModelNotReady:
                 return False
             return self._is_ready()
         return maybeDeferred(ready)
