@@ -373,6 +373,56 @@ async def check_refused_at_once(front: Front) -> None:
     assert time.monotonic() - started < 20
 
 
+def grpc_statistics(address: str, model: str) -> dict:
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        return client.get_inference_statistics(model, as_json=True)
+    finally:
+        client.close()
+
+
+async def check_statistics(front: Front) -> dict:
+    """
+    Two inferences of 3 rows through C{front} count 6 rows and 2 successes,
+    each with its queue and compute times, in Triton's form, read by
+    C{Client.model_statistics} and by tritonclient over gRPC; the list of
+    every model's holds mlp and not the broken model. The statistics after.
+    """
+    from kcoral import AsyncClient
+
+    client = AsyncClient(front.url)
+    try:
+        [before] = (await client.model_statistics("mlp"))["model_stats"]
+        for seed in (1, 2):
+            await client.infer("mlp", rows(3, seed=seed))
+        [after] = (await client.model_statistics("mlp"))["model_stats"]
+        every = await client.model_statistics()
+    finally:
+        await client.close()
+    assert (after["name"], after["version"]) == ("mlp", "1")
+    assert after["inference_count"] - before["inference_count"] == 6
+    assert 1 <= after["execution_count"] - before["execution_count"] <= 2
+    stats, was = after["inference_stats"], before["inference_stats"]
+    for duration in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert stats[duration]["count"] - was[duration]["count"] == 2, (duration, before, after)
+    assert stats["success"]["ns"] - was["success"]["ns"] \
+        >= stats["compute_infer"]["ns"] - was["compute_infer"]["ns"] > 0
+    assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 0
+    assert any(b["batch_size"] == 3 for b in after["batch_stats"]), after["batch_stats"]
+    assert [m["name"] for m in every["model_stats"]] == ["mlp"], every
+    [by_grpc] = (await deferToThread(grpc_statistics, front.grpc, "mlp"))["model_stats"]
+    assert int(by_grpc["inference_count"]) >= after["inference_count"], (by_grpc, after)
+    server = await request("GET", front.url + "/v2")
+    assert "statistics" in server.json["extensions"], server.json
+    return after
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_counts_statistics(server):
+    """A standalone server counts each model's statistics where it runs them."""
+    await check_statistics(server)
+
+
 @pytest_twisted.ensureDeferred
 async def test_server_refuses_a_broken_model_at_once(server):
     """A standalone server refuses a model that failed to load at once, with its reason."""
@@ -465,6 +515,21 @@ async def test_gateway_merges_concurrent_inferences_and_each_gets_its_own_rows(n
 
 
 @pytest_twisted.ensureDeferred
+async def test_gateway_sums_its_workers_statistics(node):
+    """The gateway's statistics of a model are the sum of its workers' own."""
+    await check_statistics(node)
+    health = (await request("GET", node.url + "/health", timeout=10)).json
+    workers = [(await request("GET", w["url"] + "/v2/models/mlp/stats")).json["model_stats"][0]
+               for w in health["workers"]]
+    [total] = (await request("GET", node.url + "/v2/models/mlp/stats")).json["model_stats"]
+    assert total["inference_count"] == sum(w["inference_count"] for w in workers) > 0
+    assert total["inference_stats"]["success"] == {
+        "count": sum(w["inference_stats"]["success"]["count"] for w in workers),
+        "ns": sum(w["inference_stats"]["success"]["ns"] for w in workers)}
+    assert total["last_inference"] == max(w["last_inference"] for w in workers)
+
+
+@pytest_twisted.ensureDeferred
 async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(node):
     """The gateway refuses a model every worker failed to load at once, with its reason;
     a request a worker refuses is logged once by the worker and once by the gateway."""
@@ -553,4 +618,5 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     assert "INVALID_ARGUMENT" in str(error.status()), error
     # Every member says "broken" failed to load: refused at once, not queued (below).
     await check_refused_at_once(router)
+    await check_statistics(router)
     assert (await request("GET", router.url + "/readyz")).code == 200

@@ -36,7 +36,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall
+from kcoral.client.inference import InferCall, statistics_path
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.client.sync import _retry_after, client_headers
@@ -186,6 +186,15 @@ class AsyncClient:
         """A Deferred of the outputs by name of model C{model} for C{inputs}
         (one array, or a dict of arrays by input name)."""
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    @inlineCallbacks
+    def model_statistics(self, name: str | None = None):
+        """A Deferred of the statistics of model C{name} (None: of every
+        ready model), as L{kcoral.client.sync.Client.model_statistics}."""
+        answer = yield self._request("GET", statistics_path(name), None)
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     @inlineCallbacks
     def models(self):

@@ -83,6 +83,15 @@ class InferCall:
         return outputs_of(response.body, response.header_length)
 
 
+def statistics_path(name: str | None) -> str:
+    """The path of model C{name}'s statistics (None: every model's)."""
+    if name is None:
+        return "/v2/models/stats"
+    if not NAME.match(name):
+        raise BadRequest(f"{name[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
+    return f"/v2/models/{name}/stats"
+
+
 def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
     """The outputs by name of an inference's answer (binary tensors after a
     JSON part of C{header_length} bytes, or JSON alone)."""

@@ -34,7 +34,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall
+from kcoral.client.inference import InferCall, statistics_path
 from kcoral.client.progress import upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.errors import NodeFailure
@@ -250,6 +250,17 @@ class Client:
         by input name.
         """
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def model_statistics(self, name: str | None = None) -> dict:
+        """
+        The statistics of model C{name} (None: of every ready model), as
+        Triton's statistics extension gives them: C{{"model_stats": [...]}},
+        summed over the workers behind a gateway or a Router.
+        """
+        answer = self._simple("GET", statistics_path(name))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     def models(self) -> list[dict]:
         """The repository index: each model's name, version, state and reason."""

@@ -22,7 +22,7 @@ SERVER_NAME = "kcoral"
 PLATFORM = "jax"
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
-EXTENSIONS = ("binary_tensor_data", "model_configuration")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics")
 
 
 @attrs.frozen
@@ -66,6 +66,11 @@ class IInferenceFront(Interface):
 
     def repository_index() -> Deferred[list[dict]]:
         """The models: C{[{"name", "version", "state", "reason"}]}."""
+
+    def model_statistics(name: str | None, version: str | None) -> Deferred[dict]:
+        """C{{"model_stats": [...]}}: every ready model's statistics (C{name}
+        None), or one model's, in the form of Triton's statistics extension
+        (L{kcoral.models.statistics})."""
 
     def infer(name: str, version: str | None, call: InferCall) -> Deferred[InferAnswer]:
         """The answer of one inference."""

@@ -246,6 +246,13 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
                 for m in models if not request.ready or m["state"] == "READY"]))
 
+    def ModelStatistics(self, request, context):
+        return self._served.call(
+            context, lambda rid: self._front.model_statistics(request.name or None,
+                                                              request.version or None),
+            lambda value: json_format.ParseDict(value, service_pb2.ModelStatisticsResponse(),
+                                                ignore_unknown_fields=True))
+
     def ModelInfer(self, request, context):
         headers = self._served.forwarded(context)
         try:

@@ -196,6 +196,13 @@ class InferenceResource(RequestIdResource):
         return self._answer(request, lambda: self._front.model_config(m, v),
                             lambda value: _json(request, 200, value))
 
+    @app.route("/v2/models/stats", methods=["GET"], defaults={"m": None, "v": None})
+    @app.route("/v2/models/<m>/stats", methods=["GET"], defaults={"v": None})
+    @app.route("/v2/models/<m>/versions/<v>/stats", methods=["GET"])
+    def model_statistics(self, request, m, v):
+        return self._answer(request, lambda: self._front.model_statistics(m, v),
+                            lambda value: _json(request, 200, value))
+
     @app.route("/v2/models/<m>/infer", methods=["POST"], defaults={"v": None})
     @app.route("/v2/models/<m>/versions/<v>/infer", methods=["POST"])
     def infer(self, request, m, v):

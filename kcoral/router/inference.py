@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
+from twisted.logger import Logger
 from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState
 from kcoral.errors import ModelNotReady, NotFound, ServerBusy, error_from_answer
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.models.statistics import summed
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
 from kcoral.tracing import NO_TRACING, ITracing
+
+log = Logger()
 
 
 def _path(name: str, version: str | None, tail: str = "") -> bytes:
@@ -118,6 +122,35 @@ class RouterInference:
                                        "state": state.state if member.usable else "UNAVAILABLE",
                                        "reason": state.reason}
         return succeed([models[key] for key in sorted(models)])
+
+    def model_statistics(self, name, version) -> Deferred:
+        return maybeDeferred(lambda: self._statistics(name, version))
+
+    @inlineCallbacks
+    def _statistics(self, name: str | None, version: str | None):
+        """The sum of every usable member's statistics, of C{name} or of all."""
+        if name is not None:
+            self._ready_members(name, version)  # NotFound for a model no member lists
+        path = "/v2/models/stats" if name is None else _path(name, version, "/stats").decode()
+        urls = sorted({member.url for node in self._pool.nodes.values()
+                       for member in node.members.values() if member.usable})
+        answers = yield gatherResults([self._member_statistics(url + path) for url in urls])
+        return {"model_stats": summed(answer for answer in answers if answer is not None)}
+
+    @inlineCallbacks
+    def _member_statistics(self, url: str):
+        """A member's statistics, checked; None (and a log line) when it has
+        none to give: the others' sum is still worth answering."""
+        try:
+            response = yield self._get(url)
+            content = yield response.content()
+            if response.code != 200:
+                raise error_from_answer(response.code, content)
+            # Summed alone first: a malformed answer fails here, not in the sum.
+            return summed([json.loads(content)["model_stats"]])
+        except Exception as e:
+            log.info("statistics of {url} left out: {why}", url=url, why=e)
+            return None
 
     def infer(self, name, version, call: InferCall) -> Deferred:
         return maybeDeferred(lambda: self._infer(name, version, call))

@@ -26,6 +26,7 @@ from kcoral.inference.front import (
 )
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.manifest import InvalidInput
+from kcoral.models.statistics import Statistics
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
 from kcoral.server.models import (
@@ -94,6 +95,8 @@ class ServerInference:
         self._batch_delay = batch_delay
         self._most_waiting = most_waiting
         self._batchers: dict[str, Batcher] = {}
+        #: Each model's counts, in the form of Triton's statistics extension.
+        self.statistics = Statistics(clock)
 
     def _model(self, name: str, version: str | None):
         """The loaded model C{name}, of C{version} if given; its manifest or the error."""
@@ -133,6 +136,18 @@ class ServerInference:
     def repository_index(self) -> Deferred:
         return succeed(self.index())
 
+    def model_statistics(self, name, version) -> Deferred:
+        def listed() -> dict:
+            if name is None:
+                served = [(m.name, str(m.version)) for m in
+                          (self._repository.index() if self._repository is not None else ())
+                          if m.state == READY]
+            else:
+                manifest = self._model(name, version).manifest
+                served = [(manifest.name, str(manifest.version))]
+            return {"model_stats": self.statistics.to_json(served)}
+        return maybeDeferred(listed)
+
     def index(self) -> list[dict]:
         """The repository index: every model, its state and why."""
         if self._repository is None:
@@ -152,13 +167,17 @@ class ServerInference:
 
     @inlineCallbacks
     def infer(self, name, version, call: InferCall):
+        clock, counted = self._clock, None
+        started = clock.seconds()
         try:
             model = self._model(name, version)
+            manifest = model.manifest
+            counted = self.statistics.of(manifest.name, str(manifest.version))
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
-            manifest = model.manifest
             request = yield off_reactor(len(call.body), parse_infer, call.body, call.header_length)
+            counted.add("compute_input", clock.seconds() - started)
             try:
                 rows = manifest.check(request.inputs)
             except InvalidInput as e:
@@ -167,40 +186,59 @@ class ServerInference:
                 outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id)
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
+            computed = clock.seconds()
             answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
                                         manifest.name, str(manifest.version), request, outputs)
+            counted.add("compute_output", clock.seconds() - computed)
         except KCoralError as e:
             if not isinstance(e, NotFound):
                 self._metrics.requests.labels(name, str(e.status)).inc()
+            if counted is not None:
+                self.statistics.answered(counted.name, counted.version, ok=False,
+                                         seconds=clock.seconds() - started, rows=0)
             raise
         self._metrics.requests.labels(name, "200").inc()
+        self.statistics.answered(counted.name, counted.version, ok=True,
+                                 seconds=clock.seconds() - started, rows=rows)
         return answer
 
     def _batcher(self, model: LoadedModel) -> Batcher:
         name = model.manifest.name
         batcher = self._batchers.get(name)
         if batcher is None:
+            version = str(model.manifest.version)
+            counted = self.statistics.of(name, version)
+
             def observe(rows: int, waited: list[float]) -> None:
                 self._metrics.batch_size.labels(name).observe(rows)
                 queued = self._metrics.queue_seconds.labels(name)
                 for seconds in waited:
                     queued.observe(seconds)
+                    counted.add("queue", seconds)
+
+            def executed(rows: int, requests: int, seconds: float) -> None:
+                self.statistics.executed(name, version, size=rows, requests=requests,
+                                         seconds=seconds)
 
             batcher = self._batchers[name] = Batcher(
                 model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
                 release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
-                delay=self._batch_delay, observe=observe,
+                delay=self._batch_delay, observe=observe, executed=executed,
                 most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
 
     @inlineCallbacks
     def _alone(self, model: LoadedModel, inputs, rid: str):
         """The outputs of a model that is not batched: each request its own execution."""
-        name, arrived = model.manifest.name, self._clock.seconds()
+        name, version, arrived = model.manifest.name, str(model.manifest.version), self._clock.seconds()
         yield self._slots.admitted(rid)
-        self._metrics.queue_seconds.labels(name).observe(self._clock.seconds() - arrived)
+        started = self._clock.seconds()
+        self._metrics.queue_seconds.labels(name).observe(started - arrived)
+        self.statistics.of(name, version).add("queue", started - arrived)
         self._metrics.batch_size.labels(name).observe(1)
         outputs = yield self._slots.in_thread(rid, model.run_batch, inputs, 1)
+        self.statistics.executed(name, version, size=1, requests=1,
+                                 seconds=self._clock.seconds() - started)
         return outputs
 
 
