@@ -81,6 +81,14 @@ class DoubleFront:
     def repository_index(self):
         return defer.succeed([{"name": "double", "version": "1", "state": "READY", "reason": ""}])
 
+    def load_model(self, name):
+        self._model(name)
+        return defer.succeed({"models": [{"name": name, "version": "1", "state": "READY"}]})
+
+    def unload_model(self, name):
+        self._model(name)
+        return defer.succeed({"models": [{"name": name, "version": "1", "state": "UNAVAILABLE"}]})
+
     def model_statistics(self, name, version):
         self._model(name or "double")
         return defer.succeed({"model_stats": [{"name": "double", "version": "1",
@@ -160,6 +168,8 @@ def http_calls(url: str, headers: dict):
             "index": client.get_model_repository_index(headers=headers),
             "stats": client.get_inference_statistics("double", headers=headers),
             "all_stats": client.get_inference_statistics(headers=headers),
+            "load": client.load_model("double", headers=headers),
+            "unload": client.unload_model("double", headers=headers),
         }
         for binary in (False, True):
             infer_input = httpclient.InferInput("x", [2, 4], "FP32")
@@ -180,7 +190,7 @@ async def test_http_client(served):
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"] == {"name": "kcoral", "version": "9.9",
                                  "extensions": ["binary_tensor_data", "model_configuration",
-                                                "statistics"]}
+                                                "model_repository", "statistics"]}
     assert results["metadata"] == results["versioned"] == model_metadata_of(MANIFEST)
     assert results["metadata"]["inputs"][0]["shape"] == [-1, 4]
     assert results["config"]["max_batch_size"] == 8
@@ -188,6 +198,7 @@ async def test_http_client(served):
     assert results["index"] == [{"name": "double", "version": "1", "state": "READY", "reason": ""}]
     assert results["stats"] == results["all_stats"] == {"model_stats": [
         {"name": "double", "version": "1", "inference_count": 3}]}
+    assert results["load"] is None and results["unload"] is None  # tritonclient: no error
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     for binary in (False, True):
         y, rid = results[f"infer{binary}"]
@@ -276,6 +287,8 @@ def grpc_calls(url: str, headers: dict):
             "model_ready": client.is_model_ready("double", headers=headers),
             "index": client.get_model_repository_index(headers=headers, as_json=True),
             "stats": client.get_inference_statistics("double", headers=headers, as_json=True),
+            "load": client.load_model("double", headers=headers),
+            "unload": client.unload_model("double", headers=headers),
             "infer": (result.as_numpy("y"), result.get_response().id),
         }
     finally:
@@ -289,7 +302,7 @@ async def test_grpc_client(served):
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"]["name"] == "kcoral"
     assert results["server"]["extensions"] == ["binary_tensor_data", "model_configuration",
-                                                "statistics"]
+                                                "model_repository", "statistics"]
     assert results["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     config = results["config"]["config"]
     assert config["max_batch_size"] == 8

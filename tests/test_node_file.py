@@ -138,3 +138,27 @@ def test_an_unreadable_repository_is_refused_at_start(tmp_path):
     (tmp_path / "models").write_text("not a folder")
     with pytest.raises(usage.UsageError, match="model repository .*models: Not a directory"):
         parsed(tmp_path, {"model_repo": "models"})
+
+
+def test_load_model_repeats_and_reaches_every_worker(tmp_path):
+    """--load-model is repeatable (a list in a node file) and every worker is started with it."""
+    (tmp_path / "models").mkdir()
+    options = parsed(tmp_path, {"model_repo": "models", "model_control_mode": "explicit",
+                                "load_model": ["a", "b"], "gpus": "none", "cpu_workers": 2})
+    server = options.server_config()
+    assert (server.model_control_mode, server.load_model) == ("explicit", ("a", "b"))
+    from kcoral.node.devices import WorkerSpec
+
+    argv = worker_argv(server, WorkerSpec("worker0", 0, None), 0)
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--load-model"] == ["a", "b"]
+    assert argv[argv.index("--model-control-mode") + 1] == "explicit"
+    options = node_tap.Options()
+    options.parseOptions(["--model-control-mode", "explicit", "--load-model", "a",
+                          "--load-model", "*"])
+    assert options.server_config().load_model == ("a", "*")
+
+
+def test_load_model_needs_explicit_control():
+    """--load-model in another model control mode is a usage error naming the mode it needs."""
+    with pytest.raises(usage.UsageError, match="--model-control-mode explicit"):
+        node_tap.Options().parseOptions(["--load-model", "a"])

@@ -36,7 +36,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall, statistics_path
+from kcoral.client.inference import InferCall, control_path, statistics_path
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.client.sync import _retry_after, client_headers
@@ -186,6 +186,22 @@ class AsyncClient:
         """A Deferred of the outputs by name of model C{model} for C{inputs}
         (one array, or a dict of arrays by input name)."""
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def load_model(self, name: str) -> Deferred:
+        """A Deferred of model C{name} loaded (again) on every worker, as
+        L{kcoral.client.sync.Client.load_model}."""
+        return self._control(name, "load")
+
+    def unload_model(self, name: str) -> Deferred:
+        """A Deferred of model C{name} no longer served, as L{load_model}."""
+        return self._control(name, "unload")
+
+    @inlineCallbacks
+    def _control(self, name: str, verb: str):
+        answer = yield self._request("POST", control_path(name, verb), Send([b"{}"], 2, {}))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     @inlineCallbacks
     def model_statistics(self, name: str | None = None):

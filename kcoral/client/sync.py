@@ -34,7 +34,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall, statistics_path
+from kcoral.client.inference import InferCall, control_path, statistics_path
 from kcoral.client.progress import upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, identity, path_of
 from kcoral.errors import NodeFailure
@@ -250,6 +250,25 @@ class Client:
         by input name.
         """
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def load_model(self, name: str) -> dict:
+        """
+        Load model C{name} (again) from the service's repository, on every
+        worker behind it; returns once all are done, with the model's states
+        (C{{"models": [...]}}), or raises with each worker's reason. The
+        service must run with C{--model-control-mode explicit}.
+        """
+        return self._control(name, "load")
+
+    def unload_model(self, name: str) -> dict:
+        """Stop serving model C{name} on every worker, as L{load_model}."""
+        return self._control(name, "unload")
+
+    def _control(self, name: str, verb: str) -> dict:
+        answer = self._simple("POST", control_path(name, verb), Send([b"{}"], 2, {}))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     def model_statistics(self, name: str | None = None) -> dict:
         """

@@ -253,6 +253,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             lambda value: json_format.ParseDict(value, service_pb2.ModelStatisticsResponse(),
                                                 ignore_unknown_fields=True))
 
+    def RepositoryModelLoad(self, request, context):
+        return self._served.call(context, lambda rid: self._front.load_model(request.model_name),
+                                 lambda _: service_pb2.RepositoryModelLoadResponse())
+
+    def RepositoryModelUnload(self, request, context):
+        return self._served.call(context, lambda rid: self._front.unload_model(request.model_name),
+                                 lambda _: service_pb2.RepositoryModelUnloadResponse())
+
     def ModelInfer(self, request, context):
         headers = self._served.forwarded(context)
         try:

@@ -161,6 +161,16 @@ class InferenceResource(RequestIdResource):
             return error_response(request, e)
         return self._answer(request, self._front.repository_index, render)
 
+    @app.route("/v2/repository/models/<m>/load", methods=["POST"])
+    def load_model(self, request, m):
+        return self._answer(request, lambda: self._front.load_model(m),
+                            lambda value: _json(request, 200, value))
+
+    @app.route("/v2/repository/models/<m>/unload", methods=["POST"])
+    def unload_model(self, request, m):
+        return self._answer(request, lambda: self._front.unload_model(m),
+                            lambda value: _json(request, 200, value))
+
     def _only_ready(self, request) -> bool:
         """Whether the index request asks for the ready models alone."""
         data = request.content.getvalue()

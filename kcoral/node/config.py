@@ -186,6 +186,14 @@ def load(path: str, options: KCoralOptions, given: set[str]) -> set[str]:
             raise NodeFileError(f"unknown node file key {where!r}")
         if option in given:
             continue
+        if isinstance(options[option], list):
+            # An option given again and again (--load-model): a list, or one value.
+            values = value if isinstance(value, list) else [value]
+            if not values or not all(isinstance(v, str) and v for v in values):
+                raise NodeFileError(f"node file key {where!r} must be a name or a list of names")
+            options[option] = list(values)
+            applied.add(option)
+            continue
         text = _typed(value, options.defaults.get(option), where)
         if option in PATH_OPTIONS:
             text = os.path.join(folder, os.path.expanduser(text))

@@ -41,7 +41,8 @@ WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "que
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "kept_bytes",
                    "kept_idle_seconds", "compilation_cache_dir",
-                   "model_repository", "max_batch_delay_microseconds",
+                   "model_repository", "model_control_mode", "repository_poll_seconds",
+                   "max_batch_delay_microseconds",
                    "tls_cert", "tls_key", "log_format", "tracing")
 
 
@@ -57,6 +58,8 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int,
         value = getattr(server, name)
         if value is not None:
             argv += [f"--{option_name(name)}", str(value)]
+    for name in server.load_model:
+        argv += ["--load-model", name]
     if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.
         argv += ["--cache-dir", os.path.join(server.cache_dir, spec.name)]

@@ -16,8 +16,15 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from kcoral._version import __version__
-from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState
-from kcoral.errors import ModelNotReady, NotFound, ServerBusy, error_from_answer
+from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState, parse_models
+from kcoral.errors import (
+    KCoralError,
+    ModelNotReady,
+    NotFound,
+    ProgramFailed,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
 from kcoral.models.statistics import summed
 from kcoral.router.batching import FrontBatcher, forwarded
@@ -45,10 +52,11 @@ class RouterInference:
 
     def __init__(self, *, pool: Pool, forwarder: Forwarder, get: Callable[..., Deferred],
                  is_ready: Callable[[], bool], clock, most_waiting: int,
-                 tracing: ITracing = NO_TRACING):
+                 tracing: ITracing = NO_TRACING, post: Callable[..., Deferred] | None = None):
         self._pool = pool
         self._batcher = FrontBatcher(forwarder, clock, most_waiting)
         self._get = get
+        self._post = post
         self._is_ready = is_ready
         self._tracing = tracing
 
@@ -123,6 +131,55 @@ class RouterInference:
                                        "reason": state.reason}
         return succeed([models[key] for key in sorted(models)])
 
+    def load_model(self, name) -> Deferred:
+        return maybeDeferred(lambda: self._control(name, "load"))
+
+    def unload_model(self, name) -> Deferred:
+        return maybeDeferred(lambda: self._control(name, "unload"))
+
+    def _usable_members(self) -> list[Member]:
+        return [member for node in self._pool.nodes.values()
+                for member in node.members.values() if member.usable]
+
+    @inlineCallbacks
+    def _control(self, name: str, verb: str):
+        """Load or unload model C{name} on every usable member, at once; the
+        states they answer, or one error naming each member that failed."""
+        if not MODEL_NAME.match(name):
+            raise NotFound(f"unknown model {name[:64]!r}")
+        members = self._usable_members()
+        if not members:
+            raise ServerBusy("no member is ready to " + verb + f" model {name!r}",
+                             reason="no_ready_node")
+        outcomes = yield gatherResults([maybeDeferred(self._member_control, member, name, verb)
+                                        .addErrback(lambda f: f.value) for member in members])
+        failed = [(member, e) for member, e in zip(members, outcomes, strict=True)
+                  if isinstance(e, Exception)]
+        if failed:
+            first = failed[0][1]
+            cls = type(first) if isinstance(first, KCoralError) else ProgramFailed
+            raise cls(f"failed to {verb} {name!r} on {len(failed)} of {len(members)} member(s): "
+                      + "; ".join(f"{m.node.node_id}/{m.name}: {e}" for m, e in failed))
+        return {"models": [state.to_json() for states in outcomes for state in states]}
+
+    @inlineCallbacks
+    def _member_control(self, member: Member, name: str, verb: str):
+        """The model's states on C{member} once it has loaded or unloaded
+        it; what the member answers also becomes what the front knows of it,
+        so that inferences follow at once, before its next report."""
+        assert self._post is not None  # a Router's fronts are given one
+        url = member.url + f"/v2/repository/models/{name}/{verb}"
+        response = yield self._post(url, data=b"")
+        content = yield response.content()
+        if response.code != 200:
+            raise error_from_answer(response.code, content)
+        try:
+            states = parse_models(json.loads(content)["models"], f"{member.name}'s {verb} answer")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProgramFailed(f"{member.name} answered the {verb} of {name!r} with {e}") from None
+        member.serves(tuple(m for m in member.models if m.name != name) + states)
+        return states
+
     def model_statistics(self, name, version) -> Deferred:
         return maybeDeferred(lambda: self._statistics(name, version))
 
@@ -132,8 +189,7 @@ class RouterInference:
         if name is not None:
             self._ready_members(name, version)  # NotFound for a model no member lists
         path = "/v2/models/stats" if name is None else _path(name, version, "/stats").decode()
-        urls = sorted({member.url for node in self._pool.nodes.values()
-                       for member in node.members.values() if member.usable})
+        urls = sorted({member.url for member in self._usable_members()})
         answers = yield gatherResults([self._member_statistics(url + path) for url in urls])
         return {"model_stats": summed(answer for answer in answers if answer is not None)}
 

@@ -147,8 +147,7 @@ class Pool:
             self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
-            member.models = worker.models
-            member.ready_models = {m.name: m.max_batch_size for m in worker.models if m.ready}
+            member.serves(worker.models)
             member.instance = worker.instance
 
     def leave(self, node_id: str, session: str) -> bool:

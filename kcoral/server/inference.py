@@ -29,9 +29,10 @@ from kcoral.models.manifest import InvalidInput
 from kcoral.models.statistics import Statistics
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.server.batcher import Batcher
+from kcoral.server.control import ModelControl
 from kcoral.server.models import (
+    LOADING,
     READY,
-    UNAVAILABLE,
     LoadedModel,
     ModelRepository,
     ModelUnavailable,
@@ -85,8 +86,10 @@ class ServerInference:
 
     def __init__(self, repository: ModelRepository | None, *, is_ready: Callable[[], bool],
                  busy: Callable[[], ServerBusy | None], slots: Slots, clock,
-                 metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024):
+                 metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024,
+                 control: ModelControl | None = None):
         self._repository = repository
+        self._control = control
         self._is_ready = is_ready
         self._busy = busy
         self._slots = slots
@@ -109,7 +112,9 @@ class ServerInference:
             raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else "")) \
                 from None
         except ModelUnavailable as e:
-            raise ModelNotReady(f"model {name!r} is {UNAVAILABLE}: {e.reason}",
+            if e.state == LOADING:
+                raise ServerBusy(f"model {name!r} is {LOADING}", reason="model_loading") from None
+            raise ModelNotReady(f"model {name!r} is {e.state}: {e.reason}",
                                 reason="model_unavailable") from None
 
     def ready(self) -> Deferred:
@@ -128,13 +133,32 @@ class ServerInference:
         def ready() -> bool:
             try:
                 self._model(name, version)
-            except ModelNotReady:
+            except (ModelNotReady, ServerBusy):
                 return False
             return self._is_ready()
         return maybeDeferred(ready)
 
     def repository_index(self) -> Deferred:
         return succeed(self.index())
+
+    def _controlled(self) -> ModelControl:
+        if self._control is None:
+            raise BadRequest("this server has no model repository")
+        return self._control
+
+    def _states(self, name: str) -> dict:
+        return {"models": [m for m in self.health() if m["name"] == name]}
+
+    def load_model(self, name) -> Deferred:
+        d = maybeDeferred(lambda: self._controlled().load(name))
+        d.addCallback(lambda _: self._states(name))
+        return d
+
+    def unload_model(self, name) -> Deferred:
+        def unload() -> dict:
+            self._controlled().unload(name)
+            return self._states(name)
+        return maybeDeferred(unload)
 
     def model_statistics(self, name, version) -> Deferred:
         def listed() -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import attrs
@@ -29,6 +29,11 @@ log = Logger()
 MAX_MODELS = REPORTED_MODELS
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
+#: A model being loaded that was not served before: asked for, it is busy.
+LOADING = "LOADING"
+#: The reasons of a model the repository holds but does not serve.
+NOT_LOADED = "not loaded"
+UNLOADED = "unloaded"
 
 
 class RepositoryError(Exception):
@@ -46,12 +51,14 @@ class UnknownModel(Exception):
 
 
 class ModelUnavailable(Exception):
-    """The model is in the repository but failed to load; C{reason} says why."""
+    """The model is in the repository but is not served: its C{state}
+    (UNAVAILABLE, or LOADING), and C{reason} says why."""
 
-    def __init__(self, name: str, reason: str):
+    def __init__(self, name: str, reason: str, state: str = UNAVAILABLE):
         self.name = name
         self.reason = reason
-        super().__init__(f"model {name!r} is unavailable: {reason}")
+        self.state = state
+        super().__init__(f"model {name!r} is {state.lower()}: {reason}")
 
 
 @attrs.frozen
@@ -120,29 +127,76 @@ class ModelRepository:
         self._observe_compile = observe_compile
         self._models: dict[str, LoadedModel | ModelStatus] = {}
 
-    def load(self, device) -> None:
+    def load(self, device, only: Collection[str] | None = None) -> None:
         """
-        Load every model onto the JAX C{device} and compile it for each of
-        its batch sizes. Called once, before the worker says it is ready. A
-        model that fails is UNAVAILABLE (and logged); a repository that
-        cannot be listed raises L{RepositoryError}.
+        Load every model (or those named in C{only}, the others listed as not
+        loaded) onto the JAX C{device} and compile it for each of its batch
+        sizes. Called once, before the worker says it is ready. A model that
+        fails is UNAVAILABLE (and logged); a repository that cannot be
+        listed raises L{RepositoryError}.
+        """
+        for name in self._folders():
+            if only is None or name in only:
+                self.load_model(name, device)
+            else:
+                self._settle(name, ModelStatus(name, 1, UNAVAILABLE, NOT_LOADED))
+
+    def load_model(self, name: str, device) -> ModelStatus:
+        """
+        Load model C{name} (again) from its folder onto C{device}; its state
+        after. A model served already is served until the new one is ready,
+        and goes on being served if the new one fails.
         """
         platform = "cuda" if device.platform == "gpu" else device.platform
+        served = self._models.get(name)
+        version = 1
+        try:
+            bundle = read_bundle(os.path.join(self.path, name))
+            version = bundle.manifest.version
+            if not isinstance(served, LoadedModel):
+                self._settle(name, ModelStatus(name, version, LOADING))
+            loaded = self._load(name, bundle, device, platform)
+        except Exception as e:
+            # Out of device memory and compile errors alike: XLA raises
+            # no class of its own for either.
+            reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
+                f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
+            log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
+            failed = ModelStatus(name, version, UNAVAILABLE, reason)
+            if not isinstance(served, LoadedModel):
+                self._settle(name, failed)
+            return failed
+        self._settle(name, loaded)
+        log.info("model {name} is ready", name=name)
+        return ModelStatus(name, loaded.manifest.version, READY)
+
+    def unload_model(self, name: str) -> ModelStatus:
+        """Stop serving model C{name} (requests running finish); its state after."""
+        current = self._models.get(name)
+        if current is None:
+            raise UnknownModel(name)
+        version = current.manifest.version if isinstance(current, LoadedModel) else current.version
+        unloaded = ModelStatus(name, version, UNAVAILABLE, UNLOADED)
+        self._settle(name, unloaded)
+        log.info("model {name} is unloaded", name=name)
+        return unloaded
+
+    def forget(self, name: str) -> None:
+        """Drop model C{name}, whose folder is gone, from the index."""
+        self._models = {n: m for n, m in self._models.items() if n != name}
+        log.info("model {name} left the repository", name=name)
+
+    def stamps(self) -> dict[str, tuple[int, int]]:
+        """Each model folder's manifest as last written (modified time and
+        size): a model whose stamp changes was exported again."""
+        stamps = {}
         for name in self._folders():
-            version = 1
             try:
-                bundle = read_bundle(os.path.join(self.path, name))
-                version = bundle.manifest.version
-                self._settle(name, self._load(name, bundle, device, platform))
-            except Exception as e:
-                # Out of device memory and compile errors alike: XLA raises
-                # no class of its own for either.
-                reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
-                    f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
-                log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
-                self._settle(name, ModelStatus(name, version, UNAVAILABLE, reason))
-            else:
-                log.info("model {name} is ready", name=name)
+                found = os.stat(os.path.join(self.path, name, MANIFEST))
+            except OSError:
+                continue
+            stamps[name] = (found.st_mtime_ns, found.st_size)
+        return stamps
 
     def _settle(self, name: str, model: LoadedModel | ModelStatus) -> None:
         # Loading runs in a thread while the reactor lists the models: a new
@@ -212,7 +266,7 @@ class ModelRepository:
         if model is None:
             raise UnknownModel(name)
         if isinstance(model, ModelStatus):
-            raise ModelUnavailable(name, model.reason)
+            raise ModelUnavailable(name, model.reason, model.state)
         if version is not None and version != model.manifest.version:
             raise UnknownModel(name, version)
         return model

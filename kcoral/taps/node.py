@@ -39,6 +39,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.placement import ROUTINGS
+from kcoral.server.control import MODES
 from kcoral.server.service import ServerService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
@@ -102,6 +103,12 @@ class NodeOptions(KCoralOptions):
         _server("compilation_cache_dir", "Directory for JAX's persistent compilation cache."),
         _server("model_repository", "A folder of model bundles (kcoral.export_bundle) every worker "
                 "loads and compiles before it is ready [node file: model_repository or model_repo]."),
+        _server("model_control_mode", "Which models are served: none (all, the repository read "
+                "once), poll (all, the repository read again every --repository-poll-seconds) "
+                "or explicit (those of --load-model, then loaded and unloaded on request).",
+                OneOf(MODES)),
+        _server("repository_poll_seconds", "How often poll mode reads the model repository "
+                "again.", positive(float)),
         _server("max_batch_delay_microseconds", "Longest wait of a batched model's short batch "
                 "for more requests (0: run what is queued at once).", non_negative(int)),
         _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
@@ -128,6 +135,14 @@ class NodeOptions(KCoralOptions):
                    **NODE_DEVICES_ENV}
     hidden = frozenset(row[0] for row in SUPERVISOR_OPTIONS)
 
+    def __init__(self):
+        super().__init__()
+        self["load-model"] = []
+
+    def opt_load_model(self, name: str) -> None:
+        """A model to load at start in explicit model control mode (repeat it; '*': all)."""
+        self["load-model"].append(name)
+
     def from_environment(self) -> set[str]:
         filled = super().from_environment()
         if "gpus" in filled:
@@ -144,6 +159,9 @@ class NodeOptions(KCoralOptions):
             if self["config"] else set()
         self._gateway_ports(self.named | from_environment | from_file)
         self._repository()
+        if self["load-model"] and self["model-control-mode"] != "explicit":
+            raise usage.UsageError("--load-model is for --model-control-mode explicit (in the "
+                                   "other modes every model is loaded)")
         if self["router"]:
             self._no_client_authentication(from_environment)
         check_listen(self)
@@ -219,7 +237,8 @@ class NodeOptions(KCoralOptions):
             or self["metrics-base-port"] is not None
 
     def server_config(self, **overrides) -> ServerConfig:
-        return config_from(ServerConfig, self, secured=bool(self["node-token"]), **overrides)
+        return config_from(ServerConfig, self, secured=bool(self["node-token"]),
+                           load_model=tuple(self["load-model"]), **overrides)
 
     def restart_settings(self) -> RestartSettings:
         return config_from(RestartSettings, self)
