@@ -91,17 +91,20 @@ class ModelControl(service.Service):
 
     @inlineCallbacks
     def load(self, name: str):
-        """Load model C{name} (again); its state, READY. NotFound when the
-        repository has no such folder, BadRequest with the reason when it fails."""
+        """Load the versions of model C{name} (again); their states, READY.
+        NotFound when the repository has no such folder, BadRequest with the
+        reasons when a version fails."""
         self._explicit("load")
         if name not in (yield self._in_thread(self.repository.stamps)):
             raise NotFound(f"failed to load {name!r}: no such model in the repository")
-        status = yield self._in_thread(self.repository.load_model, name, self._device())
-        if status.state != READY:
-            raise BadRequest(f"failed to load {name!r}: {status.reason}")
-        return status
+        states = yield self._in_thread(self.repository.load_model, name, self._device())
+        failed = [s for s in states if s.state != READY]
+        if failed:
+            raise BadRequest(f"failed to load {name!r}: " + "; ".join(
+                f"version {s.version}: {s.reason}" for s in failed))
+        return states
 
-    def unload(self, name: str) -> ModelStatus:
+    def unload(self, name: str) -> list[ModelStatus]:
         """Stop serving model C{name}; its state after."""
         self._explicit("unload")
         try:

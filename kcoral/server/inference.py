@@ -97,7 +97,9 @@ class ServerInference:
         self._metrics = metrics
         self._batch_delay = batch_delay
         self._most_waiting = most_waiting
-        self._batchers: dict[str, Batcher] = {}
+        #: The batcher of each model version's current load (one loaded
+        #: again gets a new one; the old one finishes what it holds).
+        self._batchers: dict[tuple[str, int], Batcher] = {}
         #: Each model's counts, in the form of Triton's statistics extension.
         self.statistics = Statistics(clock)
 
@@ -186,7 +188,8 @@ class ServerInference:
         for model in listed:
             if model["state"] == READY:
                 assert self._repository is not None  # else nothing is listed
-                model["max_batch_size"] = self._repository.get(model["name"]).manifest.max_batch_size
+                model["max_batch_size"] = self._repository.get(
+                    model["name"], int(model["version"])).manifest.max_batch_size
         return listed
 
     @inlineCallbacks
@@ -227,10 +230,11 @@ class ServerInference:
         return answer
 
     def _batcher(self, model: LoadedModel) -> Batcher:
-        name = model.manifest.name
-        batcher = self._batchers.get(name)
-        if batcher is None:
-            version = str(model.manifest.version)
+        name, number = model.manifest.name, model.manifest.version
+        batcher = self._batchers.get((name, number))
+        if batcher is None or batcher.model is not model:
+            self._drop_unserved_batchers(name)
+            version = str(number)
             counted = self.statistics.of(name, version)
 
             def observe(rows: int, waited: list[float]) -> None:
@@ -244,12 +248,27 @@ class ServerInference:
                 self.statistics.executed(name, version, size=rows, requests=requests,
                                          seconds=seconds)
 
-            batcher = self._batchers[name] = Batcher(
+            batcher = self._batchers[(name, number)] = Batcher(
                 model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
                 release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
                 delay=self._batch_delay, observe=observe, executed=executed,
                 most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
+
+    def _drop_unserved_batchers(self, name: str) -> None:
+        """Forget the batchers of C{name}'s loads no longer served (a batcher
+        still running its queue lives on in its requests' callbacks until it
+        is done), so that an old version's params are freed."""
+        assert self._repository is not None  # a batched model came from it
+        for key, batcher in list(self._batchers.items()):
+            if key[0] != name:
+                continue
+            try:
+                served = self._repository.get(name, key[1])
+            except (UnknownModel, ModelUnavailable):
+                served = None
+            if served is not batcher.model:
+                del self._batchers[key]
 
     @inlineCallbacks
     def _alone(self, model: LoadedModel, inputs, rid: str):
