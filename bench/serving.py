@@ -42,6 +42,15 @@ rest of the machine used meanwhile. The gateway's mean executed
 batch comes from its ``kcoral_inference_batch_size`` histogram, read
 before and after each cell.
 
+``--swap`` measures instead a new version of the model taking over under
+load: the gateway's node in poll mode (``--repository-poll-seconds 0.5``)
+serves version 1 (``models/mlp/1``); a closed loop of ``--concurrency``
+(default 64) tritonclient connections runs a window before, then a window
+during which version 2 (other weights) is moved into ``models/mlp/2``, is
+loaded and compiled by both workers beside version 1, and takes the
+traffic. Targets: no failed request, and p99 during the swap <= 2x p99
+before it.
+
 Targets: the gateway >= 1.2x Triton's throughput from concurrency 16 on
 with the same or a lower p99, >= 0.9x at concurrency 1; >= 3x KServe's
 from 16 on; the Router >= 0.9x the gateway; a mean batch at concurrency
@@ -65,6 +74,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -481,6 +491,72 @@ def report(cells: list[dict]) -> dict:
     return {"ratios": ratios}
 
 
+def export_bundle(params_path: Path, folder: Path) -> None:
+    """The model's bundle of the params at C{params_path}, written to C{folder}
+    (exported in a child: this process's JAX is the floor's, on the device
+    under test)."""
+    code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
+            "import serving_model as m; "
+            f"kcoral.export_bundle(m.mlp, m.load_params({str(params_path)!r}), "
+            f"np.zeros((1, m.ROWS), np.float32), dir={str(folder)!r}, "
+            f"name=m.NAME, batch_sizes={list(BATCH_SIZES)})")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+
+
+def served_versions(front: Front) -> list[str]:
+    """The versions of the model the front's repository index says are ready."""
+    request = urllib.request.Request(f"http://{front.targets['http']}/v2/repository/index",
+                                     data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return [m["version"] for m in json.load(answer)
+                if m["name"] == model.NAME and m["state"] == "READY"]
+
+
+def swap(directory: Path, gpus: str, delay: list[str], protocol: str, concurrency: int,
+         seconds: float, started: list[Front]) -> dict:
+    """A window of load before, and one during a swap to version 2 (see the module's text)."""
+    model.save_params(directory / "v2.npz", model.make_params(seed=1))
+    export_bundle(directory / "params.npz", directory / "models" / model.NAME / "1")
+    export_bundle(directory / "v2.npz", directory / "staged")
+    polled = [*delay, "--model-control-mode", "poll", "--repository-poll-seconds", "0.5"]
+    front = start_gateway(started, directory / "models", gpus, polled)
+    loop = {"seconds": seconds, "warmup": 1.0}
+    before = cell(front, protocol, concurrency, loop_load, **loop)
+    print(f"  before: {before['throughput']:,.0f}/s p99 {fmt(before['p99_ms'], '.2f')} ms", flush=True)
+    # Moved in as the measured window opens (after 2 s of connecting and
+    # 1 s of warm-up), and the window lasts three times as long: the load,
+    # the compile and the move of the traffic fall inside it (the result
+    # says whether they did).
+    moved_at: list[float] = []
+    served_at: list[float] = []
+
+    def move() -> None:
+        os.rename(directory / "staged", directory / "models" / model.NAME / "2")
+        moved_at.append(time.monotonic())
+        until(lambda: served_versions(front) == ["2"], "version 2 served alone", 300, interval=0.1)
+        served_at.append(time.monotonic())
+
+    mover = threading.Thread(target=move, daemon=True)
+    timer = threading.Timer(3.0, mover.start)
+    timer.start()
+    window_end = time.monotonic() + 3.0 + 3 * seconds
+    try:
+        during = cell(front, protocol, concurrency, loop_load, **{**loop, "seconds": 3 * seconds})
+    finally:
+        timer.cancel()
+    mover.join(300)
+    swap_seconds = served_at[0] - moved_at[0] if served_at and moved_at else None
+    print(f"  during: {during['throughput']:,.0f}/s p99 {fmt(during['p99_ms'], '.2f')} ms, "
+          f"errors {during['errors']}, version 2 served alone {fmt(swap_seconds, '.1f')} s "
+          "after it was moved in", flush=True)
+    return {"protocol": protocol, "concurrency": concurrency, "before": before, "during": during,
+            "swap_seconds": swap_seconds,
+            "swap_within_window": bool(served_at) and served_at[0] <= window_end,
+            "p99_ratio": during["p99_ms"] / before["p99_ms"] if before["p99_ms"] else None,
+            "failed_requests": during["errors"] + before["errors"]}
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -510,8 +586,12 @@ def main() -> int:
                         help="microseconds a batch waits for more requests (Triton; KCoral where it has one)")
     parser.add_argument("--gpus", default="none", help="KCoral's device and the floor's: none or an index")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--swap", action="store_true",
+                        help="measure a swap to a new model version under load (the gateway only)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.swap:
+        return main_swap(args)
     fronts = [name for item in args.fronts.split(",")
               for name in (("gateway", "router") if item == "kcoral" else (item,))]
     unknown = set(fronts) - set(FRONTS)
@@ -548,14 +628,7 @@ def main() -> int:
         delay = kcoral_batch_delay(args.max_batch_delay)
         results["kcoral_batch_delay_flag"] = bool(delay)
         if {"gateway", "router"} & set(fronts):
-            code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
-                    "import serving_model as m; "
-                    f"kcoral.export_bundle(m.mlp, m.load_params({str(directory / 'params.npz')!r}), "
-                    f"np.zeros((1, m.ROWS), np.float32), dir={str(directory / 'models' / model.NAME)!r}, "
-                    f"name=m.NAME, batch_sizes={list(BATCH_SIZES)})")
-            # Exported in a child: this process's JAX is the floor's, on the device under test.
-            subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+            export_bundle(directory / "params.npz", directory / "models" / model.NAME)
         pa = {"perf_analyzer": perf_analyzer, "seconds": seconds, "trials": 5 if args.quick else 10,
               "directory": directory}
         loop = {"seconds": 2 * seconds, "warmup": seconds}
@@ -608,6 +681,35 @@ def main() -> int:
     found += [f"floor {c['concurrency']} {c['throughput']:,.0f}/s"
               for c in results["cells"] if c["front"] == "floor"]
     print(f"\nserving: {len(results['cells'])} cells in {results['wall_seconds']:.0f} s; {'; '.join(found)}")
+    return 0
+
+
+def main_swap(args) -> int:
+    """C{--swap}: one gateway, one protocol (the first of C{--protocols}),
+    one concurrency (default 64), windows of C{--seconds} (default 9)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    concurrency = int((args.concurrency or "64").split(",")[0])
+    protocol = args.protocols.split(",")[0]
+    seconds = args.seconds or 9.0
+    started: list[Front] = []
+    directory = Path(tempfile.mkdtemp(prefix="kcoral-swap-"))
+    try:
+        model.save_params(directory / "params.npz", model.make_params())
+        result = swap(directory, args.gpus, kcoral_batch_delay(args.max_batch_delay), protocol,
+                      concurrency, seconds, started)
+    except ChildFailed as e:
+        print(f"the gateway did not start: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for front in reversed(started):
+            front.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    results = {"command": " ".join(sys.argv), "machine": machine(), "swap": result}
+    write_results(results, args.json)
+    print(f"\nswap: {result['failed_requests']} failed requests, p99 during / before "
+          f"{fmt(result['p99_ratio'], '.2f')}x, version 2 alone after "
+          f"{fmt(result['swap_seconds'], '.1f')} s (within the window: {result['swap_within_window']})")
     return 0
 
 

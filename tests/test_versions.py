@@ -29,9 +29,9 @@ from kcoral.models.versions import (
     stamp,
 )
 from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY, until
+from tests.harness import SERVER_READY, kcoral_argv, until
 from tests.httputil import request
-from tests.test_models import START_TIMEOUT, mlp, rows
+from tests.test_models import GATEWAY, START_TIMEOUT, mlp, rows
 
 httpclient = pytest.importorskip("tritonclient.http")
 
@@ -155,25 +155,45 @@ class Loop:
             client.close()
 
 
+async def start_front(processes, repository, node: bool) -> str:
+    """A server, or a node of two workers, in poll mode on C{repository}; its URL."""
+    polled = ("--model-repository", str(repository), "--model-control-mode", "poll",
+              "--repository-poll-seconds", "0.2")
+    if not node:
+        service = await processes.start_service(server_args(*polled), name="server",
+                                                ready=SERVER_READY, env=server_env(),
+                                                timeout=START_TIMEOUT)
+        return service.url
+    child = processes.spawn(kcoral_argv("server", "--port", "0", "--gpus", "none", "--cpu-workers",
+                                        "2", "--health-interval-seconds", "0.5", *polled),
+                            name="node", env=server_env())
+    url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
+
+    async def ready():
+        return (await request("GET", url + "/v2/models/mlp/versions/1/ready")).code == 200 or None
+    await until(ready, "version 1 ready through the gateway", START_TIMEOUT)
+    return url
+
+
+@pytest.mark.parametrize("node", [False, True], ids=["server", "node"])
 @pytest_twisted.ensureDeferred
-async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(processes, tmp_path):
-    """A server in poll mode serving version 1 under a loop of inferences: version 2 moved
-    in is loaded beside it; no request fails, each answer is wholly version 1's or 2's, and
-    once version 2 answers, version 1 (the policy serves the latest) leaves the index."""
+async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(processes, tmp_path,
+                                                                             node):
+    """A server (or a node's gateway) in poll mode serving version 1 under a loop of
+    inferences: version 2 moved in is loaded beside it; no request fails, each answer is
+    wholly version 1's or 2's, and once version 2 answers, version 1 (the policy serves the
+    latest) leaves the index. A server moves its traffic once, at a single point."""
     repository = tmp_path / "repository"
     old, new = weights(1), weights(2)
     export(repository / "mlp" / "1", old)
     export(tmp_path / "staged", new)
-    service = await processes.start_service(
-        server_args("--model-repository", str(repository), "--model-control-mode", "poll",
-                    "--repository-poll-seconds", "0.2"),
-        name="server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
-    versioned = await request("GET", service.url + "/v2/models/mlp/versions/1/ready")
+    url = await start_front(processes, repository, node)
+    versioned = await request("GET", url + "/v2/models/mlp/versions/1/ready")
     assert versioned.code == 200
 
     x = rows(2, seed=3)
     expected = {"1": np.asarray(mlp(old, x)), "2": np.asarray(mlp(new, x))}
-    loop = Loop(service.url.split("://", 1)[1], x)
+    loop = Loop(url.split("://", 1)[1], x)
     running = deferToThread(loop.run)
     try:
         await until(lambda: len(loop.answers) >= 5 or None, "answers of version 1", 60)
@@ -187,12 +207,18 @@ async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(pro
         await running
     assert not loop.errors, loop.errors[:3]
     versions = [v for v, _ in loop.answers]
-    # Traffic moves once: every answer of version 1 comes before every answer of version 2.
-    assert versions == sorted(versions) and set(versions) == {"1", "2"}, versions
+    assert set(versions) == {"1", "2"}, versions
+    if not node:
+        # One worker moves its traffic once: every answer of version 1 comes first.
+        assert versions == sorted(versions), versions
     for version, y in loop.answers:
         np.testing.assert_allclose(y, expected[version], rtol=1e-5, atol=1e-6)
-    index = await request("POST", service.url + "/v2/repository/index", body=b"{}")
-    assert [(m["name"], m["version"], m["state"]) for m in index.json] == [("mlp", "2", "READY")]
-    assert (await request("GET", service.url + "/v2/models/mlp/versions/2/ready")).code == 200
-    assert (await request("GET", service.url + "/v2/models/mlp/versions/1/ready")).code != 200
+
+    async def only_version_2():
+        index = await request("POST", url + "/v2/repository/index", body=b"{}")
+        listed = [(m["name"], m["version"], m["state"]) for m in index.json]
+        return listed == [("mlp", "2", "READY")] or None
+    await until(only_version_2, "version 2 alone in the index", 30)
+    assert (await request("GET", url + "/v2/models/mlp/versions/2/ready")).code == 200
+    assert (await request("GET", url + "/v2/models/mlp/versions/1/ready")).code != 200
     shutil.rmtree(repository)

@@ -367,7 +367,12 @@ class Worker(service.Service):
                                             timeout=settings.health_timeout_seconds)
             body = yield response.content()
             health = json.loads(body)
+            models = core.health.get("models")
             core.health = health if isinstance(health, dict) else {}
+            if core.healthy and core.health.get("models") != models:
+                # A model loaded, unloaded or of a new version: the gateway
+                # (or the Router) routes by models, so it hears of it now.
+                core.on_change()
             serving = response.code == 200
             # A draining worker answers 503 while it finishes its runs, and a
             # starting one while it compiles its models (minutes, on a GPU,

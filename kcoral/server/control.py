@@ -17,6 +17,8 @@ served until its new load is ready (L{ModelRepository.load_model}).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 
 from twisted.application import service
@@ -34,6 +36,25 @@ log = Logger()
 MODES = ("none", "poll", "explicit")
 #: The C{--load-model} name that stands for every model.
 EVERY_MODEL = "*"
+
+
+#: How much less CPU priority loading gets than serving (a nice value).
+LOADING_NICENESS = 10
+
+
+def _in_background(f, *args):
+    """C{f(*args)} at a lower CPU priority than the threads that serve: a
+    version compiled beside the served one takes the CPU they leave, so
+    that requests meanwhile do not wait on it (Linux gives each thread a
+    priority of its own; elsewhere this changes nothing)."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        me = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me),
+                                                    LOADING_NICENESS))
+        except OSError:
+            pass  # not allowed here: load at the same priority
+    return f(*args)
 
 
 class ModelControl(service.Service):
@@ -82,7 +103,7 @@ class ModelControl(service.Service):
         return super().stopService()
 
     def _in_thread(self, f, *args) -> Deferred:
-        return deferToThreadPool(self._reactor, self._threads, f, *args)
+        return deferToThreadPool(self._reactor, self._threads, _in_background, f, *args)
 
     def _explicit(self, verb: str) -> None:
         if self.mode != "explicit":
