@@ -573,6 +573,20 @@ def kcoral_batch_delay(delay: int) -> list[str]:
     return [flag, str(delay)] if flag in help_text else []
 
 
+def stop_on_signals() -> None:
+    """A SIGTERM ends this process as a Ctrl+C does: through the finally that
+    stops every child. A background job starts with SIGINT ignored."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_all(started: list[Front], directory: Path) -> None:
+    """Stop every front started, the last first, and remove the run's folder."""
+    for front in reversed(started):
+        front.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", help="comma-separated (default 1,4,16,64; --quick 1,16)")
@@ -604,10 +618,7 @@ def main() -> int:
     protocols = args.protocols.split(",")
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     began = time.monotonic()
-    # A SIGTERM ends this process as a Ctrl+C does: through the finally that
-    # stops every child. A background job starts with SIGINT ignored.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_on_signals()
 
     pythons = {}
     if "triton" in fronts:
@@ -669,9 +680,7 @@ def main() -> int:
         print(f"a front did not start: {e}", file=sys.stderr)
         return 1
     finally:
-        for front in reversed(started):
-            front.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_all(started, directory)
     results.update(report(results["cells"]))
     results["wall_seconds"] = time.monotonic() - began
     write_results(results, args.json)
@@ -686,25 +695,21 @@ def main() -> int:
 
 def main_swap(args) -> int:
     """C{--swap}: one gateway, one protocol (the first of C{--protocols}),
-    one concurrency (default 64), windows of C{--seconds} (default 9)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    one concurrency (default 64), windows of C{--seconds} (default 5)."""
+    stop_on_signals()
     concurrency = int((args.concurrency or "64").split(",")[0])
     protocol = args.protocols.split(",")[0]
-    seconds = args.seconds or 9.0
     started: list[Front] = []
     directory = Path(tempfile.mkdtemp(prefix="kcoral-swap-"))
     try:
         model.save_params(directory / "params.npz", model.make_params())
         result = swap(directory, args.gpus, kcoral_batch_delay(args.max_batch_delay), protocol,
-                      concurrency, seconds, started)
+                      concurrency, args.seconds or 5.0, started)
     except ChildFailed as e:
         print(f"the gateway did not start: {e}", file=sys.stderr)
         return 1
     finally:
-        for front in reversed(started):
-            front.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_all(started, directory)
     results = {"command": " ".join(sys.argv), "machine": machine(), "swap": result}
     write_results(results, args.json)
     print(f"\nswap: {result['failed_requests']} failed requests, p99 during / before "

@@ -21,7 +21,15 @@ from twisted.internet.threads import deferToThread
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, kcoral_argv, until
 from tests.httputil import request
-from tests.test_models import GATEWAY, START_TIMEOUT, grpc_address, infer_body, mlp, rows
+from tests.test_models import (
+    GATEWAY,
+    START_TIMEOUT,
+    grpc_address,
+    infer_body,
+    mlp,
+    mlp_params,
+    rows,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -48,9 +56,7 @@ def export(folder: str, name: str, params: dict) -> None:
 def models(tmp_path_factory) -> Models:
     """mlp and other (the same MLP, other weights) and a broken model; a spare bundle of other."""
     root = tmp_path_factory.mktemp("controlled")
-    rng = np.random.default_rng(11)
-    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
-              "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+    params = mlp_params(11)
     for name in ("mlp", "other"):
         export(str(root / name), name, params)
     (root / "broken").mkdir()

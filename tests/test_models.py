@@ -64,15 +64,20 @@ class Repository:
         return np.asarray(mlp(self.params, x))
 
 
+def mlp_params(seed: int) -> dict:
+    """Weights of the MLP (16 -> 32 -> 8) drawn from C{seed}."""
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
+            "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> Repository:
     """A repository with the MLP bundle (16 -> 32 -> 8, batch sizes 1 and 8) and a broken model."""
     import kcoral
 
     root = tmp_path_factory.mktemp("models")
-    rng = np.random.default_rng(7)
-    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
-              "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+    params = mlp_params(7)
     kcoral.export_bundle(mlp, params, np.zeros((1, 16), np.float32), dir=str(root / "mlp"),
                          name="mlp", batch_sizes=[1, 8])
     (root / "broken").mkdir()

@@ -31,7 +31,7 @@ from kcoral.models.versions import (
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, kcoral_argv, until
 from tests.httputil import request
-from tests.test_models import GATEWAY, START_TIMEOUT, mlp, rows
+from tests.test_models import GATEWAY, START_TIMEOUT, mlp, mlp_params, rows
 
 httpclient = pytest.importorskip("tritonclient.http")
 
@@ -115,12 +115,6 @@ def test_the_stamp_changes_with_a_new_version_or_policy(tmp_path):
 
 # -- a version swapped in under load --------------------------------------------------------
 
-def weights(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
-            "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
-
-
 def export(folder, params) -> None:
     import kcoral
 
@@ -184,7 +178,7 @@ async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(pro
     wholly version 1's or 2's, and once version 2 answers, version 1 (the policy serves the
     latest) leaves the index. A server moves its traffic once, at a single point."""
     repository = tmp_path / "repository"
-    old, new = weights(1), weights(2)
+    old, new = mlp_params(1), mlp_params(2)
     export(repository / "mlp" / "1", old)
     export(tmp_path / "staged", new)
     url = await start_front(processes, repository, node)
