@@ -625,3 +625,21 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     await check_refused_at_once(router)
     await check_statistics(router)
     assert (await request("GET", router.url + "/readyz")).code == 200
+
+
+@pytest_twisted.ensureDeferred
+async def test_router_applies_model_control_to_every_node(routed):
+    """A load through the Router goes to every node's worker, and its refusal names each
+    one with its reason (these nodes load every model at start: no load on request)."""
+    from kcoral import AsyncClient, BadRequest
+
+    client = AsyncClient(routed.router.url)
+    try:
+        with pytest.raises(BadRequest) as refused:
+            await client.load_model("mlp")
+    finally:
+        await client.close()
+    message = str(refused.value)
+    assert "on 2 of 2 member(s)" in message, message
+    assert "n0/worker0" in message and "n1/worker0" in message, message
+    assert "--model-control-mode explicit" in message, message
