@@ -216,3 +216,39 @@ async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(pro
     assert (await request("GET", url + "/v2/models/mlp/versions/2/ready")).code == 200
     assert (await request("GET", url + "/v2/models/mlp/versions/1/ready")).code != 200
     shutil.rmtree(repository)
+
+
+def infer_version(address: str, x: np.ndarray, version: str = "") -> tuple[str, np.ndarray]:
+    client = httpclient.InferenceServerClient(address, network_timeout=60)
+    try:
+        given = httpclient.InferInput("input", list(x.shape), "FP32")
+        given.set_data_from_numpy(x, binary_data=True)
+        result = client.infer("mlp", [given], model_version=version)
+        return result.get_response()["model_version"], result.as_numpy("output")
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_every_version_of_an_all_policy_is_served_and_addressed(processes, tmp_path):
+    """With version_policy all, both versions are listed and ready; a request without a
+    version goes to the highest, one to /versions/1 to version 1."""
+    repository = tmp_path / "repository"
+    params = {"1": mlp_params(1), "2": mlp_params(2)}
+    for version, weights in params.items():
+        export(repository / "mlp" / version, weights)
+    (repository / "mlp" / "config.json").write_text(json.dumps({"version_policy": {"all": {}}}))
+    service = await processes.start_service(
+        server_args("--model-repository", str(repository)), name="server", ready=SERVER_READY,
+        env=server_env(), timeout=START_TIMEOUT)
+    index = await request("POST", service.url + "/v2/repository/index", body=b"{}")
+    assert [(m["version"], m["state"]) for m in index.json] == [("1", "READY"), ("2", "READY")]
+    metadata = await request("GET", service.url + "/v2/models/mlp")
+    assert metadata.json["versions"] == ["1", "2"]
+    x = rows(2, seed=4)
+    address = service.url.split("://", 1)[1]
+    for asked, answered in (("", "2"), ("1", "1"), ("2", "2")):
+        version, y = await deferToThread(infer_version, address, x, asked)
+        assert version == answered
+        np.testing.assert_allclose(y, np.asarray(mlp(params[answered], x)), rtol=1e-5, atol=1e-6)
+    assert (await request("GET", service.url + "/v2/models/mlp/versions/3/ready")).code == 404

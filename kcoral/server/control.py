@@ -90,10 +90,19 @@ class ModelControl(service.Service):
         super().startService()
         self._threads.start()
 
+    def load_at_start(self, device) -> None:
+        """
+        Load the models of the start onto C{device} (in a thread: it blocks).
+        In poll mode the repository's stamps are read first, so that a model
+        that changes while the start loads is loaded again at the first poll.
+        """
+        if self.mode == "poll":
+            self._stamps = self.repository.stamps()
+        self.repository.load(device, self.at_start)
+
     def started(self) -> None:
         """The models of the start are loaded: polling (if asked for) begins."""
         if self.mode == "poll" and self.running:
-            self._stamps = self.repository.stamps()
             self._poll.start(self._poll_seconds, now=False)
 
     def stopService(self):

@@ -126,7 +126,14 @@ class ServerInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: model_metadata_of(self._model(name, version).manifest))
+        def metadata() -> dict:
+            value = model_metadata_of(self._model(name, version).manifest)
+            if version is None:
+                # The model as a whole: every version it serves now.
+                value["versions"] = [m["version"] for m in self.index()
+                                     if m["name"] == name and m["state"] == READY]
+            return value
+        return maybeDeferred(metadata)
 
     def model_config(self, name, version) -> Deferred:
         return maybeDeferred(lambda: model_config_of(self._model(name, version).manifest))

@@ -136,8 +136,7 @@ class ServerService(service.MultiService):
             if self.control is not None:
                 # Every model compiled before the server says it is ready.
                 yield deferToThreadPool(self._reactor, self._threadpool,
-                                        self.control.repository.load, self.executor.device,
-                                        self.control.at_start)
+                                        self.control.load_at_start, self.executor.device)
                 self.control.started()
         except RepositoryError as e:
             self.app.status = FAILED
