@@ -189,7 +189,7 @@ class AsyncClient:
 
     def load_model(self, name: str) -> Deferred:
         """A Deferred of model C{name} loaded (again) on every worker, as
-        L{kcoral.client.sync.Client.load_model}."""
+        C{Client.load_model}."""
         return self._control(name, "load")
 
     def unload_model(self, name: str) -> Deferred:
@@ -206,7 +206,7 @@ class AsyncClient:
     @inlineCallbacks
     def model_statistics(self, name: str | None = None):
         """A Deferred of the statistics of model C{name} (None: of every
-        ready model), as L{kcoral.client.sync.Client.model_statistics}."""
+        ready model), as C{Client.model_statistics}."""
         answer = yield self._request("GET", statistics_path(name), None)
         if answer.status != 200:
             raise error_of(answer)
