@@ -151,10 +151,17 @@ class ModelControl(service.Service):
         except Exception as e:
             log.warn("the model repository could not be read: {why}", why=e)
             return
-        before, self._stamps = self._stamps, stamps
-        for name in sorted(set(before) - set(stamps)):
+        gone, changed = changes(self._stamps, stamps)
+        self._stamps = stamps
+        for name in gone:
             self.repository.forget(name)
-        for name in sorted(stamps):
-            if before.get(name) != stamps[name]:
-                log.info("model {name} is new or changed in the repository: loading it", name=name)
-                yield self._in_thread(self.repository.load_model, name, self._device())
+        for name in changed:
+            log.info("model {name} is new or changed in the repository: loading it", name=name)
+            yield self._in_thread(self.repository.load_model, name, self._device())
+
+
+def changes(before: dict[str, tuple], after: dict[str, tuple]) -> tuple[list[str], list[str]]:
+    """The models gone between two reads of a repository's stamps, and those
+    new or changed, each in name order."""
+    return (sorted(set(before) - set(after)),
+            sorted(name for name, stamp in after.items() if before.get(name) != stamp))
