@@ -86,12 +86,17 @@ class RouterInference:
                                 reason="model_unavailable")
         return ready
 
-    def _holder(self, name: str, version: str | None) -> Member:
+    def _serving_members(self, name: str, version: str | None) -> list[Member]:
+        """The members that have the model ready; L{ServerBusy} (503, to
+        retry) while none has yet, some loading it or starting."""
         ready = self._ready_members(name, version)
         if not ready:
             raise ServerBusy(f"model {name!r} is loading: no member has it ready yet",
                              reason="model_loading")
-        return min(ready, key=lambda m: m.active / (m.capacity or 1))
+        return ready
+
+    def _holder(self, name: str, version: str | None) -> Member:
+        return min(self._serving_members(name, version), key=lambda m: m.active / (m.capacity or 1))
 
     @inlineCallbacks
     def _ask(self, name: str, version: str | None, tail: str):
@@ -212,9 +217,9 @@ class RouterInference:
         return maybeDeferred(lambda: self._infer(name, version, call))
 
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
-        # A model no member lists is unknown (404); one listed but ready on
-        # no member the scheduler refuses at once (503 no_ready_node).
-        ready = self._ready_members(name, version)
+        # A model no member lists is unknown (404), one every member failed
+        # to load is refused (400), one no member has ready yet is busy (503).
+        ready = self._serving_members(name, version)
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
         request = forwarded(_path(name, version, "/infer"), call)
         span = self._tracing.start("kcoral.router.infer", request.requestHeaders,
