@@ -36,8 +36,6 @@ log = Logger()
 MODES = ("none", "poll", "explicit")
 #: The C{--load-model} name that stands for every model.
 EVERY_MODEL = "*"
-
-
 #: How much less CPU priority loading gets than serving (a nice value).
 LOADING_NICENESS = 10
 
