@@ -50,6 +50,15 @@ before and after each cell.
 (``gateway-invariant``) beside the first in every round: the cost of a
 row's bytes not depending on its batch, in inferences/s and p99.
 
+``--swap`` measures instead a new version of the model taking over under
+load: the gateway's node in poll mode (``--repository-poll-seconds 0.5``)
+serves version 1 (``models/mlp/1``); a closed loop of ``--concurrency``
+(default 64) tritonclient connections runs a window before, then a window
+during which version 2 (other weights) is moved into ``models/mlp/2``, is
+loaded and compiled by both workers beside version 1, and takes the
+traffic. Targets: no failed request, and p99 during the swap <= 2x p99
+before it.
+
 Targets: the gateway >= 1.2x Triton's throughput from concurrency 16 on
 with the same or a lower p99, >= 0.9x at concurrency 1; >= 3x KServe's
 from 16 on; the Router >= 0.9x the gateway; a mean batch at concurrency
@@ -73,6 +82,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -525,6 +535,72 @@ def report(cells: list[dict]) -> dict:
     return {"ratios": ratios}
 
 
+def export_bundle(params_path: Path, folder: Path) -> None:
+    """The model's bundle of the params at C{params_path}, written to C{folder}
+    (exported in a child: this process's JAX is the floor's, on the device
+    under test)."""
+    code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
+            "import serving_model as m; "
+            f"kcoral.export_bundle(m.mlp, m.load_params({str(params_path)!r}), "
+            f"np.zeros((1, m.ROWS), np.float32), dir={str(folder)!r}, "
+            f"name=m.NAME, batch_sizes={list(BATCH_SIZES)})")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+
+
+def served_versions(front: Front) -> list[str]:
+    """The versions of the model the front's repository index says are ready."""
+    request = urllib.request.Request(f"http://{front.targets['http']}/v2/repository/index",
+                                     data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return [m["version"] for m in json.load(answer)
+                if m["name"] == model.NAME and m["state"] == "READY"]
+
+
+def swap(directory: Path, gpus: str, delay: list[str], protocol: str, concurrency: int,
+         seconds: float, started: list[Front]) -> dict:
+    """A window of load before, and one during a swap to version 2 (see the module's text)."""
+    model.save_params(directory / "v2.npz", model.make_params(seed=1))
+    export_bundle(directory / "params.npz", directory / "models" / model.NAME / "1")
+    export_bundle(directory / "v2.npz", directory / "staged")
+    polled = [*delay, "--model-control-mode", "poll", "--repository-poll-seconds", "0.5"]
+    front = start_gateway(started, directory / "models", gpus, polled)
+    loop = {"seconds": seconds, "warmup": 1.0}
+    before = cell(front, protocol, concurrency, loop_load, **loop)
+    print(f"  before: {before['throughput']:,.0f}/s p99 {fmt(before['p99_ms'], '.2f')} ms", flush=True)
+    # Moved in as the measured window opens (after 2 s of connecting and
+    # 1 s of warm-up), and the window lasts three times as long: the load,
+    # the compile and the move of the traffic fall inside it (the result
+    # says whether they did).
+    moved_at: list[float] = []
+    served_at: list[float] = []
+
+    def move() -> None:
+        os.rename(directory / "staged", directory / "models" / model.NAME / "2")
+        moved_at.append(time.monotonic())
+        until(lambda: served_versions(front) == ["2"], "version 2 served alone", 300, interval=0.1)
+        served_at.append(time.monotonic())
+
+    mover = threading.Thread(target=move, daemon=True)
+    timer = threading.Timer(3.0, mover.start)
+    timer.start()
+    window_end = time.monotonic() + 3.0 + 3 * seconds
+    try:
+        during = cell(front, protocol, concurrency, loop_load, **{**loop, "seconds": 3 * seconds})
+    finally:
+        timer.cancel()
+    mover.join(300)
+    swap_seconds = served_at[0] - moved_at[0] if served_at and moved_at else None
+    print(f"  during: {during['throughput']:,.0f}/s p99 {fmt(during['p99_ms'], '.2f')} ms, "
+          f"errors {during['errors']}, version 2 served alone {fmt(swap_seconds, '.1f')} s "
+          "after it was moved in", flush=True)
+    return {"protocol": protocol, "concurrency": concurrency, "before": before, "during": during,
+            "swap_seconds": swap_seconds,
+            "swap_within_window": bool(served_at) and served_at[0] <= window_end,
+            "p99_ratio": during["p99_ms"] / before["p99_ms"] if before["p99_ms"] else None,
+            "failed_requests": during["errors"] + before["errors"]}
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -539,6 +615,20 @@ def kcoral_batch_delay(delay: int) -> list[str]:
                                capture_output=True, text=True, cwd=ROOT).stdout
     flag = "--max-batch-delay-microseconds"
     return [flag, str(delay)] if flag in help_text else []
+
+
+def stop_on_signals() -> None:
+    """A SIGTERM ends this process as a Ctrl+C does: through the finally that
+    stops every child. A background job starts with SIGINT ignored."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stop_all(started: list[Front], directory: Path) -> None:
+    """Stop every front started, the last first, and remove the run's folder."""
+    for front in reversed(started):
+        front.stop()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def main() -> int:
@@ -562,8 +652,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also measure the gateway of a node started with --batch-invariant")
+    parser.add_argument("--swap", action="store_true",
+                        help="measure a swap to a new model version under load (the gateway only)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.swap:
+        return main_swap(args)
     fronts = [name for item in args.fronts.split(",")
               for name in (("gateway", "router") if item == "kcoral" else (item,))]
     unknown = set(fronts) - set(FRONTS) - set(OTHER_FRONTS)
@@ -578,10 +672,7 @@ def main() -> int:
     protocols = args.protocols.split(",")
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     began = time.monotonic()
-    # A SIGTERM ends this process as a Ctrl+C does: through the finally that
-    # stops every child. A background job starts with SIGINT ignored.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_on_signals()
 
     pythons = {}
     if "triton" in fronts:
@@ -602,14 +693,7 @@ def main() -> int:
         delay = kcoral_batch_delay(args.max_batch_delay)
         results["kcoral_batch_delay_flag"] = bool(delay)
         if {"gateway", "router", "server"} & set(fronts):
-            code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
-                    "import serving_model as m; "
-                    f"kcoral.export_bundle(m.mlp, m.load_params({str(directory / 'params.npz')!r}), "
-                    f"np.zeros((1, m.ROWS), np.float32), dir={str(directory / 'models' / model.NAME)!r}, "
-                    f"name=m.NAME, batch_sizes={list(BATCH_SIZES)})")
-            # Exported in a child: this process's JAX is the floor's, on the device under test.
-            subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+            export_bundle(directory / "params.npz", directory / "models" / model.NAME)
         pa = {"perf_analyzer": perf_analyzer, "seconds": seconds, "trials": 5 if args.quick else 10,
               "directory": directory}
         loop = {"seconds": 2 * seconds, "warmup": seconds}
@@ -674,9 +758,7 @@ def main() -> int:
         print(f"a front did not start: {e}", file=sys.stderr)
         return 1
     finally:
-        for front in reversed(started):
-            front.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        stop_all(started, directory)
     results.update(report(results["cells"]))
     results["wall_seconds"] = time.monotonic() - began
     write_results(results, args.json)
@@ -688,6 +770,31 @@ def main() -> int:
     found += [f"floor {c['concurrency']} {c['throughput']:,.0f}/s"
               for c in results["cells"] if c["front"] == "floor"]
     print(f"\nserving: {len(results['cells'])} cells in {results['wall_seconds']:.0f} s; {'; '.join(found)}")
+    return 0
+
+
+def main_swap(args) -> int:
+    """C{--swap}: one gateway, one protocol (the first of C{--protocols}),
+    one concurrency (default 64), windows of C{--seconds} (default 5)."""
+    stop_on_signals()
+    concurrency = int((args.concurrency or "64").split(",")[0])
+    protocol = args.protocols.split(",")[0]
+    started: list[Front] = []
+    directory = Path(tempfile.mkdtemp(prefix="kcoral-swap-"))
+    try:
+        model.save_params(directory / "params.npz", model.make_params())
+        result = swap(directory, args.gpus, kcoral_batch_delay(args.max_batch_delay), protocol,
+                      concurrency, args.seconds or 5.0, started)
+    except ChildFailed as e:
+        print(f"the gateway did not start: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(started, directory)
+    results = {"command": " ".join(sys.argv), "machine": machine(), "swap": result}
+    write_results(results, args.json)
+    print(f"\nswap: {result['failed_requests']} failed requests, p99 during / before "
+          f"{fmt(result['p99_ratio'], '.2f')}x, version 2 alone after "
+          f"{fmt(result['swap_seconds'], '.1f')} s (within the window: {result['swap_within_window']})")
     return 0
 
 

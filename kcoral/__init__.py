@@ -12,6 +12,7 @@ from kcoral.errors import (
     BadRequest,
     KCoralError,
     NodeFailure,
+    NotFound,
     ProgramExportError,
     ProgramFailed,
     ProgramRejected,
@@ -19,7 +20,7 @@ from kcoral.errors import (
 )
 
 __all__ = ["ArrayLost", "AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure",
-           "Program", "ProgramExportError", "ProgramFailed", "ProgramRejected", "RemoteArray",
+           "NotFound", "Program", "ProgramExportError", "ProgramFailed", "ProgramRejected", "RemoteArray",
            "ServerBusy", "__version__", "export_bundle"]
 
 

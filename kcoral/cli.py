@@ -19,6 +19,7 @@ from twisted.python import usage
 from kcoral import status
 from kcoral._version import __version__
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.options import SettingError
 from kcoral.taps import node as node_tap
 from kcoral.taps import router as router_tap
 
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     except usage.UsageError as e:
         command = f"kcoral {config.subCommand}" if config.subCommand else "kcoral"
         print(f"{command}: error: {e}", file=sys.stderr)
-        print(f"Try '{command} --help'.", file=sys.stderr)
+        if not isinstance(e, SettingError):
+            print(f"Try '{command} --help'.", file=sys.stderr)
         return 2
     subcommand = config.subCommand
     assert subcommand is not None  # postOptions refuses a missing command

@@ -21,6 +21,8 @@ class KCoralError(Exception):
         C{no_ready_node}, C{draining}; for 422: C{not_enough_devices},
         C{arrays_apart}).
     @ivar request_id: the request id the service reported, if any.
+    @ivar relayed: whether another KCoral process answered it (and logged
+        it): a front that passes it on need not log it again.
     """
 
     status = 500
@@ -33,6 +35,7 @@ class KCoralError(Exception):
         self.reason = reason
         self.request_id = request_id
         self.details = details or {}
+        self.relayed = False
 
     def __str__(self) -> str:
         text = self.message
@@ -61,6 +64,13 @@ class NotFound(BadRequest):
 
     status = 404
     type = "not_found"
+
+
+class ModelNotReady(BadRequest):
+    """400: the model failed to load or was unloaded; its state and reason
+    are in the message. Not a 503: waiting would not help."""
+
+    type = "model_not_ready"
 
 
 class MethodNotAllowed(BadRequest):
@@ -205,6 +215,7 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
 #: client catches as the class they refine.
 ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     NotFound,
+    ModelNotReady,
     MethodNotAllowed,
     RequestTimeout,
     NodeConflict,
@@ -213,7 +224,10 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     InternalError,
 )
 
-ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {cls.status: cls for cls in CLIENT_ERRORS}
+#: The class of each status: the client's, and the finer ones whose status
+#: no client error has (404 is L{NotFound}).
+ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {
+    **{cls.status: cls for cls in ERRORS}, **{cls.status: cls for cls in CLIENT_ERRORS}}
 
 
 def error_body(error: KCoralError, request_id: str) -> dict:
@@ -225,14 +239,18 @@ def error_body(error: KCoralError, request_id: str) -> dict:
     return {"error": body}
 
 
-def error_from_answer(status: int, content: bytes) -> KCoralError:
+def error_from_answer(status: int, content: bytes, request_id: str | None = None) -> KCoralError:
     """The exception an error answer of C{status} with C{content} stands for,
-    whether or not C{content} is a KCoral JSON error."""
+    whether or not C{content} is a KCoral JSON error; C{request_id} is the
+    request's, where the body names none (the inference protocol's do not)."""
     try:
         body = json.loads(content)
     except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         body = None
-    return error_from_body(status, body, content[:200].decode("utf-8", "replace"))
+    error = error_from_body(status, body, content[:200].decode("utf-8", "replace"))
+    error.request_id = error.request_id or request_id
+    error.relayed = True
+    return error
 
 
 def error_from_body(status: int, body: dict | None, fallback: str) -> KCoralError:

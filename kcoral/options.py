@@ -102,6 +102,11 @@ TLS_CLIENT_CA = "PEM CA that must sign clients' certificates (mutual TLS; needs 
 CLIENT_AUTH_OPTIONS = ("client-token", "client-tokens-file", "tls-client-ca")
 
 
+class SettingError(usage.UsageError):
+    """A setting that names what is not there (a folder, a file): said in
+    one line, without the hint to read C{--help}, which would not help."""
+
+
 def check_listen(options) -> None:
     if options["listen"] and (options["tls-cert"] or options["tls-key"]):
         raise usage.UsageError("--listen takes the place of --tls-cert and --tls-key: name the "
@@ -198,7 +203,11 @@ class KCoralOptions(usage.Options):
         filled = set()
         for option, variable in self.environment.items():
             if option not in self.named and os.environ.get(variable):
-                self[option] = os.environ[variable]
+                coerce = self.coercions.get(option, str)
+                try:
+                    self[option] = coerce(os.environ[variable])
+                except ValueError as e:
+                    raise usage.UsageError(f"{variable}: {e}") from None
                 filled.add(option)
         return filled
 

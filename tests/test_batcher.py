@@ -243,3 +243,20 @@ def test_a_short_batch_that_cannot_grow_does_not_wait_for_the_delay():
     assert len(server.running) == 1  # the five rows went without waiting
     server.finish()
     assert [len(e) for e in model.executions] == [1, 5]
+
+
+def test_each_executed_batch_is_told_how_long_it_ran():
+    """The statistics are told each execution's rows, requests and time, once it ran (not a failed one)."""
+    model, server, clock = RecordingModel(), Server(), Clock()
+    executed: list[tuple[int, int, float]] = []
+    b = Batcher(model, admitted=server.admitted, release=server.release,
+                in_thread=server.in_thread, clock=clock,
+                executed=lambda rows, requests, seconds: executed.append((rows, requests, seconds)))
+    b.infer({"input": rows(0)}, 1, "alone")
+    b.infer({"input": rows(1, 2)}, 2, "a")
+    b.infer({"input": rows(3)}, 1, "b")
+    clock.advance(0.25)
+    server.finish()
+    clock.advance(0.5)
+    server.finish()
+    assert executed == [(1, 1, 0.25), (3, 2, 0.5)]

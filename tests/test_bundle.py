@@ -221,3 +221,15 @@ def test_wrong_params_count_refused(tmp_path):
     manifest.write_text(json.dumps(value))
     with pytest.raises(BundleError, match=f"{PARAMS}: holds 4 tensors, {MANIFEST} says 3"):
         read_bundle(tmp_path / "mlp")
+
+
+def test_bundle_files_take_the_users_umask(tmp_path):
+    """A bundle's files get the mode of any file their user creates (0666 less the umask):
+    with umask 027 the group can read them, so another account of the group can serve them."""
+    old = os.umask(0o027)
+    try:
+        export_mlp(tmp_path / "mlp")
+    finally:
+        os.umask(old)
+    modes = {entry.name: entry.stat().st_mode & 0o777 for entry in os.scandir(tmp_path / "mlp")}
+    assert modes and all(mode == 0o640 for mode in modes.values()), modes

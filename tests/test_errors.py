@@ -15,7 +15,9 @@ from kcoral.errors import (
     BadRequest,
     KCoralError,
     MissingContent,
+    ModelNotReady,
     NodeFailure,
+    NotFound,
     PayloadTooLarge,
     ProgramExportError,
     ProgramFailed,
@@ -87,7 +89,7 @@ def test_busy_reason_is_kept():
     assert isinstance(back, ServerBusy) and back.reason == "queue_full"
 
 
-@pytest.mark.parametrize("status, cls", [(404, BadRequest), (405, BadRequest), (418, BadRequest),
+@pytest.mark.parametrize("status, cls", [(418, BadRequest), (421, BadRequest), (451, BadRequest),
                                          (501, ProgramFailed), (504, ProgramFailed)])
 def test_unknown_statuses_fall_back_by_class(status, cls):
     """An unknown 4xx rebuilds as BadRequest and an unknown 5xx as ProgramFailed."""
@@ -162,3 +164,18 @@ def test_every_reason_a_service_sends_is_documented():
                 reasons.add(node.value.value)
     assert reasons, "no reason found: the scan is broken"
     assert {r for r in reasons if f"``{r}``" not in table} == set()
+
+
+def test_an_inference_404_is_not_found_and_names_its_request():
+    """An inference protocol 404 is NotFound (a BadRequest), with the request id the client sent."""
+    error = error_from_answer(404, b'{"error": "unknown model \'m\'"}', "req-404")
+    assert type(error) is NotFound and isinstance(error, BadRequest)
+    assert error.request_id == "req-404" and "req-404" in str(error)
+    assert error_from_answer(404, b'{"error": {"message": "m", "request_id": "own"}}',
+                             "sent").request_id == "own"
+
+
+def test_a_model_that_cannot_serve_is_a_400_that_says_so():
+    """A model that failed to load is a 400 (fix or load it), never a 503 to wait on."""
+    assert ModelNotReady.status == 400 and issubclass(ModelNotReady, BadRequest)
+    assert not issubclass(ModelNotReady, ServerBusy)

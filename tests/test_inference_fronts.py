@@ -82,6 +82,19 @@ class DoubleFront:
     def repository_index(self):
         return defer.succeed([{"name": "double", "version": "1", "state": "READY", "reason": ""}])
 
+    def load_model(self, name):
+        self._model(name)
+        return defer.succeed({"models": [{"name": name, "version": "1", "state": "READY"}]})
+
+    def unload_model(self, name):
+        self._model(name)
+        return defer.succeed({"models": [{"name": name, "version": "1", "state": "UNAVAILABLE"}]})
+
+    def model_statistics(self, name, version):
+        self._model(name or "double")
+        return defer.succeed({"model_stats": [{"name": "double", "version": "1",
+                                               "inference_count": 3}]})
+
     def infer(self, name, version, call):
         return defer.maybeDeferred(self._infer, name, call)
 
@@ -154,6 +167,10 @@ def http_calls(url: str, headers: dict):
             "config": client.get_model_config("double", headers=headers),
             "model_ready": client.is_model_ready("double", headers=headers),
             "index": client.get_model_repository_index(headers=headers),
+            "stats": client.get_inference_statistics("double", headers=headers),
+            "all_stats": client.get_inference_statistics(headers=headers),
+            "load": client.load_model("double", headers=headers),
+            "unload": client.unload_model("double", headers=headers),
         }
         for binary in (False, True):
             infer_input = httpclient.InferInput("x", [2, 4], "FP32")
@@ -173,12 +190,16 @@ async def test_http_client(served):
     results = await in_thread(http_calls, served.http, served.headers)
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"] == {"name": "kcoral", "version": "9.9",
-                                 "extensions": ["binary_tensor_data", "model_configuration"]}
+                                 "extensions": ["binary_tensor_data", "model_configuration",
+                                                "model_repository", "statistics"]}
     assert results["metadata"] == results["versioned"] == model_metadata_of(MANIFEST)
     assert results["metadata"]["inputs"][0]["shape"] == [-1, 4]
     assert results["config"]["max_batch_size"] == 8
     assert results["config"]["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}]
     assert results["index"] == [{"name": "double", "version": "1", "state": "READY", "reason": ""}]
+    assert results["stats"] == results["all_stats"] == {"model_stats": [
+        {"name": "double", "version": "1", "inference_count": 3}]}
+    assert results["load"] is None and results["unload"] is None  # tritonclient: no error
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     for binary in (False, True):
         y, rid = results[f"infer{binary}"]
@@ -266,6 +287,9 @@ def grpc_calls(url: str, headers: dict):
             "config": client.get_model_config("double", headers=headers, as_json=True),
             "model_ready": client.is_model_ready("double", headers=headers),
             "index": client.get_model_repository_index(headers=headers, as_json=True),
+            "stats": client.get_inference_statistics("double", headers=headers, as_json=True),
+            "load": client.load_model("double", headers=headers),
+            "unload": client.unload_model("double", headers=headers),
             "infer": (result.as_numpy("y"), result.get_response().id),
         }
     finally:
@@ -278,12 +302,15 @@ async def test_grpc_client(served):
     results = await in_thread(grpc_calls, served.grpc, served.metadata)
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"]["name"] == "kcoral"
-    assert results["server"]["extensions"] == ["binary_tensor_data", "model_configuration"]
+    assert results["server"]["extensions"] == ["binary_tensor_data", "model_configuration",
+                                                "model_repository", "statistics"]
     assert results["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     config = results["config"]["config"]
     assert config["max_batch_size"] == 8
     assert config["input"][0]["data_type"] == "TYPE_FP32" and config["input"][0]["dims"] == ["4"]
     assert results["index"]["models"] == [{"name": "double", "version": "1", "state": "READY"}]
+    [stats] = results["stats"]["model_stats"]
+    assert (stats["name"], stats["version"], stats["inference_count"]) == ("double", "1", "3")
     y, rid = results["infer"]
     np.testing.assert_array_equal(y, 2 * np.arange(8, dtype=np.float32).reshape(2, 4))
     assert rid == "g7"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import attrs
 import numpy as np
@@ -65,15 +66,20 @@ class Repository:
         return np.asarray(mlp(self.params, x))
 
 
+def mlp_params(seed: int) -> dict:
+    """Weights of the MLP (16 -> 32 -> 8) drawn from C{seed}."""
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
+            "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> Repository:
     """A repository with the MLP bundle (16 -> 32 -> 8, batch sizes 1 and 8) and a broken model."""
     import kcoral
 
     root = tmp_path_factory.mktemp("models")
-    rng = np.random.default_rng(7)
-    params = {"w1": rng.standard_normal((16, 32)).astype(np.float32) / 4,
-              "w2": rng.standard_normal((32, 8)).astype(np.float32) / 4}
+    params = mlp_params(7)
     kcoral.export_bundle(mlp, params, np.zeros((1, 16), np.float32), dir=str(root / "mlp"),
                          name="mlp", batch_sizes=[1, 8])
     (root / "broken").mkdir()
@@ -444,6 +450,98 @@ async def test_counts_that_int_would_take_are_refused(server):
     assert (await request("GET", server.url + "/readyz")).code == 200
 
 
+async def check_refused_at_once(front: Front) -> None:
+    """
+    The broken model is refused at once on every path, with its state and
+    reason: REST 400 (no Retry-After), gRPC FAILED_PRECONDITION, and
+    C{Client.infer} a L{BadRequest} naming its request; an unknown model is
+    C{NotFound} (404) with its request id.
+    """
+    from kcoral import AsyncClient, BadRequest, NotFound, ServerBusy
+
+    started = time.monotonic()
+    refused = await request("POST", front.url + "/v2/models/broken/infer", body=infer_body(),
+                            headers={"Content-Type": "application/json"})
+    assert refused.code == 400 and refused.request_id, refused
+    message = refused.json["error"]
+    assert "'broken'" in message and "UNAVAILABLE" in message and "model.json" in message, message
+    assert not refused.headers.getRawHeaders(b"Retry-After"), refused
+    error = await deferToThread(grpc_error, front.grpc, "broken", rows(1))
+    assert "FAILED_PRECONDITION" in str(error.status()), error
+    assert "UNAVAILABLE" in error.message() and "model.json" in error.message(), error
+
+    client = AsyncClient(front.url)
+    try:
+        with pytest.raises(BadRequest) as failed:
+            await client.infer("broken", rows(1))
+        assert not isinstance(failed.value, ServerBusy)
+        assert failed.value.status == 400 and failed.value.request_id, failed.value
+        assert "model.json" in str(failed.value) and failed.value.request_id in str(failed.value)
+        with pytest.raises(NotFound) as unknown:
+            await client.infer("nope", rows(1), request_id="unknown-1")
+        assert unknown.value.status == 404 and unknown.value.request_id == "unknown-1"
+    finally:
+        await client.close()
+    # Nothing waited in a queue or for a retry.
+    assert time.monotonic() - started < 20
+
+
+def grpc_statistics(address: str, model: str) -> dict:
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        return client.get_inference_statistics(model, as_json=True)
+    finally:
+        client.close()
+
+
+async def check_statistics(front: Front) -> dict:
+    """
+    Two inferences of 3 rows through C{front} count 6 rows and 2 successes,
+    each with its queue and compute times, in Triton's form, read by
+    C{Client.model_statistics} and by tritonclient over gRPC; the list of
+    every model's holds mlp and not the broken model. The statistics after.
+    """
+    from kcoral import AsyncClient
+
+    client = AsyncClient(front.url)
+    try:
+        [before] = (await client.model_statistics("mlp"))["model_stats"]
+        for seed in (1, 2):
+            await client.infer("mlp", rows(3, seed=seed))
+        [after] = (await client.model_statistics("mlp"))["model_stats"]
+        every = await client.model_statistics()
+    finally:
+        await client.close()
+    assert (after["name"], after["version"]) == ("mlp", "1")
+    assert after["inference_count"] - before["inference_count"] == 6
+    assert 1 <= after["execution_count"] - before["execution_count"] <= 2
+    stats, was = after["inference_stats"], before["inference_stats"]
+    for duration in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert stats[duration]["count"] - was[duration]["count"] == 2, (duration, before, after)
+    assert stats["success"]["ns"] - was["success"]["ns"] \
+        >= stats["compute_infer"]["ns"] - was["compute_infer"]["ns"] > 0
+    assert after["last_inference"] >= before["last_inference"] and after["last_inference"] > 0
+    assert any(b["batch_size"] == 3 for b in after["batch_stats"]), after["batch_stats"]
+    assert [m["name"] for m in every["model_stats"]] == ["mlp"], every
+    [by_grpc] = (await deferToThread(grpc_statistics, front.grpc, "mlp"))["model_stats"]
+    assert int(by_grpc["inference_count"]) >= after["inference_count"], (by_grpc, after)
+    server = await request("GET", front.url + "/v2")
+    assert "statistics" in server.json["extensions"], server.json
+    return after
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_counts_statistics(server):
+    """A standalone server counts each model's statistics where it runs them."""
+    await check_statistics(server)
+
+
+@pytest_twisted.ensureDeferred
+async def test_server_refuses_a_broken_model_at_once(server):
+    """A standalone server refuses a model that failed to load at once, with its reason."""
+    await check_refused_at_once(server)
+
+
 # -- a node of two CPU workers, from a node file ----------------------------------------------
 
 @attrs.define
@@ -549,6 +647,36 @@ async def test_batch_invariant_gateway_gives_each_row_the_bytes_it_gets_alone(in
 
 
 @pytest_twisted.ensureDeferred
+async def test_gateway_sums_its_workers_statistics(node):
+    """The gateway's statistics of a model are the sum of its workers' own."""
+    await check_statistics(node)
+    health = (await request("GET", node.url + "/health", timeout=10)).json
+    workers = [(await request("GET", w["url"] + "/v2/models/mlp/stats")).json["model_stats"][0]
+               for w in health["workers"]]
+    [total] = (await request("GET", node.url + "/v2/models/mlp/stats")).json["model_stats"]
+    assert total["inference_count"] == sum(w["inference_count"] for w in workers) > 0
+    assert total["inference_stats"]["success"] == {
+        "count": sum(w["inference_stats"]["success"]["count"] for w in workers),
+        "ns": sum(w["inference_stats"]["success"]["ns"] for w in workers)}
+    assert total["last_inference"] == max(w["last_inference"] for w in workers)
+
+
+@pytest_twisted.ensureDeferred
+async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(node):
+    """The gateway refuses a model every worker failed to load at once, with its reason;
+    a request a worker refuses is logged once by the worker and once by the gateway."""
+    await check_refused_at_once(node)
+    answer = await request("POST", node.url + "/v2/models/mlp/infer",
+                           body=infer_body(shape=(9, 16)),
+                           headers={"Content-Type": "application/json", "X-Request-ID": "once-1"})
+    assert answer.code == 400, answer
+    await node.process.wait_for_line(r"\[worker\d\] .*once-1 answered 400", 30)
+    gateway = [line for line in node.process.matching("once-1") if "[worker" not in line]
+    assert len(gateway) == 1, node.process.matching("once-1")
+    assert len(node.process.matching("once-1")) == 2, node.process.matching("once-1")
+
+
+@pytest_twisted.ensureDeferred
 async def test_node_exits_0_on_sigterm(node):
     """SIGTERM to a node serving models drains it, exits with status 0 and leaves no worker."""
     node.process.signal("TERM")
@@ -620,14 +748,9 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     assert over.code == 400 and over.request_id, over
     error = await deferToThread(grpc_error, router.grpc, "mlp", rows(9))
     assert "INVALID_ARGUMENT" in str(error.status()), error
-    # Members list "broken", none has it ready: 503 no_ready_node, at once, not queued.
-    unready = await request("POST", router.url + "/v2/models/broken/infer", body=infer_body(),
-                            headers={"Content-Type": "application/json"})
-    assert unready.code == 503 and unready.request_id, unready
-    assert "no member has model 'broken' ready" in unready.json["error"]
-    assert unready.headers.getRawHeaders(b"Retry-After"), unready
-    error = await deferToThread(grpc_error, router.grpc, "broken", rows(1))
-    assert "UNAVAILABLE" in str(error.status()), error
+    # Every member says "broken" failed to load: refused at once, not queued (below).
+    await check_refused_at_once(router)
+    await check_statistics(router)
     assert (await request("GET", router.url + "/readyz")).code == 200
 
 
@@ -668,3 +791,20 @@ async def test_a_node_serving_another_mlp_is_refused_under_one_router(routed, re
             np.testing.assert_allclose(got, repository.expected(x), rtol=1e-5, atol=1e-6)
     finally:
         await late.process.stop()
+
+
+async def test_router_applies_model_control_to_every_node(routed):
+    """A load through the Router goes to every node's worker, and its refusal names each
+    one with its reason (these nodes load every model at start: no load on request)."""
+    from kcoral import AsyncClient, BadRequest
+
+    client = AsyncClient(routed.router.url)
+    try:
+        with pytest.raises(BadRequest) as refused:
+            await client.load_model("mlp")
+    finally:
+        await client.close()
+    message = str(refused.value)
+    assert "on 2 of 2 member(s)" in message, message
+    assert "n0/worker0" in message and "n1/worker0" in message, message
+    assert "--model-control-mode explicit" in message, message

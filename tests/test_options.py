@@ -15,7 +15,8 @@ from kcoral.router.service import RouterConfig
 from kcoral.taps import node as node_tap
 from kcoral.taps import router as router_tap
 
-ENVIRONMENT = ("KCORAL_NODE_TOKEN", "KCORAL_ROUTER_ENDPOINT", "KCORAL_NODE_ID")
+ENVIRONMENT = ("KCORAL_NODE_TOKEN", "KCORAL_ROUTER_ENDPOINT", "KCORAL_NODE_ID", "KCORAL_GPUS",
+               "KCORAL_CPU_WORKERS")
 SUPERVISOR_DEFAULTS = {
     "health-interval-seconds": 2, "health-timeout-seconds": 1, "failure-threshold": 3,
     "startup-grace-seconds": 30, "stable-reset-seconds": 60, "termination-grace-seconds": 5,

@@ -37,7 +37,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall
+from kcoral.client.inference import InferCall, control_path, statistics_path
 from kcoral.client.owned import FREE_AFTER_SECONDS, Owned, forgotten
 from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
@@ -242,6 +242,31 @@ class AsyncClient:
         """A Deferred of the outputs by name of model C{model} for C{inputs}
         (one array, or a dict of arrays by input name)."""
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def load_model(self, name: str) -> Deferred:
+        """A Deferred of model C{name} loaded (again) on every worker, as
+        C{Client.load_model}."""
+        return self._control(name, "load")
+
+    def unload_model(self, name: str) -> Deferred:
+        """A Deferred of model C{name} no longer served, as L{load_model}."""
+        return self._control(name, "unload")
+
+    @inlineCallbacks
+    def _control(self, name: str, verb: str):
+        answer = yield self._request("POST", control_path(name, verb), Send([b"{}"], 2, {}))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
+
+    @inlineCallbacks
+    def model_statistics(self, name: str | None = None):
+        """A Deferred of the statistics of model C{name} (None: of every
+        ready model), as C{Client.model_statistics}."""
+        answer = yield self._request("GET", statistics_path(name), None)
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     @inlineCallbacks
     def models(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+import uuid
 from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
@@ -327,11 +328,13 @@ def deletion_error(errors: list[KCoralError], spared: Iterable[str] = ()) -> KCo
                      f"or its worker restarted); the others are freed", details={"lost": lost})
 
 
-def error_of(response: Response) -> KCoralError:
-    """The error an answer that is not 200 stands for (one that never came: busy)."""
+def error_of(response: Response, request_id: str | None = None) -> KCoralError:
+    """The error an answer that is not 200 stands for (one that never came:
+    busy), naming C{request_id} where the answer does not."""
     if response.status is None:
-        return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable")
-    return error_from_answer(response.status, response.body)
+        return ServerBusy(f"could not reach the server: {response.problem}", reason="unreachable",
+                          request_id=request_id)
+    return error_from_answer(response.status, response.body, request_id)
 
 
 def exchange(call: ICall, held: set[str], *, busy_timeout: float,
@@ -345,6 +348,9 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
     with None once the time has passed.
     """
     give_up = clock() + busy_timeout
+    # The client names every request, so that an error it raises names the
+    # request in the services' logs, whatever form the error body takes.
+    request_id = request_id or uuid.uuid4().hex
     resent = False
     attempt = 0
     while True:
@@ -354,7 +360,7 @@ def exchange(call: ICall, held: set[str], *, busy_timeout: float,
         if response.status == 200:
             held.update(call.content_digests())
             return call.outputs(response)
-        error = error_of(response)
+        error = error_of(response, request_id)
         if call.spare(error):
             continue
         if isinstance(error, MissingContent) and not resent:

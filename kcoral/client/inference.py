@@ -87,6 +87,22 @@ class InferCall:
         return False  # an inference names no kept arrays
 
 
+def statistics_path(name: str | None) -> str:
+    """The path of model C{name}'s statistics (None: every model's)."""
+    if name is None:
+        return "/v2/models/stats"
+    if not NAME.match(name):
+        raise BadRequest(f"{name[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
+    return f"/v2/models/{name}/stats"
+
+
+def control_path(name: str, verb: str) -> str:
+    """The path that loads or unloads model C{name} (C{verb}: load, unload)."""
+    if not NAME.match(name):
+        raise BadRequest(f"{name[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
+    return f"/v2/repository/models/{name}/{verb}"
+
+
 def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
     """The outputs by name of an inference's answer (binary tensors after a
     JSON part of C{header_length} bytes, or JSON alone)."""

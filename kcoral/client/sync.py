@@ -36,7 +36,7 @@ from kcoral.client.exchange import (
     exchange,
 )
 from kcoral.client.failover import Failover, after_loss, moves_on, urls_of
-from kcoral.client.inference import InferCall
+from kcoral.client.inference import InferCall, control_path, statistics_path
 from kcoral.client.owned import FREE_AFTER_SECONDS, STOP, Owned, forgotten
 from kcoral.client.progress import upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
@@ -319,6 +319,36 @@ class Client:
         by input name.
         """
         return self._call(InferCall.prepare(model, inputs), request_id)
+
+    def load_model(self, name: str) -> dict:
+        """
+        Load model C{name} (again) from the service's repository, on every
+        worker behind it; returns once all are done, with the model's states
+        (C{{"models": [...]}}), or raises with each worker's reason. The
+        service must run with C{--model-control-mode explicit}.
+        """
+        return self._control(name, "load")
+
+    def unload_model(self, name: str) -> dict:
+        """Stop serving model C{name} on every worker, as L{load_model}."""
+        return self._control(name, "unload")
+
+    def _control(self, name: str, verb: str) -> dict:
+        answer = self._simple("POST", control_path(name, verb), Send([b"{}"], 2, {}))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
+
+    def model_statistics(self, name: str | None = None) -> dict:
+        """
+        The statistics of model C{name} (None: of every ready model), as
+        Triton's statistics extension gives them: C{{"model_stats": [...]}},
+        summed over the workers behind a gateway or a Router.
+        """
+        answer = self._simple("GET", statistics_path(name))
+        if answer.status != 200:
+            raise error_of(answer)
+        return json.loads(answer.body)
 
     def models(self) -> list[dict]:
         """The repository index: each model's name, version, state and reason."""

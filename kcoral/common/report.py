@@ -32,6 +32,8 @@ REPORTED_MODELS = 64
 MAX_REASON = 400
 MODEL_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
 READY = "READY"
+#: A model that failed to load, or was unloaded.
+UNAVAILABLE = "UNAVAILABLE"
 
 
 class InvalidReport(ValueError):

@@ -44,6 +44,13 @@ class ServerConfig:
     tracing: str = "none"
     #: A folder of model bundles every worker loads and compiles before it is ready.
     model_repository: str | None = None
+    #: Which models are served, and how that changes while the server runs
+    #: (kcoral.server.control): none, poll or explicit.
+    model_control_mode: str = "none"
+    #: The models to load at start in explicit mode ("*": all).
+    load_model: tuple[str, ...] = ()
+    #: How often poll mode reads the repository again.
+    repository_poll_seconds: float = 15.0
     #: The port of the Open Inference Protocol over gRPC (None: gRPC off).
     grpc_port: int | None = None
     #: How long a short batch of a batched model waits for more rows (0: it

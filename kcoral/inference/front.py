@@ -23,7 +23,7 @@ SERVER_NAME = "kcoral"
 PLATFORM = "jax"
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
-EXTENSIONS = ("binary_tensor_data", "model_configuration")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics")
 
 
 @attrs.frozen
@@ -67,6 +67,19 @@ class IInferenceFront(Interface):
 
     def repository_index() -> Deferred[list[dict]]:
         """The models: C{[{"name", "version", "state", "reason"}]}."""
+
+    def model_statistics(name: str | None, version: str | None) -> Deferred[dict]:
+        """C{{"model_stats": [...]}}: every ready model's statistics (C{name}
+        None), or one model's, in the form of Triton's statistics extension
+        (L{kcoral.models.statistics})."""
+
+    def load_model(name: str) -> Deferred[dict]:
+        """Load model C{name} (again) from the repository, on every member;
+        C{{"models": [...]}}, its states as C{/health} lists them. Refused
+        (L{BadRequest}) unless the model control mode is explicit."""
+
+    def unload_model(name: str) -> Deferred[dict]:
+        """Stop serving model C{name}, on every member; as L{load_model}."""
 
     def infer(name: str, version: str | None, call: InferCall) -> Deferred[InferAnswer]:
         """The answer of one inference."""

@@ -45,7 +45,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.errors import BadRequest, KCoralError, ServerBusy
+from kcoral.errors import BadRequest, KCoralError, ModelNotReady, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
 from kcoral.inference.handoff import Handoff
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
@@ -87,7 +87,10 @@ _CODES = {
 
 
 def status_code_of(error: KCoralError) -> grpc.StatusCode:
-    """The gRPC status of a KCoral error: that of its HTTP status."""
+    """The gRPC status of a KCoral error: that of its HTTP status (a model
+    that cannot serve: the precondition of a loaded model fails)."""
+    if isinstance(error, ModelNotReady):
+        return grpc.StatusCode.FAILED_PRECONDITION
     code = _CODES.get(error.status)
     if code is not None:
         return code
@@ -329,8 +332,9 @@ class GrpcFront(service.Service):
         except CancelledError:
             return _Ended(grpc.StatusCode.CANCELLED, "the call was cancelled")
         except KCoralError as e:
-            log.info("{request_id} answered {status}: {message}", request_id=rid,
-                     status=e.status, message=e.message)
+            (log.debug if e.relayed else log.info)(
+                "{request_id} answered {status}: {message}", request_id=rid, status=e.status,
+                message=e.message)
             message = f"{e.message} ({e.reason})" if isinstance(e, ServerBusy) and e.reason else e.message
             return _Ended(status_code_of(e), message)
         except Exception as e:
@@ -403,6 +407,19 @@ class _Methods:
             "ModelConfig": self._model_method(
                 service_pb2.ModelConfigRequest,
                 lambda front, name, version: front.model_config(name, version), _config_response),
+            "ModelStatistics": self._model_method(
+                service_pb2.ModelStatisticsRequest,
+                lambda front, name, version: front.model_statistics(name or None, version),
+                lambda value: json_format.ParseDict(value, service_pb2.ModelStatisticsResponse(),
+                                                    ignore_unknown_fields=True)),
+            "RepositoryModelLoad": self._method(
+                service_pb2.RepositoryModelLoadRequest,
+                lambda front, request: front.load_model(request.model_name),
+                lambda _: service_pb2.RepositoryModelLoadResponse()),
+            "RepositoryModelUnload": self._method(
+                service_pb2.RepositoryModelUnloadRequest,
+                lambda front, request: front.unload_model(request.model_name),
+                lambda _: service_pb2.RepositoryModelUnloadResponse()),
             "RepositoryIndex": self.RepositoryIndex,
             "ModelInfer": self.ModelInfer,
         }
@@ -424,17 +441,23 @@ class _Methods:
             return await self._served.serve(context, answer, guarded=False)
         return handler
 
-    def _model_method(self, message_type, ask: Callable[[IInferenceFront, str, str | None], Deferred],
-                      respond: Callable[[Any], Any]):
-        """A guarded method about one model (and version), named by its message."""
+    def _method(self, message_type, ask: Callable[[IInferenceFront, Any], Deferred],
+                respond: Callable[[Any], Any]):
+        """A guarded method that asks the front with its parsed message."""
         async def handler(requests, context) -> bytes:
             async def answer(rid):
                 request = await self._request(context, message_type)
-                value = await self._served.on_reactor(
-                    lambda: ask(self._front, request.name, request.version or None))
+                value = await self._served.on_reactor(lambda: ask(self._front, request))
                 return respond(value).SerializeToString()
             return await self._served.serve(context, answer)
         return handler
+
+    def _model_method(self, message_type, ask: Callable[[IInferenceFront, str, str | None], Deferred],
+                      respond: Callable[[Any], Any]):
+        """A guarded method about one model (and version), named by its message."""
+        return self._method(message_type,
+                            lambda front, request: ask(front, request.name, request.version or None),
+                            respond)
 
     async def RepositoryIndex(self, requests, context) -> bytes:
         async def answer(rid):

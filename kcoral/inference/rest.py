@@ -116,8 +116,11 @@ class InferenceResource(RequestIdResource):
             return failure  # the client went away: nobody to answer
         error = failure.value
         if isinstance(error, KCoralError):
-            log.info("{request_id} answered {status}: {message}", request_id=request.request_id,
-                     status=error.status, message=error.message)
+            # A member's answer passed on was logged by the member, and by
+            # the forwarder naming it: once is enough.
+            (log.debug if error.relayed else log.info)(
+                "{request_id} answered {status}: {message}", request_id=request.request_id,
+                status=error.status, message=error.message)
             return error_response(request, error)
         log.failure("{request_id} internal error", failure, request_id=request.request_id)
         return error_response(request, InternalError(f"internal error: {type(failure.value).__name__}"))
@@ -159,6 +162,16 @@ class InferenceResource(RequestIdResource):
             return error_response(request, e)
         return self._answer(request, self._front.repository_index, render)
 
+    @app.route("/v2/repository/models/<m>/load", methods=["POST"])
+    def load_model(self, request, m):
+        return self._answer(request, lambda: self._front.load_model(m),
+                            lambda value: _json(request, 200, value))
+
+    @app.route("/v2/repository/models/<m>/unload", methods=["POST"])
+    def unload_model(self, request, m):
+        return self._answer(request, lambda: self._front.unload_model(m),
+                            lambda value: _json(request, 200, value))
+
     def _only_ready(self, request) -> bool:
         """Whether the index request asks for the ready models alone."""
         data = request.content.getvalue()
@@ -192,6 +205,13 @@ class InferenceResource(RequestIdResource):
     @app.route("/v2/models/<m>/versions/<v>/config", methods=["GET"])
     def model_config(self, request, m, v):
         return self._answer(request, lambda: self._front.model_config(m, v),
+                            lambda value: _json(request, 200, value))
+
+    @app.route("/v2/models/stats", methods=["GET"], defaults={"m": None, "v": None})
+    @app.route("/v2/models/<m>/stats", methods=["GET"], defaults={"v": None})
+    @app.route("/v2/models/<m>/versions/<v>/stats", methods=["GET"])
+    def model_statistics(self, request, m, v):
+        return self._answer(request, lambda: self._front.model_statistics(m, v),
                             lambda value: _json(request, 200, value))
 
     @app.route("/v2/models/<m>/infer", methods=["POST"], defaults={"v": None})

@@ -12,8 +12,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -232,16 +232,23 @@ def _sha256(data: bytes) -> str:
 
 
 def _write(dir: str | os.PathLike, file: str, data: bytes) -> None:
-    """Write C{data} to C{file} in C{dir} by renaming a complete copy over it."""
-    with tempfile.NamedTemporaryFile(dir=os.fspath(dir), prefix=f".{file}.", delete=False) as out:
-        try:
+    """
+    Write C{data} to C{file} in C{dir} by renaming a complete copy over it.
+    The copy gets the mode of any file its user creates (0666 less the
+    umask), not a temporary file's 0600: a bundle is exported by one user
+    and served by another, such as a service account in the same group.
+    """
+    partial = os.path.join(os.fspath(dir), f".{file}.{secrets.token_hex(8)}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out:
             out.write(data)
             out.flush()
             os.fsync(out.fileno())
-        except BaseException:
-            os.unlink(out.name)
-            raise
-    os.replace(out.name, os.path.join(dir, file))
+    except BaseException:
+        os.unlink(partial)
+        raise
+    os.replace(partial, os.path.join(dir, file))
 
 
 def read_bundle(path: str | os.PathLike, within: str | os.PathLike | None = None) -> Bundle:

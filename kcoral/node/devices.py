@@ -47,6 +47,27 @@ class WorkerSpec:
         return ",".join(str(i) for i in range(self.devices))
 
 
+#: The environment that sizes a node (its C{--gpus} and C{--cpu-workers}):
+#: never its workers', whose devices their command lines name.
+NODE_DEVICES_ENV = {"gpus": "KCORAL_GPUS", "cpu-workers": "KCORAL_CPU_WORKERS"}
+
+
+def gpus_from_count(text: str) -> str:
+    """
+    The C{--gpus} of C{KCORAL_GPUS}, which takes the value other node
+    supervisors give it: a count (C{0}: a CPU node; C{N}: the first N GPUs),
+    C{all}, or a comma list that names the GPUs.
+    """
+    text = text.strip()
+    if text.isdigit():
+        count = int(text)
+        return "none" if count == 0 else ",".join(str(i) for i in range(count))
+    names = [g.strip() for g in text.split(",")]
+    if text in ("all", "none") or (len(names) > 1 and all(g.isdigit() for g in names)):
+        return text
+    raise ValueError(f"must be a count of GPUs, 'all' or a comma list of GPUs, got {text!r}")
+
+
 def detect_gpus() -> list[str]:
     """Indices of the GPUs on this host, as C{nvidia-smi} lists them."""
     smi = shutil.which("nvidia-smi")

@@ -41,14 +41,19 @@ WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "que
                    "max_request_bytes", "cache_memory_bytes", "cache_disk_bytes",
                    "compile_cache_entries", "device_cache_bytes", "kept_bytes",
                    "kept_idle_seconds", "compilation_cache_dir",
-                   "model_repository", "max_batch_delay_microseconds", "batch_invariant",
+                   "model_repository", "model_control_mode", "repository_poll_seconds",
+                   "max_batch_delay_microseconds", "batch_invariant",
                    "tls_cert", "tls_key", "log_format", "tracing")
 
 
-def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
-    """The command line of the worker C{spec} of a node whose servers have C{server}."""
+def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int,
+                grpc_port: int | None = None) -> list[str]:
+    """The command line of the worker C{spec} of a node whose servers have
+    C{server}, serving HTTP on C{port} and gRPC on C{grpc_port} (None: none)."""
     argv = [sys.executable, "-m", "kcoral", "server", "--host", server.host, "--port", str(port),
             "--gpus", spec.gpus_argument]
+    if grpc_port is not None:
+        argv += ["--grpc-port", str(grpc_port)]
     for name in WORKER_SETTINGS:
         value = getattr(server, name)
         if isinstance(value, bool):
@@ -56,6 +61,8 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
             argv += [f"--{option_name(name)}"] if value else []
         elif value is not None:
             argv += [f"--{option_name(name)}", str(value)]
+    for name in server.load_model:
+        argv += ["--load-model", name]
     if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.
         argv += ["--cache-dir", os.path.join(server.cache_dir, spec.name)]
@@ -64,28 +71,43 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int) -> list[str]:
 
 def worker_port(options, index: int) -> int:
     """
-    The port of worker C{index}: C{--port} + index under a Router; after the
-    gateway's own C{--port} (+ 1 + index) on a node without one. Ephemeral
-    (0) with C{--port 0}, and when the gateway listens on C{--listen} and no
-    C{--port} was given (its default could be the very port of --listen).
+    The port of worker C{index}: C{--metrics-base-port} + index when given;
+    else C{--port} + index under a Router, and after the gateway's own
+    C{--port} (+ 1 + index) on a node without one. Ephemeral (0) with a base
+    port 0, and when the gateway listens on C{--listen} and no C{--port} was
+    given (its default could be the very port of --listen).
     """
+    if options["metrics-base-port"] is not None:
+        return _offset(options["metrics-base-port"], index)
     base = options["port"]
     if not base or (options["listen"] and not options.given("port")):
         return 0
     return base + index + (0 if options["router"] else 1)
 
 
+def worker_grpc_port(options, index: int) -> int | None:
+    """The gRPC port of worker C{index}: C{--base-port} + index (None: no gRPC)."""
+    base = options["base-port"]
+    return None if base is None else _offset(base, index)
+
+
+def _offset(base: int, index: int) -> int:
+    # Base 0 keeps every worker's port ephemeral.
+    return base + index if base else 0
+
+
 class SupervisorService(service.MultiService):
     """
     The node with the settings C{node}, whose workers run with C{server}'s:
-    one per C{specs}, worker i on C{ports[i]}; the reporter (with a Router)
-    or the gateway (without).
+    one per C{specs}, worker i on C{ports[i]} (and gRPC on C{grpc_ports[i]}
+    when given); the reporter (with a Router) or the gateway (without).
     """
 
     exit_status = 0
 
     def __init__(self, node: NodeConfig, server: ServerConfig, reactor, specs: list[WorkerSpec],
-                 ports: list[int], account: str, *, outgoing: Outgoing | None = None):
+                 ports: list[int], account: str, *, outgoing: Outgoing | None = None,
+                 grpc_ports: list[int | None] | None = None):
         super().__init__()
         self._account = account
         self._advertise = node.advertise_host or server.host
@@ -107,8 +129,9 @@ class SupervisorService(service.MultiService):
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()
-        for spec, port in zip(specs, ports, strict=True):
-            Worker(spec, worker_argv(server, spec, port), RestartPolicy(settings), reactor,
+        for spec, port, grpc_port in zip(specs, ports, grpc_ports or [None] * len(specs),
+                                         strict=True):
+            Worker(spec, worker_argv(server, spec, port, grpc_port), RestartPolicy(settings), reactor,
                    self.outgoing.client, on_change=self._changed,
                    restarts=restarts).setServiceParent(self.workers)
         self.workers.setServiceParent(self)
@@ -169,4 +192,5 @@ def make_supervisor_service(options, reactor) -> SupervisorService:
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus(),
                                   options["devices-per-worker"])
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
-                             [worker_port(options, spec.index) for spec in specs], account)
+                             [worker_port(options, spec.index) for spec in specs], account,
+                             grpc_ports=[worker_grpc_port(options, spec.index) for spec in specs])

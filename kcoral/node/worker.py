@@ -33,7 +33,7 @@ from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.common.cached import parse_cached
 from kcoral.common.report import InvalidReport, WorkerReport, parse_instance, parse_models
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
-from kcoral.node.devices import WorkerSpec
+from kcoral.node.devices import NODE_DEVICES_ENV, WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 from kcoral.web.outgoing import describe_failure, tls_problem
@@ -136,6 +136,8 @@ class _Core:
         env[URL_FD_ENV] = str(URL_FD)
         # Only the node reaches its workers, and it sends no client token.
         env.pop(CLIENT_TOKEN_ENV, None)
+        for variable in NODE_DEVICES_ENV.values():
+            env.pop(variable, None)
         self.url, self.healthy, self.health = None, False, {}
         self.process = self.reactor.spawnProcess(
             LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,
@@ -365,7 +367,12 @@ class Worker(service.Service):
                                             timeout=settings.health_timeout_seconds)
             body = yield response.content()
             health = json.loads(body)
+            models = core.health.get("models")
             core.health = health if isinstance(health, dict) else {}
+            if core.healthy and core.health.get("models") != models:
+                # A model loaded, unloaded or of a new version: the gateway
+                # (or the Router) routes by models, so it hears of it now.
+                core.on_change()
             serving = response.code == 200
             # A draining worker answers 503 while it finishes its runs, and a
             # starting one while it compiles its models (minutes, on a GPU,

@@ -138,7 +138,7 @@ class RouterApp:
                                    max_redispatches=max_redispatches)
         #: Its members' models, on the inference protocol.
         self.inference = RouterInference(pool=pool, forwarder=self.forwarder,
-                                         get=outgoing.client.get,
+                                         get=outgoing.client.get, post=outgoing.client.post,
                                          is_ready=lambda: self.status() == "ok", clock=reactor,
                                          most_waiting=scheduler.queue.max_waiting, tracing=tracing)
 

@@ -11,19 +11,30 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
+from twisted.logger import Logger
 from zope.interface import implementer
 
 from kcoral._version import __version__
-from kcoral.common.report import MODEL_NAME
-from kcoral.errors import NotFound, ServerBusy, error_from_answer
+from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState, parse_models
+from kcoral.errors import (
+    KCoralError,
+    ModelNotReady,
+    NotFound,
+    ProgramFailed,
+    ServerBusy,
+    error_from_answer,
+)
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
 from kcoral.tracing import NO_TRACING, ITracing
+
+log = Logger()
 
 
 def _path(name: str, version: str | None, tail: str = "") -> bytes:
@@ -42,37 +53,51 @@ class RouterInference:
 
     def __init__(self, *, pool: Pool, forwarder: Forwarder, get: Callable[..., Deferred],
                  is_ready: Callable[[], bool], clock, most_waiting: int,
-                 tracing: ITracing = NO_TRACING):
+                 tracing: ITracing = NO_TRACING, post: Callable[..., Deferred] | None = None):
         self._pool = pool
         self._batcher = FrontBatcher(forwarder, clock, most_waiting)
         self._get = get
+        self._post = post
         self._is_ready = is_ready
         self._tracing = tracing
 
     def _ready_members(self, name: str, version: str | None) -> list[Member]:
-        """The usable members that have the model ready; NotFound when no
-        member has it at all (ready or not)."""
+        """
+        The usable members that have the model ready. NotFound when no
+        member has it at all (ready or not); L{ModelNotReady} when every
+        member that lists it serves and says it failed (waiting would not
+        help); none while a member may still come to serve it.
+        """
         if not MODEL_NAME.match(name) or (
                 version is not None and read_count(version, MOST_VERSION) is None):
             raise NotFound(f"unknown model {name[:64]!r}")
-        listed = False
-        ready = []
+        listed: list[tuple[Member, ModelState]] = []
         for node in self._pool.nodes.values():
             for member in node.members.values():
                 for state in member.models:
                     if state.name == name and (version is None or state.version == version):
-                        listed = True
-                        if state.ready and member.usable:
-                            ready.append(member)
+                        listed.append((member, state))
         if not listed:
             raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else ""))
+        ready = [member for member, state in listed if state.ready and member.usable]
+        if not ready and all(member.usable and state.state == UNAVAILABLE
+                             for member, state in listed):
+            reason = next((state.reason for _, state in listed if state.reason), "no reason given")
+            raise ModelNotReady(f"model {name!r} is {UNAVAILABLE} on every member: {reason}",
+                                reason="model_unavailable")
+        return ready
+
+    def _serving_members(self, name: str, version: str | None) -> list[Member]:
+        """The members that have the model ready; L{ServerBusy} (503, to
+        retry) while none has yet, some loading it or starting."""
+        ready = self._ready_members(name, version)
+        if not ready:
+            raise ServerBusy(f"model {name!r} is loading: no member has it ready yet",
+                             reason="model_loading")
         return ready
 
     def _holder(self, name: str, version: str | None) -> Member:
-        ready = self._ready_members(name, version)
-        if not ready:
-            raise ServerBusy(f"no member has model {name!r} ready", reason="no_ready_node")
-        return min(ready, key=lambda m: m.active / (m.capacity or 1))
+        return min(self._serving_members(name, version), key=lambda m: m.active / (m.capacity or 1))
 
     @inlineCallbacks
     def _ask(self, name: str, version: str | None, tail: str):
@@ -121,13 +146,90 @@ class RouterInference:
                 models[key]["reason"] = reason
         return succeed([models[key] for key in sorted(models)])
 
+    def load_model(self, name) -> Deferred:
+        return maybeDeferred(lambda: self._control(name, "load"))
+
+    def unload_model(self, name) -> Deferred:
+        return maybeDeferred(lambda: self._control(name, "unload"))
+
+    def _usable_members(self) -> list[Member]:
+        return [member for node in self._pool.nodes.values()
+                for member in node.members.values() if member.usable]
+
+    @inlineCallbacks
+    def _control(self, name: str, verb: str):
+        """Load or unload model C{name} on every usable member, at once; the
+        states they answer, or one error naming each member that failed."""
+        if not MODEL_NAME.match(name):
+            raise NotFound(f"unknown model {name[:64]!r}")
+        members = self._usable_members()
+        if not members:
+            raise ServerBusy("no member is ready to " + verb + f" model {name!r}",
+                             reason="no_ready_node")
+        outcomes = yield gatherResults([maybeDeferred(self._member_control, member, name, verb)
+                                        .addErrback(lambda f: f.value) for member in members])
+        failed = [(member, e) for member, e in zip(members, outcomes, strict=True)
+                  if isinstance(e, Exception)]
+        if failed:
+            first = failed[0][1]
+            cls = type(first) if isinstance(first, KCoralError) else ProgramFailed
+            raise cls(f"failed to {verb} {name!r} on {len(failed)} of {len(members)} member(s): "
+                      + "; ".join(f"{m.node.node_id}/{m.name}: {e}" for m, e in failed))
+        return {"models": [state.to_json() for states in outcomes for state in states]}
+
+    @inlineCallbacks
+    def _member_control(self, member: Member, name: str, verb: str):
+        """The model's states on C{member} once it has loaded or unloaded
+        it; what the member answers also becomes what the front knows of it,
+        so that inferences follow at once, before its next report."""
+        assert self._post is not None  # a Router's fronts are given one
+        url = member.url + f"/v2/repository/models/{name}/{verb}"
+        response = yield self._post(url, data=b"")
+        content = yield response.content()
+        if response.code != 200:
+            raise error_from_answer(response.code, content)
+        try:
+            states = parse_models(json.loads(content)["models"], f"{member.name}'s {verb} answer")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProgramFailed(f"{member.name} answered the {verb} of {name!r} with {e}") from None
+        self._pool.serve(member, tuple(m for m in member.models if m.name != name) + states)
+        return states
+
+    def model_statistics(self, name, version) -> Deferred:
+        return maybeDeferred(lambda: self._statistics(name, version))
+
+    @inlineCallbacks
+    def _statistics(self, name: str | None, version: str | None):
+        """The sum of every usable member's statistics, of C{name} or of all."""
+        if name is not None:
+            self._ready_members(name, version)  # NotFound for a model no member lists
+        path = "/v2/models/stats" if name is None else _path(name, version, "/stats").decode()
+        urls = sorted({member.url for member in self._usable_members()})
+        answers = yield gatherResults([self._member_statistics(url + path) for url in urls])
+        return {"model_stats": summed(answer for answer in answers if answer is not None)}
+
+    @inlineCallbacks
+    def _member_statistics(self, url: str):
+        """A member's statistics, checked; None (and a log line) when it has
+        none to give: the others' sum is still worth answering."""
+        try:
+            response = yield self._get(url)
+            content = yield response.content()
+            if response.code != 200:
+                raise error_from_answer(response.code, content)
+            # Summed alone first: a malformed answer fails here, not in the sum.
+            return summed([json.loads(content)["model_stats"]])
+        except Exception as e:
+            log.info("statistics of {url} left out: {why}", url=url, why=e)
+            return None
+
     def infer(self, name, version, call: InferCall) -> Deferred:
         return maybeDeferred(lambda: self._infer(name, version, call))
 
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
-        # A model no member lists is unknown (404); one listed but ready on
-        # no member the scheduler refuses at once (503 no_ready_node).
-        ready = self._ready_members(name, version)
+        # A model no member lists is unknown (404), one every member failed
+        # to load is refused (400), one no member has ready yet is busy (503).
+        ready = self._serving_members(name, version)
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
         request = forwarded(_path(name, version, "/infer"), call)
         span = self._tracing.start("kcoral.router.infer", request.requestHeaders,

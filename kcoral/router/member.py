@@ -54,6 +54,11 @@ class Member:
             and (demand.kept is None or demand.kept == self.instance)
             and self.held.holds_every(demand.required)))
 
+    def serves(self, models: tuple[ModelState, ...]) -> None:
+        """Its models are C{models} now (reported, or answered to a load)."""
+        self.models = models
+        self.ready_models = {m.name: m.max_batch_size for m in models if m.ready}
+
     @property
     def usable(self) -> bool:
         return self.node.state == READY and self.healthy and not self.suspect

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from twisted.logger import Logger
 
-from kcoral.common.report import CPU_TARGET, NodeReport, WorkerReport
+from kcoral.common.report import CPU_TARGET, ModelState, NodeReport, WorkerReport
 from kcoral.router.member import (
     DRAINING,
     GONE,
@@ -150,9 +150,14 @@ class Pool:
             self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
-            member.models = self.signatures.admit(member, worker.models)
-            member.ready_models = {m.name: m.max_batch_size for m in member.models if m.ready}
+            self.serve(member, worker.models)
             member.instance = worker.instance
+
+    def serve(self, member: Member, models: tuple[ModelState, ...]) -> None:
+        """C{member}'s models are C{models} now (reported, or answered to a
+        load), each ready one whose name another member serves with another
+        signature refused (L{ModelSignatures.admit})."""
+        member.serves(self.signatures.admit(member, models))
 
     def leave(self, node_id: str, session: str) -> bool:
         node = self.nodes.get(node_id)

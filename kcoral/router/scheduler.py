@@ -69,7 +69,7 @@ class Scheduler:
         C{demand}, the content the run needs, decides where it goes
         (L{Pool.choose})."""
         if self._refusing:
-            return _busy("the router is draining", "draining")
+            return _busy("draining: this service is stopping", "draining")
         refusal = self._refusal(demand, devices)
         if refusal is not None:
             return fail(refusal)

@@ -53,13 +53,15 @@ class Batcher:
     holds an admission slot (C{release()} gives one back unused);
     C{in_thread(rid, f, *args)} runs C{f} on a worker thread with that slot
     and releases it when done. At most C{most_waiting} requests wait. C{observe(rows, waited)} is told each
-    executed batch's rows and how long each of its requests waited.
+    executed batch's rows and how long each of its requests waited, as it
+    starts; C{executed(rows, requests, seconds)} how long it ran, once it ran.
     """
 
     def __init__(self, model: LoadedModel, *, admitted: Callable[[], Deferred],
                  release: Callable[[], None], in_thread: Callable[..., Deferred], clock,
                  delay: float = 0.0, most_waiting: int = 1024,
-                 observe: Callable[[int, list[float]], None] = lambda rows, waited: None):
+                 observe: Callable[[int, list[float]], None] = lambda rows, waited: None,
+                 executed: Callable[[int, int, float], None] = lambda rows, requests, seconds: None):
         self.model = model
         self._most = model.manifest.max_batch_size
         self._admitted = admitted
@@ -68,6 +70,7 @@ class Batcher:
         self._clock = clock
         self._delay = delay
         self._observe = observe
+        self._executed = executed
         self._queue: BatchQueue[_Request] = BatchQueue(most_waiting)
         #: Whether a slot has been asked for and not yet used.
         self._asking = False
@@ -148,13 +151,15 @@ class Batcher:
         self._observe(rows, [now - r.arrived for r in batch])
         ran = self._in_thread(batch[0].request_id, _run, self.model, [r.inputs for r in batch],
                               [r.rows for r in batch])
-        ran.addBoth(self._ran, batch)
+        ran.addBoth(self._ran, batch, now)
         # The next batch may take another slot while this one runs.
         self._ask()
 
-    def _ran(self, result, batch: list[_Request]) -> None:
+    def _ran(self, result, batch: list[_Request], started: float) -> None:
         # The slot is free again (in_thread gave it back), and a failure is
         # already the KCoralError its requests answer with.
+        if not isinstance(result, Failure):
+            self._executed(sum(r.rows for r in batch), len(batch), self._clock.seconds() - started)
         for i, request in enumerate(batch):
             if request.answer.called:
                 continue  # its client went away while it ran

@@ -16,7 +16,7 @@ from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, KCoralError, NotFound, ServerBusy
+from kcoral.errors import BadRequest, KCoralError, ModelNotReady, NotFound, ServerBusy
 from kcoral.inference.front import (
     IInferenceFront,
     InferCall,
@@ -25,11 +25,14 @@ from kcoral.inference.front import (
     server_metadata,
 )
 from kcoral.metrics import SECONDS_BUCKETS
+from kcoral.models.statistics import Statistics
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
+from kcoral.server.control import ModelControl
 from kcoral.server.models import (
+    LOADING,
     READY,
     LoadedModel,
     ModelRepository,
@@ -84,8 +87,10 @@ class ServerInference:
 
     def __init__(self, repository: ModelRepository | None, *, is_ready: Callable[[], bool],
                  busy: Callable[[], ServerBusy | None], slots: Slots, clock,
-                 metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024):
+                 metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024,
+                 control: ModelControl | None = None):
         self._repository = repository
+        self._control = control
         self._is_ready = is_ready
         self._busy = busy
         self._slots = slots
@@ -93,7 +98,11 @@ class ServerInference:
         self._metrics = metrics
         self._batch_delay = batch_delay
         self._most_waiting = most_waiting
-        self._batchers: dict[str, Batcher] = {}
+        #: The batcher of each model version's current load (one loaded
+        #: again gets a new one; the old one finishes what it holds).
+        self._batchers: dict[tuple[str, int], Batcher] = {}
+        #: Each model's counts, in the form of Triton's statistics extension.
+        self.statistics = Statistics(clock)
 
     def _model(self, name: str, version: str | None):
         """The loaded model C{name}, of C{version} if given; its manifest or the error."""
@@ -106,8 +115,10 @@ class ServerInference:
             raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else "")) \
                 from None
         except ModelUnavailable as e:
-            raise ServerBusy(f"model {name!r} is unavailable: {e.reason}",
-                             reason="model_unavailable") from None
+            if e.state == LOADING:
+                raise ServerBusy(f"model {name!r} is {LOADING}", reason="model_loading") from None
+            raise ModelNotReady(f"model {name!r} is {e.state}: {e.reason}",
+                                reason="model_unavailable") from None
 
     def ready(self) -> Deferred:
         return succeed(self._is_ready())
@@ -116,7 +127,14 @@ class ServerInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: model_metadata_of(self._model(name, version).manifest))
+        def metadata() -> dict:
+            value = model_metadata_of(self._model(name, version).manifest)
+            if version is None:
+                # The model as a whole: every version it serves now.
+                value["versions"] = [m["version"] for m in self.index()
+                                     if m["name"] == name and m["state"] == READY]
+            return value
+        return maybeDeferred(metadata)
 
     def model_config(self, name, version) -> Deferred:
         return maybeDeferred(lambda: model_config_of(self._model(name, version).manifest))
@@ -125,13 +143,44 @@ class ServerInference:
         def ready() -> bool:
             try:
                 self._model(name, version)
-            except ServerBusy:
+            except (ModelNotReady, ServerBusy):
                 return False
             return self._is_ready()
         return maybeDeferred(ready)
 
     def repository_index(self) -> Deferred:
         return succeed(self.index())
+
+    def _controlled(self) -> ModelControl:
+        if self._control is None:
+            raise BadRequest("this server has no model repository")
+        return self._control
+
+    def _states(self, name: str) -> dict:
+        return {"models": [m for m in self.health() if m["name"] == name]}
+
+    def load_model(self, name) -> Deferred:
+        d = maybeDeferred(lambda: self._controlled().load(name))
+        d.addCallback(lambda _: self._states(name))
+        return d
+
+    def unload_model(self, name) -> Deferred:
+        def unload() -> dict:
+            self._controlled().unload(name)
+            return self._states(name)
+        return maybeDeferred(unload)
+
+    def model_statistics(self, name, version) -> Deferred:
+        def listed() -> dict:
+            if name is None:
+                served = [(m.name, str(m.version)) for m in
+                          (self._repository.index() if self._repository is not None else ())
+                          if m.state == READY]
+            else:
+                manifest = self._model(name, version).manifest
+                served = [(manifest.name, str(manifest.version))]
+            return {"model_stats": self.statistics.to_json(served)}
+        return maybeDeferred(listed)
 
     def index(self) -> list[dict]:
         """The repository index: every model, its state and why."""
@@ -149,7 +198,7 @@ class ServerInference:
         for model in listed:
             if model["state"] == READY:
                 assert self._repository is not None  # else nothing is listed
-                loaded = self._repository.get(model["name"])
+                loaded = self._repository.get(model["name"], int(model["version"]))
                 model["max_batch_size"] = loaded.manifest.max_batch_size
                 model["signature"] = loaded.manifest.signature
                 model["batch_invariant"] = loaded.batch_invariant
@@ -157,13 +206,17 @@ class ServerInference:
 
     @inlineCallbacks
     def infer(self, name, version, call: InferCall):
+        clock, counted = self._clock, None
+        started = clock.seconds()
         try:
             model = self._model(name, version)
+            manifest = model.manifest
+            counted = self.statistics.of(manifest.name, str(manifest.version))
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
-            manifest = model.manifest
             request = yield off_reactor(len(call.body), parse_infer, call.body, call.header_length)
+            counted.add("compute_input", clock.seconds() - started)
             try:
                 rows = manifest.check(request.inputs)
             except InvalidInput as e:
@@ -172,40 +225,75 @@ class ServerInference:
                 outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id)
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
+            computed = clock.seconds()
             answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
                                         manifest.name, str(manifest.version), request, outputs)
+            counted.add("compute_output", clock.seconds() - computed)
         except KCoralError as e:
             if not isinstance(e, NotFound):
                 self._metrics.requests.labels(name, str(e.status)).inc()
+            if counted is not None:
+                self.statistics.answered(counted.name, counted.version, ok=False,
+                                         seconds=clock.seconds() - started, rows=0)
             raise
         self._metrics.requests.labels(name, "200").inc()
+        self.statistics.answered(counted.name, counted.version, ok=True,
+                                 seconds=clock.seconds() - started, rows=rows)
         return answer
 
     def _batcher(self, model: LoadedModel) -> Batcher:
-        name = model.manifest.name
-        batcher = self._batchers.get(name)
-        if batcher is None:
+        name, number = model.manifest.name, model.manifest.version
+        batcher = self._batchers.get((name, number))
+        if batcher is None or batcher.model is not model:
+            self._drop_unserved_batchers(name)
+            version = str(number)
+            counted = self.statistics.of(name, version)
+
             def observe(rows: int, waited: list[float]) -> None:
                 self._metrics.batch_size.labels(name).observe(rows)
                 queued = self._metrics.queue_seconds.labels(name)
                 for seconds in waited:
                     queued.observe(seconds)
+                    counted.add("queue", seconds)
 
-            batcher = self._batchers[name] = Batcher(
+            def executed(rows: int, requests: int, seconds: float) -> None:
+                self.statistics.executed(name, version, size=rows, requests=requests,
+                                         seconds=seconds)
+
+            batcher = self._batchers[(name, number)] = Batcher(
                 model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
                 release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
-                delay=self._batch_delay, observe=observe,
+                delay=self._batch_delay, observe=observe, executed=executed,
                 most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
+
+    def _drop_unserved_batchers(self, name: str) -> None:
+        """Forget the batchers of C{name}'s loads no longer served (a batcher
+        still running its queue lives on in its requests' callbacks until it
+        is done), so that an old version's params are freed."""
+        assert self._repository is not None  # a batched model came from it
+        for key, batcher in list(self._batchers.items()):
+            if key[0] != name:
+                continue
+            try:
+                served = self._repository.get(name, key[1])
+            except (UnknownModel, ModelUnavailable):
+                served = None
+            if served is not batcher.model:
+                del self._batchers[key]
 
     @inlineCallbacks
     def _alone(self, model: LoadedModel, inputs, rid: str):
         """The outputs of a model that is not batched: each request its own execution."""
-        name, arrived = model.manifest.name, self._clock.seconds()
+        name, version, arrived = model.manifest.name, str(model.manifest.version), self._clock.seconds()
         yield self._slots.admitted(rid)
-        self._metrics.queue_seconds.labels(name).observe(self._clock.seconds() - arrived)
+        started = self._clock.seconds()
+        self._metrics.queue_seconds.labels(name).observe(started - arrived)
+        self.statistics.of(name, version).add("queue", started - arrived)
         self._metrics.batch_size.labels(name).observe(1)
         outputs = yield self._slots.in_thread(rid, model.run_batch, inputs, 1)
+        self.statistics.executed(name, version, size=1, requests=1,
+                                 seconds=self._clock.seconds() - started)
         return outputs
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import attrs
@@ -23,6 +23,7 @@ from twisted.logger import Logger
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
+from kcoral.models.versions import VersionError, is_model, served_versions, stamp
 from kcoral.server.invariant import COUNT_DTYPE, row_by_row, row_size
 
 log = Logger()
@@ -31,6 +32,11 @@ log = Logger()
 MAX_MODELS = REPORTED_MODELS
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
+#: A model being loaded that was not served before: asked for, it is busy.
+LOADING = "LOADING"
+#: The reasons of a model the repository holds but does not serve.
+NOT_LOADED = "not loaded"
+UNLOADED = "unloaded"
 
 
 class RepositoryError(Exception):
@@ -48,12 +54,14 @@ class UnknownModel(Exception):
 
 
 class ModelUnavailable(Exception):
-    """The model is in the repository but failed to load; C{reason} says why."""
+    """The model is in the repository but is not served: its C{state}
+    (UNAVAILABLE, or LOADING), and C{reason} says why."""
 
-    def __init__(self, name: str, reason: str):
+    def __init__(self, name: str, reason: str, state: str = UNAVAILABLE):
         self.name = name
         self.reason = reason
-        super().__init__(f"model {name!r} is unavailable: {reason}")
+        self.state = state
+        super().__init__(f"model {name!r} is {state.lower()}: {reason}")
 
 
 @attrs.frozen
@@ -120,7 +128,8 @@ def _padded(array: np.ndarray, size: int) -> np.ndarray:
 class ModelRepository:
     """
     The models in the folder C{path}: each folder directly in it that holds a
-    C{model.json} is one, named after its folder. A model that cannot load is
+    C{model.json}, or numbered version folders of them, is one, named after
+    its folder (L{kcoral.models.versions}). A model that cannot load is
     listed UNAVAILABLE with its reason; the others are served.
 
     C{observe_compile} is given the seconds of each compile. With
@@ -134,48 +143,116 @@ class ModelRepository:
         self.path = os.fspath(path)
         self._observe_compile = observe_compile
         self._batch_invariant = batch_invariant
-        self._models: dict[str, LoadedModel | ModelStatus] = {}
+        #: Each model's versions, by name and version.
+        self._models: dict[str, dict[int, LoadedModel | ModelStatus]] = {}
 
-    def load(self, device) -> None:
+    def load(self, device, only: Collection[str] | None = None) -> None:
         """
-        Load every model onto the JAX C{device} and compile it for each of
-        its batch sizes. Called once, before the worker says it is ready. A
-        model that fails is UNAVAILABLE (and logged); a repository that
-        cannot be listed raises L{RepositoryError}.
+        Load every model (or those named in C{only}, the others listed as not
+        loaded) onto the JAX C{device} and compile it for each of its batch
+        sizes. Called once, before the worker says it is ready. A model that
+        fails is UNAVAILABLE (and logged); a repository that cannot be
+        listed raises L{RepositoryError}.
+        """
+        for name in self._folders():
+            if only is None or name in only:
+                self.load_model(name, device)
+            else:
+                self._settle(name, 1, ModelStatus(name, 1, UNAVAILABLE, NOT_LOADED))
+
+    def load_model(self, name: str, device) -> list[ModelStatus]:
+        """
+        Load the versions of model C{name} that its policy serves (again)
+        from its folder onto C{device}; their states after. Each version is
+        loaded beside the one served, which serves until the new one is
+        ready (and goes on serving if it fails); versions the policy no
+        longer serves are dropped once the others are loaded, so that
+        traffic moves to a new version only when it is ready.
         """
         platform = "cuda" if device.platform == "gpu" else device.platform
-        for name in self._folders():
-            version = 1
-            try:
-                bundle = read_bundle(os.path.join(self.path, name), within=self.path)
-                version = bundle.manifest.version
-                model = self._load(name, bundle, device, platform)
-                self._settle(name, model)
-            except Exception as e:
-                # Out of device memory and compile errors alike: XLA raises
-                # no class of its own for either.
-                reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
-                    f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
-                log.warn("model {name} is unavailable: {reason}", name=name, reason=reason)
-                self._settle(name, ModelStatus(name, version, UNAVAILABLE, reason))
-            else:
-                if model.batch_invariant and model.manifest.max_batch_size:
-                    log.info("model {name} is ready, batch-invariant: every batch runs through "
-                             "one executable of {rows} rows that computes each row on its own",
-                             name=name, rows=model.manifest.max_batch_size)
-                else:
-                    log.info("model {name} is ready", name=name)
+        try:
+            wanted = served_versions(os.path.join(self.path, name))
+        except VersionError as e:
+            failed = ModelStatus(name, 1, UNAVAILABLE, str(e)[:MAX_REASON])
+            log.warn("model {name} is unavailable: {reason}", name=name, reason=failed.reason)
+            if not any(isinstance(m, LoadedModel) for m in self._models.get(name, {}).values()):
+                self._models = {**self._models, name: {1: failed}}
+            return [failed]
+        states = [self._load_version(name, version, folder, device, platform)
+                  for version, folder in sorted(wanted.items(), key=lambda item: item[0] or 0)]
+        kept = {s.version for s in states}
+        self._models = {**self._models, name: {v: m for v, m in self._models.get(name, {}).items()
+                                               if v in kept}}
+        return states
 
-    def _settle(self, name: str, model: LoadedModel | ModelStatus) -> None:
+    def _load_version(self, name: str, version: int | None, folder: str, device,
+                      platform: str) -> ModelStatus:
+        """Load one version (None: the one its manifest says) of C{name} from C{folder}."""
+        number = version or 1
+        try:
+            bundle = read_bundle(folder, within=self.path)
+            if version is None:
+                number = bundle.manifest.version
+            else:
+                # A numbered folder's bundle is that version, whatever its manifest says.
+                bundle = attrs.evolve(bundle, manifest=attrs.evolve(bundle.manifest,
+                                                                    version=version))
+            served = self._models.get(name, {}).get(number)
+            if not isinstance(served, LoadedModel):
+                self._settle(name, number, ModelStatus(name, number, LOADING))
+            loaded = self._load(name, bundle, device, platform)
+        except Exception as e:
+            # Out of device memory and compile errors alike: XLA raises
+            # no class of its own for either.
+            reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
+                f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
+            log.warn("model {name} version {version} is unavailable: {reason}", name=name,
+                     version=number, reason=reason)
+            failed = ModelStatus(name, number, UNAVAILABLE, reason)
+            if not isinstance(self._models.get(name, {}).get(number), LoadedModel):
+                self._settle(name, number, failed)
+            return failed
+        self._settle(name, number, loaded)
+        if loaded.batch_invariant and loaded.manifest.max_batch_size:
+            log.info("model {name} version {version} is ready, batch-invariant: every batch runs "
+                     "through one executable of {rows} rows that computes each row on its own",
+                     name=name, version=number, rows=loaded.manifest.max_batch_size)
+        else:
+            log.info("model {name} version {version} is ready", name=name, version=number)
+        return ModelStatus(name, number, READY)
+
+    def unload_model(self, name: str) -> list[ModelStatus]:
+        """Stop serving every version of model C{name} (requests running
+        finish); their states after."""
+        current = self._models.get(name)
+        if current is None:
+            raise UnknownModel(name)
+        unloaded: dict[int, LoadedModel | ModelStatus] = {
+            v: ModelStatus(name, v, UNAVAILABLE, UNLOADED) for v in current}
+        self._models = {**self._models, name: unloaded}
+        log.info("model {name} is unloaded", name=name)
+        return [m for m in unloaded.values() if isinstance(m, ModelStatus)]
+
+    def forget(self, name: str) -> None:
+        """Drop model C{name}, whose folder is gone, from the index."""
+        self._models = {n: m for n, m in self._models.items() if n != name}
+        log.info("model {name} left the repository", name=name)
+
+    def stamps(self) -> dict[str, tuple]:
+        """Each model folder's bundles and policy as last written: a model
+        whose stamp changes was exported again, or its versions changed."""
+        return {name: stamp(os.path.join(self.path, name)) for name in self._folders()}
+
+    def _settle(self, name: str, version: int, model: LoadedModel | ModelStatus) -> None:
         # Loading runs in a thread while the reactor lists the models: a new
         # mapping each time, never one changing under an iteration.
-        self._models = {**self._models, name: model}
+        self._models = {**self._models, name: {**self._models.get(name, {}), version: model}}
 
     def _folders(self) -> list[str]:
         try:
             with os.scandir(self.path) as entries:
-                folders = sorted(entry.name for entry in entries if entry.is_dir()
-                                 and os.path.isfile(os.path.join(entry.path, MANIFEST)))
+                folders = sorted(entry.name for entry in entries
+                                 if entry.is_dir() and is_model(entry.path))
         except OSError as e:
             raise RepositoryError(f"model repository {self.path}: {e.strerror}") from None
         named = []
@@ -235,21 +312,30 @@ class ModelRepository:
         return executable
 
     def index(self) -> list[ModelStatus]:
-        """Every model and its state, in name order."""
-        return [ModelStatus(name, model.manifest.version, READY)
-                if isinstance(model, LoadedModel) else model
-                for name, model in sorted(self._models.items())]
+        """Every version of every model and its state, in name and version order."""
+        return [ModelStatus(name, version, READY) if isinstance(model, LoadedModel) else model
+                for name, versions in sorted(self._models.items())
+                for version, model in sorted(versions.items())]
 
     def get(self, name: str, version: int | None = None) -> LoadedModel:
-        """The model C{name} (at C{version}, when given) ready to run;
-        L{UnknownModel} or L{ModelUnavailable} when it is not."""
-        model = self._models.get(name)
-        if model is None:
+        """The model C{name} at C{version} (None: its highest ready one) ready
+        to run; L{UnknownModel} or L{ModelUnavailable} when it is not."""
+        versions = self._models.get(name)
+        if not versions:
             raise UnknownModel(name)
+        if version is not None:
+            model = versions.get(version)
+            if model is None:
+                raise UnknownModel(name, version)
+        else:
+            ready = [m for _, m in sorted(versions.items()) if isinstance(m, LoadedModel)]
+            if ready:
+                return ready[-1]
+            # None ready: the state to say is a loading one's, else the highest's.
+            statuses = [m for _, m in sorted(versions.items()) if isinstance(m, ModelStatus)]
+            model = next((m for m in statuses if m.state == LOADING), statuses[-1])
         if isinstance(model, ModelStatus):
-            raise ModelUnavailable(name, model.reason)
-        if version is not None and version != model.manifest.version:
-            raise UnknownModel(name, version)
+            raise ModelUnavailable(name, model.reason, model.state)
         return model
 
 

@@ -25,6 +25,7 @@ from kcoral.metrics import HttpMetrics
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
+from kcoral.server.control import ModelControl
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.inference import InferenceMetrics, ServerInference, Slots
@@ -82,6 +83,13 @@ class ServerService(service.MultiService):
         self.repository = None if config.model_repository is None else ModelRepository(
             config.model_repository, observe_compile=metrics.compile_seconds.observe,
             batch_invariant=config.batch_invariant)
+        #: Which of them it serves, and how that changes (None: no repository).
+        self.control = None if self.repository is None else ModelControl(
+            self.repository, mode=config.model_control_mode, load_models=config.load_model,
+            poll_seconds=config.repository_poll_seconds, device=lambda: self.executor.device,
+            reactor=reactor)
+        if self.control is not None:
+            self.control.setServiceParent(self)
         inference_metrics = InferenceMetrics(registry)
 
         def inference(app: ServerApp) -> ServerInference:
@@ -92,7 +100,7 @@ class ServerService(service.MultiService):
                 clock=reactor, metrics=inference_metrics,
                 batch_delay=config.max_batch_delay_microseconds / 1e6,
                 # As many batches as runs may hold or wait for its slots.
-                most_waiting=config.capacity + config.max_queued_requests)
+                most_waiting=config.capacity + config.max_queued_requests, control=self.control)
 
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
@@ -132,10 +140,11 @@ class ServerService(service.MultiService):
     def _load(self):
         try:
             info = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.load)
-            if self.repository is not None:
+            if self.control is not None:
                 # Every model compiled before the server says it is ready.
-                yield deferToThreadPool(self._reactor, self._threadpool, self.repository.load,
-                                        self.executor.device)
+                yield deferToThreadPool(self._reactor, self._threadpool,
+                                        self.control.load_at_start, self.executor.device)
+                self.control.started()
         except RepositoryError as e:
             self.app.status = FAILED
             log.error("the server could not read its model repository: {why}", why=e)

@@ -6,13 +6,15 @@ server; otherwise a supervisor that runs the server process(es).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from twisted.python import usage
 
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.node import config
-from kcoral.node.config import NodeConfig
+from kcoral.node.config import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, NodeConfig
+from kcoral.node.devices import NODE_DEVICES_ENV, gpus_from_count
 from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
 from kcoral.options import (
@@ -28,6 +30,7 @@ from kcoral.options import (
     TLS_KEY,
     KCoralOptions,
     OneOf,
+    SettingError,
     check_listen,
     config_from,
     non_negative,
@@ -36,6 +39,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.placement import ROUTINGS
+from kcoral.server.control import MODES
 from kcoral.server.service import ServerService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
@@ -99,10 +103,21 @@ class NodeOptions(KCoralOptions):
         _server("compilation_cache_dir", "Directory for JAX's persistent compilation cache."),
         _server("model_repository", "A folder of model bundles (kcoral.export_bundle) every worker "
                 "loads and compiles before it is ready [node file: model_repository or model_repo]."),
+        _server("model_control_mode", "Which models are served: none (all, the repository read "
+                "once), poll (all, the repository read again every --repository-poll-seconds) "
+                "or explicit (those of --load-model, then loaded and unloaded on request).",
+                OneOf(MODES)),
+        _server("repository_poll_seconds", "How often poll mode reads the model repository "
+                "again.", positive(float)),
         _server("max_batch_delay_microseconds", "Longest wait of a batched model's short batch "
                 "for more requests (0: run what is queued at once).", non_negative(int)),
         _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
                 "workers; default: gRPC off).", port),
+        _node("base_port", "gRPC port of worker 0 (worker i: + i); with it or --metrics-base-port "
+              f"the gateway takes gRPC {GATEWAY_GRPC_PORT} and HTTP {GATEWAY_HTTP_PORT} unless "
+              "--grpc-port and --port say otherwise.", port),
+        _node("metrics_base_port", "HTTP port of worker 0 (worker i: + i): its /health, /readyz, "
+              "/metrics and the protocols.", port),
         _server("tls_cert", TLS_CERT),
         _server("tls_key", TLS_KEY),
         _node("tls_ca", TLS_CA),
@@ -122,13 +137,37 @@ class NodeOptions(KCoralOptions):
     ]
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
-                   "node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
+                   "node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV,
+                   **NODE_DEVICES_ENV}
     hidden = frozenset(row[0] for row in SUPERVISOR_OPTIONS)
+
+    def __init__(self):
+        super().__init__()
+        self["load-model"] = []
+
+    def opt_load_model(self, name: str) -> None:
+        """A model to load at start in explicit model control mode (repeat it; '*': all)."""
+        self["load-model"].append(name)
+
+    def from_environment(self) -> set[str]:
+        filled = super().from_environment()
+        if "gpus" in filled:
+            # The variable counts GPUs as other node supervisors do; --gpus names them.
+            try:
+                self["gpus"] = gpus_from_count(self["gpus"])
+            except ValueError as e:
+                raise usage.UsageError(f"KCORAL_GPUS: {e}") from None
+        return filled
 
     def postOptions(self):
         from_environment = self.from_environment()
-        if self["config"]:
-            config.load(self["config"], self, self.named | from_environment)
+        from_file = config.load(self["config"], self, self.named | from_environment) \
+            if self["config"] else set()
+        self._gateway_ports(self.named | from_environment | from_file)
+        self._repository()
+        if self["load-model"] and self["model-control-mode"] != "explicit":
+            raise usage.UsageError("--load-model is for --model-control-mode explicit (in the "
+                                   "other modes every model is loaded)")
         if self["router"]:
             self._no_client_authentication(from_environment)
         check_listen(self)
@@ -153,6 +192,32 @@ class NodeOptions(KCoralOptions):
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
 
+    def _gateway_ports(self, given: set[str]) -> None:
+        """A node whose workers have the ports of C{--base-port} and
+        C{--metrics-base-port} gives its gateway the public ports of the
+        node supervisors that use those names, unless told otherwise."""
+        if self["router"] or (self["base-port"] is None and self["metrics-base-port"] is None):
+            return
+        if "port" not in given:
+            self["port"] = GATEWAY_HTTP_PORT
+        if "grpc-port" not in given:
+            self["grpc-port"] = GATEWAY_GRPC_PORT
+
+    def _repository(self) -> None:
+        """
+        The model repository as an absolute path (workers need not share the
+        supervisor's working folder), refused at start when it cannot be
+        listed: every worker would fail on it, restarted again and again.
+        """
+        if not self["model-repository"]:
+            return
+        path = self["model-repository"] = os.path.abspath(os.path.expanduser(self["model-repository"]))
+        try:
+            with os.scandir(path):
+                pass
+        except OSError as e:
+            raise SettingError(f"model repository {path}: {e.strerror}") from None
+
     def _no_client_authentication(self, from_environment: set[str]) -> None:
         """
         Under a Router, clients reach the Router, and the node's workers
@@ -174,10 +239,12 @@ class NodeOptions(KCoralOptions):
         gpus = self["gpus"]
         named = [] if gpus == "none" else [g for g in gpus.split(",") if g.strip()]
         return bool(self["router"]) or self["cpu-workers"] > 1 or gpus == "all" \
-            or len(named) > self["devices-per-worker"]
+            or len(named) > self["devices-per-worker"] or self["base-port"] is not None \
+            or self["metrics-base-port"] is not None
 
     def server_config(self, **overrides) -> ServerConfig:
-        return config_from(ServerConfig, self, secured=bool(self["node-token"]), **overrides)
+        return config_from(ServerConfig, self, secured=bool(self["node-token"]),
+                           load_model=tuple(self["load-model"]), **overrides)
 
     def restart_settings(self) -> RestartSettings:
         return config_from(RestartSettings, self)

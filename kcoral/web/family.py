@@ -90,9 +90,10 @@ INFER_ROUTES = (_MODEL + "/infer", _VERSION + "/infer")
 INFERENCE = Family(
     "inference", b"/v2",
     routes=tuple(_route(label) for label in (
-        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index",
+        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index", "/v2/models/stats",
+        "/v2/repository/models/{model}/load", "/v2/repository/models/{model}/unload",
         *(base + tail for base in (_MODEL, _VERSION)
-          for tail in ("", "/ready", "/config", "/infer")))),
+          for tail in ("", "/ready", "/config", "/infer", "/stats")))),
     forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH),
     open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}), flat_errors=True)
