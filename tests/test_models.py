@@ -292,7 +292,7 @@ async def invariant_server(module_processes, repository) -> str:
     service = await module_processes.start_service(
         server_args("--model-repository", repository.path, "--batch-invariant"),
         name="invariant-server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
-    assert service.process.matching(r"model mlp is ready, batch-invariant"), service.process.tail()
+    assert service.process.matching(r"model mlp version 1 is ready, batch-invariant"), service.process.tail()
     return service.url
 
 

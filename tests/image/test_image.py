@@ -232,7 +232,7 @@ def test_node_serves_a_mounted_model_repository(containers, tmp_path):
     tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
     np.testing.assert_allclose(grpc.infer("mlp", [tensor]).as_numpy("output"), expected, rtol=1e-5)
-    assert "model mlp is ready" in node.logs()
+    assert "model mlp version 1 is ready" in node.logs()
 
 
 def test_router_and_node(containers):
