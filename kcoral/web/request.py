@@ -16,10 +16,11 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from twisted.web import http, server
 
-from kcoral.errors import InternalError, KCoralError, RequestTimeout
+from kcoral.errors import BadRequest, InternalError, KCoralError, RequestTimeout
 from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
 from kcoral.web.family import family_of
+from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 from kcoral.web.spool import UNREAD, Holds
@@ -95,9 +96,16 @@ class KCoralRequest(server.Request):
         site = channel.site
         self._started = site.clock.seconds()
         method, uri, version = channel.headers_complete()
-        # Known before Twisted parses the request line again, for an answer
-        # given from the head alone (its error's form depends on the path).
-        self.path = path = uri.partition(b"?")[0]
+        # The one path everything reads (the guard here, then the resources,
+        # Klein and the metrics): Twisted parses it from the canonical target
+        # (requestReceived), never from the raw one.
+        try:
+            self._target = canonical(uri)
+        except BadRequest as e:
+            self.path = form_of(uri)
+            self._refuse(e)
+            return
+        self.path = path = self._target.partition(b"?")[0]
         error = site.bounds.refuse_length(length)
         if error is not None:
             self._refuse(error)
@@ -114,14 +122,14 @@ class KCoralRequest(server.Request):
         if spool is not None and (length is None or length > spool.threshold):
             self._holds = Holds(IPushProducer(channel.transport, None), channel, site.clock)
             if length is not None and site.streams(method, path):
-                self._stream(spool, length, method, uri, version)
+                self._stream(spool, length, method, version)
                 return
             self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
         else:
             self._write = self.content.write
 
-    def _stream(self, spool: Spool, length: int, method: bytes, uri: bytes, version: bytes) -> None:
+    def _stream(self, spool: Spool, length: int, method: bytes, version: bytes) -> None:
         """Process this request now, its body (of C{length} bytes) kept in
         memory while the spool's budget allows, else written to a file, and
         read as fast as it is forwarded: nothing while it waits for a
@@ -145,7 +153,7 @@ class KCoralRequest(server.Request):
         body.paced = self._paced
         body.stalled = self._stalled
         self.notifyFinish().addBoth(self._let_go)
-        super().requestReceived(method, uri, version)
+        super().requestReceived(method, self._target, version)
 
     def _join(self, data: bytes) -> None:
         """Hand C{data} on to the body, small chunks joined first: a budget
@@ -203,7 +211,7 @@ class KCoralRequest(server.Request):
             self._spooling = None
         self._read_the_rest()
         channel = self.channel
-        channel.site.metrics.observe(self.uri or b"other", status, 0.0)
+        channel.site.metrics.observe(self.path or b"other", status, 0.0)
         if not self._arriving:
             channel.refuse(response)
             return
@@ -236,6 +244,8 @@ class KCoralRequest(server.Request):
         return b"\r\n".join(head) + b"\r\n\r\n" + body
 
     def requestReceived(self, command, path, version):
+        # Twisted's channel hands on the target as its request line spelled
+        # it: each request is parsed from its canonical one (gotLength).
         if self._refused:
             return
         if self._arriving:
@@ -244,21 +254,21 @@ class KCoralRequest(server.Request):
             self._arriving = False
             return
         if self._spooling is None:
-            super().requestReceived(command, path, version)
+            super().requestReceived(command, self._target, version)
             return
         # The channel reads nothing more until this request is done: its
         # processing may wait for the last writes.
         d = self._spooling.finish()
-        d.addCallbacks(self._spooled, self._spool_failed, callbackArgs=(command, path, version))
+        d.addCallbacks(self._spooled, self._spool_failed, callbackArgs=(command, version))
 
-    def _spooled(self, body: IBody, command: bytes, path: bytes, version: bytes) -> None:
+    def _spooled(self, body: IBody, command: bytes, version: bytes) -> None:
         self._spooling = None
         if self.channel is None:  # its client went away meanwhile
             body.close()
             return
         self._body = body
         self.notifyFinish().addBoth(lambda _: body.close())
-        super().requestReceived(command, path, version)
+        super().requestReceived(command, self._target, version)
 
     def _spool_failed(self, failure: Failure) -> None:
         self._spooling = None
