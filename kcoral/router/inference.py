@@ -23,12 +23,24 @@ from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
 from kcoral.tracing import NO_TRACING, ITracing
+from kcoral.web.family import (
+    MODEL_CONFIG,
+    MODEL_INFER,
+    MODEL_METADATA,
+    VERSION_CONFIG,
+    VERSION_INFER,
+    VERSION_METADATA,
+    Route,
+)
 
 
-def _path(name: str, version: str | None, tail: str = "") -> bytes:
-    """The path of model C{name} (a checked name), of C{version} if given."""
-    base = f"/v2/models/{name}" + ("" if version is None else f"/versions/{version}")
-    return (base + tail).encode("ascii")
+def _path(routes: tuple[Route, Route], name: str, version: str | None) -> str:
+    """The path of model C{name} (a checked name) on the first of C{routes},
+    or, of C{version}, on the second."""
+    current, versioned = routes
+    if version is None:
+        return current.path(model=name)
+    return versioned.path(model=name, version=version)
 
 
 @implementer(IInferenceFront)
@@ -74,10 +86,10 @@ class RouterInference:
         return min(ready, key=lambda m: m.active / (m.capacity or 1))
 
     @inlineCallbacks
-    def _ask(self, name: str, version: str | None, tail: str):
-        """The JSON a member that has the model ready answers for its C{tail} route."""
+    def _ask(self, name: str, version: str | None, routes: tuple[Route, Route]):
+        """The JSON a member that has the model ready answers on one of C{routes}."""
         member = self._holder(name, version)
-        response = yield self._get(member.url + _path(name, version, tail).decode())
+        response = yield self._get(member.url + _path(routes, name, version))
         content = yield response.content()
         if response.code != 200:
             raise error_from_answer(response.code, content)
@@ -90,10 +102,10 @@ class RouterInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: self._ask(name, version, ""))
+        return maybeDeferred(lambda: self._ask(name, version, (MODEL_METADATA, VERSION_METADATA)))
 
     def model_config(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: self._ask(name, version, "/config"))
+        return maybeDeferred(lambda: self._ask(name, version, (MODEL_CONFIG, VERSION_CONFIG)))
 
     def model_ready(self, name, version) -> Deferred:
         return maybeDeferred(lambda: bool(self._ready_members(name, version)))
@@ -119,8 +131,8 @@ class RouterInference:
         # no member the scheduler refuses at once (503 no_ready_node).
         ready = self._ready_members(name, version)
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
-        request = forwarded(_path(name, version, "/infer"), call)
-        span = self._tracing.start("kcoral.router.infer", request.requestHeaders,
+        request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
+        span = self._tracing.start("kcoral.router.infer", request.headers,
                                    request_id=call.request_id)
         d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)

@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from kcoral._version import __version__
 from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
-from kcoral.inference.rest import InferenceResource
+from kcoral.inference.rest import InferenceRoutes
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import (
@@ -38,8 +38,8 @@ from kcoral.server.kept import lost_error
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard
-from kcoral.web.family import INFERENCE
-from kcoral.web.front import Front
+from kcoral.web.family import ARRAY, ARRAYS_NAMED, RUN_ROUTE, Route
+from kcoral.web.front import Front, Handler
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
@@ -77,14 +77,11 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        hot = {"/v1/run": self.post_run}
-        mounts = {}
+        routes: dict[Route, Handler] = {RUN_ROUTE: self.post_run, ARRAY: self.array,
+                                        ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
-            inference = InferenceResource(self.inference)
-            hot.update(inference.hot())
-            mounts[INFERENCE] = inference
-        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard, hot=hot,
-                                       mounts=mounts))
+            routes.update(InferenceRoutes(self.inference).handlers())
+        return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- health -----------------------------------------------------------
 
@@ -119,10 +116,7 @@ class ServerApp:
 
     # -- runs -------------------------------------------------------------
 
-    # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through Front, which cancels
-    # the run when its client goes away.
-    @app.route("/v1/run", methods=["POST"])
+    # Its Front cancels the run when its client goes away.
     @inlineCallbacks
     def post_run(self, request):
         rid = request.request_id
@@ -160,7 +154,12 @@ class ServerApp:
 
     # Not in a slot: a copy from the device, or a freed reference, does not
     # wait behind the runs that hold the slots.
-    @app.route("/v1/arrays/<kept>", methods=["GET"])
+    def array(self, request, kept: str):
+        """A kept array's bytes (C{GET}), or its end (C{DELETE})."""
+        if request.method == b"DELETE":
+            return self._delete(request, [kept])
+        return self.get_array(request, kept)
+
     @inlineCallbacks
     def get_array(self, request, kept):
         try:
@@ -170,12 +169,7 @@ class ServerApp:
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, frame)
 
-    @app.route("/v1/arrays/<kept>", methods=["DELETE"])
-    def delete_array(self, request, kept):
-        return self._delete(request, [kept])
-
     # Many at once, named by the header a Router routes them by.
-    @app.route("/v1/arrays", methods=["DELETE"])
     def delete_arrays(self, request):
         try:
             ids = kept_ids(request.getHeader(KEPT_HEADER) or "", 1)

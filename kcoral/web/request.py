@@ -19,7 +19,7 @@ from twisted.web import http, server
 from kcoral.errors import BadRequest, InternalError, KCoralError, RequestTimeout
 from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
-from kcoral.web.family import family_of
+from kcoral.web.family import guarded
 from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
@@ -111,7 +111,7 @@ class KCoralRequest(server.Request):
             self._refuse(error)
             return
         guard = site.client_guard
-        if guard is not None and method == b"POST" and _guarded(path):
+        if guard is not None and method == b"POST" and guarded(path):
             # Refused before a byte of its body is read, let alone spooled.
             answer = guard.refusal(self, self.request_id)
             if answer is not None:
@@ -364,9 +364,3 @@ class KCoralRequest(server.Request):
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
         return super().finish()
 
-
-def _guarded(path: bytes) -> bool:
-    """Whether C{path} (with its query, if any) is guarded by its API family."""
-    path = path.split(b"?", 1)[0]
-    family = family_of(path)
-    return family is not None and family.guards(path)
