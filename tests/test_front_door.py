@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import pytest_twisted
 from twisted.internet.task import Clock
+from twisted.internet.threads import deferToThread
 from twisted.web.resource import Resource
 
 from kcoral.errors import BadRequest
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from kcoral.web.path import canonical
-from tests.httputil import connect, fake_site, parse_raw
+from tests.conftest import server_args, server_env
+from tests.harness import SERVER_READY
+from tests.httputil import connect, fake_site, parse_raw, raw_exchange
 
 TOKEN = "front-door-token"
 
@@ -115,3 +119,91 @@ def test_a_refused_inference_path_takes_the_protocols_error_form():
         status, _, body, _ = exchange(fake_site(Clock(), resource=Seen()),
                                       b"POST " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 400 and isinstance(json.loads(body)["error"], str)
+
+
+class Kept(Resource):
+    """Keeps what each request's content holds once its body has arrived."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.kept: list[bytes] = []
+
+    def render(self, request):
+        self.kept.append(request.content.getvalue())
+        return b"ok"
+
+
+@pytest.mark.parametrize("head, kept", [
+    (b"POST /health", b""), (b"GET /v1/nodes", b""), (b"DELETE /v1/arrays/x", b""),
+    (b"POST /v2/models/m/ready", b""), (b"POST /v1/run", b"abcdef"),
+    (b"PUT /v1/nodes/n", b"abcdef"), (b"POST /v2/models/m/infer", b"abcdef"),
+])
+def test_a_body_no_route_reads_is_dropped_as_it_arrives(head, kept):
+    """Only a POST or PUT to a route that takes that method keeps its body; any other is dropped."""
+    resource = Kept()
+    exchange(fake_site(Clock(), resource=resource),
+             head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabcdef")
+    assert resource.kept == [kept]
+
+
+# -- real processes -----------------------------------------------------------------------------
+
+#: The body limit of this module's services.
+LIMIT = 8 << 20
+MiB = 1 << 20
+
+
+@pytest_twisted.async_fixture(scope="module")
+async def standalone(module_processes):
+    """A standalone server with a client token."""
+    return await module_processes.start_service(
+        server_args("--max-request-bytes", str(LIMIT)), name="door-server", ready=SERVER_READY,
+        env={**server_env(), "KCORAL_CLIENT_TOKEN": TOKEN})
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process C{pid}."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _chunked(total: int, size: int = MiB):
+    """A chunked body of C{total} bytes, in chunks of C{size}, and its end."""
+    chunk = b"%x\r\n" % size + b"x" * size + b"\r\n"
+    for _ in range(total // size):
+        yield chunk
+    yield b"0\r\n\r\n"
+
+
+def _refused_bodies(port: int) -> list[int]:
+    """Six 4 MiB bodies no route reads (405), then four chunked bodies past the limit (413)."""
+    statuses = []
+    body = b"x" * (4 * MiB)
+    for _ in range(6):
+        head = (b"POST /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        statuses.append(parse_raw(raw_exchange(port, head, [body[at:at + MiB] for at in
+                                                            range(0, len(body), MiB)]))[0])
+    for _ in range(4):
+        head = (b"POST /v1/run HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n")
+        statuses.append(parse_raw(raw_exchange(port, head, _chunked(LIMIT + 2 * MiB)))[0])
+    return statuses
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_standalone_server_holds_no_refused_body(standalone):
+    """Bodies no route reads, and bodies refused past the limit, leave no memory behind them."""
+    pid = standalone.process.pid
+    before = rss_bytes(pid)
+    statuses = await deferToThread(_refused_bodies, standalone.port)
+    assert statuses == [405] * 6 + [413] * 4
+    # Held, they would be 24 MiB of unread bodies and 4 x 8 MiB of refused
+    # ones, until a garbage collection.
+    assert rss_bytes(pid) - before < 16 * MiB

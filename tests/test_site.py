@@ -195,7 +195,7 @@ def test_an_idle_connection_closes_at_once_when_asked():
 def test_a_busy_connection_closes_only_after_its_answer():
     """close_when_idle() lets the request in progress finish, then closes."""
     wrapper, transport = connect(fake_site(Clock()))
-    wrapper.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+    wrapper.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
     wrapper.wrappedProtocol.close_when_idle()
     assert not transport.disconnecting
     wrapper.dataReceived(b"def")

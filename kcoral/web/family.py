@@ -113,6 +113,8 @@ class Family:
 
 
 GET, POST, DELETE, PUT = (b"GET",), (b"POST",), (b"DELETE",), (b"PUT",)
+#: The methods whose requests carry a body a route reads.
+_BODY_METHODS = frozenset(POST + PUT)
 
 _RUN = "/v1/run"
 #: C{POST /v1/run}: a program and its inputs in, its outputs out; a Router
@@ -202,6 +204,16 @@ def streamed(method: bytes, path: bytes) -> bool:
     """Whether a request is one whose body a Router forwards while it arrives."""
     route = route_of(path)
     return route is not None and route.streams and method in route.methods
+
+
+def takes_body(method: bytes, path: bytes) -> bool:
+    """Whether a request's body is read by the route it goes to: a C{POST}
+    or C{PUT} to a route that takes it. Every other body is dropped as it
+    arrives (L{kcoral.web.request})."""
+    if method not in _BODY_METHODS:
+        return False
+    route = route_of(path)
+    return route is not None and method in route.methods
 
 
 def flat_errors(path: bytes) -> bool:

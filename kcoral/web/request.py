@@ -19,7 +19,7 @@ from twisted.web import http, server
 from kcoral.errors import BadRequest, InternalError, KCoralError, RequestTimeout
 from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
-from kcoral.web.family import guarded
+from kcoral.web.family import guarded, takes_body
 from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
@@ -118,6 +118,11 @@ class KCoralRequest(server.Request):
                 self._refuse_with(self.code, self._raw_answer(answer))
                 return
         self.content = RequestBody()
+        if not takes_body(method, path):
+            # No route reads it (a GET's, a POST to /health): read within the
+            # bounds, as any body is, and dropped as it arrives, never held.
+            self._write = _dropped
+            return
         spool = site.spool
         if spool is not None and (length is None or length > spool.threshold):
             self._holds = Holds(IPushProducer(channel.transport, None), channel, site.clock)
@@ -127,7 +132,14 @@ class KCoralRequest(server.Request):
             self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
         else:
-            self._write = self.content.write
+            self._write = self._into_content
+
+    def _into_content(self, data: bytes) -> None:
+        # Not a bound write of the content itself: a request outlives its
+        # answer until the garbage collector breaks its reference cycles,
+        # and its content must not (Twisted lets go of it once answered).
+        assert self.content is not None  # gotLength made it
+        self.content.write(data)
 
     def _stream(self, spool: Spool, length: int, method: bytes, version: bytes) -> None:
         """Process this request now, its body (of C{length} bytes) kept in
@@ -205,7 +217,9 @@ class KCoralRequest(server.Request):
         # with a body already refused would send it for nothing.
         self.requestHeaders.removeHeader(b"Expect")
         self._refused = True
+        # What arrived is let go at once, and what still arrives is dropped.
         self.content = RequestBody()
+        self._write = _dropped
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
@@ -364,3 +378,6 @@ class KCoralRequest(server.Request):
             site.metrics.observe(self.path, self.code, site.clock.seconds() - self._started)
         return super().finish()
 
+
+def _dropped(data: bytes) -> None:
+    """Where a body nobody reads goes, as it arrives."""
