@@ -19,7 +19,8 @@ from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from kcoral.web.path import canonical
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY
-from tests.httputil import connect, fake_site, parse_raw, raw_exchange
+from tests.httputil import connect, fake_site, parse_raw, raw_exchange, request
+from tests.test_router_app import Router
 
 TOKEN = "front-door-token"
 
@@ -148,6 +149,24 @@ def test_a_body_no_route_reads_is_dropped_as_it_arrives(head, kept):
     assert resource.kept == [kept]
 
 
+# -- /health on a protected service --------------------------------------------------------------
+
+def test_a_protected_gateways_health_lists_its_workers_only_to_a_client():
+    """Without the client token a gateway's /health has no workers (their URLs); with it, all."""
+    gateway = Router(client_token=TOKEN, health_lists_workers=True)
+    gateway.ready()
+    _, open_health = gateway.json("GET", "/health")
+    _, full = gateway.json("GET", "/health", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert "workers" not in open_health and full["workers"][0]["url"].startswith("http")
+    assert {k: v for k, v in full.items() if k != "workers"} == open_health
+    _, dashboard = gateway.json("GET", "/v1/dashboard")
+    assert "workers" not in dashboard["health"]
+    # Without a client token set, nothing is hidden.
+    open_gateway = Router(health_lists_workers=True)
+    open_gateway.ready()
+    assert "workers" in open_gateway.json("GET", "/health")[1]
+
+
 # -- real processes -----------------------------------------------------------------------------
 
 #: The body limit of this module's services.
@@ -207,3 +226,19 @@ async def test_a_standalone_server_holds_no_refused_body(standalone):
     # Held, they would be 24 MiB of unread bodies and 4 x 8 MiB of refused
     # ones, until a garbage collection.
     assert rss_bytes(pid) - before < 16 * MiB
+
+
+#: What a probe sees of a protected standalone server, and what only a client does.
+PROBE_FIELDS = {"status", "gpu_target", "capacity", "active", "queued", "runtime", "devices", "version"}
+CLIENT_FIELDS = {"cache", "models", "instance"}
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_protected_servers_health_shows_a_probe_only_what_it_needs(standalone):
+    """Without the token /health has its status and capacity, not its cache, models or kept-array instance."""
+    probe = await request("GET", standalone.url + "/health", timeout=10)
+    client = await request("GET", standalone.url + "/health", timeout=10,
+                           headers={"Authorization": f"Bearer {TOKEN}"})
+    assert probe.code == client.code == 200
+    assert set(probe.json) == PROBE_FIELDS and set(client.json) == PROBE_FIELDS | CLIENT_FIELDS

@@ -52,7 +52,7 @@ from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
-from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
+from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard, trusted
 from kcoral.web.body import MemoryBody, body_of
 from kcoral.web.family import (
     ARRAY,
@@ -162,7 +162,9 @@ class RouterApp:
             return "draining"
         return "ok" if self.pool.ready_nodes() else "unavailable"
 
-    def health(self) -> dict:
+    def health(self, full: bool = True) -> dict:
+        """What C{/health} says; the workers (where it lists them) only in
+        the C{full} one, for a trusted client (L{kcoral.web.auth.trusted})."""
         target = self.pool.target
         health = {
             "status": self.status(),
@@ -174,7 +176,7 @@ class RouterApp:
             "nodes": self.pool.counts(),
             "version": __version__,
         }
-        if self._health_lists_workers:
+        if self._health_lists_workers and full:
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
                  "active": m.active, "devices": m.devices,
@@ -184,7 +186,7 @@ class RouterApp:
 
     @app.route("/health", methods=["GET"])
     def get_health(self, request):
-        health = self.health()
+        health = self.health(trusted(self.client_guard, request))
         return json_response(request, 200 if health["status"] == "ok" else 503, health)
 
     @app.route("/readyz", methods=["GET"])
@@ -268,7 +270,8 @@ class RouterApp:
     # the nodes from /v1/nodes, with the client's token where one is needed.
     @app.route("/v1/dashboard", methods=["GET"])
     def get_dashboard(self, request):
-        return json_response(request, 200, {"health": self.health(), "history": self.history.to_json()})
+        return json_response(request, 200, {"health": self.health(trusted(self.client_guard, request)),
+                                            "history": self.history.to_json()})
 
     # -- node routes ----------------------------------------------------------
 

@@ -37,7 +37,7 @@ from kcoral.server.inference import ServerInference
 from kcoral.server.kept import lost_error
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
-from kcoral.web.auth import IGuard
+from kcoral.web.auth import IGuard, trusted
 from kcoral.web.family import ARRAY, ARRAYS_NAMED, RUN_ROUTE, Route
 from kcoral.web.front import Front, Handler
 from kcoral.web.requestid import RequestIdResource
@@ -85,9 +85,12 @@ class ServerApp:
 
     # -- health -----------------------------------------------------------
 
-    def health(self) -> dict:
+    def health(self, full: bool = True) -> dict:
+        """What C{/health} says: its cache, models and kept-array instance
+        only in the C{full} one, for a trusted client (L{kcoral.web.auth.trusted}); its
+        supervisor, which reaches a worker with no token set, sees them."""
         info = self.executor.info
-        return {
+        health = {
             "status": self.status,
             "gpu_target": info.gpu_target if info else None,
             "capacity": self.admission.capacity,
@@ -96,14 +99,16 @@ class ServerApp:
             "runtime": info.runtime if info else None,
             "devices": info.devices if info else [],
             "version": __version__,
-            "cache": self.executor.cached(),
-            "models": [] if self.inference is None else self.inference.health(),
-            "instance": self.executor.kept.instance,
         }
+        if full:
+            health.update(cache=self.executor.cached(), instance=self.executor.kept.instance,
+                          models=[] if self.inference is None else self.inference.health())
+        return health
 
     @app.route("/health", methods=["GET"])
     def get_health(self, request):
-        return json_response(request, 200 if self.status == OK else 503, self.health())
+        return json_response(request, 200 if self.status == OK else 503,
+                             self.health(trusted(self.client_guard, request)))
 
     @app.route("/readyz", methods=["GET"])
     def get_readyz(self, request):
