@@ -158,6 +158,32 @@ def test_a_body_no_route_reads_is_dropped_as_it_arrives(head, kept):
     assert resource.kept == [kept]
 
 
+# -- the families' routes, mounted once --------------------------------------------------------
+
+def bearer() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", "/v1/run", b"POST"), ("PUT", "/v1/run", b"POST"), ("POST", "/v1/nodes", b"GET, HEAD"),
+    ("POST", "/v1/arrays/x-1", b"DELETE, GET, HEAD"), ("GET", "/v1/arrays", b"DELETE"),
+    ("GET", "/v2/models/m/infer", b"POST"), ("POST", "/v2/health/live", b"GET, HEAD"),
+])
+def test_a_method_a_route_does_not_take_is_a_405_from_its_declaration(method, path, allow):
+    """A wrong method on a family's route is a JSON 405 whose Allow lists the declared methods."""
+    response, body = Router(client_token=TOKEN).json(method, path, body=b"x", headers=bearer())
+    assert response.code == 405 and response.headers.getRawHeaders(b"Allow") == [allow]
+    # The inference protocol's errors are the message alone.
+    error = body["error"]
+    assert "is not allowed here" in (error if path.startswith("/v2") else error["message"])
+
+
+def test_the_guard_answers_before_the_method_is_checked():
+    """Without the token a wrong method on a guarded route is a 401: its methods are not told."""
+    response, _ = Router(client_token=TOKEN).json("GET", "/v1/run")
+    assert response.code == 401 and not response.headers.hasHeader(b"Allow")
+
+
 # -- /health on a protected service --------------------------------------------------------------
 
 def test_a_protected_gateways_health_lists_its_workers_only_to_a_client():
