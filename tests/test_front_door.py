@@ -62,16 +62,19 @@ def test_spellings_that_would_change_routing_are_refused(target, says):
 
 
 class Seen(Resource):
-    """Answers 200, keeping what each request's path, URI and segments read."""
+    """Answers 200, keeping what each request's path, URI and segments read,
+    and what its content holds once its body has arrived."""
 
     isLeaf = True
 
     def __init__(self):
         super().__init__()
         self.seen: list[tuple] = []
+        self.kept: list[bytes] = []
 
     def render(self, request):
         self.seen.append((request.path, request.uri, request.prepath + request.postpath))
+        self.kept.append(request.content.getvalue())
         return b"ok"
 
 
@@ -131,20 +134,6 @@ def test_a_refused_inference_path_takes_the_protocols_error_form():
         assert status == 400 and isinstance(json.loads(body)["error"], str)
 
 
-class Kept(Resource):
-    """Keeps what each request's content holds once its body has arrived."""
-
-    isLeaf = True
-
-    def __init__(self):
-        super().__init__()
-        self.kept: list[bytes] = []
-
-    def render(self, request):
-        self.kept.append(request.content.getvalue())
-        return b"ok"
-
-
 @pytest.mark.parametrize("head, kept", [
     (b"POST /health", b""), (b"GET /v1/nodes", b""), (b"DELETE /v1/arrays/x", b""),
     (b"POST /v2/models/m/ready", b""), (b"POST /v1/run", b"abcdef"),
@@ -152,7 +141,7 @@ class Kept(Resource):
 ])
 def test_a_body_no_route_reads_is_dropped_as_it_arrives(head, kept):
     """Only a POST or PUT to a route that takes that method keeps its body; any other is dropped."""
-    resource = Kept()
+    resource = Seen()
     exchange(fake_site(Clock(), resource=resource),
              head + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabcdef")
     assert resource.kept == [kept]
