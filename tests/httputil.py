@@ -18,7 +18,6 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 from twisted.web.client import HTTPConnectionPool
-from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 
 from kcoral.metrics import HttpMetrics
@@ -28,8 +27,7 @@ from kcoral.web.family import RUN
 from kcoral.web.site import KCoralSite
 
 #: A client's run, as a Router forwards it.
-RUN_CALL = Call(RUN, b"/v1/run", "forwarded-1",
-                Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]}))
+RUN_CALL = Call(RUN, b"/v1/run", "forwarded-1", ((b"Content-Type", REQUEST_CONTENT_TYPE.encode()),))
 
 
 @attrs.frozen

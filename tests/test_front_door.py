@@ -43,7 +43,7 @@ TOKEN = "front-door-token"
 ])
 def test_escapes_of_unreserved_characters_are_decoded_once(target, path):
     """An escaped unreserved character is the character; case and the query are kept as sent."""
-    assert canonical(target) == path
+    assert canonical(target) == (path.partition(b"?")[0], path)
 
 
 @pytest.mark.parametrize("target, says", [

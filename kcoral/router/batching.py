@@ -64,7 +64,6 @@ from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import (
@@ -106,12 +105,11 @@ LANE_HOLD_SECONDS = 1.0
 
 def forwarded(path: bytes, call: InferCall) -> Call:
     """The call that forwards C{call} as it came to C{path}."""
-    headers = Headers({b"Content-Type": [_JSON if call.header_length is None else _BINARY]})
+    headers = {b"Content-Type": _JSON if call.header_length is None else _BINARY}
     if call.header_length is not None:
-        headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % call.header_length])
-    for header, value in call.headers.items():
-        headers.setRawHeaders(header, [value])
-    return Call(INFERENCE, path, call.request_id, headers)
+        headers[INFERENCE_HEADER_LENGTH] = b"%d" % call.header_length
+    headers.update(call.headers)
+    return Call(INFERENCE, path, call.request_id, tuple(headers.items()))
 
 
 @attrs.define(eq=False)
@@ -302,10 +300,9 @@ class FrontBatcher:
         else:
             merged, length = merge_infer([m.parsed for m in batch.members],  # type: ignore[misc]
                                          first.kind[1])  # type: ignore[index]
-            headers = first.request.headers.copy()
-            headers.setRawHeaders(b"Content-Type", [_BINARY])
-            headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % length])
-            request, body = attrs.evolve(first.request, headers=headers), merged
+            headers = {**dict(first.request.headers), b"Content-Type": _BINARY,
+                       INFERENCE_HEADER_LENGTH: b"%d" % length}
+            request, body = attrs.evolve(first.request, headers=tuple(headers.items())), merged
             if debug_enabled():
                 log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
                           ids=[m.call.request_id for m in batch.members])

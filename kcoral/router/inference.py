@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
+from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from kcoral._version import __version__
@@ -132,7 +133,8 @@ class RouterInference:
         ready = self._ready_members(name, version)
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
         request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
-        span = self._tracing.start("kcoral.router.infer", request.headers,
+        span = self._tracing.start("kcoral.router.infer",
+                                   Headers({name: [value] for name, value in call.headers.items()}),
                                    request_id=call.request_id)
         d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)

@@ -22,6 +22,7 @@ from twisted.internet import error as netError
 from twisted.internet.defer import CancelledError, Deferred, inlineCallbacks
 from twisted.logger import Logger
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
+from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
@@ -109,8 +110,9 @@ class Proxy:
         answer) and fails it with C{CancelledError}.
         """
         path, family = call.path, call.family
-        headers = call.headers.copy()
-        headers.setRawHeaders(b"X-Request-ID", [call.request_id.encode()])
+        headers = Headers({b"X-Request-ID": [call.request_id.encode()]})
+        for name, value in call.headers:
+            headers.setRawHeaders(name, [value])
         if traceparent is not None:
             headers.setRawHeaders(TRACEPARENT, [traceparent])
         if not headers.hasHeader(b"Content-Type"):

@@ -32,8 +32,9 @@ from kcoral.errors import BadRequest
 #: RFC 3986's unreserved characters: escaping one of them changes nothing.
 _UNRESERVED = b"A-Za-z0-9\\-._~"
 #: A canonical path: segments of unreserved characters and sub-delimiters
-#: (but C{;}), C{:} and C{@}; or the root alone.
-_CANONICAL = re.compile(rb"/|(?:/[" + _UNRESERVED + rb"!$&'()*+,=:@]+)+")
+#: (but C{;}), C{:} and C{@}, none of them C{.} or C{..}; or the root alone.
+#: One expression: it is matched on every request.
+_CANONICAL = re.compile(rb"/|(?:/(?!\.\.?(?:/|\Z))[" + _UNRESERVED + rb"!$&'()*+,=:@]+)+")
 _ESCAPE = re.compile(rb"%([0-9A-Fa-f]{2})")
 _UNRESERVED_BYTE = re.compile(rb"[" + _UNRESERVED + rb"]")
 _DOT_SEGMENT = re.compile(rb"/\.\.?(?:/|\Z)")
@@ -50,28 +51,26 @@ def _unescaped(match: re.Match[bytes]) -> bytes:
 def decoded(path: bytes) -> bytes:
     """C{path} with its escapes of unreserved characters decoded; a
     L{BadRequest} for any other escape, or a C{%} that starts none."""
-    if b"%" not in path:
-        return path
     path = _ESCAPE.sub(_unescaped, path)
     if b"%" in path:
         raise BadRequest("the path holds a % that starts no escape")
     return path
 
 
-def canonical(target: bytes) -> bytes:
+def canonical(target: bytes) -> tuple[bytes, bytes]:
     """
-    The canonical form of a request line's target (its path, then its query
-    as sent): a L{BadRequest} saying why when the path breaks a rule above.
+    The canonical path of a request line's target, and its canonical form
+    (that path, then its query as sent): a L{BadRequest} saying why when the
+    path breaks a rule above.
     """
     if target == b"*":
-        return target
+        return target, target
     path, question, query = target.partition(b"?")
-    path = decoded(path)
-    if not _CANONICAL.fullmatch(path):
+    if b"%" in path:
+        path = decoded(path)
+    if _CANONICAL.fullmatch(path) is None:
         raise BadRequest(_why(path))
-    if _DOT_SEGMENT.search(path):
-        raise BadRequest("the path holds a dot segment (. or ..)")
-    return path + question + query
+    return path, path + question + query
 
 
 def _why(path: bytes) -> str:
@@ -80,6 +79,8 @@ def _why(path: bytes) -> str:
         return "the request target must be a path (starting with /)"
     if b";" in path:
         return "the path holds ;parameters, which no route takes"
+    if _DOT_SEGMENT.search(path):
+        return "the path holds a dot segment (. or ..)"
     if b"//" in path or path.endswith(b"/"):
         return "the path holds an empty segment (// or a trailing /)"
     return "the path holds a character that is not allowed in a path"

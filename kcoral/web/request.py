@@ -79,7 +79,9 @@ class KCoralRequest(server.Request):
     #: not all arrived yet.
     _arriving = False
     _expected = 0
-    _write: Callable[[bytes], object]
+    #: Where its body goes as it arrives, when not into its content: a
+    #: spool's writer, the stream's joiner, or nowhere (L{_dropped}).
+    _write: Callable[[bytes], object] | None = None
     #: Where the chunks of a streamed body go, once joined (L{_join}).
     _keep: Callable[[bytes], object]
     _small: bytearray
@@ -100,12 +102,12 @@ class KCoralRequest(server.Request):
         # Klein and the metrics): Twisted parses it from the canonical target
         # (requestReceived), never from the raw one.
         try:
-            self._target = canonical(uri)
+            path, self._target = canonical(uri)
         except BadRequest as e:
             self.path = form_of(uri)
             self._refuse(e)
             return
-        self.path = path = self._target.partition(b"?")[0]
+        self.path = path
         error = site.bounds.refuse_length(length)
         if error is not None:
             self._refuse(error)
@@ -131,15 +133,6 @@ class KCoralRequest(server.Request):
                 return
             self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
-        else:
-            self._write = self._into_content
-
-    def _into_content(self, data: bytes) -> None:
-        # Not a bound write of the content itself: a request outlives its
-        # answer until the garbage collector breaks its reference cycles,
-        # and its content must not (Twisted lets go of it once answered).
-        assert self.content is not None  # gotLength made it
-        self.content.write(data)
 
     def _stream(self, spool: Spool, length: int, method: bytes, version: bytes) -> None:
         """Process this request now, its body (of C{length} bytes) kept in
@@ -199,7 +192,16 @@ class KCoralRequest(server.Request):
         if error is not None:
             self._refuse(error)
             return
-        self._write(data)  # set by gotLength, which refused if not
+        write = self._write
+        if write is None:
+            # The content of now, never a write bound to it and kept: that
+            # would keep the content as long as the request, which whatever
+            # still refers to it (a Deferred's callbacks) may keep long after
+            # Twisted lets go of the content.
+            assert self.content is not None  # made by gotLength
+            self.content.write(data)
+        else:
+            write(data)
         if self._arriving and self._received >= self._expected:
             # Its last byte: the client is never held again, and its
             # connection's idle timeout is back on before Twisted's channel
