@@ -103,10 +103,6 @@ class Family:
     def __attrs_post_init__(self):
         assert all(r.label.encode().startswith(self.prefix) for r in self.routes), self.name
 
-    def route(self, label: str) -> Route:
-        """Its route of C{label}."""
-        return next(r for r in self.routes if r.label == label)
-
     def under(self, path: bytes) -> bool:
         """Whether C{path} (a route's, or not) is under its prefix."""
         return path == self.prefix or path.startswith(self.prefix + b"/")
