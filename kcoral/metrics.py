@@ -29,16 +29,15 @@ class HttpMetrics:
         self._children: dict[tuple[str, int], tuple] = {}
 
     def route_of(self, path: bytes) -> str:
-        # Bounded label values: an API family's paths by its routes' labels,
-        # and unknown paths share one label.
+        # Bounded label values: an API family's paths by their route's
+        # template, the service's own routes by their path, and every other
+        # path one label.
         path = path.split(b"?", 1)[0]
-        found = route_of(path)
-        if found is not None:
-            return found[1]
-        route = path.decode("ascii", "replace")
-        if route.startswith("/v1/nodes/"):
-            return "/v1/nodes/{node_id}"
-        return route if route in self._routes else "other"
+        route = route_of(path)
+        if route is not None:
+            return route.label
+        text = path.decode("ascii", "replace")
+        return text if text in self._routes else "other"
 
     def observe(self, path: bytes, code: int, seconds: float) -> None:
         route = self.route_of(path)

@@ -16,6 +16,7 @@ from twisted.python import usage
 from kcoral.client.sync import client_headers
 from kcoral.options import positive
 from kcoral.web.auth import CLIENT_TOKEN_ENV
+from kcoral.web.family import NODE_LIST
 
 DEFAULT_ROUTER = "http://127.0.0.1:9000"
 
@@ -107,10 +108,10 @@ def read_pool(reactor, router: str, headers: dict | None = None):
     """The Router's C{/health} and C{/v1/nodes}, as C{{"health": ..., "nodes": [...]}};
     C{headers} authenticate the client."""
     _, health = yield _get_json(reactor, router + "/health")
-    code, nodes = yield _get_json(reactor, router + "/v1/nodes", headers)
+    code, nodes = yield _get_json(reactor, router + NODE_LIST.label, headers)
     if code != 200:
         error = nodes.get("error") or {}
-        raise ValueError(f"/v1/nodes answered {code} {error.get('type')}: {error.get('message')}")
+        raise ValueError(f"{NODE_LIST.label} answered {code} {error.get('type')}: {error.get('message')}")
     return {"health": health, "nodes": nodes.get("nodes", [])}
 
 

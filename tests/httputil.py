@@ -18,20 +18,16 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 from twisted.web.client import HTTPConnectionPool
-from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 
 from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
+from kcoral.router.call import Call
+from kcoral.web.family import RUN
 from kcoral.web.site import KCoralSite
 
-
-class ForwardedRequest:
-    """What L{kcoral.router.proxy.Proxy.forward} reads of a client's request."""
-
-    request_id = "forwarded-1"
-    path = b"/v1/run"
-    requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()]})
+#: A client's run, as a Router forwards it.
+RUN_CALL = Call(RUN, b"/v1/run", "forwarded-1", ((b"Content-Type", REQUEST_CONTENT_TYPE.encode()),))
 
 
 @attrs.frozen

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
+import attrs
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
-from twisted.web.http_headers import Headers
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
@@ -21,7 +21,7 @@ from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from kcoral.web.body import MemoryBody
 from tests.fakes import FakeWorker, FakeWorkers, node_report
-from tests.httputil import ForwardedRequest
+from tests.httputil import RUN_CALL
 
 
 class Routed:
@@ -53,7 +53,7 @@ class Routed:
                 request=None):
         """The outcome of one forward, settled: ('ok', answer) or ('failed', exception)."""
         done: list = []
-        d = forwarder.forward(request or ForwardedRequest(), body or MemoryBody(b"run"), demand)
+        d = forwarder.forward(request or RUN_CALL, body or MemoryBody(b"run"), demand)
         d.addCallbacks(lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
         self.client.flush()
         return d, done
@@ -121,15 +121,15 @@ class LateBody:
         return True
 
 
-class AsksRedispatch(ForwardedRequest):
-    requestHeaders = Headers({b"X-KCoral-Redispatch": [b"true"]})
+#: A run whose client consents to a second run.
+ASKS_REDISPATCH = attrs.evolve(RUN_CALL, redispatch=True)
 
 
 def test_a_connection_lost_while_the_body_was_late_is_the_clients_408():
     """A member that gave up on a late body is not blamed: a 408, the member not suspect,
     and the run sent nowhere else even though its client allows a second run."""
     routed = Routed("10.0.0.1", "10.0.0.2", lost={"10.0.0.1", "10.0.0.2"})
-    _, done = routed.forward(routed.serve(), body=LateBody(), request=AsksRedispatch())
+    _, done = routed.forward(routed.serve(), body=LateBody(), request=ASKS_REDISPATCH)
     kind, error = done[0]
     assert kind == "failed" and isinstance(error, RequestTimeout) and error.status == 408
     assert not any(routed.member(host).suspect for host in ("10.0.0.1", "10.0.0.2"))

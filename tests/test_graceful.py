@@ -176,7 +176,7 @@ def test_stop_keep_alive_closes_each_connection_after_its_next_answer():
     assert idle_transport.value().endswith(b"hello") and not idle_transport.disconnecting
     idle_transport.clear()
     arriving, arriving_transport = connect(site)
-    arriving.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+    arriving.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
 
     site.stop_keep_alive()
     # A request already arriving is answered, and says the connection closes.

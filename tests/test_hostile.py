@@ -981,7 +981,7 @@ def test_a_byte_a_second_client_is_cut_off_by_the_head_deadline():
 def _post_slowly(clock, body: bytes, per_second: int, seconds: int):
     """A POST whose body arrives at C{per_second} bytes each second."""
     channel, transport = connect(fake_site(clock, max_request_bytes=1 << 20))
-    channel.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-ID: slow-1\r\n"
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nX-Request-ID: slow-1\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body))
     for second in range(seconds):
         if transport.disconnecting:

@@ -15,6 +15,7 @@ import pytest_twisted
 import treq
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from klein import Klein
 from prometheus_client import CollectorRegistry
 from tritonclient.utils import InferenceServerException
 from twisted.internet import defer, threads
@@ -32,14 +33,15 @@ from kcoral.inference.front import (
     server_metadata,
 )
 from kcoral.inference.grpcfront import GrpcFront
-from kcoral.inference.rest import InferenceResource
+from kcoral.inference.rest import InferenceRoutes
 from kcoral.metrics import HttpMetrics
 from kcoral.models.manifest import ModelManifest
 from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.protocol.tensors import InvalidInput
+from kcoral.web import errors
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
-from kcoral.web.family import INFERENCE
 from kcoral.web.front import Front
+from kcoral.web.requestid import RequestIdResource
 from kcoral.web.site import KCoralSite
 
 MANIFEST = ModelManifest.from_json({
@@ -129,6 +131,20 @@ class Served:
         return {"authorization": f"Bearer {TOKEN}"} if self.guarded else None
 
 
+class NoOtherRoutes:
+    """A service's own routes, when it has none: JSON 404s and 405s."""
+
+    app = Klein()
+    errors.install(app)
+
+
+def mounted(front, guard=None) -> RequestIdResource:
+    """The inference routes of C{front}, mounted as a service mounts them
+    (its front applies the client guard)."""
+    return RequestIdResource(Front(NoOtherRoutes().app.resource(), InferenceRoutes(front).handlers(),
+                                   guard=guard))
+
+
 @pytest_twisted.async_yield_fixture(params=[False, True], ids=["open", "guarded"])
 async def served(request):
     """The fake front on a REST port and a gRPC port, guarded by a client token or not."""
@@ -136,10 +152,7 @@ async def served(request):
 
     front = DoubleFront()
     guard = TokenGuard.of([TOKEN], CLIENT_ROUTES) if request.param else None
-    # Mounted as a service mounts it: its front applies the client guard.
-    inference = InferenceResource(front)
-    site = KCoralSite(Front(inference, guard=guard, hot=inference.hot(),
-                            mounts={INFERENCE: inference}),
+    site = KCoralSite(mounted(front, guard),
                       metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
                       max_request_bytes=1 << 20, log=Logger(), client_guard=guard)
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
@@ -367,7 +380,7 @@ async def test_client_leaving_cancels_the_inference():
     from twisted.internet import reactor
 
     front = HangingFront()
-    site = KCoralSite(InferenceResource(front), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
+    site = KCoralSite(mounted(front), metrics=HttpMetrics(CollectorRegistry(), frozenset({"/"})),
                       max_request_bytes=1 << 20, log=Logger())
     port = reactor.listenTCP(0, site, interface="127.0.0.1")
     try:

@@ -27,7 +27,7 @@ from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Out
 from kcoral.web.sendnow import SendNowEndpoint
 from tests.fakes import FakeWorker
 from tests.harness import until
-from tests.httputil import ForwardedRequest
+from tests.httputil import RUN_CALL
 
 
 def test_a_small_body_is_written_at_once():
@@ -191,7 +191,7 @@ async def test_a_503_from_a_worker_is_not_sent_and_says_why(peer, body, says):
     """A worker's 503 is NotSent, saying its reason or the start of its body."""
     url = f"http://127.0.0.1:{peer.serve(_Busy(body))}"
     with pytest.raises(NotSent) as caught:
-        await peer.proxy.forward(url, ForwardedRequest(), MemoryBody(b"run"))
+        await peer.proxy.forward(url, RUN_CALL, MemoryBody(b"run"))
     assert str(caught.value) == f"{url} turned it away with {says}"
 
 

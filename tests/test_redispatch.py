@@ -13,26 +13,33 @@ from twisted.web.http_headers import Headers
 from kcoral.common.report import parse_report
 from kcoral.errors import NodeFailure
 from kcoral.protocol.wire import REDISPATCH_HEADER, REQUEST_CONTENT_TYPE
-from kcoral.router.forward import asks_redispatch
+from kcoral.router.call import Call
 from kcoral.web.body import MemoryBody
+from kcoral.web.family import RUN
 from tests.fakes import FakeWorker, node_report
 from tests.test_forward import Routed
 
 
 class Redispatched:
-    """A client's request that allows a second run."""
+    """A client's request (as a Router's handler reads it) that allows a second run."""
 
     request_id = "redispatched-1"
     path = b"/v1/run"
+    method = b"POST"
 
     def __init__(self, value: bytes = b"true"):
         self.requestHeaders = Headers({b"Content-Type": [REQUEST_CONTENT_TYPE.encode()],
                                        REDISPATCH_HEADER.encode(): [value]})
 
 
+def call(request: Redispatched) -> Call:
+    """The call a Router's handler forwards C{request} as."""
+    return Call.of(request, RUN)
+
+
 def forward(routed: Routed, forwarder, request):
     done: list = []
-    forwarder.forward(request, MemoryBody(b"run"), None).addCallbacks(
+    forwarder.forward(call(request), MemoryBody(b"run"), None).addCallbacks(
         lambda a: done.append(("ok", a)), lambda f: done.append(("failed", f.value)))
     routed.client.flush()
     return done
@@ -40,8 +47,8 @@ def forward(routed: Routed, forwarder, request):
 
 def test_only_true_asks_for_redispatch():
     """The header allows a second run only with the value true (any case)."""
-    assert asks_redispatch(Redispatched(b"true")) and asks_redispatch(Redispatched(b"True "))
-    assert not asks_redispatch(Redispatched(b"1")) and not asks_redispatch(Redispatched(b"no"))
+    assert call(Redispatched(b"true")).redispatch and call(Redispatched(b"True ")).redispatch
+    assert not call(Redispatched(b"1")).redispatch and not call(Redispatched(b"no")).redispatch
 
 
 class FirstLost:

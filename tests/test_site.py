@@ -20,6 +20,7 @@ from kcoral.web.badrequest import TWISTED_BAD_REQUEST, JSONBadRequest
 from kcoral.web.bounds import BODY_GRACE_SECONDS, MIN_BODY_BYTES_PER_SECOND, BodyBounds
 from kcoral.web.channel import LINGER_SECONDS, KCoralChannel
 from kcoral.web.connections import Connections, Refused
+from kcoral.web.request import KCoralRequest
 from tests.httputil import connect, fake_site, parse_raw
 
 
@@ -194,7 +195,7 @@ def test_an_idle_connection_closes_at_once_when_asked():
 def test_a_busy_connection_closes_only_after_its_answer():
     """close_when_idle() lets the request in progress finish, then closes."""
     wrapper, transport = connect(fake_site(Clock()))
-    wrapper.dataReceived(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+    wrapper.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
     wrapper.wrappedProtocol.close_when_idle()
     assert not transport.disconnecting
     wrapper.dataReceived(b"def")
@@ -242,3 +243,91 @@ def test_past_its_cap_the_site_builds_refused_connections():
     connect(site)
     assert isinstance(site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40001)), Refused)
     assert logged.lines == [at_the_cap(1)]
+
+
+# -- the order Twisted calls KCoralRequest's overrides in ---------------------------------------
+
+class Traced(KCoralRequest):
+    """A KCoral request that notes each call Twisted makes into its
+    overrides, with what it relies on being there at that moment."""
+
+    calls: list[tuple] = []
+
+    def gotLength(self, length):
+        self.calls.append(("gotLength", length, self.getHeader(b"X-Probe")))
+        super().gotLength(length)
+
+    def handleContentChunk(self, data):
+        self.calls.append(("handleContentChunk", len(data)))
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command, path, version):
+        self.calls.append(("requestReceived", path))
+        super().requestReceived(command, path, version)
+
+    def process(self):
+        self.calls.append(("process", self.uri))
+        super().process()
+
+    def render(self, resrc):
+        self.calls.append(("render",))
+        super().render(resrc)
+
+    def finish(self):
+        self.calls.append(("finish",))
+        return super().finish()
+
+    def connectionLost(self, reason):
+        self.calls.append(("connectionLost",))
+        super().connectionLost(reason)
+
+
+def traced(**site_options):
+    """A site of L{Traced} requests, one connection to it, and the calls noted."""
+    site = fake_site(Clock(), **site_options)
+    site.requestFactory = Traced
+    Traced.calls = []
+    channel, transport = connect(site)
+    return channel, transport, Traced.calls
+
+
+def test_twisted_calls_the_overrides_in_the_order_they_rely_on():
+    """The head whole (every header, its length) before gotLength; each chunk after it; then
+    requestReceived with the raw target, which process, render and finish follow."""
+    channel, transport, calls = traced()
+    channel.dataReceived(b"POST /v1/ru%6E HTTP/1.1\r\nHost: x\r\nX-Probe: seen\r\n"
+                         b"Content-Length: 6\r\n\r\nabc")
+    assert calls == [("gotLength", 6, b"seen"), ("handleContentChunk", 3)]
+    channel.dataReceived(b"def")
+    # Twisted hands on the target as sent: the request parses its canonical one instead.
+    assert calls[2:] == [("handleContentChunk", 3), ("requestReceived", b"/v1/ru%6E"),
+                         ("process", b"/v1/run"), ("render",), ("finish",)]
+    assert transport.value().endswith(b"got 6")
+
+
+def test_a_chunked_body_has_no_length_and_arrives_decoded():
+    """gotLength(None) for a chunked body, whose chunks come decoded, before requestReceived."""
+    channel, _, calls = traced()
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\nabc\r\n0\r\n\r\n")
+    assert [c[:2] for c in calls[:3]] == [("gotLength", None), ("handleContentChunk", 3),
+                                           ("requestReceived", b"/v1/run")]
+
+
+def test_100_continue_is_sent_only_once_gotLength_has_returned():
+    """Twisted answers Expect: 100-continue after gotLength, so a refusal there can withdraw it."""
+    channel, transport, calls = traced(max_request_bytes=10)
+    head = b"POST /v1/run HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+    channel.dataReceived(head % 6)
+    assert calls[0][0] == "gotLength" and transport.value() == b"HTTP/1.1 100 Continue\r\n\r\n"
+    channel, transport, calls = traced(max_request_bytes=10)
+    channel.dataReceived(head % 11)
+    assert b"100 Continue" not in transport.value() and parse_raw(transport.value())[0] == 413
+
+
+def test_a_client_gone_mid_body_is_told_to_the_request():
+    """A connection lost while a body arrives reaches the request's connectionLost, never requestReceived."""
+    channel, _, calls = traced()
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
+    channel.connectionLost(Failure(ConnectionDone()))
+    assert [c[0] for c in calls] == ["gotLength", "handleContentChunk", "connectionLost"]

@@ -45,7 +45,7 @@ from kcoral.web.body import (
 from kcoral.web.request import JOIN_BYTES
 from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
 from tests.harness import until
-from tests.httputil import ForwardedRequest, connect, fake_site, parse_raw
+from tests.httputil import RUN_CALL, connect, fake_site, parse_raw
 from tests.test_outgoing import Peer
 
 THRESHOLD = 1000
@@ -256,8 +256,8 @@ async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
     try:
         url = f"http://127.0.0.1:{peer.serve(_BusyOnce())}"
         with pytest.raises(NotSent):
-            await peer.proxy.forward(url, ForwardedRequest(), body)
-        answer = await peer.proxy.forward(url, ForwardedRequest(), body)
+            await peer.proxy.forward(url, RUN_CALL, body)
+        answer = await peer.proxy.forward(url, RUN_CALL, body)
         assert answer.code == 200 and answer.body == hashlib.sha256(data).hexdigest().encode()
     finally:
         await peer.close()

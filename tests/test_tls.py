@@ -45,7 +45,7 @@ from kcoral.web.endpoint import ListenAddress
 from kcoral.web.outgoing import tls_problem
 from tests.conftest import server_args, server_env
 from tests.harness import START_TIMEOUT, kcoral_argv, until
-from tests.httputil import ForwardedRequest
+from tests.httputil import RUN_CALL
 from tests.test_routed import FAST_NODE, start_router
 from tests.test_server import run_frame
 from tests.tlsutil import TestCA
@@ -400,14 +400,14 @@ async def test_the_proxy_counts_a_refused_certificate_as_not_sent(pki, certifica
     proxy = Proxy(outgoing.client)
     try:
         with pytest.raises(NotSent, match="TLS with"):
-            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", ForwardedRequest(),
+            await proxy.forward(f"https://127.0.0.1:{port.getHost().port}", RUN_CALL,
                                 MemoryBody(b"x"))
         # The same server, with the right certificate, takes the request.
         right = pki["node"]
         good = await ListenAddress("127.0.0.1", 0, right.cert, right.key).endpoint(reactor).listen(
             Site(_Hello()))
         try:
-            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", ForwardedRequest(),
+            answer = await proxy.forward(f"https://127.0.0.1:{good.getHost().port}", RUN_CALL,
                                          MemoryBody(b"x"))
             assert answer.code == 200 and answer.body == b"ran"
         finally:

@@ -43,7 +43,7 @@ from kcoral.client.progress import CountingProducer, upload_bar
 from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path_of
 from kcoral.client.sync import _retry_after, client_headers
 from kcoral.errors import KCoralError, NodeFailure
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from kcoral.web.family import INFERENCE_HEADER_LENGTH, REPOSITORY_INDEX
 from kcoral.web.outgoing import tls_policy
 
 log = Logger()
@@ -271,7 +271,7 @@ class AsyncClient:
     @inlineCallbacks
     def models(self):
         """A Deferred of the repository index: each model's name, version, state and reason."""
-        answer = yield self._request("POST", "/v2/repository/index", Send([b"{}"], 2, {}))
+        answer = yield self._request("POST", REPOSITORY_INDEX.label, Send([b"{}"], 2, {}))
         if answer.status != 200:
             raise error_of(answer)
         return json.loads(answer.body)

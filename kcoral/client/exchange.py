@@ -54,9 +54,8 @@ from kcoral.protocol.wire import (
     wire_array,
 )
 from kcoral.tracing import current_traceparent
+from kcoral.web.family import ARRAYS_NAMED, RUN_ROUTE
 
-#: The route that frees the kept arrays its request's kept header names.
-ARRAYS_PATH = "/v1/arrays"
 #: Delays between retries of a busy answer: capped, jittered exponential.
 BUSY_BACKOFF = backoffPolicy(initialDelay=0.05, maxDelay=5.0, factor=2.0)
 
@@ -74,7 +73,7 @@ class Send:
     length: int
     headers: dict
     #: The route it is posted to.
-    path: str = "/v1/run"
+    path: str = RUN_ROUTE.label
     #: Whether a client that consents to a second run sends it again after
     #: losing it: a run is a pure function of its inputs; a deletion is not
     #: (a second would find its arrays gone).
@@ -305,7 +304,7 @@ def deletions(ids: Sequence[str]) -> list[Send]:
     held: dict[str | None, list[str]] = {}
     for kept in dict.fromkeys(ids):
         held.setdefault(holder_of(kept), []).append(kept)
-    return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_PATH,
+    return [Send([], 0, {KEPT_HEADER: ",".join(ids[i:i + MAX_KEPT_LISTED])}, path=ARRAYS_NAMED.label,
                  repeatable=False)
             for ids in held.values()
             for i in range(0, len(ids), MAX_KEPT_LISTED)]

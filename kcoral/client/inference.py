@@ -21,7 +21,7 @@ from kcoral.models.manifest import NAME
 from kcoral.protocol.tensors import DATATYPES, InvalidInput, datatype_of
 from kcoral.protocol.wire import byte_view
 from kcoral.tracing import current_traceparent
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from kcoral.web.family import INFERENCE_HEADER_LENGTH, MODEL_INFER
 
 _CONTENT_TYPE = "application/octet-stream"
 _HEADER_LENGTH = INFERENCE_HEADER_LENGTH.decode()
@@ -56,7 +56,7 @@ class InferCall:
 
     @property
     def path(self) -> str:
-        return f"/v2/models/{self.model}/infer"
+        return MODEL_INFER.path(model=self.model)
 
     def send(self, referenced: set[str], request_id: str | None, redispatch: bool = False) -> Send:
         header = json.dumps({

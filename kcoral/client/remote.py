@@ -17,6 +17,7 @@ import numpy as np
 from zope.interface import Interface
 
 from kcoral.protocol.wire import Reference, decode_outputs
+from kcoral.web.family import ARRAY
 
 
 class IArrayOwner(Interface):
@@ -138,4 +139,4 @@ def _keeper(structure, avals: tuple, near: tuple | None):
 
 def path_of(array: RemoteArray) -> str:
     """The route of C{array} on the service that holds it."""
-    return f"/v1/arrays/{array.id}"
+    return ARRAY.path(kept=array.id)

@@ -43,7 +43,7 @@ from kcoral.client.remote import IArrayOwner, RemoteArray, fetched, keeper, path
 from kcoral.errors import KCoralError, NodeFailure
 from kcoral.program import Program
 from kcoral.web.auth import CLIENT_TOKEN_ENV, authorization
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from kcoral.web.family import INFERENCE_HEADER_LENGTH, REPOSITORY_INDEX
 
 log = Logger()
 
@@ -352,7 +352,7 @@ class Client:
 
     def models(self) -> list[dict]:
         """The repository index: each model's name, version, state and reason."""
-        answer = self._simple("POST", "/v2/repository/index", Send([b"{}"], 2, {}))
+        answer = self._simple("POST", REPOSITORY_INDEX.label, Send([b"{}"], 2, {}))
         if answer.status != 200:
             raise error_of(answer)
         return json.loads(answer.body)

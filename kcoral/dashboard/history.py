@@ -20,12 +20,11 @@ import attrs
 from prometheus_client import CollectorRegistry
 from twisted.application.internet import TimerService
 
+from kcoral.web.family import RUN_ROUTE
+
 SAMPLE_INTERVAL_SECONDS = 2.0
 WINDOW_SECONDS = 600.0
 
-#: The series the history reads: answered runs, with their durations from
-#: arrival to answer (a wait in the queue included, as a client sees it).
-RUN_ROUTE = "/v1/run"
 
 
 @attrs.frozen
@@ -45,12 +44,14 @@ class Totals:
     def read(cls, registry: CollectorRegistry, time: float) -> Totals:
         runs = hits = misses = queued = active = 0.0
         buckets: dict[float, float] = {}
+        # The series of answered runs, with their durations from arrival to
+        # answer (a wait in the queue included, as a client sees it).
         for family in registry.collect():
             for s in family.samples:
-                if s.name == "kcoral_http_requests_total" and s.labels.get("route") == RUN_ROUTE:
+                if s.name == "kcoral_http_requests_total" and s.labels.get("route") == RUN_ROUTE.label:
                     runs += s.value
                 elif (s.name == "kcoral_http_request_duration_seconds_bucket"
-                      and s.labels.get("route") == RUN_ROUTE):
+                      and s.labels.get("route") == RUN_ROUTE.label):
                     bound = float(s.labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + s.value
                 elif s.name == "kcoral_placements_total":

@@ -1,6 +1,6 @@
 """
-The inference protocol's REST routes (C{/v2/...}) for one
-L{IInferenceFront}. Errors are the protocol's C{{"error": "message"}}, which
+The inference protocol's REST routes (L{kcoral.web.family.INFERENCE}) for
+one L{IInferenceFront}. Errors are the protocol's C{{"error": "message"}}, which
 Triton's and KServe's clients read, with KCoral's status codes and request
 id header.
 """
@@ -10,21 +10,39 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
-from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from werkzeug.exceptions import MethodNotAllowed as NoSuchMethod
-from werkzeug.exceptions import NotFound as NoSuchRoute
 
-from kcoral.errors import BadRequest, InternalError, KCoralError, MethodNotAllowed, NotFound
+from kcoral.errors import BadRequest, KCoralError
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.body import SpooledBody, body_of
-from kcoral.web.family import INFER_ROUTES, INFERENCE_HEADER_LENGTH, TRACE_HEADERS
-from kcoral.web.requestid import RequestIdResource
+from kcoral.web.errors import internal_error
+from kcoral.web.family import (
+    INFERENCE_HEADER_LENGTH,
+    LIVE,
+    MODEL_CONFIG,
+    MODEL_INFER,
+    MODEL_LOAD,
+    MODEL_METADATA,
+    MODEL_READY,
+    MODEL_STATISTICS,
+    MODEL_UNLOAD,
+    READY,
+    REPOSITORY_INDEX,
+    SERVER_METADATA,
+    STATISTICS,
+    TRACE_HEADERS,
+    VERSION_CONFIG,
+    VERSION_INFER,
+    VERSION_METADATA,
+    VERSION_READY,
+    VERSION_STATISTICS,
+    Route,
+)
+from kcoral.web.front import Handler
 from kcoral.web.responses import error_response, with_length
 
 log = Logger()
@@ -67,39 +85,63 @@ def _body(request) -> Deferred[memoryview]:
     return succeed(view)
 
 
-class InferenceResource(RequestIdResource):
+class InferenceRoutes:
     """
-    A leaf resource serving the C{/v2} routes of C{front}, matched on the
-    request's whole path: a site's root, or rendered by the resource there
-    (a service's L{kcoral.web.front.Front}, which also applies its client
-    guard). A client that goes away cancels what it waits for.
-    Inputs are views of the request body, as a
+    The inference protocol's routes of C{front}, one handler each (by the
+    routes L{kcoral.web.family.INFERENCE} declares), for a service's
+    L{kcoral.web.front.Front} to mount; it also applies the client guard
+    and answers wrong methods. A client that goes away cancels what it waits
+    for. Inputs are views of the request body, as a
     L{kcoral.web.request.KCoralRequest} keeps it (a plain C{BytesIO} body
     cannot be closed while they live).
     """
 
-    app = Klein()
-
     def __init__(self, front: IInferenceFront):
         self._front = front
-        super().__init__(self.app.resource())
 
-    def hot(self) -> dict[str, Callable[..., Deferred]]:
-        """
-        The inference routes, by label, for a front to send straight to
-        L{posted}: Klein's dispatch of a request (binding and matching its
-        URL map, adapting the request, its error-handler chain) costs as much
-        as a tenth of a gateway's CPU per inference, as it did for runs.
-        """
-        return dict.fromkeys(INFER_ROUTES, self.posted)
+    def handlers(self) -> dict[Route, Handler]:
+        """Each route of the family, and its handler."""
+        model, version = self.model_route, self.version_route
+        return {
+            LIVE: self.live, READY: self.ready, SERVER_METADATA: self.metadata,
+            REPOSITORY_INDEX: self.repository_index,
+            MODEL_METADATA: model(self._front.model_metadata, self._json),
+            VERSION_METADATA: version(self._front.model_metadata, self._json),
+            MODEL_READY: model(self._front.model_ready, _status),
+            VERSION_READY: version(self._front.model_ready, _status),
+            MODEL_CONFIG: model(self._front.model_config, self._json),
+            VERSION_CONFIG: version(self._front.model_config, self._json),
+            MODEL_INFER: self.infer, VERSION_INFER: self.infer,
+            STATISTICS: lambda request: self._answer(
+                request, lambda: self._front.model_statistics(None, None),
+                lambda value: _json(request, 200, value)),
+            MODEL_STATISTICS: model(self._front.model_statistics, self._json),
+            VERSION_STATISTICS: version(self._front.model_statistics, self._json),
+            MODEL_LOAD: self.control(self._front.load_model),
+            MODEL_UNLOAD: self.control(self._front.unload_model),
+        }
 
-    def posted(self, request) -> Deferred:
-        """The answer to an inference whose path a front matched to an
-        inference route: the model (and version) read from its segments."""
-        segments = [unquote(s) for s in request.path.decode("ascii", "replace").split("/")]
-        # /v2/models/{m}/infer or /v2/models/{m}/versions/{v}/infer
-        model, version = segments[3], segments[5] if len(segments) == 7 else None
-        return maybeDeferred(self.infer, request, model, version)
+    def model_route(self, ask: Callable[[str, str | None], Deferred],
+                    render: Callable[[Any, Any], bytes]) -> Handler:
+        """The handler of a model's route (its current version) that answers
+        with C{render} of what C{ask} fires with."""
+        return lambda request, model: self._answer(
+            request, lambda: ask(model, None), lambda value: render(request, value))
+
+    def version_route(self, ask: Callable[[str, str | None], Deferred],
+                      render: Callable[[Any, Any], bytes]) -> Handler:
+        """As L{model_route}, for a route that names the model's version."""
+        return lambda request, model, version: self._answer(
+            request, lambda: ask(model, version), lambda value: render(request, value))
+
+    def control(self, act: Callable[[str], Deferred]) -> Handler:
+        """The handler of a model's load or unload route, that C{act}s on it."""
+        return lambda request, model: self._answer(
+            request, lambda: act(model), lambda value: _json(request, 200, value))
+
+    @staticmethod
+    def _json(request, value: Any) -> bytes:
+        return _json(request, 200, value)
 
     def _answer(self, request, call: Callable[[], Deferred],
                 render: Callable[[Any], bytes]) -> Deferred[bytes]:
@@ -107,8 +149,8 @@ class InferenceResource(RequestIdResource):
         d = maybeDeferred(call)
         d.addCallback(render)
         d.addErrback(self._failed, request)
-        # Klein cancels the Deferred a handler returns when its client goes
-        # away, and drops an answer for a client that left.
+        # The front cancels it when its client goes away, and drops an
+        # answer for a client that left.
         return d
 
     def _failed(self, failure: Failure, request) -> bytes | Failure:
@@ -122,35 +164,20 @@ class InferenceResource(RequestIdResource):
                 "{request_id} answered {status}: {message}", request_id=request.request_id,
                 status=error.status, message=error.message)
             return error_response(request, error)
-        log.failure("{request_id} internal error", failure, request_id=request.request_id)
-        return error_response(request, InternalError(f"internal error: {type(failure.value).__name__}"))
-
-    @app.handle_errors(NoSuchRoute)
-    def no_route(self, request, failure):
-        path = request.path.decode("ascii", "replace")[:100]
-        return error_response(request, NotFound(f"no route {path}"))
-
-    @app.handle_errors(NoSuchMethod)
-    def no_method(self, request, failure):
-        method = request.method.decode("ascii", "replace")[:20]
-        return error_response(request, MethodNotAllowed(f"{method} is not allowed here"))
+        return internal_error(request, failure)
 
     # -- the server -----------------------------------------------------------------------------
 
-    @app.route("/v2/health/live", methods=["GET"])
-    def live(self, request):
+    def live(self, request) -> bytes:
         return _status(request, True)
 
-    @app.route("/v2/health/ready", methods=["GET"])
-    def ready(self, request):
+    def ready(self, request) -> Deferred[bytes]:
         return self._answer(request, self._front.ready, lambda ok: _status(request, ok))
 
-    @app.route("/v2", methods=["GET"])
-    def metadata(self, request):
+    def metadata(self, request) -> Deferred[bytes]:
         return self._answer(request, self._front.metadata, lambda value: _json(request, 200, value))
 
-    @app.route("/v2/repository/index", methods=["POST"])
-    def repository_index(self, request):
+    def repository_index(self, request) -> bytes | Deferred[bytes]:
         def render(models: list[dict]) -> bytes:
             if only_ready:
                 models = [m for m in models if m.get("state") == "READY"]
@@ -161,16 +188,6 @@ class InferenceResource(RequestIdResource):
         except BadRequest as e:
             return error_response(request, e)
         return self._answer(request, self._front.repository_index, render)
-
-    @app.route("/v2/repository/models/<m>/load", methods=["POST"])
-    def load_model(self, request, m):
-        return self._answer(request, lambda: self._front.load_model(m),
-                            lambda value: _json(request, 200, value))
-
-    @app.route("/v2/repository/models/<m>/unload", methods=["POST"])
-    def unload_model(self, request, m):
-        return self._answer(request, lambda: self._front.unload_model(m),
-                            lambda value: _json(request, 200, value))
 
     def _only_ready(self, request) -> bool:
         """Whether the index request asks for the ready models alone."""
@@ -187,36 +204,9 @@ class InferenceResource(RequestIdResource):
             raise BadRequest('a repository index request is {"ready": true|false}')
         return value.get("ready", False)
 
-    # -- models ---------------------------------------------------------------------------------
+    # -- inferences -----------------------------------------------------------------------------
 
-    @app.route("/v2/models/<m>", methods=["GET"], defaults={"v": None})
-    @app.route("/v2/models/<m>/versions/<v>", methods=["GET"])
-    def model_metadata(self, request, m, v):
-        return self._answer(request, lambda: self._front.model_metadata(m, v),
-                            lambda value: _json(request, 200, value))
-
-    @app.route("/v2/models/<m>/ready", methods=["GET"], defaults={"v": None})
-    @app.route("/v2/models/<m>/versions/<v>/ready", methods=["GET"])
-    def model_ready(self, request, m, v):
-        return self._answer(request, lambda: self._front.model_ready(m, v),
-                            lambda ok: _status(request, ok))
-
-    @app.route("/v2/models/<m>/config", methods=["GET"], defaults={"v": None})
-    @app.route("/v2/models/<m>/versions/<v>/config", methods=["GET"])
-    def model_config(self, request, m, v):
-        return self._answer(request, lambda: self._front.model_config(m, v),
-                            lambda value: _json(request, 200, value))
-
-    @app.route("/v2/models/stats", methods=["GET"], defaults={"m": None, "v": None})
-    @app.route("/v2/models/<m>/stats", methods=["GET"], defaults={"v": None})
-    @app.route("/v2/models/<m>/versions/<v>/stats", methods=["GET"])
-    def model_statistics(self, request, m, v):
-        return self._answer(request, lambda: self._front.model_statistics(m, v),
-                            lambda value: _json(request, 200, value))
-
-    @app.route("/v2/models/<m>/infer", methods=["POST"], defaults={"v": None})
-    @app.route("/v2/models/<m>/versions/<v>/infer", methods=["POST"])
-    def infer(self, request, m, v):
+    def infer(self, request, model: str, version: str | None = None) -> Deferred[bytes]:
         def call() -> Deferred:
             encoding = request.getHeader(b"Content-Encoding")
             if encoding not in (None, b"identity"):
@@ -226,7 +216,7 @@ class InferenceResource(RequestIdResource):
                        if (value := request.getHeader(name)) is not None}
             d = _body(request)
             d.addCallback(lambda body: self._front.infer(
-                m, v, InferCall(body, header_length, request.request_id, headers)))
+                model, version, InferCall(body, header_length, request.request_id, headers)))
             return d
 
         def render(answer: InferAnswer) -> bytes:

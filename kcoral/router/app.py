@@ -32,7 +32,7 @@ from kcoral.errors import (
     PayloadTooLarge,
     ServerBusy,
 )
-from kcoral.inference.rest import InferenceResource
+from kcoral.inference.rest import InferenceRoutes
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import (
@@ -46,6 +46,7 @@ from kcoral.protocol.wire import (
     kept_id,
     kept_ids,
 )
+from kcoral.router.call import Call
 from kcoral.router.forward import MAX_REDISPATCHES, Forwarder
 from kcoral.router.inference import RouterInference
 from kcoral.router.pool import Pool, PoolFull, SessionConflict
@@ -54,10 +55,19 @@ from kcoral.router.residency import Demand, ResidencyCollector
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
-from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard
+from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard, trusted
 from kcoral.web.body import MemoryBody, body_of
-from kcoral.web.family import INFERENCE
-from kcoral.web.front import Front
+from kcoral.web.family import (
+    ARRAY,
+    ARRAYS,
+    ARRAYS_NAMED,
+    NODE_CONTROL,
+    NODE_LIST,
+    RUN,
+    RUN_ROUTE,
+    Route,
+)
+from kcoral.web.front import Front, Handler
 from kcoral.web.outgoing import Outgoing
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
@@ -143,16 +153,11 @@ class RouterApp:
                                          most_waiting=scheduler.queue.max_waiting, tracing=tracing)
 
     def resource(self):
-        inference = InferenceResource(self.inference)
-        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard,
-                                       hot={"/v1/run": self.post_run, **inference.hot()},
-                                       mounts={INFERENCE: inference}))
-
-    @staticmethod
-    def streams(method: bytes, path: bytes) -> bool:
-        """Whether a request is forwarded while its (large) body arrives: a
-        run, whose body the Router only passes on."""
-        return method == b"POST" and path == b"/v1/run"
+        routes: dict[Route, Handler] = {
+            RUN_ROUTE: self.post_run, ARRAY: self.array, ARRAYS_NAMED: self.arrays,
+            NODE_LIST: self.get_nodes, NODE_CONTROL: self.node_control,
+            **InferenceRoutes(self.inference).handlers()}
+        return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- client routes --------------------------------------------------------
 
@@ -161,7 +166,9 @@ class RouterApp:
             return "draining"
         return "ok" if self.pool.ready_nodes() else "unavailable"
 
-    def health(self) -> dict:
+    def health(self, full: bool = True) -> dict:
+        """What C{/health} says; the workers (where it lists them) only in
+        the C{full} one, for a trusted client (L{kcoral.web.auth.trusted})."""
         target = self.pool.target
         health = {
             "status": self.status(),
@@ -173,7 +180,7 @@ class RouterApp:
             "nodes": self.pool.counts(),
             "version": __version__,
         }
-        if self._health_lists_workers:
+        if self._health_lists_workers and full:
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
                  "active": m.active, "devices": m.devices,
@@ -183,7 +190,7 @@ class RouterApp:
 
     @app.route("/health", methods=["GET"])
     def get_health(self, request):
-        health = self.health()
+        health = self.health(trusted(self.client_guard, request))
         return json_response(request, 200 if health["status"] == "ok" else 503, health)
 
     @app.route("/readyz", methods=["GET"])
@@ -198,10 +205,7 @@ class RouterApp:
         request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode())
         return self.metrics_source()
 
-    # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through Front, which cancels
-    # the forward when its client goes away.
-    @app.route("/v1/run", methods=["POST"])
+    # Its Front cancels the forward when its client goes away.
     def post_run(self, request) -> Deferred:
         # Callbacks, not a second inlineCallbacks around the forwarder's:
         # a generator and its Deferred chain cost 2-3 us of CPU per run.
@@ -216,7 +220,8 @@ class RouterApp:
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
-            d = self.forwarder.forward(request, body_of(request), demand, devices, span)
+            d = self.forwarder.forward(Call.of(request, RUN), body_of(request), demand, devices,
+                                       span)
             d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
         return d
@@ -225,15 +230,13 @@ class RouterApp:
 
     # Straight to the member that holds the arrays, outside the queue: a
     # fetch or a delete does not wait behind runs, and only that member can answer.
-    @app.route("/v1/arrays/<kept>", methods=["GET", "DELETE"])
-    def array(self, request, kept) -> Deferred:
+    def array(self, request, kept: str) -> Deferred:
         try:
             ids = (kept_id(kept),)
         except WireError as e:
             return self._answered(request, fail(BadRequest(str(e))))
         return self._to_holder(request, ids)
 
-    @app.route("/v1/arrays", methods=["DELETE"])
     def arrays(self, request) -> Deferred:
         try:
             ids = kept_ids(request.getHeader(_KEPT_HEADER), 1)
@@ -252,7 +255,7 @@ class RouterApp:
             d = fail(ArrayLost(f"no worker of this pool holds kept array(s) {', '.join(ids[:8])} "
                                f"(it restarted, or is gone)", details={"lost": list(ids)}))
         else:
-            d = self._proxy.forward(member.url, request, NO_BODY, method=request.method)
+            d = self._proxy.forward(member.url, Call.of(request, ARRAYS), NO_BODY)
             d.addErrback(_not_sent)
         return self._answered(request, d)
 
@@ -275,14 +278,14 @@ class RouterApp:
     # the nodes from /v1/nodes, with the client's token where one is needed.
     @app.route("/v1/dashboard", methods=["GET"])
     def get_dashboard(self, request):
-        return json_response(request, 200, {"health": self.health(), "history": self.history.to_json()})
+        return json_response(request, 200, {"health": self.health(trusted(self.client_guard, request)),
+                                            "history": self.history.to_json()})
 
     # -- node routes ----------------------------------------------------------
 
-    @app.route("/v1/nodes", methods=["GET"])
     def get_nodes(self, request):
         # It lists every worker's URL, where programs could be sent directly:
-        # guarded (kcoral.web.family.NODES) like the runs themselves.
+        # guarded (kcoral.web.family.NODE_LIST) like the runs themselves.
         now = self._reactor.seconds()
         nodes = []
         for node in self.pool.nodes.values():
@@ -319,7 +322,12 @@ class RouterApp:
         except (ValueError, RecursionError):
             raise BadRequest("a node report must be JSON") from None
 
-    @app.route("/v1/nodes/<node_id>", methods=["PUT"])
+    def node_control(self, request, node_id: str):
+        """A node's report (C{PUT}) or its leaving (C{DELETE})."""
+        if request.method == b"PUT":
+            return self.put_node(request, node_id)
+        return self.delete_node(request, node_id)
+
     def put_node(self, request, node_id):
         if not _NODE_ID.match(node_id):
             return error_response(request, BadRequest("node ids are 1-64 of [A-Za-z0-9._-]"))
@@ -343,7 +351,6 @@ class RouterApp:
         return json_response(request, 200, {"node_id": node_id, "state": node.state,
                                             "status_check_interval_seconds": self._interval})
 
-    @app.route("/v1/nodes/<node_id>", methods=["DELETE"])
     def delete_node(self, request, node_id):
         # Checked before the token, as for PUT: the refusal log line names the
         # node, and a URL-escaped newline must not forge a line in the log.

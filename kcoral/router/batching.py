@@ -64,7 +64,6 @@ from twisted.internet.base import DelayedCall
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.common.queue import BatchQueue
@@ -87,12 +86,13 @@ from kcoral.protocol.inference import (
     parse_answer,
     parse_infer,
 )
+from kcoral.router.call import Call
 from kcoral.router.forward import Forwarder
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Lease
 from kcoral.tracing import ISpan
 from kcoral.web.body import MemoryBody
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from kcoral.web.family import INFERENCE, INFERENCE_HEADER_LENGTH
 
 log = Logger()
 
@@ -105,30 +105,20 @@ LANE_SHARE = 0.25
 LANE_HOLD_SECONDS = 1.0
 
 
-@attrs.frozen
-class Forwarded:
-    """An inference as the forwarder and the proxy read a client's request."""
-
-    request_id: str
-    path: bytes
-    requestHeaders: Headers
-
-
-def forwarded(path: bytes, call: InferCall) -> Forwarded:
-    """The request that forwards C{call} as it came to C{path}."""
-    headers = Headers({b"Content-Type": [_JSON if call.header_length is None else _BINARY]})
+def forwarded(path: bytes, call: InferCall) -> Call:
+    """The call that forwards C{call} as it came to C{path}."""
+    headers = {b"Content-Type": _JSON if call.header_length is None else _BINARY}
     if call.header_length is not None:
-        headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % call.header_length])
-    for header, value in call.headers.items():
-        headers.setRawHeaders(header, [value])
-    return Forwarded(call.request_id, path, headers)
+        headers[INFERENCE_HEADER_LENGTH] = b"%d" % call.header_length
+    headers.update(call.headers)
+    return Call(INFERENCE, path, call.request_id, tuple(headers.items()))
 
 
 @attrs.define(eq=False)
 class _Waiting:
     """One client's inference, from its arrival to its answer."""
 
-    request: Forwarded
+    request: Call
     call: InferCall
     #: Its parsed inputs and outputs; None when it goes alone, as it came.
     parsed: InferRequest | None
@@ -193,7 +183,7 @@ class FrontBatcher:
         self._most_waiting = most_waiting
         self._queues: dict[bytes, _Queue] = {}
 
-    def infer(self, request: Forwarded, call: InferCall, model: str, most_rows: int,
+    def infer(self, request: Call, call: InferCall, model: str, most_rows: int,
               span: ISpan) -> Deferred[InferAnswer]:
         """
         The answer to C{call}, forwarded alone as C{request} (to a model's
@@ -305,10 +295,9 @@ class FrontBatcher:
         else:
             merged, length = merge_infer([m.parsed for m in batch.members],  # type: ignore[misc]
                                          first.kind[1])  # type: ignore[index]
-            headers = first.request.requestHeaders.copy()
-            headers.setRawHeaders(b"Content-Type", [_BINARY])
-            headers.setRawHeaders(INFERENCE_HEADER_LENGTH, [b"%d" % length])
-            request, body = attrs.evolve(first.request, requestHeaders=headers), merged
+            headers = {**dict(first.request.headers), b"Content-Type": _BINARY,
+                       INFERENCE_HEADER_LENGTH: b"%d" % length}
+            request, body = attrs.evolve(first.request, headers=tuple(headers.items())), merged
             if debug_enabled():
                 log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
                           ids=[m.call.request_id for m in batch.members])

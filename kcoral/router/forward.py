@@ -31,7 +31,7 @@ from twisted.logger import Logger
 
 from kcoral.errors import NodeFailure, RequestTimeout, ServerBusy
 from kcoral.logs import debug_enabled
-from kcoral.protocol.wire import REDISPATCH_HEADER
+from kcoral.router.call import Call
 from kcoral.router.proxy import NotSent, Proxy
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Lease, Scheduler
@@ -50,15 +50,6 @@ MAX_REDISPATCHES = 2
 #: 409 said it lacked, before the 409 goes back to the client.
 MAX_HOLDER_TRIES = 2
 
-_REDISPATCH = REDISPATCH_HEADER.encode()
-
-
-def asks_redispatch(request) -> bool:
-    """Whether C{request}'s client consents to its run being run again."""
-    value = request.requestHeaders.getRawHeaders(_REDISPATCH)
-    return bool(value) and value[0].strip().lower() == b"true"
-
-
 class Forwarder:
     """Forwards runs to the members the C{scheduler} leases, with C{proxy};
     C{observe_wait} is told how long each one waited for its lease, and a run
@@ -75,11 +66,11 @@ class Forwarder:
         self.max_redispatches = max_redispatches
 
     @inlineCallbacks
-    def forward(self, request, body: IBody, demand: Demand | None, devices: int = 1,
+    def forward(self, call: Call, body: IBody, demand: Demand | None, devices: int = 1,
                 span: ISpan = NO_SPAN, lease: Lease | None = None, waited: bool = False):
         """
         The L{kcoral.router.proxy.Answer} of the member that took C{body}
-        (the run of C{request}, needing the content C{demand} if known, exported
+        (the run C{call} forwards, needing the content C{demand} if known, exported
         for C{devices} devices; its steps traced within C{span}). Fails with
         L{ServerBusy} (no capacity, or no member took it), L{NotEnoughDevices}
         (no ready member owns as many devices) or L{NodeFailure} (lost after
@@ -96,10 +87,10 @@ class Forwarder:
         C{waited}: the request's wait was observed already (it is sent again
         after waiting once), so this forward's is not.
         """
-        rid = request.request_id
+        rid = call.request_id
         arrived = self._clock.seconds()
         # A run of kept arrays is never run again: they live on its node.
-        redispatches = self.max_redispatches if asks_redispatch(request) and (
+        redispatches = self.max_redispatches if call.redispatch and (
             demand is None or demand.kept is None) else 0
         not_sent = lost = moved = 0
         residency = self.scheduler.pool.residency
@@ -122,7 +113,7 @@ class Forwarder:
                           node_id=member.node.node_id, worker=member.name)
             forwarding = span.child("kcoral.forward", node_id=member.node.node_id, worker=member.name)
             try:
-                answer = yield self._proxy.forward(member.url, request, body,
+                answer = yield self._proxy.forward(member.url, call, body,
                                                    traceparent=forwarding.traceparent())
             except NotSent as e:
                 forwarding.failed(e)

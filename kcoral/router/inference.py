@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
 from twisted.logger import Logger
+from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
 from kcoral._version import __version__
@@ -33,14 +34,31 @@ from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
 from kcoral.tracing import NO_TRACING, ITracing
+from kcoral.web.family import (
+    MODEL_CONFIG,
+    MODEL_INFER,
+    MODEL_LOAD,
+    MODEL_METADATA,
+    MODEL_STATISTICS,
+    MODEL_UNLOAD,
+    STATISTICS,
+    VERSION_CONFIG,
+    VERSION_INFER,
+    VERSION_METADATA,
+    VERSION_STATISTICS,
+    Route,
+)
 
 log = Logger()
 
 
-def _path(name: str, version: str | None, tail: str = "") -> bytes:
-    """The path of model C{name} (a checked name), of C{version} if given."""
-    base = f"/v2/models/{name}" + ("" if version is None else f"/versions/{version}")
-    return (base + tail).encode("ascii")
+def _path(routes: tuple[Route, Route], name: str, version: str | None) -> str:
+    """The path of model C{name} (a checked name) on the first of C{routes},
+    or, of C{version}, on the second."""
+    current, versioned = routes
+    if version is None:
+        return current.path(model=name)
+    return versioned.path(model=name, version=version)
 
 
 @implementer(IInferenceFront)
@@ -100,10 +118,10 @@ class RouterInference:
         return min(self._serving_members(name, version), key=lambda m: m.active / (m.capacity or 1))
 
     @inlineCallbacks
-    def _ask(self, name: str, version: str | None, tail: str):
-        """The JSON a member that has the model ready answers for its C{tail} route."""
+    def _ask(self, name: str, version: str | None, routes: tuple[Route, Route]):
+        """The JSON a member that has the model ready answers on one of C{routes}."""
         member = self._holder(name, version)
-        response = yield self._get(member.url + _path(name, version, tail).decode())
+        response = yield self._get(member.url + _path(routes, name, version))
         content = yield response.content()
         if response.code != 200:
             raise error_from_answer(response.code, content)
@@ -116,10 +134,10 @@ class RouterInference:
         return succeed(server_metadata(__version__))
 
     def model_metadata(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: self._ask(name, version, ""))
+        return maybeDeferred(lambda: self._ask(name, version, (MODEL_METADATA, VERSION_METADATA)))
 
     def model_config(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: self._ask(name, version, "/config"))
+        return maybeDeferred(lambda: self._ask(name, version, (MODEL_CONFIG, VERSION_CONFIG)))
 
     def model_ready(self, name, version) -> Deferred:
         return maybeDeferred(lambda: bool(self._ready_members(name, version)))
@@ -183,7 +201,7 @@ class RouterInference:
         it; what the member answers also becomes what the front knows of it,
         so that inferences follow at once, before its next report."""
         assert self._post is not None  # a Router's fronts are given one
-        url = member.url + f"/v2/repository/models/{name}/{verb}"
+        url = member.url + {"load": MODEL_LOAD, "unload": MODEL_UNLOAD}[verb].path(model=name)
         response = yield self._post(url, data=b"")
         content = yield response.content()
         if response.code != 200:
@@ -203,7 +221,8 @@ class RouterInference:
         """The sum of every usable member's statistics, of C{name} or of all."""
         if name is not None:
             self._ready_members(name, version)  # NotFound for a model no member lists
-        path = "/v2/models/stats" if name is None else _path(name, version, "/stats").decode()
+        path = STATISTICS.path() if name is None else _path(
+            (MODEL_STATISTICS, VERSION_STATISTICS), name, version)
         urls = sorted({member.url for member in self._usable_members()})
         answers = yield gatherResults([self._member_statistics(url + path) for url in urls])
         return {"model_stats": summed(answer for answer in answers if answer is not None)}
@@ -231,8 +250,9 @@ class RouterInference:
         # to load is refused (400), one no member has ready yet is busy (503).
         ready = self._serving_members(name, version)
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
-        request = forwarded(_path(name, version, "/infer"), call)
-        span = self._tracing.start("kcoral.router.infer", request.requestHeaders,
+        request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
+        span = self._tracing.start("kcoral.router.infer",
+                                   Headers({name: [value] for name, value in call.headers.items()}),
                                    request_id=call.request_id)
         d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)

@@ -26,9 +26,9 @@ from twisted.web.http_headers import Headers
 
 from kcoral.errors import NodeFailure, error_from_answer
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
+from kcoral.router.call import Call
 from kcoral.tracing import TRACEPARENT
 from kcoral.web.body import IBody
-from kcoral.web.family import RUN, family_of
 from kcoral.web.outgoing import tls_problem
 
 log = Logger()
@@ -100,24 +100,19 @@ class Proxy:
         return parsed
 
     @inlineCallbacks
-    def forward(self, url: str, request, body: IBody, traceparent: bytes | None = None,
-                method: bytes = b"POST"):
+    def forward(self, url: str, call: Call, body: IBody, traceparent: bytes | None = None):
         """
         The L{Answer} of the member at C{url} to C{body} (sent afresh on each
-        call: a spooled body is read again from its start), sent with
-        C{method}, C{request}'s id and headers (and C{traceparent}, the span
-        of this forward, in place of the client's); fails with L{NotSent} or
-        L{NodeFailure}.
+        call: a spooled body is read again from its start), sent as C{call}
+        says (and with C{traceparent}, the span of this forward, in place of
+        the client's); fails with L{NotSent} or L{NodeFailure}.
         Cancelling it closes the request to the member (or stops reading its
         answer) and fails it with C{CancelledError}.
         """
-        path = request.path
-        family = family_of(path) or RUN
-        headers = Headers({b"X-Request-ID": [request.request_id.encode()]})
-        for name in family.forwarded:
-            value = request.requestHeaders.getRawHeaders(name)
-            if value:
-                headers.setRawHeaders(name, value[:1])
+        path, family = call.path, call.family
+        headers = Headers({b"X-Request-ID": [call.request_id.encode()]})
+        for name, value in call.headers:
+            headers.setRawHeaders(name, [value])
         if traceparent is not None:
             headers.setRawHeaders(TRACEPARENT, [traceparent])
         if not headers.hasHeader(b"Content-Type"):
@@ -126,7 +121,7 @@ class Proxy:
             # A node's answer goes back as it is: never follow a redirect with
             # a program (and the body is read once, right here: no buffering).
             response = yield _cancelled_as_such(self._client.request(
-                method.decode("ascii"), self.url_of(url, path), data=body.send(), headers=headers,
+                call.method.decode("ascii"), self.url_of(url, path), data=body.send(), headers=headers,
                 allow_redirects=False, unbuffered=True))
             content = yield _cancelled_as_such(response.content())
         except CancelledError:

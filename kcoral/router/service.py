@@ -23,6 +23,7 @@ from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
+from kcoral.web.family import streamed
 from kcoral.web.fdlimit import connection_limit
 from kcoral.web.listener import DrainingListener
 from kcoral.web.outgoing import Outgoing
@@ -94,7 +95,7 @@ def build_router(config: RouterConfig, reactor):
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool),
                       # It only forwards bodies: a large one need not stay in memory.
-                      spool=Spool(reactor), client_guard=app.client_guard, streams=app.streams)
+                      spool=Spool(reactor), client_guard=app.client_guard, streams=streamed)
     return app, site
 
 

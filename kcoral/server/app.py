@@ -20,7 +20,7 @@ from twisted.logger import Logger
 from kcoral._version import __version__
 from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
-from kcoral.inference.rest import InferenceResource
+from kcoral.inference.rest import InferenceRoutes
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import (
@@ -38,9 +38,9 @@ from kcoral.server.inference import ServerInference
 from kcoral.server.kept import lost_error
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
-from kcoral.web.auth import IGuard
-from kcoral.web.family import INFERENCE
-from kcoral.web.front import Front
+from kcoral.web.auth import IGuard, trusted
+from kcoral.web.family import ARRAY, ARRAYS_NAMED, RUN_ROUTE, Route
+from kcoral.web.front import Front, Handler
 from kcoral.web.requestid import RequestIdResource
 from kcoral.web.responses import error_response, json_response, with_length
 
@@ -78,20 +78,20 @@ class ServerApp:
             lambda: len(self.admission.queue))
 
     def resource(self):
-        hot = {"/v1/run": self.post_run}
-        mounts = {}
+        routes: dict[Route, Handler] = {RUN_ROUTE: self.post_run, ARRAY: self.array,
+                                        ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
-            inference = InferenceResource(self.inference)
-            hot.update(inference.hot())
-            mounts[INFERENCE] = inference
-        return RequestIdResource(Front(self.app.resource(), guard=self.client_guard, hot=hot,
-                                       mounts=mounts))
+            routes.update(InferenceRoutes(self.inference).handlers())
+        return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- health -----------------------------------------------------------
 
-    def health(self) -> dict:
+    def health(self, full: bool = True) -> dict:
+        """What C{/health} says: its cache, models and kept-array instance
+        only in the C{full} one, for a trusted client (L{kcoral.web.auth.trusted}); its
+        supervisor, which reaches a worker with no token set, sees them."""
         info = self.executor.info
-        return {
+        health = {
             "status": self.status,
             "gpu_target": info.gpu_target if info else None,
             "capacity": self.admission.capacity,
@@ -100,14 +100,16 @@ class ServerApp:
             "runtime": info.runtime if info else None,
             "devices": info.devices if info else [],
             "version": __version__,
-            "cache": self.executor.cached(),
-            "models": [] if self.inference is None else self.inference.health(),
-            "instance": self.executor.kept.instance,
         }
+        if full:
+            health.update(cache=self.executor.cached(), instance=self.executor.kept.instance,
+                          models=[] if self.inference is None else self.inference.health())
+        return health
 
     @app.route("/health", methods=["GET"])
     def get_health(self, request):
-        return json_response(request, 200 if self.status == OK else 503, self.health())
+        return json_response(request, 200 if self.status == OK else 503,
+                             self.health(trusted(self.client_guard, request)))
 
     @app.route("/readyz", methods=["GET"])
     def get_readyz(self, request):
@@ -120,10 +122,7 @@ class ServerApp:
 
     # -- runs -------------------------------------------------------------
 
-    # Declared here so that Klein lists it and answers other methods with
-    # 405; POST requests reach post_run through Front, which cancels
-    # the run when its client goes away.
-    @app.route("/v1/run", methods=["POST"])
+    # Its Front cancels the run when its client goes away.
     @inlineCallbacks
     def post_run(self, request):
         rid = request.request_id
@@ -162,13 +161,18 @@ class ServerApp:
 
     # Not in a slot: a copy from the device, or a freed reference, does not
     # wait behind the runs that hold the slots.
-    @app.route("/v1/arrays/<kept>", methods=["GET"])
-    @inlineCallbacks
-    def get_array(self, request, kept):
+    def array(self, request, kept: str):
+        """A kept array's bytes (C{GET}), or its end (C{DELETE})."""
         try:
             kept_id(kept)
         except WireError as e:
             return error_response(request, BadRequest(str(e)))
+        if request.method == b"DELETE":
+            return self._delete(request, [kept])
+        return self.get_array(request, kept)
+
+    @inlineCallbacks
+    def get_array(self, request, kept):
         try:
             frame = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.fetch, kept)
         except KCoralError as e:
@@ -176,16 +180,7 @@ class ServerApp:
         request.setHeader(b"Content-Type", RESULT_CONTENT_TYPE.encode())
         return with_length(request, frame)
 
-    @app.route("/v1/arrays/<kept>", methods=["DELETE"])
-    def delete_array(self, request, kept):
-        try:
-            kept_id(kept)
-        except WireError as e:
-            return error_response(request, BadRequest(str(e)))
-        return self._delete(request, [kept])
-
     # Many at once, named by the header a Router routes them by.
-    @app.route("/v1/arrays", methods=["DELETE"])
     def delete_arrays(self, request):
         try:
             ids = kept_ids(request.getHeader(KEPT_HEADER) or "", 1)

@@ -59,6 +59,10 @@ NODE_ROUTES = Routes("node control requests", "a control request")
 class IGuard(Interface):
     """What a request must present to be served."""
 
+    def admits(authorization: bytes | None) -> bool:
+        """Whether an C{Authorization} value (None: absent) holds a token,
+        logging nothing: for answers that only say less without one."""
+
     def refusal(request, subject: str) -> bytes | None:
         """
         None when C{request} may proceed; else its 401 answer (asking for a
@@ -191,6 +195,9 @@ class TokensFile(service.Service):
     def refused(self, authorization: bytes | None, subject: str) -> Unauthorized | None:
         return self.guard.refused(authorization, subject)
 
+    def admits(self, authorization: bytes | None) -> bool:
+        return self.guard.admits(authorization)
+
     def reload(self) -> None:
         try:
             self.guard = self._read()
@@ -228,6 +235,13 @@ def client_guard(config, reactor) -> IGuard | None:
     if fixed:
         return TokenGuard.of(fixed, CLIENT_ROUTES)
     return None
+
+
+def trusted(guard: IGuard | None, request) -> bool:
+    """Whether C{request} may see what only clients may (worker URLs, the
+    models, kept-array instance ids): where C{guard} is None (no client
+    token is set), or it presents a token C{guard} admits."""
+    return guard is None or guard.admits(request.getHeader(b"Authorization"))
 
 
 def watch(guard: IGuard | None, parent: service.MultiService) -> None:

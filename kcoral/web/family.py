@@ -1,17 +1,26 @@
 """
 API families: each protocol a KCoral front serves, declared once.
 
-A family says which paths are its own, which of them need a client token,
-which request headers a Router passes on to the member it forwards to and
-which of the member's answer headers come back, and how its paths are
-labelled in the metrics (a bounded set, whatever the clients send). The
-sites, the fronts' resources, the Router's proxy and the metrics all read
-these declarations; nothing else names a family's paths.
+A family is its path prefix and its routes; each route its path (a
+template, C{{name}} standing for one segment), the methods it takes, the
+token it needs, and whether a Router forwards its body while it arrives.
+A family also says which request headers a Router passes on to the member
+it forwards to, which of the member's answer headers come back, and the
+form of its errors. The routes' templates are the metrics' labels (a
+bounded set, whatever the clients send).
+
+A service mounts the families it serves on its L{kcoral.web.front.Front},
+one handler per route; the guard, the site's early refusals, the Router's
+streaming, its proxy and the metrics all read these declarations. Nothing
+else in KCoral names a family's paths: clients and the Router build them
+with L{Route.path}. Paths are matched as the request's canonical path
+(L{kcoral.web.path}) spells them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import attrs
 
@@ -24,101 +33,196 @@ TRACE_HEADERS = (TRACEPARENT,)
 #: The header the inference protocol's binary extension sizes its JSON part with.
 INFERENCE_HEADER_LENGTH = b"Inference-Header-Content-Length"
 
+#: What a route needs: nothing, a client token (where the service has any),
+#: or the node token (checked by the Router's handler, after the node id).
+OPEN, CLIENT, NODE = "open", "client token", "node token"
 
-@attrs.frozen
+_SEGMENT = re.compile(r"{([a-z_]+)}")
+
+
+def _pattern(label: str) -> re.Pattern[bytes]:
+    parts = _SEGMENT.split(label)
+    # Literal text and segment names alternate.
+    return re.compile("".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)"
+                              for i, part in enumerate(parts)).encode())
+
+
+@attrs.frozen(eq=False)
+class Route:
+    """
+    One route: its C{label} (the template of its paths, and its metrics
+    label), the C{methods} it takes (C{GET} ones take C{HEAD} too), the
+    token it needs (C{guard}), and whether a Router forwards its body while
+    it arrives (C{streams}, L{kcoral.web.request}).
+    """
+
+    label: str
+    methods: frozenset[bytes] = attrs.field(converter=lambda methods: frozenset(
+        {*methods, b"HEAD"} if b"GET" in methods else methods))
+    guard: str = CLIENT
+    streams: bool = False
+    pattern: re.Pattern[bytes] = attrs.field(init=False)
+    #: C{Allow}'s value, for a 405.
+    allow: bytes = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        object.__setattr__(self, "pattern", _pattern(self.label))
+        object.__setattr__(self, "allow", b", ".join(sorted(self.methods)))
+
+    @property
+    def fixed(self) -> bool:
+        """Whether it is one path alone (no segment stands for a name)."""
+        return "{" not in self.label
+
+    def path(self, **segments: str) -> str:
+        """Its path with C{segments} (already checked names) in their places."""
+        return _SEGMENT.sub(lambda m: segments[m.group(1)], self.label)
+
+
+def _routes(prefix: str, *routes: tuple[str, tuple[bytes, ...], str]) -> tuple[Route, ...]:
+    return tuple(Route(prefix + tail, methods, guard) for tail, methods, guard in routes)
+
+
+@attrs.frozen(eq=False)
 class Family:
     """
-    One API family. Its paths start with C{prefix}; all but C{open_paths}
-    need the client token where one is set; C{routes} maps a metrics label
-    to the pattern of the paths it stands for.
+    One API family: its paths start with C{prefix}, and are its C{routes}'.
+    C{forwarded}: the request headers a Router passes on; C{returned}: the
+    member's answer headers it passes back. C{flat_errors}: its errors are
+    the message alone (C{{"error": "message"}}, the inference protocol's
+    form, which its clients read) rather than KCoral's object.
     """
 
     name: str
     prefix: bytes
-    routes: tuple[tuple[str, re.Pattern[bytes]], ...]
+    routes: tuple[Route, ...]
     forwarded: tuple[bytes, ...] = ()
     returned: tuple[bytes, ...] = ()
-    open_paths: frozenset[bytes] = frozenset()
-    #: Whether its errors are the message alone (C{{"error": "message"}}, the
-    #: inference protocol's form, which its clients read) rather than KCoral's object.
     flat_errors: bool = False
 
-    def owns(self, path: bytes) -> bool:
-        return path.startswith(self.prefix) and self.label(path) is not None
+    def __attrs_post_init__(self):
+        assert all(r.label.encode().startswith(self.prefix) for r in self.routes), self.name
 
-    def guards(self, path: bytes) -> bool:
-        """Whether C{path}, one of this family's, needs the client token."""
-        return path not in self.open_paths
-
-    def label(self, path: bytes) -> str | None:
-        """The metrics label of C{path}, None when no route of the family matches it."""
-        for label, pattern in self.routes:
-            if pattern.fullmatch(path):
-                return label
-        return None
+    def under(self, path: bytes) -> bool:
+        """Whether C{path} (a route's, or not) is under its prefix."""
+        return path == self.prefix or path.startswith(self.prefix + b"/")
 
 
-def _route(label: str) -> tuple[str, re.Pattern[bytes]]:
-    """A route's label and the pattern of its paths: each C{{name}} in the
-    label stands for one path segment."""
-    pattern = re.escape(label.encode()).replace(rb"\{", b"{").replace(rb"\}", b"}")
-    return label, re.compile(re.sub(rb"{[a-z_]+}", rb"[^/]+", pattern))
+GET, POST, DELETE, PUT = (b"GET",), (b"POST",), (b"DELETE",), (b"PUT",)
+#: The methods whose requests carry a body a route reads.
+_BODY_METHODS = frozenset(POST + PUT)
 
+_RUN = "/v1/run"
+#: C{POST /v1/run}: a program and its inputs in, its outputs out; a Router
+#: forwards its body while it arrives.
+RUN_ROUTE = Route(_RUN, POST, streams=True)
+RUN = Family("run", _RUN.encode(), (RUN_ROUTE,),
+             forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), KEPT_HEADER.encode(),
+                        *TRACE_HEADERS),
+             returned=(b"Content-Type", b"Retry-After"))
 
-#: C{POST /v1/run}: a program and its inputs in, its outputs out.
-RUN = Family(
-    "run", b"/v1/run", routes=(_route("/v1/run"),),
-    forwarded=(b"Content-Type", PROGRAM_HEADER.encode(), KEPT_HEADER.encode(), *TRACE_HEADERS),
-    returned=(b"Content-Type", b"Retry-After"))
-
-#: C{GET} and C{DELETE /v1/arrays/{id}}: a kept array's bytes, or its end;
+_ARRAYS = "/v1/arrays"
+#: C{GET} and C{DELETE /v1/arrays/{kept}}: a kept array's bytes, or its end;
 #: C{DELETE /v1/arrays}: the end of those the kept header names.
-ARRAYS = Family("arrays", b"/v1/arrays", routes=(_route("/v1/arrays/{id}"), _route("/v1/arrays")),
+ARRAY, ARRAYS_NAMED = _routes(_ARRAYS, ("/{kept}", GET + DELETE, CLIENT), ("", DELETE, CLIENT))
+ARRAYS = Family("arrays", _ARRAYS.encode(), (ARRAY, ARRAYS_NAMED),
                 forwarded=(KEPT_HEADER.encode(), TRACEPARENT),
                 returned=(b"Content-Type", b"Retry-After"))
 
-#: The pool's members and where they listen (a Router's, a gateway's).
-NODES = Family("nodes", b"/v1/nodes", routes=(_route("/v1/nodes"),))
+_NODES = "/v1/nodes"
+#: The pool's members and where they listen (a Router's, a gateway's), for
+#: clients; a node's registration, heartbeats and leaving, for its supervisor.
+NODE_LIST, NODE_CONTROL = _routes(_NODES, ("", GET, CLIENT), ("/{node_id}", PUT + DELETE, NODE))
+NODES = Family("nodes", _NODES.encode(), (NODE_LIST, NODE_CONTROL))
 
-_MODEL = "/v2/models/{model}"
-_VERSION = "/v2/models/{model}/versions/{version}"
-#: The routes of an inference: a front sends them straight to their handler.
-INFER_ROUTES = (_MODEL + "/infer", _VERSION + "/infer")
-
+_V2 = "/v2"
+_MODEL = _V2 + "/models/{model}"
+_VERSION = _MODEL + "/versions/{version}"
 #: The Open Inference Protocol (KServe v2, as Triton serves it): health
 #: and server metadata stay open, like C{/health}.
+(SERVER_METADATA, LIVE, READY, REPOSITORY_INDEX,
+ MODEL_METADATA, MODEL_READY, MODEL_CONFIG, MODEL_INFER,
+ VERSION_METADATA, VERSION_READY, VERSION_CONFIG, VERSION_INFER) = _routes(
+    "", (_V2, GET, OPEN), (_V2 + "/health/live", GET, OPEN), (_V2 + "/health/ready", GET, OPEN),
+    (_V2 + "/repository/index", POST, CLIENT),
+    *((base + tail, methods, CLIENT) for base in (_MODEL, _VERSION)
+      for tail, methods in (("", GET), ("/ready", GET), ("/config", GET), ("/infer", POST))))
+#: The statistics extension: every model's, one model's, one version's.
+STATISTICS, MODEL_STATISTICS, VERSION_STATISTICS = _routes(
+    "", (_V2 + "/models/stats", GET, CLIENT), (_MODEL + "/stats", GET, CLIENT),
+    (_VERSION + "/stats", GET, CLIENT))
+#: The model repository extension's control: a model loaded, or unloaded.
+MODEL_LOAD, MODEL_UNLOAD = _routes(_V2 + "/repository/models/{model}",
+                                   ("/load", POST, CLIENT), ("/unload", POST, CLIENT))
 INFERENCE = Family(
-    "inference", b"/v2",
-    routes=tuple(_route(label) for label in (
-        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index", "/v2/models/stats",
-        "/v2/repository/models/{model}/load", "/v2/repository/models/{model}/unload",
-        *(base + tail for base in (_MODEL, _VERSION)
-          for tail in ("", "/ready", "/config", "/infer", "/stats")))),
+    "inference", _V2.encode(),
+    (SERVER_METADATA, LIVE, READY, REPOSITORY_INDEX, MODEL_METADATA, MODEL_READY, MODEL_CONFIG,
+     MODEL_INFER, VERSION_METADATA, VERSION_READY, VERSION_CONFIG, VERSION_INFER,
+     STATISTICS, MODEL_STATISTICS, VERSION_STATISTICS, MODEL_LOAD, MODEL_UNLOAD),
     forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, *TRACE_HEADERS),
-    returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH),
-    open_paths=frozenset({b"/v2", b"/v2/health/live", b"/v2/health/ready"}), flat_errors=True)
+    returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH), flat_errors=True)
 
 FAMILIES = (RUN, ARRAYS, NODES, INFERENCE)
 
 
-def route_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> tuple[Family, str] | None:
-    """The family C{path} belongs to and the label of its route; None when it is none's."""
-    for family in families:
-        if path.startswith(family.prefix):
-            label = family.label(path)
-            if label is not None:
-                return family, label
-    return None
+class Routes:
+    """
+    Routes to find by a request's path: one dictionary lookup for the
+    fixed ones (C{/v1/run}, the hottest), then the others in turn.
+    """
+
+    def __init__(self, routes: Iterable[Route]):
+        routes = tuple(routes)
+        self._fixed = {r.label.encode(): r for r in routes if r.fixed}
+        self._named = tuple(r for r in routes if not r.fixed)
+
+    def find(self, path: bytes) -> tuple[Route, dict[str, str]] | None:
+        """The route of C{path} (a canonical path, without its query) and
+        the names its segments give; None when it is no route's."""
+        route = self._fixed.get(path)
+        if route is not None:
+            return route, {}
+        for route in self._named:
+            match = route.pattern.fullmatch(path)
+            if match is not None:
+                return route, {k: v.decode("ascii") for k, v in match.groupdict().items()}
+        return None
+
+
+#: Every family's routes, whichever a service mounts.
+ALL = Routes(r for family in FAMILIES for r in family.routes)
+
+
+def route_of(path: bytes) -> Route | None:
+    """The route of any family that C{path} (canonical) is; None when it is none's."""
+    found = ALL.find(path)
+    return None if found is None else found[0]
+
+
+def guarded(path: bytes) -> bool:
+    """Whether C{path} (canonical) is a route that needs the client token."""
+    route = route_of(path)
+    return route is not None and route.guard == CLIENT
+
+
+def streamed(method: bytes, path: bytes) -> bool:
+    """Whether a request is one whose body a Router forwards while it arrives."""
+    route = route_of(path)
+    return route is not None and route.streams and method in route.methods
+
+
+def takes_body(method: bytes, path: bytes) -> bool:
+    """Whether a request's body is read by the route it goes to: a C{POST}
+    or C{PUT} to a route that takes it. Every other body is dropped as it
+    arrives (L{kcoral.web.request})."""
+    if method not in _BODY_METHODS:
+        return False
+    route = route_of(path)
+    return route is not None and method in route.methods
 
 
 def flat_errors(path: bytes) -> bool:
     """Whether errors on C{path} take the message-alone form: any path under
     a family that says so, its routes or not (an unknown one's 404 too)."""
     path = path.split(b"?", 1)[0]
-    return any(f.flat_errors and (path == f.prefix or path.startswith(f.prefix + b"/"))
-               for f in FAMILIES)
-
-
-def family_of(path: bytes, families: tuple[Family, ...] = FAMILIES) -> Family | None:
-    found = route_of(path, families)
-    return None if found is None else found[0]
+    return any(f.flat_errors and f.under(path) for f in FAMILIES)

@@ -16,10 +16,11 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.python.failure import Failure
 from twisted.web import http, server
 
-from kcoral.errors import InternalError, KCoralError, RequestTimeout
+from kcoral.errors import BadRequest, InternalError, KCoralError, RequestTimeout
 from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, MemoryBody
 from kcoral.web.errors import method_not_allowed
-from kcoral.web.family import family_of
+from kcoral.web.family import guarded, takes_body
+from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
 from kcoral.web.spool import UNREAD, Holds
@@ -78,7 +79,9 @@ class KCoralRequest(server.Request):
     #: not all arrived yet.
     _arriving = False
     _expected = 0
-    _write: Callable[[bytes], object]
+    #: Where its body goes as it arrives, when not into its content: a
+    #: spool's writer, the stream's joiner, or nowhere (L{_dropped}).
+    _write: Callable[[bytes], object] | None = None
     #: Where the chunks of a streamed body go, once joined (L{_join}).
     _keep: Callable[[bytes], object]
     _small: bytearray
@@ -95,33 +98,43 @@ class KCoralRequest(server.Request):
         site = channel.site
         self._started = site.clock.seconds()
         method, uri, version = channel.headers_complete()
-        # Known before Twisted parses the request line again, for an answer
-        # given from the head alone (its error's form depends on the path).
-        self.path = path = uri.partition(b"?")[0]
+        # The one path everything reads (the guard here, then the resources,
+        # Klein and the metrics): Twisted parses it from the canonical target
+        # (requestReceived), never from the raw one.
+        try:
+            path, self._target = canonical(uri)
+        except BadRequest as e:
+            self.path = form_of(uri)
+            self._refuse(e)
+            return
+        self.path = path
         error = site.bounds.refuse_length(length)
         if error is not None:
             self._refuse(error)
             return
         guard = site.client_guard
-        if guard is not None and method == b"POST" and _guarded(path):
+        if guard is not None and method == b"POST" and guarded(path):
             # Refused before a byte of its body is read, let alone spooled.
             answer = guard.refusal(self, self.request_id)
             if answer is not None:
                 self._refuse_with(self.code, self._raw_answer(answer))
                 return
         self.content = RequestBody()
+        if not takes_body(method, path):
+            # No route reads it (a GET's, a POST to /health): read within the
+            # bounds, as any body is, and dropped as it arrives, never held.
+            self._write = _dropped
+            return
         spool = site.spool
         if spool is not None and (length is None or length > spool.threshold):
             self._holds = Holds(IPushProducer(channel.transport, None), channel, site.clock)
             if length is not None and site.streams(method, path):
-                self._stream(spool, length, method, uri, version)
+                self._stream(spool, length, method, version)
                 return
             self._spooling = spool.writer(self._holds, self._spool_failed, length)
             self._write = self._spooling.write
-        else:
-            self._write = self.content.write
 
-    def _stream(self, spool: Spool, length: int, method: bytes, uri: bytes, version: bytes) -> None:
+    def _stream(self, spool: Spool, length: int, method: bytes, version: bytes) -> None:
         """Process this request now, its body (of C{length} bytes) kept in
         memory while the spool's budget allows, else written to a file, and
         read as fast as it is forwarded: nothing while it waits for a
@@ -145,7 +158,7 @@ class KCoralRequest(server.Request):
         body.paced = self._paced
         body.stalled = self._stalled
         self.notifyFinish().addBoth(self._let_go)
-        super().requestReceived(method, uri, version)
+        super().requestReceived(method, self._target, version)
 
     def _join(self, data: bytes) -> None:
         """Hand C{data} on to the body, small chunks joined first: a budget
@@ -179,7 +192,16 @@ class KCoralRequest(server.Request):
         if error is not None:
             self._refuse(error)
             return
-        self._write(data)  # set by gotLength, which refused if not
+        write = self._write
+        if write is None:
+            # The content of now, never a write bound to it and kept: that
+            # would keep the content as long as the request, which whatever
+            # still refers to it (a Deferred's callbacks) may keep long after
+            # Twisted lets go of the content.
+            assert self.content is not None  # made by gotLength
+            self.content.write(data)
+        else:
+            write(data)
         if self._arriving and self._received >= self._expected:
             # Its last byte: the client is never held again, and its
             # connection's idle timeout is back on before Twisted's channel
@@ -197,13 +219,15 @@ class KCoralRequest(server.Request):
         # with a body already refused would send it for nothing.
         self.requestHeaders.removeHeader(b"Expect")
         self._refused = True
+        # What arrived is let go at once, and what still arrives is dropped.
         self.content = RequestBody()
+        self._write = _dropped
         if self._spooling is not None:
             self._spooling.discard()
             self._spooling = None
         self._read_the_rest()
         channel = self.channel
-        channel.site.metrics.observe(self.uri or b"other", status, 0.0)
+        channel.site.metrics.observe(self.path or b"other", status, 0.0)
         if not self._arriving:
             channel.refuse(response)
             return
@@ -236,6 +260,8 @@ class KCoralRequest(server.Request):
         return b"\r\n".join(head) + b"\r\n\r\n" + body
 
     def requestReceived(self, command, path, version):
+        # Twisted's channel hands on the target as its request line spelled
+        # it: each request is parsed from its canonical one (gotLength).
         if self._refused:
             return
         if self._arriving:
@@ -244,21 +270,21 @@ class KCoralRequest(server.Request):
             self._arriving = False
             return
         if self._spooling is None:
-            super().requestReceived(command, path, version)
+            super().requestReceived(command, self._target, version)
             return
         # The channel reads nothing more until this request is done: its
         # processing may wait for the last writes.
         d = self._spooling.finish()
-        d.addCallbacks(self._spooled, self._spool_failed, callbackArgs=(command, path, version))
+        d.addCallbacks(self._spooled, self._spool_failed, callbackArgs=(command, version))
 
-    def _spooled(self, body: IBody, command: bytes, path: bytes, version: bytes) -> None:
+    def _spooled(self, body: IBody, command: bytes, version: bytes) -> None:
         self._spooling = None
         if self.channel is None:  # its client went away meanwhile
             body.close()
             return
         self._body = body
         self.notifyFinish().addBoth(lambda _: body.close())
-        super().requestReceived(command, path, version)
+        super().requestReceived(command, self._target, version)
 
     def _spool_failed(self, failure: Failure) -> None:
         self._spooling = None
@@ -355,8 +381,5 @@ class KCoralRequest(server.Request):
         return super().finish()
 
 
-def _guarded(path: bytes) -> bool:
-    """Whether C{path} (with its query, if any) is guarded by its API family."""
-    path = path.split(b"?", 1)[0]
-    family = family_of(path)
-    return family is not None and family.guards(path)
+def _dropped(data: bytes) -> None:
+    """Where a body nobody reads goes, as it arrives."""
