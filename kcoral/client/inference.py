@@ -21,7 +21,14 @@ from kcoral.models.manifest import NAME
 from kcoral.protocol.tensors import DATATYPES, InvalidInput, datatype_of
 from kcoral.protocol.wire import byte_view
 from kcoral.tracing import current_traceparent
-from kcoral.web.family import INFERENCE_HEADER_LENGTH, MODEL_INFER
+from kcoral.web.family import (
+    INFERENCE_HEADER_LENGTH,
+    MODEL_INFER,
+    MODEL_LOAD,
+    MODEL_STATISTICS,
+    MODEL_UNLOAD,
+    STATISTICS,
+)
 
 _CONTENT_TYPE = "application/octet-stream"
 _HEADER_LENGTH = INFERENCE_HEADER_LENGTH.decode()
@@ -87,20 +94,20 @@ class InferCall:
         return False  # an inference names no kept arrays
 
 
-def statistics_path(name: str | None) -> str:
-    """The path of model C{name}'s statistics (None: every model's)."""
-    if name is None:
-        return "/v2/models/stats"
+def _named(name: str) -> str:
     if not NAME.match(name):
         raise BadRequest(f"{name[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
-    return f"/v2/models/{name}/stats"
+    return name
+
+
+def statistics_path(name: str | None) -> str:
+    """The path of model C{name}'s statistics (None: every model's)."""
+    return STATISTICS.path() if name is None else MODEL_STATISTICS.path(model=_named(name))
 
 
 def control_path(name: str, verb: str) -> str:
     """The path that loads or unloads model C{name} (C{verb}: load, unload)."""
-    if not NAME.match(name):
-        raise BadRequest(f"{name[:64]!r} is no model name: 1-64 of [A-Za-z0-9_.-]")
-    return f"/v2/repository/models/{name}/{verb}"
+    return {"load": MODEL_LOAD, "unload": MODEL_UNLOAD}[verb].path(model=_named(name))
 
 
 def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
