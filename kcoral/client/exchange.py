@@ -23,10 +23,10 @@ import numpy as np
 from twisted.application.internet import backoffPolicy
 from zope.interface import Interface, implementer
 
-from kcoral.client.owned import apart
 from kcoral.client.remote import IArrayOwner, RemoteArray
 from kcoral.errors import (
     ArrayLost,
+    ArraysApart,
     KCoralError,
     KeptMemoryFull,
     MissingContent,
@@ -296,6 +296,23 @@ def _spread(keep, outputs) -> tuple[bool, ...]:
                          f"True, False, or a prefix of their structure with a bool at each "
                          f"leaf") from None
     return tuple(bool(flag) for flag in jax.tree.leaves(spread))
+
+
+def apart(ids: Iterable[str]) -> ArraysApart | None:
+    """The error for kept arrays of C{ids} held by several workers (None
+    when they are together): which are where, and what to do."""
+    where: dict[str | None, list[str]] = {}
+    for kept in dict.fromkeys(ids):
+        where.setdefault(holder_of(kept), []).append(kept)
+    if len(where) < 2:
+        return None
+    listed = "; ".join(f"{', '.join(held[:4])}{' ...' if len(held) > 4 else ''} on worker {holder}"
+                       for holder, held in where.items())
+    return ArraysApart(
+        f"the run's kept arrays are on different workers ({listed}), and a run takes them "
+        f"where they are, on one worker: put them together (client.put(tree) keeps a whole "
+        f"tree on one worker, client.put(x, near=array) keeps x beside array), or fetch one "
+        f"and pass its bytes", details={"workers": dict(where)})
 
 
 def deletions(ids: Sequence[str]) -> list[Send]:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kcoral.client.remote import RemoteArray
-from kcoral.errors import ArrayLost, ArraysApart
+from kcoral.errors import ArrayLost
 from kcoral.protocol.wire import holder_of
 
 if TYPE_CHECKING:
@@ -170,23 +170,6 @@ class Owned:
                 # Not among the live ones: freed or released since.
                 if self._live.pop(kept, None) is not None:
                     self._pending[kept] = None
-
-
-def apart(ids: Iterable[str]) -> ArraysApart | None:
-    """The error for kept arrays of C{ids} held by several workers (None
-    when they are together): which are where, and what to do."""
-    where: dict[str | None, list[str]] = {}
-    for kept in dict.fromkeys(ids):
-        where.setdefault(holder_of(kept), []).append(kept)
-    if len(where) < 2:
-        return None
-    listed = "; ".join(f"{', '.join(held[:4])}{' ...' if len(held) > 4 else ''} on worker {holder}"
-                       for holder, held in where.items())
-    return ArraysApart(
-        f"the run's kept arrays are on different workers ({listed}), and a run takes them "
-        f"where they are, on one worker: put them together (client.put(tree) keeps a whole "
-        f"tree on one worker, client.put(x, near=array) keeps x beside array), or fetch one "
-        f"and pass its bytes", details={"workers": dict(where)})
 
 
 def forgotten(arrays: Any, by: object) -> None:
