@@ -8,7 +8,7 @@
 #
 # The machine's own python3 and its JAX run everything (PYTHON overrides it):
 # no virtualenv, which would hide them. The steps, each with its own limit,
-# all of them together under nine minutes:
+# all of them together under nine and a half minutes:
 #
 # 1. install: the carried wheels, with no index and nothing resolved, into a
 #    throwaway folder put first on PYTHONPATH; then every requirement of the
@@ -20,8 +20,9 @@
 #    bit against JAX on the same GPU (tests/test_conformance.py);
 # 5. two-devices: a program exported for two devices, refused by a worker of
 #    one GPU with not_enough_devices;
-# 6. serving, training: the named models' serving benchmark (KCoral and the
-#    in-process floor only) and the training loop on kept arrays, each
+# 6. serving, training: the named models' serving benchmark over gRPC (KCoral
+#    and the in-process floor only, concurrency 1, 16, 64 and 256) and the
+#    training loop on kept arrays, each
 #    skipped with a line saying why until the tree holds the feature and its
 #    benchmark script.
 #
@@ -246,8 +247,12 @@ EOF
 # On the device: no peer can be installed there and no perf_analyzer fetched,
 # so KCoral (its node, and the same node behind a Router) and the in-process
 # floor, under the benchmark's own tritonclient load.
-hook serving 90 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
-    --quick --protocols grpc --gpus "$GPUS"
+# gRPC at 64 and 256 concurrent calls too: the load that a machine of many
+# cores can put on its front (the rehearsal, on two cores, keeps 1 and 16).
+serving_concurrency=1,16,64,256
+[ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && serving_concurrency=1,16
+hook serving 120 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
+    --quick --concurrency "$serving_concurrency" --protocols grpc --gpus "$GPUS"
 # The floor and the kept loop only: the loop that resends its state moves
 # 400 MB a step. Its CPU rehearsal trains the same 64 MiB model on two cores.
 training_steps=50

@@ -33,9 +33,10 @@ all alike): ``--concurrency-range C:C``, windows of ``--seconds``, stable
 within 50 %. KServe serves no model configuration, which perf_analyzer
 reads first: it gets ``bench/serving_load.py`` instead, the same closed
 loop from ``tritonclient`` threads (in two processes from 2 concurrent
-requests on), and so does the gateway once more, so that the KServe ratio
-compares two fronts under one load generator. ``--load loop`` uses it for
-every front (a machine with no package index, such as the GPU check's).
+requests on, or in a quarter of the cores' count where that is more),
+and so does the gateway once more, so that the KServe ratio compares two
+fronts under one load generator. ``--load loop`` uses it for every front
+(a machine with no package index, such as the GPU check's).
 
 CPU per inference is the CPU time of each front's whole process tree (the
 node's supervisor, gateway and workers; the Router and its node;
@@ -424,7 +425,9 @@ def perf_analyzer_load(target: str, protocol: str, concurrency: int, cpu, *, per
 
 
 def loop_load(target: str, protocol: str, concurrency: int, cpu, *, seconds: float, warmup: float) -> dict:
-    processes = min(concurrency, 2)
+    # Enough processes that the client's own GIL is not the bound on a host
+    # of many cores (a quarter of them), two on a small one.
+    processes = min(concurrency, max(2, (os.cpu_count() or 2) // 4))
     start = time.time() + 2.0  # every loader imported and connected by then
     loaders = [KCoralChild([target, protocol, "--threads", str(threads), "--start", str(start),
                             "--warmup", str(warmup), "--seconds", str(seconds)],
