@@ -407,3 +407,19 @@ async def test_no_spelling_of_a_guarded_route_passes_the_guard(standalone, gatew
     for service in fronts.values():
         assert (await request("GET", service.url + "/health", timeout=10)).code == 200
         assert service.process.running
+
+
+def _twice_authorized(port: int, first: str, second: str) -> int:
+    head = (f"DELETE /v1/arrays/a1b2c3d4e5f60718-0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            f"Authorization: Bearer {first}\r\nAuthorization: Bearer {second}\r\n\r\n").encode()
+    return parse_raw(raw_exchange(head=head, port=port, timeout=30))[0]
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_two_authorization_headers_are_never_one_token(standalone, gateway, routed):
+    """Two Authorization lines are refused whichever holds the token: a proxy in front that
+    reads one of them never admits what this service reads in the other."""
+    for service in (standalone, gateway, routed):
+        for first, second in ((TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)):
+            assert await deferToThread(_twice_authorized, service.port, first, second) == 401
