@@ -423,3 +423,24 @@ async def test_two_authorization_headers_are_never_one_token(standalone, gateway
     for service in (standalone, gateway, routed):
         for first, second in ((TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)):
             assert await deferToThread(_twice_authorized, service.port, first, second) == 401
+
+
+def _head(port: int, path: str) -> tuple[int, dict]:
+    head = f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    status, headers, _ = parse_raw(raw_exchange(port, head, timeout=30))
+    return status, headers
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_head_request_is_answered_without_a_line_about_its_body(standalone):
+    """HEAD on a guarded route and on /health: its status and the GET's length, and no log
+    line per request about a body Twisted left out (a way to fill the log)."""
+    since = standalone.process.mark()
+    for path, code in (("/v1/arrays/a1b2c3d4e5f60718-0", 401), ("/health", 200), ("/nothing", 404)):
+        status, headers = await deferToThread(_head, standalone.port, path)
+        assert status == code and int(headers["content-length"]) > 0
+    # A refusal logged after them: the HEADs' lines, if any, are in by then.
+    assert await deferToThread(_send, standalone.port, "GET", "/v1/arrays/x", False, "heads-done") \
+        and await standalone.process.wait_for_line(r"heads-done", 10, since)
+    assert standalone.process.matching("returning a message body", since) == []
