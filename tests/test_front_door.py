@@ -444,3 +444,15 @@ async def test_a_head_request_is_answered_without_a_line_about_its_body(standalo
     assert await deferToThread(_send, standalone.port, "GET", "/v1/arrays/x", False, "heads-done") \
         and await standalone.process.wait_for_line(r"heads-done", 10, since)
     assert standalone.process.matching("returning a message body", since) == []
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_head_line_past_the_bound_is_answered_not_cut(standalone):
+    """A request line or a header line past the line bound gets a JSON 400 with a request id,
+    not a connection closed without a word; the service stays healthy."""
+    for head in (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n"):
+        status, headers, body = parse_raw(await deferToThread(raw_exchange, standalone.port, head))
+        assert status == 400 and json.loads(body)["error"]["request_id"] == headers["x-request-id"]
+    assert (await request("GET", standalone.url + "/health", timeout=10)).code == 200
