@@ -407,3 +407,52 @@ async def test_no_spelling_of_a_guarded_route_passes_the_guard(standalone, gatew
     for service in fronts.values():
         assert (await request("GET", service.url + "/health", timeout=10)).code == 200
         assert service.process.running
+
+
+def _twice_authorized(port: int, first: str, second: str) -> int:
+    head = (f"DELETE /v1/arrays/a1b2c3d4e5f60718-0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            f"Authorization: Bearer {first}\r\nAuthorization: Bearer {second}\r\n\r\n").encode()
+    return parse_raw(raw_exchange(head=head, port=port, timeout=30))[0]
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_two_authorization_headers_are_never_one_token(standalone, gateway, routed):
+    """Two Authorization lines are refused whichever holds the token: a proxy in front that
+    reads one of them never admits what this service reads in the other."""
+    for service in (standalone, gateway, routed):
+        for first, second in ((TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)):
+            assert await deferToThread(_twice_authorized, service.port, first, second) == 401
+
+
+def _head(port: int, path: str) -> tuple[int, dict]:
+    head = f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    status, headers, _ = parse_raw(raw_exchange(port, head, timeout=30))
+    return status, headers
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_head_request_is_answered_without_a_line_about_its_body(standalone):
+    """HEAD on a guarded route and on /health: its status and the GET's length, and no log
+    line per request about a body Twisted left out (a way to fill the log)."""
+    since = standalone.process.mark()
+    for path, code in (("/v1/arrays/a1b2c3d4e5f60718-0", 401), ("/health", 200), ("/nothing", 404)):
+        status, headers = await deferToThread(_head, standalone.port, path)
+        assert status == code and int(headers["content-length"]) > 0
+    # A refusal logged after them: the HEADs' lines, if any, are in by then.
+    assert await deferToThread(_send, standalone.port, "GET", "/v1/arrays/x", False, "heads-done") \
+        and await standalone.process.wait_for_line(r"heads-done", 10, since)
+    assert standalone.process.matching("returning a message body", since) == []
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_head_line_past_the_bound_is_answered_not_cut(standalone):
+    """A request line or a header line past the line bound gets a JSON 400 with a request id,
+    not a connection closed without a word; the service stays healthy."""
+    for head in (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n"):
+        status, headers, body = parse_raw(await deferToThread(raw_exchange, standalone.port, head))
+        assert status == 400 and json.loads(body)["error"]["request_id"] == headers["x-request-id"]
+    assert (await request("GET", standalone.url + "/health", timeout=10)).code == 200

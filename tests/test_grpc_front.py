@@ -12,6 +12,7 @@ model, and watch its memory and CPU.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -503,3 +504,20 @@ async def test_sigterm_under_load_fails_no_call(processes, tmp_path):
     assert {ended.split()[0] for ended in load.ended} <= {"StatusCode.UNAVAILABLE",
                                                           "StatusCode.CANCELLED"}, load.ended
     assert process.matching(r"Traceback|internal error|handed over failed") == []
+
+
+@pytest_twisted.ensureDeferred
+async def test_two_authorization_values_are_never_one_token(guarded_server):
+    """Two authorization metadata values are refused whichever holds the token, as over HTTP."""
+    address, _ = guarded_server
+    channel = grpc.insecure_channel(address)
+    stub = channel.unary_unary(f"/{SERVICE}/RepositoryIndex")
+    message = service_pb2.RepositoryIndexRequest().SerializeToString()
+    try:
+        for values in ((TOKEN, "wrong"), ("wrong", TOKEN), (TOKEN, TOKEN)):
+            metadata = tuple(("authorization", f"Bearer {value}") for value in values)
+            with pytest.raises(grpc.RpcError) as refused:
+                await in_thread(functools.partial(stub, message, metadata=metadata, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        channel.close()

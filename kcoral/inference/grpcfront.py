@@ -49,7 +49,7 @@ from kcoral.errors import BadRequest, KCoralError, ModelNotReady, ServerBusy
 from kcoral.inference.front import IInferenceFront, InferCall
 from kcoral.inference.handoff import Handoff
 from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
-from kcoral.web.auth import IGuard
+from kcoral.web.auth import IGuard, presented
 from kcoral.web.family import TRACE_HEADERS
 from kcoral.web.requestid import request_id_from
 
@@ -301,12 +301,15 @@ class GrpcFront(service.Service):
         the call count and the guard (if C{guarded}) admit it; a KCoral error
         from C{answer} ends the call with its status.
         """
-        metadata = dict(context.invocation_metadata() or ())
-        rid = request_id_from(_ascii(metadata.get(REQUEST_ID)))
+        pairs = tuple(context.invocation_metadata() or ())
+        rid = request_id_from(_ascii(dict(pairs).get(REQUEST_ID)))
         context.set_trailing_metadata(((REQUEST_ID, rid),))
+        # Every value, as an HTTP request's every Authorization line.
+        authorization = presented([_ascii(value) or b"" for key, value in pairs
+                                   if key == AUTHORIZATION])
         self._calls += 1
         try:
-            ended = await self._answer(metadata, rid, answer, guarded)
+            ended = await self._answer(authorization, rid, answer, guarded)
         finally:
             self._calls -= 1
         if isinstance(ended, bytes):
@@ -314,14 +317,14 @@ class GrpcFront(service.Service):
         # abort raises: the call ends with this status.
         return await context.abort(ended.code, ended.details)
 
-    async def _answer(self, metadata: dict, rid: str, answer: Callable[[str], Any],
+    async def _answer(self, authorization: bytes | None, rid: str, answer: Callable[[str], Any],
                       guarded: bool) -> bytes | _Ended:
         try:
             if self._calls > self._max_calls:
                 raise _Ended(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"{self._max_calls} calls are already in progress")
             if guarded and self.guard is not None:
-                error = self.guard.refused(_ascii(metadata.get(AUTHORIZATION)), rid)
+                error = self.guard.refused(authorization, rid)
                 if error is not None:
                     raise error
             return await answer(rid)

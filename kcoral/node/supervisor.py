@@ -191,6 +191,33 @@ def make_supervisor_service(options, reactor) -> SupervisorService:
     """The supervisor of the node that the options C{options} describe."""
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus(),
                                   options["devices-per-worker"])
+    ports = [worker_port(options, spec.index) for spec in specs]
+    grpc_ports = [worker_grpc_port(options, spec.index) for spec in specs]
+    check_distinct_ports(options, ports, grpc_ports)
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
-                             [worker_port(options, spec.index) for spec in specs], account,
-                             grpc_ports=[worker_grpc_port(options, spec.index) for spec in specs])
+                             ports, account, grpc_ports=grpc_ports)
+
+
+def check_distinct_ports(options, ports: list[int], grpc_ports: list[int | None]) -> None:
+    """
+    A ValueError naming a port that two of the node's listeners would take
+    (its gateway's, without C{--router}, and its workers' C{ports} and
+    C{grpc_ports}): the later one could never listen, and a worker that
+    cannot is restarted again and again. Ephemeral ports (0) never clash.
+    """
+    listeners: list[tuple[str, int | None]] = []
+    if not options["router"]:
+        if not options["listen"]:
+            listeners.append(("the gateway", options["port"]))
+        listeners.append(("the gateway's gRPC", options["grpc-port"]))
+    listeners += [(f"worker{i}", port) for i, port in enumerate(ports)]
+    listeners += [(f"worker{i}'s gRPC", port) for i, port in enumerate(grpc_ports)]
+    taken: dict[int, str] = {}
+    for name, port in listeners:
+        if not port:
+            continue
+        if port in taken:
+            raise ValueError(f"{taken[port]} and {name} would both listen on port {port}: "
+                             "give --port, --grpc-port, --base-port and --metrics-base-port "
+                             "ranges that do not meet")
+        taken[port] = name

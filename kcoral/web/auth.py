@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from hmac import compare_digest
 from typing import Any
 
@@ -76,6 +76,21 @@ class IGuard(Interface):
         the error to answer, after logging as L{refusal} does. For requests
         that are not HTTP ones (gRPC metadata) or answered in another form.
         """
+
+
+def presented(values: Sequence[bytes] | None) -> bytes | None:
+    """
+    The C{Authorization} value of a request from all its lines (None:
+    absent). Several lines are joined as HTTP joins a repeated field, into
+    a list no guard admits: a proxy in front that reads one of them must
+    never see one token where this service sees another.
+    """
+    return b", ".join(values) if values else None
+
+
+def request_authorization(request) -> bytes | None:
+    """The C{Authorization} value of an HTTP C{request}, as L{presented}."""
+    return presented(request.requestHeaders.getRawHeaders(b"Authorization"))
 
 
 def _digest(token: bytes) -> bytes:
@@ -140,7 +155,7 @@ class TokenGuard:
         return Unauthorized(f"{self.routes.plural} need a valid bearer token ({why} given)")
 
     def refusal(self, request, subject: str) -> bytes | None:
-        error = self.refused(request.getHeader(b"Authorization"), subject)
+        error = self.refused(request_authorization(request), subject)
         if error is None:
             return None
         request.setHeader(b"WWW-Authenticate", b"Bearer")
@@ -241,7 +256,7 @@ def trusted(guard: IGuard | None, request) -> bool:
     """Whether C{request} may see what only clients may (worker URLs, the
     models, kept-array instance ids): where C{guard} is None (no client
     token is set), or it presents a token C{guard} admits."""
-    return guard is None or guard.admits(request.getHeader(b"Authorization"))
+    return guard is None or guard.admits(request_authorization(request))
 
 
 def watch(guard: IGuard | None, parent: service.MultiService) -> None:

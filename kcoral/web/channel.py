@@ -12,7 +12,10 @@ from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
 
+from kcoral.errors import BadRequest
 from kcoral.web.isite import IKCoralSite
+from kcoral.web.requestid import request_id_from
+from kcoral.web.responses import raw_error_response
 
 #: After refusing a body, how long to keep reading (and discarding) it so the
 #: client sees our answer instead of a connection reset.
@@ -70,6 +73,15 @@ class KCoralChannel(http.HTTPChannel):
         if not self._request_line:  # an empty line before a request is skipped
             self._request_line = line
         super().lineReceived(line)
+
+    def lineLengthExceeded(self, line):
+        # Twisted's line reader closes the connection without a word on a
+        # head line past MAX_LENGTH: the client, or a proxy in front, would
+        # see a reset and never why.
+        self.site.metrics.observe(b"other", 400, 0.0)
+        self.refuse(raw_error_response(
+            BadRequest(f"a line of the request head is over {self.MAX_LENGTH} bytes"),
+            request_id_from(None)))
 
     def headers_complete(self) -> tuple[bytes, bytes, bytes]:
         """The head of the request in progress is whole: its deadline is met.

@@ -41,11 +41,18 @@ class RequestIdResource(Resource):
             rid = request_id_from(request.requestHeaders.getRawHeaders(HEADER, [None])[0])
             request.request_id = rid
         request.setHeader(HEADER, rid.encode("ascii"))
-        if not _decodable(request):
+        if _decodable(request):
+            body = self._wrapped.render(request)
+        else:
             # Klein answers a path or Host that is not UTF-8 with an HTML 400
             # (and logs a traceback for each one): answer in JSON, as always.
-            return error_response(request, BadRequest("the request's path or Host header is not UTF-8"))
-        return self._wrapped.render(request)
+            body = error_response(request, BadRequest("the request's path or Host header is not UTF-8"))
+        if request.method == b"HEAD" and isinstance(body, bytes) and body:
+            # Twisted leaves a HEAD's body out, but logs a line for each
+            # one it drops: a client could fill the log with HEADs.
+            request.setHeader(b"Content-Length", b"%d" % len(body))
+            return b""
+        return body
 
 
 def _decodable(request) -> bool:
