@@ -13,10 +13,13 @@ import socket
 import pytest_twisted
 from twisted.internet import protocol, reactor
 from twisted.internet.abstract import FileDescriptor
+from twisted.internet.address import IPv4Address
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor, StringTransport
 
-from kcoral.web.sendnow import READ_BYTES, SendNow, SendNowEndpoint, SendNowFactory
+from kcoral.web.sendnow import READ_BYTES, SendNow, SendNowEndpoint, SendNowFactory, together
+from tests.httputil import fake_site
 
 #: How long a check that nothing arrived waits: the reactor does not run
 #: meanwhile, so what Twisted buffered cannot be sent during it.
@@ -90,10 +93,19 @@ class Descriptor(FileDescriptor):
     def __init__(self):
         super().__init__(reactor=MemoryReactor())
         self.sent = b""
+        #: Each send's bytes, in order.
+        self.sends: list[bytes] = []
 
     def writeSomeData(self, data):
         self.sent += bytes(data)
+        self.sends.append(bytes(data))
         return len(data)
+
+    def getPeer(self):
+        return IPv4Address("TCP", "127.0.0.1", 40000)
+
+    def getHost(self):
+        return IPv4Address("TCP", "127.0.0.1", 8000)
 
 
 class Pulling:
@@ -176,3 +188,32 @@ def test_a_connection_reads_large_only_once_it_carries_large_data():
     other = Descriptor()
     wrapped(other).write(b"y" * default)
     assert other.bufferSize == other.SEND_LIMIT == READ_BYTES
+
+
+def test_writes_together_leave_in_one_send():
+    """The writes of a together() block leave as it ends, none before: one send a connection."""
+    transport = Descriptor()
+    wrapper = wrapped(transport)
+    other = Descriptor()
+    second = wrapped(other)
+    with together():
+        wrapper.writeSequence([b"HTTP/1.1 200 OK\r\n", b"\r\n"])
+        with together():
+            wrapper.write(b"he")
+            second.write(b"x")
+        wrapper.write(b"ad and body")
+        assert transport.sends == other.sends == []
+    assert transport.sends == [b"HTTP/1.1 200 OK\r\n\r\nhead and body"]
+    assert other.sends == [b"x"]
+    wrapper.write(b"!")
+    assert transport.sends[1:] == [b"!"]
+
+
+def test_a_sites_answer_leaves_head_and_body_in_one_send():
+    """A KCoral site's answer goes out whole in one send: its peer wakes once to read it."""
+    transport = Descriptor()
+    connection = fake_site(Clock()).buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+    connection.makeConnection(transport)
+    connection.dataReceived(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert len(transport.sends) == 1
+    assert transport.sends[0].startswith(b"HTTP/1.1 200 ") and transport.sends[0].endswith(b"\r\n\r\nhello")

@@ -23,6 +23,7 @@ from kcoral.web.family import guarded, takes_body
 from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.sendnow import together
 from kcoral.web.spool import UNREAD, Holds
 
 if TYPE_CHECKING:
@@ -353,6 +354,11 @@ class KCoralRequest(server.Request):
         # header: nothing a client needs, and something an attacker would.
         self.responseHeaders.removeHeader(b"Server")
         super().render(resrc)
+
+    def write(self, data):
+        # The first write sends the head too: both in one send.
+        with together():
+            super().write(data)
 
     def close_after_response(self) -> None:
         """Answer with C{Connection: close} and close the connection after
