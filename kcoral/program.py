@@ -115,7 +115,10 @@ class Program:
         """
         import jax
 
-        leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
+        return self.inputs_of(*jax.tree.flatten((tuple(args), dict(kwargs))))
+
+    def inputs_of(self, leaves: list, tree) -> Inputs:
+        """L{flatten_inputs} of arguments flattened already: C{leaves} of the structure C{tree}."""
         if tree != self.exported.in_tree:
             raise ValueError(
                 f"arguments have structure {tree}, the program expects {self.exported.in_tree}")

@@ -162,11 +162,9 @@ class RunCall:
             raise TypeError("free takes kept arrays (RemoteArray), or a structure of them")
         leaves, tree = jax.tree.flatten((tuple(args), dict(kwargs)))
         references = [leaf.reference if isinstance(leaf, RemoteArray) else None for leaf in leaves]
-        if any(references):
-            # Checked against the signature by stand-ins of their types.
-            args, kwargs = jax.tree.unflatten(tree, [
-                leaf.placeholder() if isinstance(leaf, RemoteArray) else leaf for leaf in leaves])
-        inputs = program.flatten_inputs(args, kwargs)
+        # Kept inputs are checked against the signature by stand-ins of their types.
+        inputs = program.inputs_of([leaf.placeholder() if r is not None else leaf
+                                    for leaf, r in zip(leaves, references)], tree)
         arrays = [a if r is not None else wire_array(a)
                   for a, r in zip(inputs.arrays, references, strict=True)]
         digests = [sha256(a) if r is None and a.nbytes >= CACHE_THRESHOLD_BYTES else None
