@@ -383,12 +383,11 @@ class Executor:
             outputs = executable(*arrays)
             if frees:
                 jax.block_until_ready(outputs)
-            if not any(keeps):
-                # jax.device_get overlaps the copies of several outputs; for
-                # the common single output, np.asarray is the same copy
-                # without its tree walk.
-                return [np.asarray(outputs[0])] if len(outputs) == 1 else jax.device_get(outputs)
-            copied = iter(jax.device_get([o for o, k in zip(outputs, keeps) if not k]))
+            back = [o for o, k in zip(outputs, keeps) if not k]
+            # jax.device_get overlaps the copies of several outputs; for the
+            # common single one that goes back (a loss, a decoded token),
+            # np.asarray is the same copy without its tree walk.
+            copied = iter([np.asarray(back[0])] if len(back) == 1 else jax.device_get(back))
             return [o if k else next(copied) for o, k in zip(outputs, keeps)]
 
 
