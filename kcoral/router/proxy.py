@@ -30,7 +30,6 @@ from kcoral.router.call import Call
 from kcoral.tracing import TRACEPARENT
 from kcoral.web.body import IBody
 from kcoral.web.outgoing import tls_problem
-from kcoral.web.sendnow import together
 
 log = Logger()
 
@@ -121,13 +120,9 @@ class Proxy:
         try:
             # A node's answer goes back as it is: never follow a redirect with
             # a program (and the body is read once, right here: no buffering).
-            # On a pooled connection the request's head and a body in memory
-            # are written before request() returns: sent in one piece.
-            with together():
-                sending = self._client.request(
-                    call.method.decode("ascii"), self.url_of(url, path), data=body.send(),
-                    headers=headers, allow_redirects=False, unbuffered=True)
-            response = yield _cancelled_as_such(sending)
+            response = yield _cancelled_as_such(self._client.request(
+                call.method.decode("ascii"), self.url_of(url, path), data=body.send(), headers=headers,
+                allow_redirects=False, unbuffered=True))
             content = yield _cancelled_as_such(response.content())
         except CancelledError:
             raise
