@@ -539,6 +539,34 @@ async def test_server_counts_statistics(server):
 
 
 @pytest_twisted.ensureDeferred
+async def test_statistics_read_while_an_inference_waits_have_equal_compute_counts(
+        module_processes, repository):
+    """Statistics read while an inference waits for its batch count as many
+    compute inputs as executions and outputs (perf_analyzer refuses others)."""
+    from kcoral import AsyncClient
+
+    service = await module_processes.start_service(
+        server_args("--model-repository", repository.path,
+                    "--max-batch-delay-microseconds", "1500000"),
+        name="slow-batch-server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
+    client = AsyncClient(service.url)
+    try:
+        answer = client.infer("mlp", rows(1))
+        snapshots = []
+        while not answer.called:
+            [stats] = (await client.model_statistics("mlp"))["model_stats"]
+            snapshots.append({d: stats["inference_stats"][d]["count"]
+                              for d in ("compute_input", "compute_infer", "compute_output")})
+        await answer
+        [stats] = (await client.model_statistics("mlp"))["model_stats"]
+    finally:
+        await client.close()
+    assert len(snapshots) > 1, snapshots
+    assert all(len(set(counts.values())) == 1 for counts in snapshots), snapshots
+    assert stats["inference_stats"]["compute_input"]["count"] == 1, stats
+
+
+@pytest_twisted.ensureDeferred
 async def test_server_refuses_a_broken_model_at_once(server):
     """A standalone server refuses a model that failed to load at once, with its reason."""
     await check_refused_at_once(server)
