@@ -707,6 +707,32 @@ async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(no
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_gateway_pays_the_batch_delay_once(module_processes, repository,
+                                                   tmp_path_factory):
+    """A lone inference through a node's gateway goes to a free worker and
+    runs at once, without the workers' batch delay; sent straight to a
+    worker, it waits the delay."""
+    from kcoral import AsyncClient
+
+    delay = 3.0
+    slow = await start_node(module_processes, tmp_path_factory.mktemp("dnode") / "node.yaml",
+                            {"model_repo": repository.path,
+                             "max_batch_delay_microseconds": int(delay * 1e6)}, "delay-node")
+    health = (await request("GET", slow.url + "/health", timeout=10)).json
+    worker = health["workers"][0]["url"]
+    taken = {}
+    for url in (slow.url, worker):
+        client = AsyncClient(url)
+        try:
+            started = time.monotonic()
+            await client.infer("mlp", rows(1))
+            taken[url] = time.monotonic() - started
+        finally:
+            await client.close()
+    assert taken[slow.url] < delay / 2 <= delay <= taken[worker], taken
+
+
+@pytest_twisted.ensureDeferred
 async def test_node_exits_0_on_sigterm(node):
     """SIGTERM to a node serving models drains it, exits with status 0 and leaves no worker."""
     node.process.signal("TERM")

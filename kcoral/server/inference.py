@@ -222,7 +222,8 @@ class ServerInference:
             except InvalidInput as e:
                 raise BadRequest(str(e)) from None
             if manifest.max_batch_size:
-                outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id)
+                outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id,
+                                                           formed=call.formed)
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
             computed = clock.seconds()
