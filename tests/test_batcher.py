@@ -190,6 +190,20 @@ def test_a_batch_a_front_formed_ends_the_wait_of_a_short_batch_before_it():
     assert model.executions[0][:, 0].tolist() == [1, 2, 3]
 
 
+def test_a_formed_request_queued_behind_a_direct_one_ends_their_wait():
+    """Queued behind a client's own request while a batch runs, a request a
+    front formed makes their batch go as soon as the slot frees."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(0)}, 1, "busy", formed=True)
+    b.infer({"input": rows(1)}, 1, "direct")
+    b.infer({"input": rows(2)}, 1, "formed", formed=True)
+    server.finish()
+    assert len(server.running) == 1 and not clock.getDelayedCalls()
+    server.finish()
+    assert [e[:, 0].tolist() for e in model.executions] == [[0], [1, 2]]
+
+
 def test_requests_behind_a_running_batch_join_a_formed_one():
     """While a batch runs, the requests that queue behind it, formed or not,
     go together as the next batch when the slot frees."""

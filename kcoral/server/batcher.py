@@ -7,10 +7,10 @@ the head of the queue whose dimensions past the first match the oldest's,
 as many as fit in C{max_batch_size} rows. A batch
 short of C{max_batch_size} waits until its oldest request has waited
 C{delay} seconds (0: it goes with what is queued), and goes at once when
-it fills. A batch that a Router's or a gateway's front batcher formed (it
-sent it because this worker was free) never waits: it goes as soon as it
-holds a slot, with what is queued, so the delay is paid at most once on
-the way. The model pads it to its next compiled batch size; each request
+it fills. A batch that holds a request a Router's or a gateway's front
+batcher formed (sent because this worker was free) never waits: it goes
+as soon as it holds a slot, with what is queued, so the delay is paid at
+most once on the way. The model pads it to its next compiled batch size; each request
 gets exactly its own rows, equal to running alone within the model's
 rounding (a row-wise model's rows do not depend on each other, but XLA's
 kernels round differently by batch size), or the same bytes with
@@ -98,7 +98,7 @@ class Batcher:
                            Deferred(lambda d: self._cancelled(request)), self._clock.seconds(),
                            request_id, formed)
         self._queue.append(request)
-        if self._waiting is not None and (formed or not self._may_grow()):
+        if self._waiting is not None and not self._may_grow():
             self._waiting.cancel()
             self._waiting = None
             self._start()
@@ -130,9 +130,8 @@ class Batcher:
         if not self._queue:
             self._release()
             return
-        oldest = self._queue.oldest
-        left = oldest.arrived + self._delay - self._clock.seconds()
-        if left > 0 and not oldest.formed and self._may_grow():
+        left = self._queue.oldest.arrived + self._delay - self._clock.seconds()
+        if left > 0 and self._may_grow():
             self._waiting = self._clock.callLater(left, self._waited)
             return
         self._start()
@@ -145,11 +144,13 @@ class Batcher:
             self._release()
 
     def _may_grow(self) -> bool:
-        """Whether the next batch could take more requests: it is short of
-        max_batch_size rows, and no request already waits behind it (which
-        would have joined it if it could)."""
+        """Whether the next batch may wait for more requests: it is short of
+        max_batch_size rows, no request already waits behind it (which
+        would have joined it if it could), and a front batcher formed none
+        of its requests."""
         head = self._queue.head(self._most)
-        return sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
+        return (sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
+                and not any(r.formed for r in head))
 
     def _start(self) -> None:
         """Run the next batch with the slot held."""
