@@ -177,10 +177,10 @@ def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_
 
 
 def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
-    """A node's CPU workers are one lane: while a batch of a quarter of the model's rows runs, the
+    """A node's CPU workers are one lane: while a batch of a tenth of the model's rows runs, the
     next waits, free slots or not, and takes everything that arrived meanwhile."""
     worker = ModelWorker()
-    front = Front(worker, most_rows=4, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=8, capacities=(1, 1), gpu_target="cpu")
     first = front.infer(*request(rows(1, 0)))[1]
     front.turn()
     later = [front.infer(*request(rows(1, seed)))[1] for seed in (1, 2, 3)]
@@ -214,9 +214,9 @@ def test_a_batch_that_runs_too_long_no_longer_holds_back_the_next():
 
 
 def test_a_small_batch_holds_no_lane():
-    """A batch of less than a quarter of the model's rows holds no lane: the next takes a free slot."""
+    """A batch of less than a tenth of the model's rows holds no lane: the next takes a free slot."""
     worker = ModelWorker()
-    front = Front(worker, most_rows=8, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=16, capacities=(1, 1), gpu_target="cpu")
     front.infer(*request(rows(1, 0)))
     front.turn()
     front.infer(*request(rows(1, 1)))

@@ -101,7 +101,7 @@ _JSON = b"application/json"
 
 #: The share of a model's rows from which a batch holds a lane, and how
 #: long at most (see the module's docstring).
-LANE_SHARE = 0.25
+LANE_SHARE = 0.1
 LANE_HOLD_SECONDS = 1.0
 
 
