@@ -166,6 +166,58 @@ def test_a_short_batch_waits_for_the_delay_and_a_full_one_goes_at_once():
     assert model.executions[1][:, 0].tolist() == [3, 4, 5, 6]
 
 
+def test_a_batch_a_front_formed_goes_at_once_whatever_the_delay():
+    """A request a front batcher formed runs as soon as it holds a slot, with
+    what is queued: the delay is not paid a second time."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(1, 2)}, 2, "formed", formed=True)
+    assert len(server.running) == 1 and not clock.getDelayedCalls()
+    server.finish()
+    assert model.executions[0][:, 0].tolist() == [1, 2]
+
+
+def test_a_batch_a_front_formed_ends_the_wait_of_a_short_batch_before_it():
+    """A short batch waiting for its delay goes at once, with it, when a
+    batch a front formed arrives behind it."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(1)}, 1, "direct")
+    assert not server.running
+    b.infer({"input": rows(2, 3)}, 2, "formed", formed=True)
+    assert len(server.running) == 1 and not clock.getDelayedCalls()
+    server.finish()
+    assert model.executions[0][:, 0].tolist() == [1, 2, 3]
+
+
+def test_a_formed_request_queued_behind_a_direct_one_ends_their_wait():
+    """Queued behind a client's own request while a batch runs, a request a
+    front formed makes their batch go as soon as the slot frees."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(0)}, 1, "busy", formed=True)
+    b.infer({"input": rows(1)}, 1, "direct")
+    b.infer({"input": rows(2)}, 1, "formed", formed=True)
+    server.finish()
+    assert len(server.running) == 1 and not clock.getDelayedCalls()
+    server.finish()
+    assert [e[:, 0].tolist() for e in model.executions] == [[0], [1, 2]]
+
+
+def test_requests_behind_a_running_batch_join_a_formed_one():
+    """While a batch runs, the requests that queue behind it, formed or not,
+    go together as the next batch when the slot frees."""
+    model, server, clock = RecordingModel(manifest(most=8)), Server(), Clock()
+    b = batcher(model, server, clock, delay=0.5)
+    b.infer({"input": rows(0)}, 1, "busy", formed=True)
+    b.infer({"input": rows(1)}, 1, "first", formed=True)
+    b.infer({"input": rows(2)}, 1, "second")
+    server.finish()
+    assert len(server.running) == 1
+    server.finish()
+    assert [e[:, 0].tolist() for e in model.executions] == [[0], [1, 2]]
+
+
 def test_a_client_that_leaves_before_its_batch_runs_is_dropped_from_it():
     """Cancelling a waiting request takes its rows out of the next batch; the others still run."""
     model, server, clock = RecordingModel(), Server(), Clock()

@@ -29,7 +29,7 @@ from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_SPAN
-from kcoral.web.family import INFERENCE_HEADER_LENGTH
+from kcoral.web.family import FORMED_BATCH_HEADER, INFERENCE_HEADER_LENGTH
 from tests.fakes import FakeWorkers, node_report
 
 PATH = b"/v2/models/mlp/infer"
@@ -177,10 +177,10 @@ def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_
 
 
 def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
-    """A node's CPU workers are one lane: while a batch of a quarter of the model's rows runs, the
+    """A node's CPU workers are one lane: while a batch of a tenth of the model's rows runs, the
     next waits, free slots or not, and takes everything that arrived meanwhile."""
     worker = ModelWorker()
-    front = Front(worker, most_rows=4, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=8, capacities=(1, 1), gpu_target="cpu")
     first = front.infer(*request(rows(1, 0)))[1]
     front.turn()
     later = [front.infer(*request(rows(1, seed)))[1] for seed in (1, 2, 3)]
@@ -214,9 +214,9 @@ def test_a_batch_that_runs_too_long_no_longer_holds_back_the_next():
 
 
 def test_a_small_batch_holds_no_lane():
-    """A batch of less than a quarter of the model's rows holds no lane: the next takes a free slot."""
+    """A batch of less than a tenth of the model's rows holds no lane: the next takes a free slot."""
     worker = ModelWorker()
-    front = Front(worker, most_rows=8, capacities=(1, 1), gpu_target="cpu")
+    front = Front(worker, most_rows=16, capacities=(1, 1), gpu_target="cpu")
     front.infer(*request(rows(1, 0)))
     front.turn()
     front.infer(*request(rows(1, 1)))
@@ -366,6 +366,22 @@ def test_what_cannot_merge_goes_alone_as_it_came(most_rows):
     outcomes = [front.infer(*body)[1] for body in bodies]
     sent = front.serve_until_answered(outcomes)
     assert sent == [body for body, _ in bodies]
+
+
+def test_what_the_front_forwards_says_it_is_a_formed_batch():
+    """Every request the front forwards, alone or merged, tells the worker
+    that its batch was formed (so the worker does not wait for more rows)."""
+    front = Front(ModelWorker())
+    outcomes = [front.infer(*request(rows(1, 0)))[1]]
+    front.turn()
+    outcomes += [front.infer(*request(rows(1, i)))[1] for i in (1, 2)]
+    formed = []
+    while any(not o for o in outcomes):
+        front.turn()
+        formed += [r.getHeader(FORMED_BATCH_HEADER) for r in front.worker.held]
+        front.worker.release()
+        front.turn()
+    assert front.worker.rows == [1, 2] and formed == [b"true", b"true"]
 
 
 def test_a_malformed_answer_to_a_batch_fails_each_member_and_frees_the_slot():

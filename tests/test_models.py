@@ -539,6 +539,34 @@ async def test_server_counts_statistics(server):
 
 
 @pytest_twisted.ensureDeferred
+async def test_statistics_read_while_an_inference_waits_have_equal_compute_counts(
+        module_processes, repository):
+    """Statistics read while an inference waits for its batch count as many
+    compute inputs as executions and outputs (perf_analyzer refuses others)."""
+    from kcoral import AsyncClient
+
+    service = await module_processes.start_service(
+        server_args("--model-repository", repository.path,
+                    "--max-batch-delay-microseconds", "1500000"),
+        name="slow-batch-server", ready=SERVER_READY, env=server_env(), timeout=START_TIMEOUT)
+    client = AsyncClient(service.url)
+    try:
+        answer = client.infer("mlp", rows(1))
+        snapshots = []
+        while not answer.called:
+            [stats] = (await client.model_statistics("mlp"))["model_stats"]
+            snapshots.append({d: stats["inference_stats"][d]["count"]
+                              for d in ("compute_input", "compute_infer", "compute_output")})
+        await answer
+        [stats] = (await client.model_statistics("mlp"))["model_stats"]
+    finally:
+        await client.close()
+    assert len(snapshots) > 1, snapshots
+    assert all(len(set(counts.values())) == 1 for counts in snapshots), snapshots
+    assert stats["inference_stats"]["compute_input"]["count"] == 1, stats
+
+
+@pytest_twisted.ensureDeferred
 async def test_server_refuses_a_broken_model_at_once(server):
     """A standalone server refuses a model that failed to load at once, with its reason."""
     await check_refused_at_once(server)
@@ -676,6 +704,32 @@ async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(no
     gateway = [line for line in node.process.matching("once-1") if "[worker" not in line]
     assert len(gateway) == 1, node.process.matching("once-1")
     assert len(node.process.matching("once-1")) == 2, node.process.matching("once-1")
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_gateway_pays_the_batch_delay_once(module_processes, repository,
+                                                   tmp_path_factory):
+    """A lone inference through a node's gateway goes to a free worker and
+    runs at once, without the workers' batch delay; sent straight to a
+    worker, it waits the delay."""
+    from kcoral import AsyncClient
+
+    delay = 3.0
+    slow = await start_node(module_processes, tmp_path_factory.mktemp("dnode") / "node.yaml",
+                            {"model_repo": repository.path,
+                             "max_batch_delay_microseconds": int(delay * 1e6)}, "delay-node")
+    health = (await request("GET", slow.url + "/health", timeout=10)).json
+    worker = health["workers"][0]["url"]
+    taken = {}
+    for url in (slow.url, worker):
+        client = AsyncClient(url)
+        try:
+            started = time.monotonic()
+            await client.infer("mlp", rows(1))
+            taken[url] = time.monotonic() - started
+        finally:
+            await client.close()
+    assert taken[slow.url] < delay / 2 <= delay <= taken[worker], taken
 
 
 @pytest_twisted.ensureDeferred

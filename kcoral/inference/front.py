@@ -31,13 +31,15 @@ class InferCall:
     """
     An inference as a front receives it: the REST body (a JSON header, then
     binary tensors when C{header_length} is set), the request id, and the
-    headers to forward with it (C{traceparent} and the like).
+    headers to forward with it (C{traceparent} and the like); C{formed}: a
+    front batcher formed it, and it runs without waiting for more rows.
     """
 
     body: bytes | memoryview
     header_length: int | None
     request_id: str
     headers: dict[bytes, bytes] = attrs.field(factory=dict)
+    formed: bool = False
 
 
 class IInferenceFront(Interface):

@@ -21,6 +21,7 @@ from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.errors import internal_error
 from kcoral.web.family import (
+    FORMED_BATCH_HEADER,
     INFERENCE_HEADER_LENGTH,
     LIVE,
     MODEL_CONFIG,
@@ -216,7 +217,8 @@ class InferenceRoutes:
                        if (value := request.getHeader(name)) is not None}
             d = _body(request)
             d.addCallback(lambda body: self._front.infer(
-                model, version, InferCall(body, header_length, request.request_id, headers)))
+                model, version, InferCall(body, header_length, request.request_id, headers,
+                                          request.getHeader(FORMED_BATCH_HEADER) == b"true")))
             return d
 
         def render(answer: InferAnswer) -> bytes:

@@ -92,7 +92,7 @@ from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Lease
 from kcoral.tracing import ISpan
 from kcoral.web.body import MemoryBody
-from kcoral.web.family import INFERENCE, INFERENCE_HEADER_LENGTH
+from kcoral.web.family import FORMED_BATCH_HEADER, INFERENCE, INFERENCE_HEADER_LENGTH
 
 log = Logger()
 
@@ -101,7 +101,7 @@ _JSON = b"application/json"
 
 #: The share of a model's rows from which a batch holds a lane, and how
 #: long at most (see the module's docstring).
-LANE_SHARE = 0.25
+LANE_SHARE = 0.1
 LANE_HOLD_SECONDS = 1.0
 
 
@@ -111,6 +111,9 @@ def forwarded(path: bytes, call: InferCall) -> Call:
     if call.header_length is not None:
         headers[INFERENCE_HEADER_LENGTH] = b"%d" % call.header_length
     headers.update(call.headers)
+    # Sent because a worker is free: the worker's own wait for more rows
+    # would only be a second delay on a batch already formed.
+    headers[FORMED_BATCH_HEADER] = b"true"
     return Call(INFERENCE, path, call.request_id, tuple(headers.items()))
 
 

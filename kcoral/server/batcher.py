@@ -7,7 +7,10 @@ the head of the queue whose dimensions past the first match the oldest's,
 as many as fit in C{max_batch_size} rows. A batch
 short of C{max_batch_size} waits until its oldest request has waited
 C{delay} seconds (0: it goes with what is queued), and goes at once when
-it fills. The model pads it to its next compiled batch size; each request
+it fills. A batch that holds a request a Router's or a gateway's front
+batcher formed (sent because this worker was free) never waits: it goes
+as soon as it holds a slot, with what is queued, so the delay is paid at
+most once on the way. The model pads it to its next compiled batch size; each request
 gets exactly its own rows, equal to running alone within the model's
 rounding (a row-wise model's rows do not depend on each other, but XLA's
 kernels round differently by batch size), or the same bytes with
@@ -45,6 +48,8 @@ class _Request:
     answer: Deferred
     arrived: float
     request_id: str
+    #: Formed by a front batcher: its batch goes without waiting for more rows.
+    formed: bool
 
 
 class Batcher:
@@ -77,19 +82,21 @@ class Batcher:
         #: The timer of a slot held while a short batch waits for more rows.
         self._waiting: IDelayedCall | None = None
 
-    def infer(self, inputs: Mapping[str, np.ndarray], rows: int, request_id: str) -> Deferred:
+    def infer(self, inputs: Mapping[str, np.ndarray], rows: int, request_id: str,
+              formed: bool = False) -> Deferred:
         """
         The outputs by name of one request's C{inputs} (C{rows} rows, checked
-        against the model), run in a batch. Cancelling it before its batch
-        starts takes it out of the queue. Past C{most_waiting} requests
-        waiting, it fails at once with L{ServerBusy} C{queue_full}.
+        against the model), run in a batch; C{formed}: a front batcher formed
+        it, and its batch does not wait for more rows. Cancelling it before
+        its batch starts takes it out of the queue. Past C{most_waiting}
+        requests waiting, it fails at once with L{ServerBusy} C{queue_full}.
         """
         if self._queue.full:
             return fail(ServerBusy(f"{len(self._queue)} inferences of {self.model.manifest.name} "
                                    "are already waiting", reason="queue_full"))
         request = _Request(inputs, rows, tuple(a.shape[1:] for a in inputs.values()),
                            Deferred(lambda d: self._cancelled(request)), self._clock.seconds(),
-                           request_id)
+                           request_id, formed)
         self._queue.append(request)
         if self._waiting is not None and not self._may_grow():
             self._waiting.cancel()
@@ -137,11 +144,13 @@ class Batcher:
             self._release()
 
     def _may_grow(self) -> bool:
-        """Whether the next batch could take more requests: it is short of
-        max_batch_size rows, and no request already waits behind it (which
-        would have joined it if it could)."""
+        """Whether the next batch may wait for more requests: it is short of
+        max_batch_size rows, no request already waits behind it (which
+        would have joined it if it could), and a front batcher formed none
+        of its requests."""
         head = self._queue.head(self._most)
-        return sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
+        return (sum(r.rows for r in head) < self._most and len(head) == len(self._queue)
+                and not any(r.formed for r in head))
 
     def _start(self) -> None:
         """Run the next batch with the slot held."""

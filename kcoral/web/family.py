@@ -32,6 +32,10 @@ from kcoral.tracing import TRACEPARENT
 TRACE_HEADERS = (TRACEPARENT,)
 #: The header the inference protocol's binary extension sizes its JSON part with.
 INFERENCE_HEADER_LENGTH = b"Inference-Header-Content-Length"
+#: Set (C{true}) by a Router's or a gateway's front batcher on what it
+#: forwards: a batch it formed and sent because a worker was free, which the
+#: worker runs as soon as it holds a slot, without waiting for more rows.
+FORMED_BATCH_HEADER = b"X-KCoral-Formed-Batch"
 
 #: What a route needs: nothing, a client token (where the service has any),
 #: or the node token (checked by the Router's handler, after the node id).
