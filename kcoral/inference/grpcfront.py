@@ -17,9 +17,8 @@ in this order, each step before the next costs anything:
     RESOURCE_EXHAUSTED when another must wait); ServerLive, ServerReady and
     ServerMetadata never read theirs (it is empty), so that no number of
     slow calls keeps a probe waiting;
- 4. the message parsed (upb) and converted to the REST form in the gRPC
-    thread, and handed to the front on the reactor's thread; its answer comes
-    back to the gRPC thread to be encoded.
+ 4. the message handed to the method (L{GrpcMethods}) on the reactor's
+    thread; its answer comes back to the gRPC thread to be sent.
 
 The reactor never waits on gRPC, nor gRPC on the reactor's thread: each
 hands the other its work, all that came in one turn for one wake-up
@@ -36,31 +35,27 @@ from concurrent.futures import Future as ThreadFuture
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-from tritonclient.grpc import model_config_pb2, service_pb2
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.errors import BadRequest, KCoralError, ModelNotReady, ServerBusy
-from kcoral.inference.front import IInferenceFront, InferCall
+from kcoral.errors import KCoralError, ServerBusy
+from kcoral.inference.front import IInferenceFront
+from kcoral.inference.grpcmethods import (
+    AUTHORIZATION,
+    REQUEST_ID,
+    SERVICE,
+    GrpcMethods,
+    Method,
+    status_code_of,
+)
 from kcoral.inference.handoff import Handoff
-from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.auth import IGuard, presented
-from kcoral.web.family import TRACE_HEADERS
 from kcoral.web.requestid import request_id_from
 
 log = Logger()
-
-#: The service every method belongs to.
-SERVICE = "inference.GRPCInferenceService"
-
-#: The metadata keys of the request id, and of a client token.
-REQUEST_ID = "x-request-id"
-AUTHORIZATION = "authorization"
 
 #: How long a call's message may take to arrive once its metadata has: gRPC
 #: hands over a message only whole, so this bounds the whole of it (256 MiB
@@ -72,30 +67,6 @@ MAX_UNREAD = 64
 #: How often the calls waiting for their message are checked against
 #: L{MESSAGE_SECONDS}.
 SWEEP_SECONDS = 1.0
-
-_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-    507: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
-
-def status_code_of(error: KCoralError) -> grpc.StatusCode:
-    """The gRPC status of a KCoral error: that of its HTTP status (a model
-    that cannot serve: the precondition of a loaded model fails)."""
-    if isinstance(error, ModelNotReady):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    code = _CODES.get(error.status)
-    if code is not None:
-        return code
-    return grpc.StatusCode.INVALID_ARGUMENT if 400 <= error.status < 500 else grpc.StatusCode.INTERNAL
-
 
 class _Ended(Exception):
     """Why a call ends now: its status C{code} and C{details}."""
@@ -183,8 +154,8 @@ class GrpcFront(service.Service):
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", self._max_message_bytes)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.stream_unary_rpc_method_handler(handler)
-            for name, handler in _Methods(self).handlers().items()}),))
+            name: grpc.stream_unary_rpc_method_handler(_handler(self, method))
+            for name, method in GrpcMethods(self.front).items()}),))
         host = f"[{self.host}]" if ":" in self.host else self.host
         address = f"{host}:{self.port}"
         if self._tls is None:
@@ -360,126 +331,15 @@ def _ascii(value: object) -> bytes | None:
         return None
 
 
-def _parsed(message_type, raw: bytes):
-    try:
-        return message_type.FromString(raw)
-    except DecodeError:
-        raise BadRequest(f"the message is not a {message_type.DESCRIPTOR.name}") from None
-
-
-def _tensors(specs: list[dict]) -> list[service_pb2.ModelMetadataResponse.TensorMetadata]:
-    return [service_pb2.ModelMetadataResponse.TensorMetadata(
-        name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in specs]
-
-
-def _metadata_response(value: dict) -> service_pb2.ModelMetadataResponse:
-    return service_pb2.ModelMetadataResponse(
-        name=value["name"], versions=value["versions"], platform=value["platform"],
-        inputs=_tensors(value["inputs"]), outputs=_tensors(value["outputs"]))
-
-
-def _config_response(value: dict) -> service_pb2.ModelConfigResponse:
-    return service_pb2.ModelConfigResponse(config=json_format.ParseDict(
-        value, model_config_pb2.ModelConfig(), ignore_unknown_fields=True))
-
-
-class _Methods:
-    """The service's methods, each one call of the front, on raw bytes."""
-
-    def __init__(self, served: GrpcFront):
-        self._served = served
-
-    @property
-    def _front(self) -> IInferenceFront:
-        return self._served.front
-
-    def handlers(self) -> dict[str, Callable]:
-        return {
-            "ServerLive": self.ServerLive,
-            "ServerReady": self._server_method(
-                lambda front: front.ready(), lambda ready: service_pb2.ServerReadyResponse(ready=ready)),
-            "ServerMetadata": self._server_method(
-                lambda front: front.metadata(), lambda value: service_pb2.ServerMetadataResponse(
-                    name=value["name"], version=value["version"], extensions=value["extensions"])),
-            "ModelReady": self._model_method(
-                service_pb2.ModelReadyRequest, lambda front, name, version: front.model_ready(name, version),
-                lambda ready: service_pb2.ModelReadyResponse(ready=ready)),
-            "ModelMetadata": self._model_method(
-                service_pb2.ModelMetadataRequest,
-                lambda front, name, version: front.model_metadata(name, version), _metadata_response),
-            "ModelConfig": self._model_method(
-                service_pb2.ModelConfigRequest,
-                lambda front, name, version: front.model_config(name, version), _config_response),
-            "ModelStatistics": self._model_method(
-                service_pb2.ModelStatisticsRequest,
-                lambda front, name, version: front.model_statistics(name or None, version),
-                lambda value: json_format.ParseDict(value, service_pb2.ModelStatisticsResponse(),
-                                                    ignore_unknown_fields=True)),
-            "RepositoryModelLoad": self._method(
-                service_pb2.RepositoryModelLoadRequest,
-                lambda front, request: front.load_model(request.model_name),
-                lambda _: service_pb2.RepositoryModelLoadResponse()),
-            "RepositoryModelUnload": self._method(
-                service_pb2.RepositoryModelUnloadRequest,
-                lambda front, request: front.unload_model(request.model_name),
-                lambda _: service_pb2.RepositoryModelUnloadResponse()),
-            "RepositoryIndex": self.RepositoryIndex,
-            "ModelInfer": self.ModelInfer,
-        }
-
-    async def _request(self, context, message_type):
-        return _parsed(message_type, await self._served.message(context))
-
-    async def ServerLive(self, requests, context) -> bytes:
-        async def answer(rid):
-            return service_pb2.ServerLiveResponse(live=True).SerializeToString()
-        return await self._served.serve(context, answer, guarded=False)
-
-    def _server_method(self, ask: Callable[[IInferenceFront], Deferred], respond: Callable[[Any], Any]):
-        """An open method about the server, whose (empty) message is never read."""
-        async def handler(requests, context) -> bytes:
-            async def answer(rid):
-                value = await self._served.on_reactor(lambda: ask(self._front))
-                return respond(value).SerializeToString()
-            return await self._served.serve(context, answer, guarded=False)
-        return handler
-
-    def _method(self, message_type, ask: Callable[[IInferenceFront, Any], Deferred],
-                respond: Callable[[Any], Any]):
-        """A guarded method that asks the front with its parsed message."""
-        async def handler(requests, context) -> bytes:
-            async def answer(rid):
-                request = await self._request(context, message_type)
-                value = await self._served.on_reactor(lambda: ask(self._front, request))
-                return respond(value).SerializeToString()
-            return await self._served.serve(context, answer)
-        return handler
-
-    def _model_method(self, message_type, ask: Callable[[IInferenceFront, str, str | None], Deferred],
-                      respond: Callable[[Any], Any]):
-        """A guarded method about one model (and version), named by its message."""
-        return self._method(message_type,
-                            lambda front, request: ask(front, request.name, request.version or None),
-                            respond)
-
-    async def RepositoryIndex(self, requests, context) -> bytes:
-        async def answer(rid):
-            request = await self._request(context, service_pb2.RepositoryIndexRequest)
-            models = await self._served.on_reactor(self._front.repository_index)
-            return service_pb2.RepositoryIndexResponse(models=[
-                service_pb2.RepositoryIndexResponse.ModelIndex(
-                    name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
-                for m in models if not request.ready or m["state"] == "READY"]).SerializeToString()
-        return await self._served.serve(context, answer)
-
-    async def ModelInfer(self, requests, context) -> bytes:
-        metadata = dict(context.invocation_metadata() or ())
-        headers = {name: value.encode() for name in TRACE_HEADERS
-                   if isinstance(value := metadata.get(name.decode()), str)}
+def _handler(served: GrpcFront, method: Method) -> Callable:
+    """A stream-unary handler serving C{method} on raw bytes."""
+    async def handler(requests, context) -> bytes:
+        metadata = {key.encode(): value for key, value in (
+            (key, _ascii(value)) for key, value in context.invocation_metadata() or ())
+            if value is not None}
 
         async def answer(rid):
-            rest = rest_of_grpc_infer(await self._request(context, service_pb2.ModelInferRequest))
-            answered = await self._served.on_reactor(lambda: self._front.infer(
-                rest.model, rest.version, InferCall(rest.body, rest.header_length, rid, headers)))
-            return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
-        return await self._served.serve(context, answer)
+            message = b"" if method.open else await served.message(context)
+            return await served.on_reactor(lambda: method.answer(message, rid, metadata))
+        return await served.serve(context, answer, guarded=not method.open)
+    return handler
