@@ -12,6 +12,8 @@ Variants (the first is KCoral's own; the others are built here only):
   thread of its own beside the reactor, every method on raw bytes.
 - ``reactor-loop``: the same handlers on the asyncio reactor's own loop
   (the process runs Twisted's asyncio reactor): no hand-off between threads.
+- ``reactor-h2``: gRPC's HTTP/2 served by the reactor itself with ``h2``
+  (``kcoral.inference.h2front``): no thread, loop or hand-off of its own.
 - ``threaded``: grpcio's threaded server (128 threads), every method on raw
   bytes (identity serializers) with the same parsing, each call asking the
   reactor with ``blockingCallFromThread``.
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-VARIANTS = ("thread-loop", "reactor-loop", "threaded")
+VARIANTS = ("thread-loop", "reactor-loop", "threaded", "reactor-h2")
 FLOORS = ("floor-aio", "floor-threaded")
 
 
@@ -214,6 +216,10 @@ def main() -> int:
         grpcfront.GrpcFront = reactor_loop_front()
     elif variant == "threaded":
         grpcfront.GrpcFront = threaded_front()
+    elif variant == "reactor-h2":
+        from kcoral.inference import h2front
+
+        grpcfront.GrpcFront = h2front.GrpcFront
     elif variant != "thread-loop":
         raise SystemExit(f"no variant {variant}: {', '.join(VARIANTS + FLOORS)}")
     from kcoral.cli import main as kcoral
