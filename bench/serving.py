@@ -11,7 +11,7 @@ and the floor: the same JAX function called in this process.
     .venv/bin/python bench/serving.py --fronts kcoral,floor --load loop --gpus 0
     .venv/bin/python bench/serving.py --quick --fronts kcoral,floor --load loop --batch-invariant
     .venv/bin/python bench/serving.py --fronts gateway,triton --protocols grpc \
-        --grpc-fronts reactor-loop,threaded,floor-aio,floor-threaded   # gRPC fronts side by side
+        --grpc-fronts threaded,floor-aio,floor-threaded   # gRPC fronts side by side
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
 ... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)
@@ -644,7 +644,7 @@ def main() -> int:
     parser.add_argument("--grpc-fronts", default="",
                         help="comma-separated gRPC fronts of bench/grpc_fronts.py to measure too, each "
                              "in a gateway of its own, and a standalone server with --fronts server "
-                             "(thread-loop, reactor-loop, threaded), and the bare floors (floor-aio, "
+                             "(threaded), and the bare floors (floor-aio, "
                              "floor-threaded)")
     parser.add_argument("--load", choices=["perf_analyzer", "loop"], default="perf_analyzer",
                         help="the load for every front but KServe's (which always gets the loop)")

@@ -32,8 +32,7 @@ from twisted.internet.task import Clock
 
 from kcoral.errors import BadRequest
 from kcoral.inference.front import InferCall
-from kcoral.inference.grpcfront import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
-from kcoral.inference.handoff import Handoff
+from kcoral.inference.h2front import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
 from kcoral.protocol.inference import MAX_TYPED_VALUES, parse_infer, rest_of_grpc_infer
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from procstat import cpu_seconds  # bench/procstat.py (tests/conftest.py)
@@ -417,47 +416,6 @@ async def test_a_huge_typed_message_with_the_token_is_parsed_in_moments(guarded_
         assert cpu_seconds(pid) - cpu < 3.0
     finally:
         calls.close()
-
-
-# -- hand-offs between threads ----------------------------------------------------------------
-
-def test_a_handoff_wakes_once_for_all_calls_handed_over_meanwhile():
-    """Calls handed over before the other thread runs go in one wake-up, in order; a call
-    handed over after that run wakes it again; a call that raises does not stop the others."""
-    wakes: list = []
-    ran: list = []
-    handoff = Handoff(wakes.append)
-    handoff(ran.append, 1)
-    handoff(lambda: 1 / 0)
-    handoff(ran.append, 2)
-    assert len(wakes) == 1 and ran == []
-    wakes.pop()()
-    assert ran == [1, 2]
-    handoff(ran.append, 3)
-    assert len(wakes) == 1
-    wakes.pop()()
-    assert ran == [1, 2, 3]
-
-
-def test_a_handoff_from_many_threads_runs_every_call_once():
-    """Calls handed over from several threads at once, while the other thread runs them,
-    each run exactly once."""
-    woken = threading.Semaphore(0)
-    runs: list = []
-    ran: list[int] = []
-    handoff = Handoff(lambda run: (runs.append(run), woken.release()))
-
-    def hand(base: int) -> None:
-        for i in range(2000):
-            handoff(ran.append, base + i)
-
-    threads_ = [threading.Thread(target=hand, args=(n * 10_000,)) for n in range(4)]
-    for thread in threads_:
-        thread.start()
-    while any(thread.is_alive() for thread in threads_) or runs:
-        if woken.acquire(timeout=0.01):
-            runs.pop(0)()
-    assert sorted(ran) == sorted(n * 10_000 + i for n in range(4) for i in range(2000))
 
 
 class Looping:

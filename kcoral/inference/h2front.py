@@ -53,7 +53,8 @@ from hyperframe.frame import GoAwayFrame
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
-from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.interfaces import ITCPTransport
+from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -164,6 +165,8 @@ class _Call:
 class _Connection(Protocol):
     """One client's HTTP/2 connection, each of its streams a call."""
 
+    transport: ITCPTransport
+
     def __init__(self, served: GrpcFront):
         self._served = served
         self._h2 = H2Connection(config=_CONFIG)
@@ -201,22 +204,21 @@ class _Connection(Protocol):
             self.transport.loseConnection()
             return
         for event in events:
-            kind = type(event)
-            if kind is DataReceived:
+            if isinstance(event, DataReceived):
                 self._data(event)
-            elif kind is RequestReceived:
+            elif isinstance(event, RequestReceived):
                 self._request(event)
-            elif kind is StreamEnded:
+            elif isinstance(event, StreamEnded):
                 self._ended(event.stream_id)
-            elif kind is WindowUpdated:
+            elif isinstance(event, WindowUpdated):
                 self._window(event.stream_id)
-            elif kind is StreamReset:
+            elif isinstance(event, StreamReset):
                 self._reset(event.stream_id)
-            elif kind is ConnectionTerminated:
+            elif isinstance(event, ConnectionTerminated):
                 self.transport.loseConnection()
         self._flush()
 
-    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._served.connections.discard(self)
         for call in list(self._calls.values()):
             self._forget(call)
@@ -546,7 +548,7 @@ class GrpcFront(service.Service):
         self._listening = None
         if not self.connections:
             return stopping
-        self._stopped = stopped = Deferred()
+        self._stopped = stopped = Deferred[None]()
         for connection in list(self.connections):
             connection.go_away()
         late = self.clock.callLater(grace, self._close_all)

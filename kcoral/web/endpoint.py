@@ -112,13 +112,13 @@ def tls_options(cert: str, key: str | None = None, client_ca: str | None = None,
     # and with it requireCertificate: a client that presents none is refused.
     trust = {} if client_ca is None else {
         "trustRoot": trustRootFromCertificates(pem_certificates(client_ca))}
-    alpn = {"acceptableProtocols": list(protocols)} if protocols else {}
     try:
         chain = pem_certificates(cert)
         with open(key or cert, "rb") as f:
             pair = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
         options = CertificateOptions(privateKey=pair.original, certificate=chain[0].original,
-                                     extraCertChain=[c.original for c in chain[1:]], **trust, **alpn)
+                                     extraCertChain=[c.original for c in chain[1:]],
+                                     acceptableProtocols=list(protocols) or None, **trust)
         options.getContext()
     except (SSL.Error, crypto.Error, VerifyError) as e:
         raise ValueError(f"--tls-cert {cert} with --tls-key {key or cert}: {e}") from None
