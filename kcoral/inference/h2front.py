@@ -93,6 +93,8 @@ _PREFIX = struct.Struct(">BI")
 _PATH = f"/{SERVICE}/".encode()
 _RESPONSE = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _OK = b"0"
+#: What grpc-message carries as it is; every other byte is percent-encoded.
+_PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 _CONFIG = H2Configuration(client_side=False, header_encoding=None, validate_outbound_headers=False,
                           normalize_outbound_headers=False, validate_inbound_headers=False,
                           normalize_inbound_headers=False)
@@ -306,7 +308,7 @@ class _Connection(Protocol):
         nothing more of the call is read."""
         h2 = self._h2
         h2.send_headers(stream_id, (*_RESPONSE, (b"grpc-status", _status(why.code)),
-                                    (b"grpc-message", quote(why.details, safe=" ").encode()),
+                                    (b"grpc-message", quote(why.details, safe=_PRINTABLE).encode()),
                                     (b"x-request-id", request_id.encode())),
                         end_stream=True)
         if stream_id in h2.streams and not h2.streams[stream_id].closed:
