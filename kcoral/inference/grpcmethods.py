@@ -6,7 +6,7 @@ L{KCoralError} that L{status_code_of} turns into the call's status.
 
 Every method runs on the reactor's thread: parsing a message (upb) and
 encoding an answer cost a few microseconds apiece, less than handing them to
-another thread would.
+another thread would; an inference's, when large, go to a thread.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2
 from twisted.internet.defer import Deferred, succeed
 
+from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, ModelNotReady
-from kcoral.inference.front import IInferenceFront, InferCall
-from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.protocol.inference import RestInfer, grpc_of_rest_answer, rest_of_grpc_infer
 from kcoral.web.family import TRACE_HEADERS
 
 #: The service every method belongs to.
@@ -171,11 +172,23 @@ class GrpcMethods:
                 for m in models if not request.ready or m["state"] == "READY"]).SerializeToString())
 
     def _infer(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
-        rest = rest_of_grpc_infer(_parsed(service_pb2.ModelInferRequest, message))
         headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
-        return self._front.infer(rest.model, rest.version, InferCall(
-            rest.body, rest.header_length, rid, headers)).addCallback(
-            lambda answered: grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString())
+
+        def ask(rest: RestInfer) -> Deferred:
+            return self._front.infer(rest.model, rest.version, InferCall(
+                rest.body, rest.header_length, rid, headers))
+
+        # A large message is parsed, and a large answer encoded, in a thread.
+        return off_reactor(len(message), _rest_infer, message).addCallback(ask).addCallback(
+            lambda answered: off_reactor(len(answered.body), _grpc_answer, answered))
+
+
+def _rest_infer(message: bytes) -> RestInfer:
+    return rest_of_grpc_infer(_parsed(service_pb2.ModelInferRequest, message))
+
+
+def _grpc_answer(answered: InferAnswer) -> bytes:
+    return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
 
 
 _LIVE = service_pb2.ServerLiveResponse(live=True).SerializeToString()
