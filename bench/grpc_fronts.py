@@ -1,10 +1,10 @@
 """
 The gRPC fronts that ``bench/serving.py --grpc-fronts`` measures side by
 side, each run as ``kcoral ARGS`` with its own gRPC front in place of
-KCoral's, and the floor: a bare grpcio server answering a fixed response.
+KCoral's, and the floors, which answer a fixed response.
 
     python bench/grpc_fronts.py threaded kcoral-args...    # a KCoral front
-    python bench/grpc_fronts.py floor-aio PORT             # the floor (also floor-threaded)
+    python bench/grpc_fronts.py floor-aio PORT             # a floor (also floor-threaded, floor-h2)
 
 Variants (KCoral's own front, ``kcoral.inference.h2front``, is the one a
 plain ``kcoral`` serves; those here are built only to be measured beside it):
@@ -13,9 +13,10 @@ plain ``kcoral`` serves; those here are built only to be measured beside it):
   (``GrpcMethods``) on raw bytes, each call asking the reactor with
   ``blockingCallFromThread``; none of the shipped front's bounds.
 
-The floor serves ModelInfer with a fixed answer of the benchmark model's
+The floors serve ModelInfer with a fixed answer of the benchmark model's
 shape, and the metadata and configuration perf_analyzer reads, with nothing
-of KCoral's in the way.
+of KCoral's in the way: bare grpcio (``floor-aio``, ``floor-threaded``), and
+KCoral's own HTTP/2 transport on the reactor (``floor-h2``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 VARIANTS = ("threaded",)
-FLOORS = ("floor-aio", "floor-threaded")
+FLOORS = ("floor-aio", "floor-threaded", "floor-h2")
 
 
 def threaded_front():
@@ -100,7 +101,9 @@ def floor(kind: str, port: int) -> None:
     infer = answer.SerializeToString()
     fixed = {"ServerLive": live, "ServerReady": ready, "ServerMetadata": server_metadata,
              "ModelMetadata": metadata, "ModelConfig": config, "ModelInfer": infer}
-    if kind == "floor-aio":
+    if kind == "floor-h2":
+        floor_h2(fixed, port)
+    elif kind == "floor-aio":
         def aio_handler(value):
             async def handler(raw, context):
                 return value
@@ -127,6 +130,21 @@ def floor(kind: str, port: int) -> None:
         server.start()
         print("floor ready", flush=True)
         server.wait_for_termination()
+
+
+def floor_h2(fixed: dict[str, bytes], port: int) -> None:
+    """KCoral's own transport on the reactor, every method answering C{fixed}."""
+    from twisted.internet import defer, reactor
+
+    from kcoral.inference.grpcmethods import Method
+    from kcoral.inference.h2front import GrpcFront
+
+    served = GrpcFront(None, reactor=reactor, port=port)
+    served.methods = {name: Method(lambda message, rid, metadata, value=value: defer.succeed(value),
+                                   open=True) for name, value in fixed.items()}
+    served.startService()
+    print("floor ready", flush=True)
+    reactor.run()
 
 
 def main() -> int:
