@@ -27,7 +27,14 @@ import pytest_twisted
 import tritonclient.grpc as grpcclient
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from h2.events import DataReceived, ResponseReceived, StreamEnded, StreamReset, TrailersReceived
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    ResponseReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -496,6 +503,15 @@ class H2Calls:
             self._flush()
         return [self.ended[s] for s in stream_ids]
 
+    def terminated(self) -> int | None:
+        """Reads until the server closes the connection: the error code of its GOAWAY."""
+        code = None
+        while data := self._socket.recv(1 << 16):
+            for event in self._h2.receive_data(data):
+                if isinstance(event, ConnectionTerminated):
+                    code = event.error_code
+        return code
+
     def close(self) -> None:
         self._socket.close()
 
@@ -623,6 +639,33 @@ async def test_a_message_split_anywhere_is_answered(serve):
         await in_thread(split)
     finally:
         calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_oversized_metadata_ends_the_connection_and_no_other(serve):
+    """A call whose metadata is past the header list bound ends its connection (GOAWAY, no
+    call made); another connection is answered meanwhile."""
+    front = DoubleFront()
+    grpc_front = await serve(front)
+    calls, other = H2Calls(grpc_front.port), H2Calls(grpc_front.port)
+
+    def attack():
+        calls.start("ModelInfer", (*H2_ADMITTED, (b"x-padding", b"a" * (100 << 10))))
+        return calls.terminated()
+
+    def ordinary():
+        stream_id = other.start("ModelInfer")
+        other.send(stream_id, framed(infer_message()), end=True)
+        return other.wait(stream_id)[0]
+
+    try:
+        assert await in_thread(attack) is not None
+        assert front.calls == [] and grpc_front.calls == 0
+        ended = await in_thread(ordinary)
+        assert ended["status"] == grpc.StatusCode.OK.value[0], ended
+    finally:
+        calls.close()
+        other.close()
 
 
 @pytest_twisted.ensureDeferred
