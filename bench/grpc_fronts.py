@@ -1,24 +1,22 @@
 """
 The gRPC fronts that ``bench/serving.py --grpc-fronts`` measures side by
 side, each run as ``kcoral ARGS`` with its own gRPC front in place of
-KCoral's, and the floor: a bare grpcio server answering a fixed response.
+KCoral's, and the floors, which answer a fixed response.
 
-    python bench/grpc_fronts.py VARIANT kcoral-args...     # a KCoral front
-    python bench/grpc_fronts.py floor-aio PORT             # the floor (also floor-threaded)
+    python bench/grpc_fronts.py threaded kcoral-args...    # a KCoral front
+    python bench/grpc_fronts.py floor-aio PORT             # a floor (also floor-threaded, floor-h2)
 
-Variants (the first is KCoral's own; the others are built here only):
+Variants (KCoral's own front, ``kcoral.inference.h2front``, is the one a
+plain ``kcoral`` serves; those here are built only to be measured beside it):
 
-- ``thread-loop``: ``GrpcFront`` as shipped, grpc.aio on an event loop in a
-  thread of its own beside the reactor, every method on raw bytes.
-- ``reactor-loop``: the same handlers on the asyncio reactor's own loop
-  (the process runs Twisted's asyncio reactor): no hand-off between threads.
-- ``threaded``: grpcio's threaded server (128 threads), every method on raw
-  bytes (identity serializers) with the same parsing, each call asking the
-  reactor with ``blockingCallFromThread``.
+- ``threaded``: grpcio's threaded server (128 threads), every method
+  (``GrpcMethods``) on raw bytes, each call asking the reactor with
+  ``blockingCallFromThread``; none of the shipped front's bounds.
 
-The floor serves ModelInfer with a fixed answer of the benchmark model's
+The floors serve ModelInfer with a fixed answer of the benchmark model's
 shape, and the metadata and configuration perf_analyzer reads, with nothing
-of KCoral's in the way.
+of KCoral's in the way: bare grpcio (``floor-aio``, ``floor-threaded``), and
+KCoral's own HTTP/2 transport on the reactor (``floor-h2``).
 """
 
 from __future__ import annotations
@@ -32,110 +30,45 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-VARIANTS = ("thread-loop", "reactor-loop", "threaded")
-FLOORS = ("floor-aio", "floor-threaded")
-
-
-def reactor_loop_front():
-    """GrpcFront on the asyncio reactor's loop."""
-    from twisted.internet import defer
-
-    from kcoral.inference import grpcfront
-
-    class ReactorLoopFront(grpcfront.GrpcFront):
-        def startService(self):
-            self._loop = asyncio.get_event_loop()
-            started = asyncio.ensure_future(self._start())
-
-            def listening(future):
-                self._server, self.port = future.result()
-                grpcfront.log.info("serving the inference protocol over gRPC on {host}:{port}",
-                                   host=self.host, port=self.port)
-
-            started.add_done_callback(listening)
-            self._sweep.start(grpcfront.SWEEP_SECONDS, now=False)
-            self.running = 1
-
-        def stopService(self, grace=5.0):
-            self.running = 0
-            if self._sweep.running:
-                self._sweep.stop()
-            return defer.Deferred.fromFuture(asyncio.ensure_future(self._server.stop(grace)))
-
-        def _sweep_unread(self):
-            self._expire(self._clock.seconds())
-
-        async def on_reactor(self, ask):
-            return await defer.maybeDeferred(ask).asFuture(self._loop)
-
-    return ReactorLoopFront
+VARIANTS = ("threaded",)
+FLOORS = ("floor-aio", "floor-threaded", "floor-h2")
 
 
 def threaded_front():
-    """GrpcFront's methods on grpcio's threaded server, on raw bytes."""
+    """The shipped front's methods on grpcio's threaded server."""
     import grpc
-    from google.protobuf import json_format
-    from tritonclient.grpc import model_config_pb2, service_pb2
     from twisted.internet import threads
 
     from kcoral.errors import KCoralError
-    from kcoral.inference import grpcfront
-    from kcoral.inference.front import InferCall
-    from kcoral.protocol.inference import grpc_of_rest_answer, rest_of_grpc_infer
+    from kcoral.inference import grpcmethods, h2front
 
-    class ThreadedFront(grpcfront.GrpcFront):
+    class ThreadedFront(h2front.GrpcFront):
         def startService(self):
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=128),
-                                 options=[("grpc.max_receive_message_length", self._max_message_bytes)])
-            methods = {name: grpc.unary_unary_rpc_method_handler(self._method(name))
-                       for name in ("ServerLive", "ServerReady", "ServerMetadata", "ModelMetadata",
-                                    "ModelConfig", "ModelInfer")}
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpcfront.SERVICE,
-                                                                                  methods),))
+                                 options=[("grpc.max_receive_message_length", self.max_message_bytes)])
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpcmethods.SERVICE, {
+                name: grpc.unary_unary_rpc_method_handler(self._handler(method))
+                for name, method in self.methods.items()}),))
             self.port = server.add_insecure_port(f"{self.host}:{self.port}")
             server.start()
             self._threaded = server
             self.running = 1
-            grpcfront.log.info("serving the inference protocol over gRPC on {host}:{port}",
-                               host=self.host, port=self.port)
+            h2front.log.info("serving the inference protocol over gRPC on {host}:{port}",
+                             host=self.host, port=self.port)
 
         def stopService(self, grace=5.0):
             self.running = 0
             return threads.deferToThread(lambda: self._threaded.stop(grace).wait())
 
-        def _method(self, name):
-            front = self.front
-
-            def ask(raw):
-                if name == "ServerLive":
-                    return lambda: True, lambda _: service_pb2.ServerLiveResponse(live=True)
-                if name == "ServerReady":
-                    return front.ready, lambda ready: service_pb2.ServerReadyResponse(ready=ready)
-                if name == "ServerMetadata":
-                    return front.metadata, lambda v: service_pb2.ServerMetadataResponse(
-                        name=v["name"], version=v["version"], extensions=v["extensions"])
-                if name == "ModelMetadata":
-                    r = service_pb2.ModelMetadataRequest.FromString(raw)
-                    return (lambda: front.model_metadata(r.name, r.version or None),
-                            grpcfront._metadata_response)
-                if name == "ModelConfig":
-                    r = service_pb2.ModelConfigRequest.FromString(raw)
-                    return (lambda: front.model_config(r.name, r.version or None),
-                            lambda v: service_pb2.ModelConfigResponse(config=json_format.ParseDict(
-                                v, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)))
-                rest = rest_of_grpc_infer(service_pb2.ModelInferRequest.FromString(raw))
-                return (lambda: front.infer(rest.model, rest.version,
-                                            InferCall(rest.body, rest.header_length, "bench")),
-                        lambda a: grpc_of_rest_answer(a.body, a.header_length))
-
+        def _handler(self, method):
             def handler(raw, context):
+                metadata = {key.encode(): value.encode() for key, value in context.invocation_metadata()
+                            if isinstance(value, str)}
                 try:
-                    asked, respond = ask(raw)
-                    value = threads.blockingCallFromThread(self._reactor, asked)
-                    return respond(value).SerializeToString()
+                    return threads.blockingCallFromThread(self.reactor, method.answer, raw, "bench",
+                                                          metadata)
                 except KCoralError as e:
-                    context.abort(grpcfront.status_code_of(e), e.message)
-
+                    context.abort(grpcmethods.status_code_of(e), e.message)
             return handler
 
     return ThreadedFront
@@ -168,7 +101,9 @@ def floor(kind: str, port: int) -> None:
     infer = answer.SerializeToString()
     fixed = {"ServerLive": live, "ServerReady": ready, "ServerMetadata": server_metadata,
              "ModelMetadata": metadata, "ModelConfig": config, "ModelInfer": infer}
-    if kind == "floor-aio":
+    if kind == "floor-h2":
+        floor_h2(fixed, port)
+    elif kind == "floor-aio":
         def aio_handler(value):
             async def handler(raw, context):
                 return value
@@ -197,25 +132,31 @@ def floor(kind: str, port: int) -> None:
         server.wait_for_termination()
 
 
+def floor_h2(fixed: dict[str, bytes], port: int) -> None:
+    """KCoral's own transport on the reactor, every method answering C{fixed}."""
+    from twisted.internet import defer, reactor
+
+    from kcoral.inference.grpcmethods import Method
+    from kcoral.inference.h2front import GrpcFront
+
+    served = GrpcFront(None, reactor=reactor, port=port)
+    served.methods = {name: Method(lambda message, rid, metadata, value=value: defer.succeed(value),
+                                   open=True) for name, value in fixed.items()}
+    served.startService()
+    print("floor ready", flush=True)
+    reactor.run()
+
+
 def main() -> int:
     variant, args = sys.argv[1], sys.argv[2:]
     if variant in FLOORS:
         floor(variant, int(args[0]))
         return 0
-    if variant == "reactor-loop":
-        from twisted.internet import asyncioreactor
-
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        asyncioreactor.install(loop)
-    from kcoral.inference import grpcfront
-
-    if variant == "reactor-loop":
-        grpcfront.GrpcFront = reactor_loop_front()
-    elif variant == "threaded":
-        grpcfront.GrpcFront = threaded_front()
-    elif variant != "thread-loop":
+    if variant != "threaded":
         raise SystemExit(f"no variant {variant}: {', '.join(VARIANTS + FLOORS)}")
+    from kcoral.inference import h2front
+
+    h2front.GrpcFront = threaded_front()
     from kcoral.cli import main as kcoral
 
     return kcoral(args)

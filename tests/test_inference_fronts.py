@@ -32,7 +32,7 @@ from kcoral.inference.front import (
     model_metadata_of,
     server_metadata,
 )
-from kcoral.inference.grpcfront import GrpcFront
+from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.rest import InferenceRoutes
 from kcoral.metrics import HttpMetrics
 from kcoral.models.manifest import ModelManifest

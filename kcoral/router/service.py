@@ -14,7 +14,7 @@ from twisted.logger import Logger
 
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
-from kcoral.inference.grpcfront import GrpcFront
+from kcoral.inference.h2front import GrpcFront
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.forward import MAX_REDISPATCHES

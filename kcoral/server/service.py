@@ -20,7 +20,7 @@ from kcoral.common.announce import announce
 from kcoral.common.queue import WaitQueue
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import settle
-from kcoral.inference.grpcfront import GrpcFront
+from kcoral.inference.h2front import GrpcFront
 from kcoral.metrics import HttpMetrics
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp

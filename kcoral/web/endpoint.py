@@ -93,14 +93,16 @@ class ListenAddress:
         return TCP4ServerEndpoint(reactor, self.port, interface=self.host)
 
 
-def tls_options(cert: str, key: str | None = None, client_ca: str | None = None):
+def tls_options(cert: str, key: str | None = None, client_ca: str | None = None,
+                protocols: tuple[bytes, ...] = ()):
     """
     The server side of TLS: the first certificate of C{cert} is this
     service's, the ones after it (intermediate CAs) are sent with it as its
     chain, and C{key} (default: inside C{cert}) must match (checked now, so
     that a wrong key is a one-line error at start and not a failed handshake
     later). With C{client_ca}, a client must present a certificate that one
-    of its CAs signed, or the handshake fails (mutual TLS).
+    of its CAs signed, or the handshake fails (mutual TLS). C{protocols}:
+    those offered by ALPN (gRPC's clients ask for C{h2}).
     """
     from OpenSSL import SSL, crypto
     from twisted.internet.error import VerifyError
@@ -115,7 +117,8 @@ def tls_options(cert: str, key: str | None = None, client_ca: str | None = None)
         with open(key or cert, "rb") as f:
             pair = KeyPair.load(f.read(), crypto.FILETYPE_PEM)
         options = CertificateOptions(privateKey=pair.original, certificate=chain[0].original,
-                                     extraCertChain=[c.original for c in chain[1:]], **trust)
+                                     extraCertChain=[c.original for c in chain[1:]],
+                                     acceptableProtocols=list(protocols) or None, **trust)
         options.getContext()
     except (SSL.Error, crypto.Error, VerifyError) as e:
         raise ValueError(f"--tls-cert {cert} with --tls-key {key or cert}: {e}") from None

@@ -1,0 +1,194 @@
+"""
+What each method of the inference protocol's gRPC service
+(C{inference.GRPCInferenceService}) does, whatever transport carries it: a
+call's raw message in, a Deferred of its raw answer out, or a
+L{KCoralError} that L{status_code_of} turns into the call's status.
+
+Every method runs on the reactor's thread: parsing a message (upb) and
+encoding an answer cost a few microseconds apiece, less than handing them to
+another thread would; an inference's, when large, go to a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, ItemsView, Mapping
+from typing import Any
+
+import attrs
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import model_config_pb2, service_pb2
+from twisted.internet.defer import Deferred, succeed
+
+from kcoral.common.offreactor import off_reactor
+from kcoral.errors import BadRequest, KCoralError, ModelNotReady
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.protocol.inference import RestInfer, grpc_of_rest_answer, rest_of_grpc_infer
+from kcoral.web.family import TRACE_HEADERS
+
+#: The service every method belongs to.
+SERVICE = "inference.GRPCInferenceService"
+
+#: The metadata keys of the request id, and of a client token.
+REQUEST_ID = "x-request-id"
+AUTHORIZATION = "authorization"
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    507: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def status_code_of(error: KCoralError) -> grpc.StatusCode:
+    """The gRPC status of a KCoral error: that of its HTTP status (a model
+    that cannot serve: the precondition of a loaded model fails)."""
+    if isinstance(error, ModelNotReady):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    code = _CODES.get(error.status)
+    if code is not None:
+        return code
+    return grpc.StatusCode.INVALID_ARGUMENT if 400 <= error.status < 500 else grpc.StatusCode.INTERNAL
+
+
+@attrs.frozen
+class Method:
+    """
+    One method: C{answer(message, request_id, metadata)} fires with the
+    serialized answer. An C{open} method needs no client token and never
+    reads its message (it is empty): no number of slow calls keeps a probe
+    waiting.
+    """
+
+    answer: Callable[[bytes, str, Mapping[bytes, bytes]], Deferred[bytes]]
+    open: bool = False
+
+
+def _parsed(message_type, raw: bytes):
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise BadRequest(f"the message is not a {message_type.DESCRIPTOR.name}") from None
+
+
+def _tensors(specs: list[dict]) -> list[service_pb2.ModelMetadataResponse.TensorMetadata]:
+    return [service_pb2.ModelMetadataResponse.TensorMetadata(
+        name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in specs]
+
+
+def _metadata_response(value: dict) -> service_pb2.ModelMetadataResponse:
+    return service_pb2.ModelMetadataResponse(
+        name=value["name"], versions=value["versions"], platform=value["platform"],
+        inputs=_tensors(value["inputs"]), outputs=_tensors(value["outputs"]))
+
+
+def _config_response(value: dict) -> service_pb2.ModelConfigResponse:
+    return service_pb2.ModelConfigResponse(config=json_format.ParseDict(
+        value, model_config_pb2.ModelConfig(), ignore_unknown_fields=True))
+
+
+def _serialized(respond: Callable[[Any], Any]) -> Callable[[Any], bytes]:
+    return lambda value: respond(value).SerializeToString()
+
+
+class GrpcMethods:
+    """The service's methods, each one call of C{front}, on raw bytes."""
+
+    def __init__(self, front: IInferenceFront):
+        self._front = front
+        self._methods: dict[str, Method] = {
+            "ServerLive": Method(lambda message, rid, metadata: succeed(_LIVE), open=True),
+            "ServerReady": self._server_method(
+                lambda front: front.ready(), lambda ready: service_pb2.ServerReadyResponse(ready=ready)),
+            "ServerMetadata": self._server_method(
+                lambda front: front.metadata(), lambda value: service_pb2.ServerMetadataResponse(
+                    name=value["name"], version=value["version"], extensions=value["extensions"])),
+            "ModelReady": self._model_method(
+                service_pb2.ModelReadyRequest, lambda front, name, version: front.model_ready(name, version),
+                lambda ready: service_pb2.ModelReadyResponse(ready=ready)),
+            "ModelMetadata": self._model_method(
+                service_pb2.ModelMetadataRequest,
+                lambda front, name, version: front.model_metadata(name, version), _metadata_response),
+            "ModelConfig": self._model_method(
+                service_pb2.ModelConfigRequest,
+                lambda front, name, version: front.model_config(name, version), _config_response),
+            "ModelStatistics": self._model_method(
+                service_pb2.ModelStatisticsRequest,
+                lambda front, name, version: front.model_statistics(name or None, version),
+                lambda value: json_format.ParseDict(value, service_pb2.ModelStatisticsResponse(),
+                                                    ignore_unknown_fields=True)),
+            "RepositoryModelLoad": self._method(
+                service_pb2.RepositoryModelLoadRequest,
+                lambda front, request: front.load_model(request.model_name),
+                lambda _: service_pb2.RepositoryModelLoadResponse()),
+            "RepositoryModelUnload": self._method(
+                service_pb2.RepositoryModelUnloadRequest,
+                lambda front, request: front.unload_model(request.model_name),
+                lambda _: service_pb2.RepositoryModelUnloadResponse()),
+            "RepositoryIndex": Method(self._repository_index),
+            "ModelInfer": Method(self._infer),
+        }
+
+    def items(self) -> ItemsView[str, Method]:
+        """Every method, by name."""
+        return self._methods.items()
+
+    def get(self, name: str) -> Method | None:
+        """The method called C{name} (None: the service has none)."""
+        return self._methods.get(name)
+
+    def _server_method(self, ask: Callable[[IInferenceFront], Deferred],
+                       respond: Callable[[Any], Any]) -> Method:
+        """An open method about the server."""
+        return Method(lambda message, rid, metadata: ask(self._front).addCallback(_serialized(respond)),
+                      open=True)
+
+    def _method(self, message_type, ask: Callable[[IInferenceFront, Any], Deferred],
+                respond: Callable[[Any], Any]) -> Method:
+        """A guarded method that asks the front with its parsed message."""
+        return Method(lambda message, rid, metadata: ask(
+            self._front, _parsed(message_type, message)).addCallback(_serialized(respond)))
+
+    def _model_method(self, message_type, ask: Callable[[IInferenceFront, str, str | None], Deferred],
+                      respond: Callable[[Any], Any]) -> Method:
+        """A guarded method about one model (and version), named by its message."""
+        return self._method(message_type,
+                            lambda front, request: ask(front, request.name, request.version or None),
+                            respond)
+
+    def _repository_index(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]
+                          ) -> Deferred[bytes]:
+        request = _parsed(service_pb2.RepositoryIndexRequest, message)
+        return self._front.repository_index().addCallback(lambda models: service_pb2.RepositoryIndexResponse(
+            models=[service_pb2.RepositoryIndexResponse.ModelIndex(
+                name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
+                for m in models if not request.ready or m["state"] == "READY"]).SerializeToString())
+
+    def _infer(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
+        headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
+
+        def ask(rest: RestInfer) -> Deferred:
+            return self._front.infer(rest.model, rest.version, InferCall(
+                rest.body, rest.header_length, rid, headers))
+
+        # A large message is parsed, and a large answer encoded, in a thread.
+        return off_reactor(len(message), _rest_infer, message).addCallback(ask).addCallback(
+            lambda answered: off_reactor(len(answered.body), _grpc_answer, answered))
+
+
+def _rest_infer(message: bytes) -> RestInfer:
+    return rest_of_grpc_infer(_parsed(service_pb2.ModelInferRequest, message))
+
+
+def _grpc_answer(answered: InferAnswer) -> bytes:
+    return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
+
+
+_LIVE = service_pb2.ServerLiveResponse(live=True).SerializeToString()
