@@ -749,3 +749,27 @@ async def test_two_authorization_values_are_never_one_token(guarded_server):
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         channel.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_call_past_its_own_deadline_ends_and_cancels_its_inference(serve):
+    """A call that sent ``grpc-timeout: 5S`` ends DEADLINE_EXCEEDED once 5 s pass on the
+    front's clock, and the inference it started is cancelled; before that it is still open."""
+    clock = Clock()
+    front = HangingFront()
+    grpc_front = await serve(front, clock=clock)
+    calls = H2Calls(grpc_front.port)
+    try:
+        stream_id = await in_thread(calls.start, "ModelInfer", (*H2_ADMITTED, (b"grpc-timeout", b"5S")))
+        await in_thread(calls.send, stream_id, framed(infer_message()), True)
+        # Polled, not awaited: awaiting would resume this test inside the front's infer().
+        await until(lambda: front.arrived.called, "the inference arrives")
+        clock.advance(4.9)
+        assert not front.cancelled.called and grpc_front.calls == 1
+        clock.advance(0.2)
+        await until(lambda: front.cancelled.called, "the inference is cancelled", timeout=10)
+        ended = (await in_thread(calls.wait, stream_id))[0]
+        assert ended["status"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], ended
+        await until(lambda: grpc_front.calls == 0, "the call is gone")
+    finally:
+        calls.close()
