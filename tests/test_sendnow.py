@@ -167,6 +167,58 @@ def test_a_closing_connection_is_left_to_the_reactor():
     assert transport.sent == b""
 
 
+class Registering(MemoryReactor):
+    """A MemoryReactor that counts the descriptors registered for writing."""
+
+    def __init__(self):
+        super().__init__()
+        self.registered = 0
+
+    def addWriter(self, writer):
+        self.registered += 1
+        super().addWriter(writer)
+
+
+class Filling(Descriptor):
+    """A descriptor whose socket takes at most C{room} bytes, then nothing
+    until C{room} is raised again."""
+
+    def __init__(self, room: int):
+        super().__init__()
+        self.reactor = Registering()
+        self.room = room
+
+    def writeSomeData(self, data):
+        taken = bytes(data)[:self.room]
+        self.room -= len(taken)
+        return super().writeSomeData(taken) if taken else 0
+
+
+def test_a_write_the_socket_takes_is_sent_unregistered():
+    """A write the socket takes whole leaves in one send, the connection never
+    registered with the reactor for writing (a system call each way)."""
+    transport = Filling(room=100)
+    wrapper = wrapped(transport)
+    wrapper.write(b"head")
+    wrapper.writeSequence([b"bo", b"dy"])
+    assert transport.sends == [b"head", b"body"]
+    assert transport.reactor.registered == 0
+
+
+def test_what_the_socket_cannot_take_waits_and_later_writes_follow_it():
+    """The rest of a write the socket took in part waits in the transport's buffer,
+    for the reactor's turn; every later write leaves after it, in order."""
+    transport = Filling(room=3)
+    wrapper = wrapped(transport)
+    wrapper.write(b"abcdef")
+    assert transport.sent == b"abc" and transport.reactor.registered == 1
+    wrapper.write(b"gh")
+    assert transport.sent == b"abc"
+    transport.room = 100
+    transport.doWrite()
+    assert transport.sent == b"abcdefgh"
+
+
 def test_another_transport_is_written_as_before():
     """A transport that is no write descriptor (a TLS layer, a test's) is only written."""
     transport = StringTransport()

@@ -8,11 +8,14 @@ trivial program from 16 connections it halved the Router's throughput
 against HAProxy's (``bench/compare.py``; ``doc/benchmarks.rst``, "Writes
 sent at once").
 
-L{SendNow} wraps a connection's protocol; after each write it has the TCP
-transport send what it holds (C{doWrite}, the call the reactor itself makes
-once the socket is writable). Where that call could reenter a protocol (a
-producer paused, or waiting to be asked for more; a connection closing) it
-leaves the transport to the reactor's turn, as before. Twisted offers no
+L{SendNow} wraps a connection's protocol; it sends each write on the socket
+itself, never registering the connection with the reactor for writing (two
+system calls a send) while the socket takes all. Once a write does not fit,
+or sending could reenter a protocol (a producer paused, or waiting to be
+asked for more; a connection closing), that write and every later one go
+through the transport's buffer, and after each the transport sends what it
+holds (C{doWrite}, the call the reactor itself makes once the socket is
+writable) where that cannot reenter a protocol, else on the reactor's turn. Twisted offers no
 such option of its own, and no library adds it.
 
 The same wrapper has the transport read and send up to L{READ_BYTES} at a
@@ -50,12 +53,18 @@ class SendNow(policies.ProtocolWrapper):
     """The transport of a protocol whose writes are sent at once."""
 
     _descriptor: FileDescriptor | None = None
+    #: Writes not yet sent, while the transport's own buffer is unused.
+    _unsent: list[bytes]
+    #: Set once a write went into the transport's buffer: from then on every
+    #: write follows it there, and leaves in order on the reactor's turns.
+    _buffered = False
 
     def makeConnection(self, transport):
         # A TCP connection is a descriptor the reactor writes; anything else
         # (a TLS layer, a test's transport) is written as it always was.
         if isinstance(transport, FileDescriptor):
             self._descriptor = transport
+            self._unsent = []
         super().makeConnection(transport)
 
     def dataReceived(self, data):
@@ -64,13 +73,47 @@ class SendNow(policies.ProtocolWrapper):
 
     def write(self, data):
         self._carries(len(data))
-        super().write(data)
+        if self._sends():
+            self._unsent.append(data)
+        else:
+            super().write(data)
         self._send()
 
     def writeSequence(self, data):
         self._carries(sum(map(len, data)))
-        super().writeSequence(data)
+        if self._sends():
+            self._unsent.extend(data)
+        else:
+            super().writeSequence(data)
         self._send()
+
+    def _sends(self) -> bool:
+        """Whether this wrapper sends a write itself: on a TCP connection
+        with nothing in its transport's buffer, ever, and where sending
+        cannot reenter a producer (paused, or waiting to be asked for more)
+        or a closing connection; from the first write that is not, the
+        transport's buffer takes every write."""
+        transport = self._descriptor
+        if transport is None or self._buffered:
+            return False
+        if transport.disconnecting or not _unhindered(transport):
+            self._flush()
+            self._buffered = True
+            return False
+        return True
+
+    def loseConnection(self):
+        # What a together() block still holds goes first.
+        self._flush()
+        super().loseConnection()
+
+    def loseWriteConnection(self):
+        self._flush()
+        half_close = getattr(self.transport, "loseWriteConnection", None)
+        if half_close is None:  # a transport with no half-close
+            self.loseConnection()
+        else:
+            half_close()
 
     def _carries(self, size: int) -> None:
         """C{size} bytes passed at once: as many as a read takes, or more,
@@ -91,11 +134,44 @@ class SendNow(policies.ProtocolWrapper):
         if _held.depth:
             _held.written[self] = None
             return
-        producer = transport.producer
-        if producer is None or (transport.streamingProducer and not transport.producerPaused):
+        if not self._buffered:
+            self._flush()
+            return
+        if _unhindered(transport):
             # What it returns on failure the reactor gets again on its turn:
             # the connection stays registered for writing until all is sent.
             transport.doWrite()
+
+    def _flush(self) -> None:
+        """
+        Sends the unsent writes with one system call. The transport's own
+        write would register the connection for writing and, once its buffer
+        is sent, unregister it: two more system calls (C{epoll_ctl}) for each
+        send, three sends a request through a Router.
+        """
+        transport = self._descriptor
+        if transport is None or not self._unsent:
+            return
+        data = self._unsent[0] if len(self._unsent) == 1 else b"".join(self._unsent)
+        self._unsent = []
+        if not data or not transport.connected:
+            return
+        sent = transport.writeSomeData(data)
+        if isinstance(sent, BaseException):
+            # The reactor finds the loss again on its turn, and reports it.
+            sent = 0
+        if sent < len(data):
+            # The socket is full (or failed): the rest waits in the
+            # transport's buffer, for the reactor to send as it can.
+            self._buffered = True
+            transport.write(data[sent:])
+
+
+def _unhindered(transport: FileDescriptor) -> bool:
+    """Whether sending on C{transport} now could reenter no producer: it
+    has none, or a streaming one that is not paused."""
+    producer = transport.producer
+    return producer is None or (transport.streamingProducer and not transport.producerPaused)
 
 
 class _Held:
