@@ -217,16 +217,20 @@ class _Connection(Protocol):
             elif isinstance(event, StreamReset):
                 self._reset(event.stream_id)
             elif isinstance(event, ConnectionTerminated):
+                # Once the client's GOAWAY is read, h2 sends nothing more:
+                # the calls in flight cannot be answered.
+                self._drop_calls()
                 self.transport.loseConnection()
         self._flush()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._served.connections.discard(self)
-        for call in list(self._calls.values()):
-            self._forget(call)
-            if call.answering is not None:
-                call.answering.cancel()
+        self._drop_calls()
         self._served.lost(self)
+
+    def _drop_calls(self) -> None:
+        for call in list(self._calls.values()):
+            self._drop(call)
 
     @property
     def idle(self) -> bool:
@@ -266,6 +270,8 @@ class _Connection(Protocol):
         if self._calls.pop(call.stream_id, None) is None:
             return
         self._settled(call)
+        if self._closed(call.stream_id):
+            return
         self._h2.send_headers(call.stream_id, _RESPONSE)
         self._send(call.stream_id, memoryview(_PREFIX.pack(0, len(message)) + message),
                    ((b"grpc-status", _OK), (b"x-request-id", call.request_id.encode())))
@@ -288,8 +294,17 @@ class _Connection(Protocol):
         waiting = [stream_id] if stream_id else list(self._sending)
         for waiting_id in waiting:
             pending = self._sending.pop(waiting_id, None)
-            if pending is not None:
+            if pending is not None and not self._closed(waiting_id):
                 self._send(waiting_id, *pending)
+
+    def _closed(self, stream_id: int) -> bool:
+        """Whether nothing more can be sent on C{stream_id}: both ends have
+        ended it, or the client has reset it. h2 reads all the frames of a
+        read before its events are taken, so a stream the client reset may
+        be closed while the events ahead of its reset (its metadata, its
+        message) are still being taken."""
+        stream = self._h2.streams.get(stream_id)
+        return stream is None or stream.closed
 
     def end(self, call: _Call, why: _Ended) -> None:
         """Ends C{call} with the status of C{why} (its answer, if it is
@@ -306,12 +321,14 @@ class _Connection(Protocol):
     def _refuse(self, stream_id: int, why: _Ended, request_id: str) -> None:
         """A trailers-only answer, then a reset if the client still sends:
         nothing more of the call is read."""
+        if self._closed(stream_id):
+            return
         h2 = self._h2
         h2.send_headers(stream_id, (*_RESPONSE, (b"grpc-status", _status(why.code)),
                                     (b"grpc-message", quote(why.details, safe=_PRINTABLE).encode()),
                                     (b"x-request-id", request_id.encode())),
                         end_stream=True)
-        if stream_id in h2.streams and not h2.streams[stream_id].closed:
+        if not self._closed(stream_id):
             h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
         self._later()
 
@@ -321,14 +338,19 @@ class _Connection(Protocol):
         if call.deadline is not None and call.deadline.active():
             call.deadline.cancel()
 
-    def _forget(self, call: _Call) -> None:
+    def _drop(self, call: _Call) -> None:
+        """Forgets C{call} unanswered, cancelling its answer."""
         if self._calls.pop(call.stream_id, None) is not None:
             self._settled(call)
+        if call.answering is not None:
+            call.answering.cancel()
 
     # -- receiving --------------------------------------------------------------------------
 
     def _request(self, event: RequestReceived) -> None:
         stream_id = event.stream_id
+        if self._closed(stream_id):
+            return  # its StreamReset follows
         metadata: dict[bytes, bytes] = {}
         authorization: list[bytes] = []
         for key, value in event.headers:
@@ -399,9 +421,7 @@ class _Connection(Protocol):
         self._sending.pop(stream_id, None)
         call = self._calls.get(stream_id)
         if call is not None:
-            self._forget(call)
-            if call.answering is not None:
-                call.answering.cancel()
+            self._drop(call)
 
     def _run(self, call: _Call, message: bytes) -> None:
         call.answering = d = maybeDeferred(call.method.answer, message, call.request_id, call.metadata)
