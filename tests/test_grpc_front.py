@@ -450,43 +450,41 @@ class H2Calls:
         self._socket = socket.create_connection(("127.0.0.1", port), timeout=30)
         self._h2 = H2Connection(H2Configuration(client_side=True, header_encoding=None))
         self._h2.initiate_connection()
-        self._flush()
+        self.flush()
         self.ended: dict[int, dict] = {}
         self._open: dict[int, dict] = {}
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Writes every frame made so far, in one write."""
         self._socket.sendall(self._h2.data_to_send())
 
-    def start(self, method: str, metadata=H2_ADMITTED) -> int:
+    # Each of these writes its frames at once, unless told not to (C{flush=False}): frames
+    # kept for one write reach the front in one read.
+
+    def start(self, method: str, metadata=H2_ADMITTED, flush: bool = True) -> int:
         """Opens a call of C{method} (its HEADERS only); its stream id."""
-        stream_id = self._headers(method, metadata)
-        self._open[stream_id] = {"data": b"", "headers": {}}
-        self._flush()
-        return stream_id
-
-    def abandon(self, method: str, metadata=H2_ADMITTED) -> None:
-        """Opens a call of C{method} and resets it in the same write, as a client does that
-        gives up a call it had just sent (gRPC's own, told by a GOAWAY it came too late)."""
-        self._h2.reset_stream(self._headers(method, metadata))
-        self._flush()
-
-    def _headers(self, method: str, metadata) -> int:
         stream_id = self._h2.get_next_available_stream_id()
         self._h2.send_headers(stream_id, [
             (b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"localhost"),
             (b":path", f"/{SERVICE}/{method}".encode()), (b"content-type", b"application/grpc"),
             (b"te", b"trailers"), *metadata])
+        self._open[stream_id] = {"data": b"", "headers": {}}
+        self._written(flush)
         return stream_id
 
-    def send(self, stream_id: int, data: bytes, end: bool = False) -> None:
+    def send(self, stream_id: int, data: bytes, end: bool = False, flush: bool = True) -> None:
         """One DATA frame of C{data} (at most a frame's size)."""
         self._h2.send_data(stream_id, data, end_stream=end)
-        self._flush()
+        self._written(flush)
 
-    def reset(self, stream_id: int) -> None:
+    def reset(self, stream_id: int, flush: bool = True) -> None:
         self._h2.reset_stream(stream_id)
         self._open.pop(stream_id)
-        self._flush()
+        self._written(flush)
+
+    def _written(self, flush: bool) -> None:
+        if flush:
+            self.flush()
 
     def wait(self, *stream_ids: int) -> list[dict]:
         """The end of each call: C{status}, C{message} (grpc-message), C{data} (its answer's
@@ -510,7 +508,7 @@ class H2Calls:
                             "status": int(headers.get(b"grpc-status", b"-1")),
                             "message": headers.get(b"grpc-message", b"").decode(),
                             "data": call["data"][5:], "reset": isinstance(event, StreamReset)}
-            self._flush()
+            self.flush()
         return [self.ended[s] for s in stream_ids]
 
     def terminated(self) -> int | None:
@@ -567,7 +565,7 @@ async def test_calls_reset_as_they_open_leave_the_connection_serving(serve):
     def abandoned_then_one_call():
         for method, metadata in (("ServerLive", ()), ("Nope", ()), ("ModelInfer", ()),
                                  ("ModelInfer", H2_ADMITTED)):
-            calls.abandon(method, metadata)
+            calls.reset(calls.start(method, metadata, flush=False))
         stream_id = calls.start("ModelInfer")
         calls.send(stream_id, framed(infer_message()), True)
         return calls.wait(stream_id)[0]
@@ -673,6 +671,50 @@ async def test_a_message_split_anywhere_is_answered(serve):
 
     try:
         await in_thread(split)
+    finally:
+        calls.close()
+
+
+#: Calls a client may open: admitted, without the token, answered without a message, unknown.
+OPENED = (("ModelInfer", H2_ADMITTED), ("ModelInfer", ()), ("ServerLive", ()), ("Nope", ()))
+
+
+@pytest_twisted.ensureDeferred
+async def test_no_course_of_calls_faults_the_connection(serve):
+    """Whatever a client does with its calls (opens each, sends any part of its message or
+    none, ends it or not, resets it or not) and however its frames are gathered into writes,
+    the front never faults: the next call on the connection is answered, and no call is left
+    counted once the client has reset those it left open."""
+    grpc_front = await serve(DoubleFront())
+    calls = H2Calls(grpc_front.port)
+    data = framed(infer_message())
+    step = st.tuples(st.sampled_from(OPENED), st.integers(0, len(data)), st.booleans(),
+                     st.booleans(), st.booleans())
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.lists(step, max_size=6))
+    def course(steps):
+        left_open = []
+        for (method, metadata), sent, end, reset, write in steps:
+            stream_id = calls.start(method, metadata, flush=False)
+            if sent or end:
+                calls.send(stream_id, data[:sent], end=end, flush=False)
+            if reset:
+                calls.reset(stream_id, flush=False)
+            elif not end:
+                left_open.append(stream_id)
+            if write:
+                calls.flush()
+        for stream_id in left_open:
+            calls.reset(stream_id, flush=False)
+        stream_id = calls.start("ModelInfer", flush=False)
+        calls.send(stream_id, data, end=True)
+        ended = calls.wait(stream_id)[0]
+        assert ended["status"] == grpc.StatusCode.OK.value[0], ended
+        assert (grpc_front.calls, grpc_front.unread) == (0, 0)
+
+    try:
+        await in_thread(course)
     finally:
         calls.close()
 
