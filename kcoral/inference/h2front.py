@@ -199,9 +199,11 @@ class _Connection(Protocol):
         try:
             events = self._h2.receive_data(data)
         except ProtocolError as e:
-            # h2 has queued the GOAWAY that says why.
+            # h2 has queued the GOAWAY that says why, and sends nothing after
+            # it: the calls in flight cannot be answered.
             log.info("gRPC connection from {peer} ended: {error}", peer=self.transport.getPeer(),
                      error=e)
+            self._drop_calls()
             self._flush()
             self.transport.loseConnection()
             return
