@@ -21,6 +21,7 @@ from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed
 from kcoral.inference.front import InferCall
+from kcoral.inference.message import RestMessage
 from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
 from kcoral.router import batching
 from kcoral.router.batching import FrontBatcher, forwarded
@@ -107,7 +108,7 @@ class Front:
 
     def infer(self, body: bytes, header_length: int | None, rid: str = "r"):
         """The Deferred answer of one inference, and a list that gets its outcome."""
-        call = InferCall(body, header_length, rid)
+        call = InferCall(RestMessage(body, header_length), rid)
         d = self.batcher.infer(forwarded(PATH, call), call, "mlp", self.most_rows, NO_SPAN)
         done: list = []
         d.addCallbacks(done.append, lambda f: done.append(f.value))

@@ -46,6 +46,7 @@ from twisted.internet.task import Clock
 from kcoral.errors import BadRequest
 from kcoral.inference.front import InferCall
 from kcoral.inference.h2front import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
+from kcoral.inference.message import GrpcMessage
 from kcoral.protocol.inference import MAX_TYPED_VALUES, parse_infer, rest_of_grpc_infer
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from procstat import cpu_seconds  # bench/procstat.py (tests/conftest.py)
@@ -261,8 +262,8 @@ async def test_calls_past_the_count_are_refused(serve):
 
 def _call() -> InferCall:
     """The inference of L{infer_message} as the front receives it."""
-    rest = rest_of_grpc_infer(service_pb2.ModelInferRequest.FromString(infer_message()))
-    return InferCall(rest.body, rest.header_length, "r")
+    message = infer_message()
+    return InferCall(GrpcMessage(service_pb2.ModelInferRequest.FromString(message), len(message)), "r")
 
 
 @pytest_twisted.ensureDeferred

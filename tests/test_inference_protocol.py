@@ -23,8 +23,10 @@ from kcoral.protocol.inference import (
     InferRequest,
     RequestedOutput,
     encode_infer,
+    grpc_infer_answer,
     grpc_of_rest_answer,
     parse_infer,
+    request_of_grpc_infer,
     rest_of_grpc_infer,
 )
 from kcoral.protocol.tensors import DATATYPES
@@ -267,6 +269,68 @@ def test_grpc_raw_contents_must_match_inputs():
     del pb.raw_input_contents[1]
     with pytest.raises(BadRequest, match="raw_input_contents"):
         rest_of_grpc_infer(pb)
+
+
+def _outcome(read, pb):
+    """What reading C{pb} with C{read} gives: its request, or the BadRequest's message."""
+    try:
+        request = read(pb)
+    except BadRequest as e:
+        return str(e)
+    return (request.id, request.outputs, request.binary_output_default, request.parameters,
+            [(name, a.dtype, a.shape, a.tobytes()) for name, a in request.inputs.items()])
+
+
+#: A gRPC input as any client may write it: any datatype name (known or not),
+#: shape, and raw bytes of any length; or no bytes, for the typed contents.
+GRPC_INPUTS = st.tuples(st.sampled_from(["x", "y", "", "x" * 65]),
+                        st.sampled_from([*DATATYPES, "BYTES", "FP8", ""]),
+                        st.lists(st.integers(-2, 5), max_size=4),
+                        st.one_of(st.none(), st.binary(max_size=48)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(GRPC_INPUTS, max_size=3), st.sampled_from(["", "g1", "i" * 300]),
+       st.lists(st.sampled_from(["y", "z"]), max_size=2))
+def test_a_grpc_inference_reads_as_its_rest_form_does(inputs, rid, outputs):
+    """Whatever a ModelInferRequest holds, reading it straight gives what parsing its REST
+    form gives: the same arrays bit for bit, id and outputs, or the same refusal."""
+    pb = service_pb2.ModelInferRequest(model_name="m", id=rid)
+    raw = [data for *_, data in inputs if data is not None]
+    for name, datatype, shape, _ in inputs:
+        pb.inputs.add(name=name, datatype=datatype, shape=shape)
+    if len(raw) == len(inputs):
+        pb.raw_input_contents.extend(raw)
+    for name in outputs:
+        pb.outputs.add(name=name)
+    assert _outcome(request_of_grpc_infer, pb) == _outcome(
+        lambda pb: parse_infer(*_body_and_length(rest_of_grpc_infer(pb))), pb)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.sampled_from(["y", "z", "w"]),
+                       st.sampled_from(list(DATATYPES)).flatmap(lambda datatype: st.tuples(
+                           st.just(datatype), st.lists(st.integers(0, 3), max_size=3))),
+                       min_size=1),
+       st.lists(st.sampled_from(["y", "z", "q"]), max_size=2), st.sampled_from([None, "a1"]))
+def test_a_grpc_answer_is_its_rest_answer_converted(outputs, asked, rid):
+    """The gRPC answer written straight from the outputs is the one converted from their
+    REST answer, byte for byte, or the same refusal (an output the model lacks)."""
+    arrays = {name: np.resize(ARRAYS[datatype], shape) for name, (datatype, shape) in outputs.items()}
+    request = InferRequest(id=rid, inputs={}, outputs=tuple(RequestedOutput(n, None) for n in asked),
+                           binary_output_default=True, parameters={})
+
+    def converted():
+        answer = encode_infer("m", "2", request, arrays)
+        return grpc_of_rest_answer(answer.body, answer.header_length).SerializeToString()
+
+    def outcome(answer):
+        try:
+            return answer()
+        except BadRequest as e:
+            return str(e)
+
+    assert outcome(lambda: grpc_infer_answer("m", "2", request, arrays)) == outcome(converted)
 
 
 FLOATS = [d for d in DATATYPES if d in ("FP16", "BF16", "FP32", "FP64")]

@@ -19,6 +19,7 @@ from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
 from kcoral.errors import BadRequest, ModelNotReady, NotFound, ServerBusy
 from kcoral.inference.front import InferCall
+from kcoral.inference.message import RestMessage
 from kcoral.router.forward import Forwarder
 from kcoral.router.inference import RouterInference
 from kcoral.router.pool import Pool
@@ -75,7 +76,7 @@ def result_of(d):
     return results[0]
 
 
-CALL = InferCall(b"{}", None, "r1")
+CALL = InferCall(RestMessage(b"{}", None), "r1")
 
 
 def test_a_model_every_member_failed_is_refused_at_once_with_its_reason():

@@ -10,6 +10,7 @@ import attrs
 from twisted.internet.defer import Deferred
 from zope.interface import Interface
 
+from kcoral.inference.message import GrpcAnswer, IInferMessage
 from kcoral.models.manifest import ModelManifest, TensorSpec
 from kcoral.protocol.inference import InferAnswer
 from kcoral.protocol.tensors import config_type
@@ -29,17 +30,26 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "
 @attrs.frozen
 class InferCall:
     """
-    An inference as a front receives it: the REST body (a JSON header, then
-    binary tensors when C{header_length} is set), the request id, and the
-    headers to forward with it (C{traceparent} and the like); C{formed}: a
-    front batcher formed it, and it runs without waiting for more rows.
+    An inference as a front receives it: its C{message} (in the form it
+    came in), the request id, and the headers to forward with it
+    (C{traceparent} and the like); C{formed}: a front batcher formed it, and
+    it runs without waiting for more rows.
     """
 
-    body: bytes | memoryview
-    header_length: int | None
+    message: IInferMessage
     request_id: str
     headers: dict[bytes, bytes] = attrs.field(factory=dict)
     formed: bool = False
+
+    @property
+    def body(self) -> bytes | memoryview:
+        """The body of its REST form."""
+        return self.message.rest().body
+
+    @property
+    def header_length(self) -> int | None:
+        """The JSON header's length in its REST form (None: all JSON)."""
+        return self.message.rest().header_length
 
 
 class IInferenceFront(Interface):
@@ -83,8 +93,9 @@ class IInferenceFront(Interface):
     def unload_model(name: str) -> Deferred[dict]:
         """Stop serving model C{name}, on every member; as L{load_model}."""
 
-    def infer(name: str, version: str | None, call: InferCall) -> Deferred[InferAnswer]:
-        """The answer of one inference."""
+    def infer(name: str, version: str | None, call: InferCall) -> Deferred[InferAnswer | GrpcAnswer]:
+        """The answer of one inference: in the form of its message where this
+        answers it itself (a server), in REST's where it forwards it."""
 
 
 def server_metadata(version: str) -> dict:

@@ -24,7 +24,8 @@ from twisted.internet.defer import Deferred, succeed
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, ModelNotReady
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
-from kcoral.protocol.inference import RestInfer, grpc_of_rest_answer, rest_of_grpc_infer
+from kcoral.inference.message import GrpcAnswer, GrpcMessage
+from kcoral.protocol.inference import grpc_of_rest_answer
 from kcoral.web.family import TRACE_HEADERS
 
 #: The service every method belongs to.
@@ -174,20 +175,24 @@ class GrpcMethods:
     def _infer(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
         headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
 
-        def ask(rest: RestInfer) -> Deferred:
-            return self._front.infer(rest.model, rest.version, InferCall(
-                rest.body, rest.header_length, rid, headers))
+        def ask(pb: service_pb2.ModelInferRequest) -> Deferred:
+            return self._front.infer(pb.model_name, pb.model_version or None, InferCall(
+                GrpcMessage(pb, len(message)), rid, headers))
 
-        # A large message is parsed, and a large answer encoded, in a thread.
-        return off_reactor(len(message), _rest_infer, message).addCallback(ask).addCallback(
-            lambda answered: off_reactor(len(answered.body), _grpc_answer, answered))
-
-
-def _rest_infer(message: bytes) -> RestInfer:
-    return rest_of_grpc_infer(_parsed(service_pb2.ModelInferRequest, message))
+        # A large message is parsed, and a large answer converted, in a thread.
+        return off_reactor(len(message), _parsed, service_pb2.ModelInferRequest, message).addCallback(
+            ask).addCallback(_grpc_form)
 
 
-def _grpc_answer(answered: InferAnswer) -> bytes:
+def _grpc_form(answered: InferAnswer | GrpcAnswer) -> bytes | Deferred[bytes]:
+    """The serialized answer: as a server made it, or converted from the
+    REST answer of a front that forwarded the inference."""
+    if isinstance(answered, GrpcAnswer):
+        return answered.message
+    return off_reactor(len(answered.body), _converted, answered)
+
+
+def _converted(answered: InferAnswer) -> bytes:
     return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
 
 

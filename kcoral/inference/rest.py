@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 
 from kcoral.errors import BadRequest, KCoralError
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.inference.message import RestMessage
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.errors import internal_error
@@ -217,7 +218,7 @@ class InferenceRoutes:
                        if (value := request.getHeader(name)) is not None}
             d = _body(request)
             d.addCallback(lambda body: self._front.infer(
-                model, version, InferCall(body, header_length, request.request_id, headers,
+                model, version, InferCall(RestMessage(body, header_length), request.request_id, headers,
                                           request.getHeader(FORMED_BATCH_HEADER) == b"true")))
             return d
 

@@ -137,6 +137,12 @@ def parse_infer(body: bytes | memoryview, header_length: int | None) -> InferReq
     C{Inference-Header-Content-Length}); a L{BadRequest} says what is wrong."""
     view = memoryview(body).cast("B")
     header, offset = _header(view, header_length)
+    return _request_of(header, view, offset, header_length or 0)
+
+
+def _request_of(header: dict, view: memoryview, offset: int, header_length: int) -> InferRequest:
+    """The request of a REST C{header} whose binary tensors are in C{view}
+    from C{offset} on (C{header_length} bytes of JSON before them)."""
     rid = header.get("id")
     if rid is not None and (not isinstance(rid, str) or len(rid) > MAX_ID_CHARS):
         raise BadRequest(f"id must be a string of at most {MAX_ID_CHARS} characters")
@@ -154,8 +160,8 @@ def parse_infer(body: bytes | memoryview, header_length: int | None) -> InferReq
             raise BadRequest(f"input {name!r} is given twice")
         inputs[name] = array
     if offset != len(view):
-        raise BadRequest(f"the inputs' binary_data_size add up to {offset - (header_length or 0)} "
-                         f"bytes, the body has {len(view) - (header_length or 0)} after its JSON")
+        raise BadRequest(f"the inputs' binary_data_size add up to {offset - header_length} "
+                         f"bytes, the body has {len(view) - header_length} after its JSON")
     return InferRequest(id=rid, inputs=inputs, outputs=_requested(header.get("outputs")),
                         binary_output_default=binary_default, parameters=parameters)
 
@@ -262,23 +268,10 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
                  outputs: Mapping[str, np.ndarray]) -> InferAnswer:
     """The answer to C{request} with C{outputs} (by name, in the model's
     order): those it asks for, else all, each binary or JSON as it asks."""
-    if request.outputs:
-        unknown = [r.name for r in request.outputs if r.name not in outputs]
-        if unknown:
-            raise BadRequest(f"model {model_name} has no output {unknown[0][:64]!r} "
-                             f"(its outputs: {', '.join(outputs)})")
-        chosen = [(r.name, request.binary_output_default if r.binary is None else r.binary)
-                  for r in request.outputs]
-    else:
-        chosen = [(name, request.binary_output_default) for name in outputs]
     tensors, buffers = [], []
-    for name, binary in chosen:
+    for name, binary in _chosen(model_name, request, outputs):
         array = outputs[name]
-        try:
-            datatype = datatype_of(array.dtype)
-        except ValueError as e:
-            raise ProgramFailed(f"output {name!r}: {e}") from None
-        tensor: dict = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        tensor: dict = {"name": name, "datatype": _datatype(name, array), "shape": list(array.shape)}
         if binary:
             data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
             tensor["parameters"] = {"binary_data_size": data.nbytes}
@@ -293,6 +286,27 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
     if not buffers:
         return InferAnswer(header, None)
     return InferAnswer(b"".join([header, *buffers]), len(header))
+
+
+def _chosen(model_name: str, request: InferRequest, outputs: Mapping[str, np.ndarray]
+            ) -> list[tuple[str, bool]]:
+    """The outputs C{request} is answered with, each binary or not: those
+    it asks for, else all."""
+    if request.outputs:
+        unknown = [r.name for r in request.outputs if r.name not in outputs]
+        if unknown:
+            raise BadRequest(f"model {model_name} has no output {unknown[0][:64]!r} "
+                             f"(its outputs: {', '.join(outputs)})")
+        return [(r.name, request.binary_output_default if r.binary is None else r.binary)
+                for r in request.outputs]
+    return [(name, request.binary_output_default) for name in outputs]
+
+
+def _datatype(name: str, array: np.ndarray) -> str:
+    try:
+        return datatype_of(array.dtype)
+    except ValueError as e:
+        raise ProgramFailed(f"output {name!r}: {e}") from None
 
 
 def merge_infer(requests: list[InferRequest], outputs: tuple[str, ...]) -> tuple[bytes, int]:
@@ -358,6 +372,37 @@ def _json_values(name: str, array: np.ndarray) -> list:
 def rest_of_grpc_infer(pb: service_pb2.ModelInferRequest) -> RestInfer:
     """The REST form of a gRPC inference: its inputs as binary tensors,
     every output asked for in binary."""
+    header, buffers = _rest_parts(pb)
+    encoded = json.dumps(header).encode()
+    return RestInfer(pb.model_name, pb.model_version or None, b"".join([encoded, *buffers]),
+                     len(encoded))
+
+
+def request_of_grpc_infer(pb: service_pb2.ModelInferRequest) -> InferRequest:
+    """The request of a gRPC inference, as L{parse_infer} reads its REST
+    form (the same checks, the same errors), without making that form."""
+    header, buffers = _rest_parts(pb)
+    # One input's bytes are joined as they are, without a copy.
+    return _request_of(header, memoryview(b"".join(buffers)), 0, 0)
+
+
+def grpc_infer_answer(model_name: str, model_version: str, request: InferRequest,
+                      outputs: Mapping[str, np.ndarray]) -> bytes:
+    """The serialized gRPC answer to C{request} with C{outputs}: those it
+    asks for, else all, each in raw_output_contents, as
+    L{grpc_of_rest_answer} makes of L{encode_infer}'s answer."""
+    response = service_pb2.ModelInferResponse(model_name=model_name, model_version=model_version,
+                                              id=request.id or "")
+    for name, _ in _chosen(model_name, request, outputs):
+        array = outputs[name]
+        response.outputs.add(name=name, datatype=_datatype(name, array), shape=list(array.shape))
+        response.raw_output_contents.append(
+            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+    return response.SerializeToString()
+
+
+def _rest_parts(pb: service_pb2.ModelInferRequest) -> tuple[dict, list[bytes]]:
+    """The REST header of a gRPC inference, and its inputs' bytes in order."""
     if not 1 <= len(pb.inputs) <= MAX_INPUTS:
         raise BadRequest(f"inputs must list 1 to {MAX_INPUTS} tensors")
     raw = list(pb.raw_input_contents)
@@ -376,9 +421,7 @@ def rest_of_grpc_infer(pb: service_pb2.ModelInferRequest) -> RestInfer:
         header["id"] = pb.id
     if pb.outputs:
         header["outputs"] = [{"name": o.name} for o in pb.outputs]
-    encoded = json.dumps(header).encode()
-    return RestInfer(pb.model_name, pb.model_version or None, b"".join([encoded, *buffers]),
-                     len(encoded))
+    return header, buffers
 
 
 def _typed_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> bytes:

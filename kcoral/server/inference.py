@@ -27,7 +27,6 @@ from kcoral.inference.front import (
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.statistics import Statistics
 from kcoral.protocol.counts import MOST_VERSION, read_count
-from kcoral.protocol.inference import encode_infer, parse_infer
 from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
 from kcoral.server.control import ModelControl
@@ -215,7 +214,7 @@ class ServerInference:
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
-            request = yield off_reactor(len(call.body), parse_infer, call.body, call.header_length)
+            request = yield off_reactor(call.message.size, call.message.request)
             parsed = clock.seconds()
             try:
                 rows = manifest.check(request.inputs)
@@ -227,8 +226,8 @@ class ServerInference:
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
             computed = clock.seconds()
-            answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), encode_infer,
-                                        manifest.name, str(manifest.version), request, outputs)
+            answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), call.message.answer,
+                                       manifest.name, str(manifest.version), request, outputs)
             # Counted with its output, not as it was read: the batch's
             # execution is counted in the same turn of the reactor when the
             # answer is encoded on it, so that statistics read while
