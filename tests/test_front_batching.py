@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 import pytest_twisted
+from tritonclient.grpc import service_pb2
 from twisted.internet.defer import CancelledError, gatherResults
 from twisted.internet.task import Clock
 from twisted.web import server
@@ -20,9 +21,16 @@ from twisted.web.resource import Resource
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed
+from kcoral.inference import message
 from kcoral.inference.front import InferCall
-from kcoral.inference.message import RestMessage
-from kcoral.protocol.inference import ON_REACTOR_BYTES, encode_infer, parse_infer
+from kcoral.inference.message import GrpcAnswer, GrpcMessage, RestMessage
+from kcoral.protocol.inference import (
+    ON_REACTOR_BYTES,
+    InferAnswer,
+    encode_infer,
+    grpc_of_rest_answer,
+    parse_infer,
+)
 from kcoral.router import batching
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
@@ -108,7 +116,11 @@ class Front:
 
     def infer(self, body: bytes, header_length: int | None, rid: str = "r"):
         """The Deferred answer of one inference, and a list that gets its outcome."""
-        call = InferCall(RestMessage(body, header_length), rid)
+        return self.send(RestMessage(body, header_length), rid)
+
+    def send(self, message, rid: str = "r"):
+        """As L{infer}, of an inference of any message."""
+        call = InferCall(message, rid)
         d = self.batcher.infer(forwarded(PATH, call), call, "mlp", self.most_rows, NO_SPAN)
         done: list = []
         d.addCallbacks(done.append, lambda f: done.append(f.value))
@@ -146,8 +158,13 @@ def request(x: np.ndarray, *, binary_output: bool = True, rid: str | None = None
 
 def alone(body: bytes, header_length: int) -> bytes:
     """The bytes the worker answers to this request sent alone."""
+    return answered_alone(body, header_length).body
+
+
+def answered_alone(body: bytes, header_length: int | None) -> InferAnswer:
+    """The worker's answer to this request sent alone."""
     parsed = parse_infer(body, header_length)
-    return encode_infer("mlp", "1", parsed, {"y": model(parsed.inputs["x"])}).body
+    return encode_infer("mlp", "1", parsed, {"y": model(parsed.inputs["x"])})
 
 
 def rows(count: int, seed: int, columns: int = 4) -> np.ndarray:
@@ -175,6 +192,37 @@ def test_requests_waiting_for_a_slot_go_as_one_and_each_gets_its_own_answer_bit_
     assert front.worker.rows == [1, 6]
     for body, outcome in zip(bodies, outcomes):
         assert outcome[0].body == alone(*body)
+
+
+def test_grpc_inferences_merged_with_rest_ones_are_answered_in_their_own_form():
+    """gRPC inferences merge with REST ones; each gRPC one is answered with its gRPC answer,
+    made from its rows (byte for byte the conversion of its REST answer alone), each REST
+    one with its REST bytes."""
+    front = Front(ModelWorker())
+    front.infer(*request(rows(1, 0)))
+    front.turn()
+    inputs = [rows(1, 1), rows(2, 2), rows(1, 3)]
+    sent = []
+    for i, x in enumerate(inputs):
+        if i == 1:
+            sent.append(RestMessage(*request(x)))
+            continue
+        pb = service_pb2.ModelInferRequest(model_name="mlp", id=f"g{i}")
+        pb.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+        pb.raw_input_contents.append(x.tobytes())
+        sent.append(GrpcMessage(pb, pb.ByteSize()))
+    outcomes = [front.send(each, f"r{i}")[1] for i, each in enumerate(sent)]
+    front.turn()
+    front.serve_until_answered(outcomes)
+    assert front.worker.rows == [1, 4]
+    for each, outcome in zip(sent, outcomes):
+        rest = each.rest()
+        answer = answered_alone(rest.body, rest.header_length)
+        if isinstance(each, GrpcMessage):
+            assert outcome[0] == GrpcAnswer(grpc_of_rest_answer(
+                answer.body, answer.header_length).SerializeToString())
+        else:
+            assert outcome[0].body == answer.body
 
 
 def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
@@ -443,7 +491,7 @@ def test_a_large_merged_answer_is_split_off_the_reactor(monkeypatch):
         encoded_in.append(threading.get_ident())
         return encode_infer(*args)
 
-    monkeypatch.setattr(batching, "encode_infer", encode)
+    monkeypatch.setattr(message, "encode_infer", encode)
     front = Front(ModelWorker())
     front.infer(*request(rows(1, 0)))
     front.turn()
@@ -481,7 +529,7 @@ def test_a_body_too_large_to_parse_on_the_reactor_goes_alone_unparsed(monkeypatc
     """Requests of bodies over ON_REACTOR_BYTES that could merge are not parsed at the
     front: each goes alone, with its client's own bytes."""
     parsed: list = []
-    monkeypatch.setattr(batching, "parse_infer", lambda *args: parsed.append(args) or parse_infer(*args))
+    monkeypatch.setattr(message, "parse_infer", lambda *args: parsed.append(args) or parse_infer(*args))
     front = Front(ModelWorker())
     front.infer(*request(rows(1, 0)))
     front.turn()

@@ -36,7 +36,7 @@ from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.rest import InferenceRoutes
 from kcoral.metrics import HttpMetrics
 from kcoral.models.manifest import ModelManifest
-from kcoral.protocol.inference import encode_infer, parse_infer
+from kcoral.protocol.inference import encode_infer
 from kcoral.protocol.tensors import InvalidInput
 from kcoral.web import errors
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
@@ -105,7 +105,7 @@ class DoubleFront:
         self.calls.append(call)
         if self.busy:
             raise ServerBusy("no member has the model ready", reason="no_ready_node")
-        request = parse_infer(call.body, call.header_length)
+        request = call.message.request()
         try:
             manifest.check(request.inputs)
         except InvalidInput as e:

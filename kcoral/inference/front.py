@@ -41,16 +41,6 @@ class InferCall:
     headers: dict[bytes, bytes] = attrs.field(factory=dict)
     formed: bool = False
 
-    @property
-    def body(self) -> bytes | memoryview:
-        """The body of its REST form."""
-        return self.message.rest().body
-
-    @property
-    def header_length(self) -> int | None:
-        """The JSON header's length in its REST form (None: all JSON)."""
-        return self.message.rest().header_length
-
 
 class IInferenceFront(Interface):
     """

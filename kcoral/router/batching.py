@@ -76,15 +76,14 @@ from kcoral.errors import (
     error_from_answer,
 )
 from kcoral.inference.front import InferAnswer, InferCall
+from kcoral.inference.message import GrpcAnswer, RestMessage
 from kcoral.logs import debug_enabled
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.protocol.inference import (
     ON_REACTOR_BYTES,
     InferRequest,
-    encode_infer,
     merge_infer,
     parse_answer,
-    parse_infer,
 )
 from kcoral.router.call import Call
 from kcoral.router.forward import Forwarder
@@ -106,15 +105,20 @@ LANE_HOLD_SECONDS = 1.0
 
 
 def forwarded(path: bytes, call: InferCall) -> Call:
-    """The call that forwards C{call} as it came to C{path}."""
-    headers = {b"Content-Type": _JSON if call.header_length is None else _BINARY}
-    if call.header_length is not None:
-        headers[INFERENCE_HEADER_LENGTH] = b"%d" % call.header_length
-    headers.update(call.headers)
+    """The call that forwards C{call} to C{path}, but for the headers of the
+    body it is sent with (L{_with_body})."""
     # Sent because a worker is free: the worker's own wait for more rows
     # would only be a second delay on a batch already formed.
-    headers[FORMED_BATCH_HEADER] = b"true"
+    headers = {**call.headers, FORMED_BATCH_HEADER: b"true"}
     return Call(INFERENCE, path, call.request_id, tuple(headers.items()))
+
+
+def _with_body(request: Call, body: RestMessage) -> tuple[Call, bytes | memoryview]:
+    """C{request} with the headers of C{body}, and the body's bytes."""
+    headers = {**dict(request.headers), b"Content-Type": _JSON if body.header_length is None else _BINARY}
+    if body.header_length is not None:
+        headers[INFERENCE_HEADER_LENGTH] = b"%d" % body.header_length
+    return attrs.evolve(request, headers=tuple(headers.items())), body.body
 
 
 @attrs.define(eq=False)
@@ -187,7 +191,7 @@ class FrontBatcher:
         self._queues: dict[bytes, _Queue] = {}
 
     def infer(self, request: Call, call: InferCall, model: str, most_rows: int,
-              span: ISpan) -> Deferred[InferAnswer]:
+              span: ISpan) -> Deferred[InferAnswer | GrpcAnswer]:
         """
         The answer to C{call}, forwarded alone as C{request} (to a model's
         C{/infer} route), of C{model}, which takes C{most_rows} rows a batch
@@ -206,9 +210,9 @@ class FrontBatcher:
         # The front parses only what it can parse on the reactor without
         # holding up other clients; merging a larger body would save little
         # next to the cost of its bytes, so it goes alone, as it came.
-        if most_rows > 0 and len(call.body) <= ON_REACTOR_BYTES:
+        if most_rows > 0 and call.message.size <= ON_REACTOR_BYTES:
             try:
-                parsed = parse_infer(call.body, call.header_length)
+                parsed = call.message.request()
                 kind, rows = _kind(parsed, most_rows)
             except BadRequest:
                 pass  # the worker answers it, alone
@@ -294,13 +298,10 @@ class FrontBatcher:
         sent again, whose wait was observed when it was first taken."""
         first = batch.members[0]
         if len(batch.members) == 1:
-            request, body = first.request, first.call.body
+            request, body = _with_body(first.request, first.call.message.rest())
         else:
-            merged, length = merge_infer([m.parsed for m in batch.members],  # type: ignore[misc]
-                                         first.kind[1])  # type: ignore[index]
-            headers = {**dict(first.request.headers), b"Content-Type": _BINARY,
-                       INFERENCE_HEADER_LENGTH: b"%d" % length}
-            request, body = attrs.evolve(first.request, headers=tuple(headers.items())), merged
+            request, body = _with_body(first.request, RestMessage(*merge_infer(
+                [m.parsed for m in batch.members], first.kind[1])))  # type: ignore[misc, index]
             if debug_enabled():
                 log.debug("{request_id} carries the inferences {ids}", request_id=first.call.request_id,
                           ids=[m.call.request_id for m in batch.members])
@@ -397,7 +398,7 @@ def _settle(member: _Waiting, answer: Callable[..., InferAnswer], *args) -> None
         member.answer.callback(value)
 
 
-def _split(answer, members: list[_Waiting]) -> list[InferAnswer | Failure]:
+def _split(answer, members: list[_Waiting]) -> list[InferAnswer | GrpcAnswer | Failure]:
     """Each member's answer (or its failure) from its own rows of the merged
     C{answer}; L{ProgramFailed} when the answer does not parse or has other
     than their rows."""
@@ -405,20 +406,22 @@ def _split(answer, members: list[_Waiting]) -> list[InferAnswer | Failure]:
     total = sum(m.rows for m in members)
     if any(not o.shape or o.shape[0] != total for o in outputs.values()):
         raise ProgramFailed(f"the model answered outputs of other than {total} rows")
-    answers: list[InferAnswer | Failure] = []
+    answers: list[InferAnswer | GrpcAnswer | Failure] = []
     start = 0
     for member in members:
         rows = {key: output[start:start + member.rows] for key, output in outputs.items()}
         start += member.rows
         assert member.parsed is not None  # a merged request's members were parsed
         try:
-            answers.append(encode_infer(name, version, member.parsed, rows))
+            # In the form the member's inference came in: a gRPC one's
+            # answer is its message, with no REST body made for it.
+            answers.append(member.call.message.answer(name, version, member.parsed, rows))
         except Exception:
             answers.append(Failure())
     return answers
 
 
-def _hand_over(answers: list[InferAnswer | Failure], members: list[_Waiting]) -> None:
+def _hand_over(answers: list[InferAnswer | GrpcAnswer | Failure], members: list[_Waiting]) -> None:
     """Fire the answers of C{members} that still wait for one."""
     for member, answer in zip(members, answers, strict=True):
         if not member.answer.called:

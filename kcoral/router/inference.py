@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-import attrs
 from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
@@ -247,8 +246,6 @@ class RouterInference:
         return maybeDeferred(lambda: self._infer(name, version, call))
 
     def _infer(self, name: str, version: str | None, call: InferCall) -> Deferred:
-        # Forwarded in its REST form, made once here.
-        call = attrs.evolve(call, message=call.message.rest())
         # A model no member lists is unknown (404), one every member failed
         # to load is refused (400), one no member has ready yet is busy (503).
         ready = self._serving_members(name, version)
