@@ -225,6 +225,20 @@ def test_grpc_inferences_merged_with_rest_ones_are_answered_in_their_own_form():
             assert outcome[0].body == answer.body
 
 
+def test_a_grpc_inference_with_no_rest_form_is_refused_as_it_is_read():
+    """A gRPC inference the front cannot read (two inputs, one raw_input_contents) is refused
+    at once with what is wrong, as the gRPC front read it; nothing goes to the worker."""
+    front = Front(ModelWorker())
+    pb = service_pb2.ModelInferRequest(model_name="mlp")
+    for name in ("x", "z"):
+        pb.inputs.add(name=name, datatype="FP32", shape=[1, 4])
+    pb.raw_input_contents.append(rows(1, 1).tobytes())
+    with pytest.raises(BadRequest, match="raw_input_contents holds 1 tensors for 2 inputs"):
+        front.send(GrpcMessage(pb, pb.ByteSize()))
+    front.turn()
+    assert front.worker.held == [] and front.worker.rows == []
+
+
 def test_the_cpu_workers_of_a_node_take_one_batch_of_a_model_at_a_time():
     """A node's CPU workers are one lane: while a batch of a tenth of the model's rows runs, the
     next waits, free slots or not, and takes everything that arrived meanwhile."""

@@ -9,23 +9,30 @@ knows of them at once, and statistics are the members' sum.
 from __future__ import annotations
 
 import json
+import threading
 
 import attrs
+import numpy as np
 import pytest
+import pytest_twisted
+from tritonclient.grpc import service_pb2
 from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
 from kcoral.errors import BadRequest, ModelNotReady, NotFound, ServerBusy
+from kcoral.inference import message
 from kcoral.inference.front import InferCall
-from kcoral.inference.message import RestMessage
+from kcoral.inference.message import GrpcMessage, RestMessage
+from kcoral.protocol.inference import ON_REACTOR_BYTES, rest_of_grpc_infer
 from kcoral.router.forward import Forwarder
 from kcoral.router.inference import RouterInference
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
 from kcoral.router.scheduler import Scheduler
 from tests.fakes import node_report
+from tests.harness import until
 
 
 @attrs.frozen
@@ -149,3 +156,24 @@ def test_statistics_are_the_members_sum_and_a_bad_answer_is_left_out(stats_answe
     [total] = result_of(inference.model_statistics(None, None))["model_stats"]
     assert total["inference_count"] == 6 and total["last_inference"] == 9
     assert total["inference_stats"]["success"] == {"count": 6, "ns": 60}
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_large_grpc_inference_is_forwarded_in_its_rest_form_made_off_the_reactor(monkeypatch):
+    """A gRPC inference too large to merge goes alone, in its REST form, made in a thread:
+    its inputs' bytes are not copied on the reactor."""
+    made_in: list[int] = []
+
+    def rest_of(pb):
+        made_in.append(threading.get_ident())
+        return rest_of_grpc_infer(pb)
+
+    monkeypatch.setattr(message, "rest_of_grpc_infer", rest_of)
+    inference, _ = front([("READY", "")])
+    pb = service_pb2.ModelInferRequest(model_name="mlp")
+    pb.inputs.add(name="x", datatype="FP32", shape=[1, ON_REACTOR_BYTES // 4 + 1])
+    pb.raw_input_contents.append(np.zeros(ON_REACTOR_BYTES // 4 + 1, np.float32).tobytes())
+    answer = inference.infer("mlp", None, InferCall(GrpcMessage(pb, pb.ByteSize()), "r1"))
+    answer.addErrback(lambda _: None)  # nothing is forwarded here: the proxy has no client
+    await until(lambda: made_in, "its REST form made")
+    assert made_in[0] != threading.get_ident()

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 from tritonclient.grpc import service_pb2
+from twisted.internet.defer import Deferred, succeed
 from zope.interface import Attribute, Interface, implementer
 
+from kcoral.common.offreactor import off_reactor
 from kcoral.protocol.inference import (
     InferAnswer,
     InferRequest,
@@ -40,6 +42,9 @@ class IInferMessage(Interface):
     def rest() -> RestMessage:
         """Its REST form, to forward."""
 
+    def rest_formed() -> Deferred[RestMessage]:
+        """Its REST form, made off the reactor when it is large."""
+
     def answer(model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> InferAnswer | GrpcAnswer:
         """The answer to C{request} with C{outputs}, in this message's form."""
@@ -63,6 +68,9 @@ class RestMessage:
 
     def rest(self) -> RestMessage:
         return self
+
+    def rest_formed(self) -> Deferred[RestMessage]:
+        return succeed(self)
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> InferAnswer:
@@ -90,6 +98,9 @@ class GrpcMessage:
     def rest(self) -> RestMessage:
         rest = rest_of_grpc_infer(self.message)
         return RestMessage(rest.body, rest.header_length)
+
+    def rest_formed(self) -> Deferred[RestMessage]:
+        return off_reactor(self.size, self.rest)
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> GrpcAnswer:

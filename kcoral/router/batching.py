@@ -215,7 +215,9 @@ class FrontBatcher:
                 parsed = call.message.request()
                 kind, rows = _kind(parsed, most_rows)
             except BadRequest:
-                pass  # the worker answers it, alone
+                # The worker answers it, alone, in its REST form; a gRPC
+                # message that has none is refused here, as it is read.
+                call = attrs.evolve(call, message=call.message.rest())
         waiting = _Waiting(request, call, parsed, kind, rows, span, queue,
                            self._clock.seconds())
         waiting.answer = Deferred(lambda d: self._cancelled(waiting))

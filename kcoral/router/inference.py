@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import attrs
 from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
@@ -29,6 +30,7 @@ from kcoral.errors import (
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
 from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
+from kcoral.protocol.inference import ON_REACTOR_BYTES
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
@@ -254,6 +256,12 @@ class RouterInference:
         span = self._tracing.start("kcoral.router.infer",
                                    Headers({name: [value] for name, value in call.headers.items()}),
                                    request_id=call.request_id)
-        d = self._batcher.infer(request, call, name, most_rows, span)
+        if most_rows == 0 or call.message.size > ON_REACTOR_BYTES:
+            # It goes alone (the batcher merges only what it parses on the
+            # reactor), in its REST form: made now, off the reactor if large.
+            d = call.message.rest_formed().addCallback(lambda rest: self._batcher.infer(
+                request, attrs.evolve(call, message=rest), name, most_rows, span))
+        else:
+            d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)
         return d
