@@ -11,6 +11,7 @@ import pytest
 from twisted.python import usage
 
 from kcoral import cli
+from kcoral.node.front import default_front_processes
 from kcoral.router.service import RouterConfig
 from kcoral.taps import node as node_tap
 from kcoral.taps import router as router_tap
@@ -175,6 +176,31 @@ def test_grpc_port_under_a_router_is_a_usage_error():
     assert node_options("--cpu-workers", "2", "--grpc-port", "8001")["grpc-port"] == 8001
 
 
+def test_front_processes_need_the_gateways_grpc_port():
+    """More than one front process without --grpc-port, or under a Router (whose node has
+    no gateway), is a usage error naming the option."""
+    for argv in (("--cpu-workers", "2", "--front-processes", "2"),
+                 (*ROUTER, "--front-processes", "2")):
+        with pytest.raises(usage.UsageError) as e:
+            node_options(*argv)
+        assert "--front-processes" in str(e.value)
+
+
+def test_front_processes_put_a_gateway_before_one_worker():
+    """--front-processes above one makes even a node of one worker supervised (its gateway
+    serves the port with them); one, or the default, leaves a standalone server alone."""
+    assert node_options("--grpc-port", "0", "--front-processes", "2").supervised
+    assert not node_options("--grpc-port", "0", "--front-processes", "1").supervised
+    assert node_options("--grpc-port", "0")["front-processes"] == default_front_processes()
+
+
+def test_front_processes_follow_the_cores(monkeypatch):
+    """One front process for every four cores this process may run on, and at least one."""
+    for cores, count in ((1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 16)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        assert default_front_processes() == count
+
+
 @pytest.mark.parametrize("jitter", ["-0.01", "0.51", "1", "nan"])
 def test_restart_jitter_outside_its_range_is_a_usage_error(jitter):
     """A jitter outside 0-0.5 is a usage error naming the option."""
@@ -277,7 +303,7 @@ def test_bad_options_exit_2_with_a_one_line_error(capsys, argv, named):
 def test_help_lists_options_and_exits_0(capsys):
     """--help exits 0 and lists the options, hidden ones left out."""
     status, out, _ = run_cli(capsys, "router", "--help")
-    assert status == 0 and "--max-queued-requests" in out
+    assert status == 0 and "--max-queued-requests" in out and "--front-processes" not in out
     status, out, _ = run_cli(capsys, "server", "--help")
     assert status == 0 and "--node-id" in out and "--restart-jitter" not in out
     status, out, _ = run_cli(capsys, "--help")

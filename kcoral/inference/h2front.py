@@ -63,7 +63,7 @@ from kcoral.errors import KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront
 from kcoral.inference.grpcmethods import SERVICE, GrpcMethods, Method, status_code_of
 from kcoral.web.auth import IGuard, presented
-from kcoral.web.endpoint import tls_options
+from kcoral.web.endpoint import SharedPortEndpoint, tls_options
 from kcoral.web.requestid import request_id_from
 
 __all__ = ["MAX_UNREAD", "MESSAGE_SECONDS", "SERVICE", "SWEEP_SECONDS", "GrpcFront"]
@@ -473,13 +473,15 @@ class GrpcFront(service.Service):
     the client token in the C{authorization} metadata. At most C{max_calls}
     calls at once, of which at most C{max_unread} wait for their message,
     each at most C{message_seconds} by C{clock} (the reactor's unless given).
+    With C{share_port}, other processes may serve the same port (a node's
+    front processes): the kernel gives each its share of the connections.
     """
 
     def __init__(self, front: IInferenceFront, *, reactor, host: str = "127.0.0.1", port: int = 0,
                  max_message_bytes: int = 64 << 20, max_calls: int = 1024,
                  max_unread: int = MAX_UNREAD, message_seconds: float = MESSAGE_SECONDS,
                  guard: IGuard | None = None, tls: tuple[str, str] | None = None,
-                 client_ca: str | None = None, clock=None):
+                 client_ca: str | None = None, clock=None, share_port: bool = False):
         self.front = front
         self.methods = GrpcMethods(front)
         self.guard = guard
@@ -493,6 +495,7 @@ class GrpcFront(service.Service):
         self._message_seconds = message_seconds
         self._tls = tls
         self._client_ca = client_ca
+        self._share_port = share_port
         self.calls = 0
         self.draining = False
         self.connections: set[_Connection] = set()
@@ -509,11 +512,12 @@ class GrpcFront(service.Service):
         return len(self.waiting)
 
     def _endpoint(self):
-        if self._tls is not None:
-            cert, key = self._tls
-            return SSL4ServerEndpoint(self.reactor, self.port,
-                                      tls_options(cert, key, self._client_ca, protocols=(b"h2",)),
-                                      interface=self.host)
+        tls = None if self._tls is None else tls_options(*self._tls, self._client_ca,
+                                                         protocols=(b"h2",))
+        if self._share_port:
+            return SharedPortEndpoint(self.reactor, self.port, self.host, tls)
+        if tls is not None:
+            return SSL4ServerEndpoint(self.reactor, self.port, tls, interface=self.host)
         if ":" in self.host:
             return TCP6ServerEndpoint(self.reactor, self.port, interface=self.host)
         return TCP4ServerEndpoint(self.reactor, self.port, interface=self.host)

@@ -22,6 +22,7 @@ import attrs
 import yaml
 from twisted.python import usage
 
+from kcoral.node.front import default_front_processes
 from kcoral.node.restart import RestartSettings
 from kcoral.options import KCoralOptions
 
@@ -43,6 +44,9 @@ class NodeConfig:
     base_port: int | None = None
     #: The HTTP port of worker 0 (worker i: + i; None: after the gateway's).
     metrics_base_port: int | None = None
+    #: The processes serving the gateway's gRPC port, the gateway among them
+    #: (L{kcoral.node.front}).
+    front_processes: int = attrs.field(factory=default_front_processes)
     restart: RestartSettings = attrs.Factory(RestartSettings)
 
     @property

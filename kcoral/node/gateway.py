@@ -6,7 +6,7 @@ workers as static members, on the node's public port.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import generate_latest
 from twisted.application import service
@@ -15,8 +15,9 @@ from twisted.logger import Logger
 
 from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
+from kcoral.inference.h2front import GrpcFront
 from kcoral.node.config import NodeConfig
-from kcoral.node.metrics import merge, scrape_workers
+from kcoral.node.metrics import merge, scrape
 from kcoral.router.service import RouterConfig, build_router, grpc_front
 from kcoral.web.auth import watch
 from kcoral.web.endpoint import ListenAddress
@@ -42,7 +43,9 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
         listen=server.listen, client_token=server.client_token,
         client_tokens_file=server.client_tokens_file, tls_client_ca=server.tls_client_ca,
         tracing=server.tracing, routing=node.routing,
-        service_name="kcoral-gateway", health_lists_workers=True, grpc_port=server.grpc_port)
+        service_name="kcoral-gateway", health_lists_workers=True, grpc_port=server.grpc_port,
+        front_processes=node.front_processes if server.grpc_port is not None else 1,
+        log_format=server.log_format)
 
 
 class Gateway(service.MultiService):
@@ -50,6 +53,7 @@ class Gateway(service.MultiService):
 
     def __init__(self, config: RouterConfig, reactor):
         super().__init__()
+        self.config = config
         self.app, site = build_router(config, reactor)
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
@@ -60,7 +64,15 @@ class Gateway(service.MultiService):
         self.listener = DrainingListener("kcoral gateway", address, reactor, site, self._drain,
                                          secured)
         self.listener.setServiceParent(self)
-        grpc_front(config, self.app, reactor).setServiceParent(self)
+        self.grpc = grpc_front(config, self.app, reactor)
+        self.grpc.setServiceParent(self)
+        #: The node's front processes, by name, at their HTTP addresses
+        #: (L{kcoral.node.front}): their metrics are the node's too.
+        self.fronts: Callable[[], dict[str, str]] = dict
+
+    def grpc_port(self) -> int | None:
+        """The port its gRPC front took (None: gRPC is off)."""
+        return self.grpc.port if isinstance(self.grpc, GrpcFront) else None
 
     def update(self, workers: Sequence[WorkerReport], *, gpu_target: str | None,
                runtime: dict) -> None:
@@ -70,9 +82,10 @@ class Gateway(service.MultiService):
 
     @inlineCallbacks
     def _metrics(self):
-        workers = {m.name: m.url for n in self.app.pool.nodes.values()
+        sources = {("worker", m.name): m.url for n in self.app.pool.nodes.values()
                    for m in n.members.values() if m.healthy}
-        texts = yield scrape_workers(self.app.outgoing.client, workers)
+        sources.update({("front", name): url for name, url in self.fronts().items()})
+        texts = yield scrape(self.app.outgoing.client, sources)
         return merge(generate_latest(self.registry), texts)
 
     def _drain(self) -> Deferred:

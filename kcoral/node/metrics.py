@@ -1,7 +1,8 @@
 """
 Node-wide metrics: one scrape of a gateway holds its own series plus every
-worker's, each worker's with a C{worker} label, merged into one family per
-metric name (so the text stays valid: no family appears twice).
+worker's, each worker's with a C{worker} label, and every front process's,
+each with a C{front} label, merged into one family per metric name (so the
+text stays valid: no family appears twice).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ class _Families:
         return self._families
 
 
-def merge(own: bytes, workers: dict[str, str]) -> bytes:
-    """C{own} exposition text plus each worker's, relabelled, as one text."""
+def merge(own: bytes, sources: dict[tuple[str, str], str]) -> bytes:
+    """C{own} exposition text plus each of C{sources}' texts, each with its
+    key's label (name, value) added, as one text."""
     merged: dict[str, Any] = {}
-    sources = [(None, own.decode())] + sorted(workers.items())
-    for worker, text in sources:
+    texts: list[tuple[tuple[str, str] | None, str]] = [(None, own.decode())]
+    texts += sorted(sources.items())
+    for label, text in texts:
         for family in text_string_to_metric_families(text):
-            if worker is not None:
-                family.samples = [s._replace(labels=dict(s.labels, worker=worker))
+            if label is not None:
+                family.samples = [s._replace(labels=dict(s.labels, **{label[0]: label[1]}))
                                   for s in family.samples]
             existing = merged.get(family.name)
             if existing is None:
@@ -40,17 +43,19 @@ def merge(own: bytes, workers: dict[str, str]) -> bytes:
             elif existing.type == family.type:
                 existing.samples.extend(family.samples)
             else:
-                log.warn("metric {name} is a {a} here and a {b} on {worker}; dropped the latter",
-                         name=family.name, a=existing.type, b=family.type, worker=worker)
+                log.warn("metric {name} is a {a} here and a {b} on {source}; dropped the latter",
+                         name=family.name, a=existing.type, b=family.type,
+                         source=label[1] if label else "this process")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(merged.values())))
     return generate_latest(registry)
 
 
 @inlineCallbacks
-def scrape_workers(http, workers: dict[str, str], timeout: float = 2.0):
-    """C{{name: metrics text}} of every worker that answered in time."""
-    names = list(workers)
+def scrape(http, urls: dict, timeout: float = 2.0):
+    """C{{key: metrics text}} of every one of C{urls} ({key: URL}) that
+    answered in time."""
+    names = list(urls)
 
     @inlineCallbacks
     def one(url):
@@ -58,11 +63,11 @@ def scrape_workers(http, workers: dict[str, str], timeout: float = 2.0):
         body = yield treq.content(response)
         return body.decode("utf-8", "replace")
 
-    results = yield DeferredList([one(workers[n]) for n in names], consumeErrors=True)
+    results = yield DeferredList([one(urls[n]) for n in names], consumeErrors=True)
     texts = {}
     for name, (ok, value) in zip(names, results):
         if ok:
             texts[name] = value
         else:
-            log.info("could not scrape {worker}: {why}", worker=name, why=value.getErrorMessage())
+            log.info("could not scrape {source}: {why}", source=name, why=value.getErrorMessage())
     return texts

@@ -5,8 +5,9 @@ with two or more workers it puts an embedded gateway (the Router's own pool,
 scheduler and proxy, with static members) on the public port.
 
 Its children start in this order and stop one at a time in the reverse one:
-the reporter (under a Router), the workers, the gateway (standalone). So the
-gateway stops taking work and drains first, then the workers drain and exit,
+the reporter (under a Router), the workers, the gateway (standalone) and its
+front processes (L{FrontProcesses}). So the front processes and then the
+gateway stop taking work and drain first, then the workers drain and exit,
 and last the reporter deregisters from the Router.
 """
 
@@ -25,6 +26,7 @@ from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import SettledHeap
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
+from kcoral.node.front import FrontProcesses
 from kcoral.node.gateway import Gateway, gateway_config
 from kcoral.node.reporter import Reporters
 from kcoral.node.restart import RestartPolicy
@@ -119,6 +121,7 @@ class SupervisorService(service.MultiService):
                                              key=server.tls_key)
         self.reporter: Reporters | None = None
         self.gateway: Gateway | None = None
+        self.fronts: FrontProcesses | None = None
         if node.routers and node.node_id:
             self.reporter = Reporters(self.outgoing.client, node.routers, node.node_id,
                                       node.node_token, self.report,
@@ -137,6 +140,12 @@ class SupervisorService(service.MultiService):
         self.workers.setServiceParent(self)
         if self.gateway is not None:
             self.gateway.setServiceParent(self)
+            config = self.gateway.config
+            if config.front_processes > 1:
+                self.fronts = FrontProcesses(config, self.gateway.grpc_port, settings, reactor,
+                                             self.outgoing.client, self.report)
+                self.fronts.setServiceParent(self)
+                self.gateway.fronts = self.fronts.urls
         SettledHeap().setServiceParent(self)
 
     def _advertised(self, worker: Worker) -> str:
@@ -164,6 +173,8 @@ class SupervisorService(service.MultiService):
         if self.gateway is not None:
             gpu_target, runtime = self._target()
             self.gateway.update(self.worker_reports(), gpu_target=gpu_target, runtime=runtime)
+        if self.fronts is not None and self.fronts.running:
+            self.fronts.send()
         if self.reporter is not None and self.reporter.running:
             self.reporter.send()
 

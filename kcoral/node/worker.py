@@ -115,6 +115,8 @@ class _Core:
     on_change: Callable[[], None]
     restarts: Any  # a prometheus Counter labelled by worker, or None
     probes: LoopingCall
+    #: Set in the child's environment after everything else.
+    env: dict[str, str] = attrs.Factory(dict)
     #: The child (an IProcessTransport), while there is one.
     process: Any = None
     url: str | None = None
@@ -138,6 +140,7 @@ class _Core:
         env.pop(CLIENT_TOKEN_ENV, None)
         for variable in NODE_DEVICES_ENV.values():
             env.pop(variable, None)
+        env.update(self.env)
         self.url, self.healthy, self.health = None, False, {}
         self.process = self.reactor.spawnProcess(
             LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,
@@ -159,6 +162,7 @@ class _Core:
     def listening(self, url: str) -> None:
         if self.url is None:
             self.url = url
+            self.on_change()
 
     def signal(self, name: str) -> None:
         if self.process is not None:
@@ -310,14 +314,17 @@ class Worker(service.Service):
     """
     One server process under supervision: a child service of the
     supervisor. C{reactor} provides C{IReactorProcess} and C{IReactorTime};
-    C{http} is a treq-like client for the health probes.
+    C{http} is a treq-like client for the health probes; C{env}, variables
+    its child gets on top of the supervisor's (a node's front processes
+    are run this way too, L{kcoral.node.front}).
     """
 
     #: The TLS problem of the last failed probe, logged once when it appears.
     _tls_refused: str | None = None
 
     def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
-                 *, on_change: Callable[[], None] = lambda: None, restarts=None):
+                 *, on_change: Callable[[], None] = lambda: None, restarts=None,
+                 env: dict[str, str] | None = None):
         self.spec = spec
         self.setName(spec.name)
         self.policy = policy
@@ -325,7 +332,7 @@ class Worker(service.Service):
         self._http = http
         probes = LoopingCall(self._probe)
         probes.clock = reactor
-        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes)
+        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes, env=env or {})
         self._machine = _build(self._core)
 
     @property
@@ -376,10 +383,11 @@ class Worker(service.Service):
             serving = response.code == 200
             # A draining worker answers 503 while it finishes its runs, and a
             # starting one while it compiles its models (minutes, on a GPU,
-            # for a large repository): either is alive, though it takes no
-            # new work.
-            ok = serving or (response.code == 503
-                             and core.health.get("status") in ("draining", "starting"))
+            # for a large repository), as does a front process while none of
+            # the node's workers can take work: each is alive, though it
+            # takes no new work.
+            ok = serving or (response.code == 503 and core.health.get("status")
+                             in ("draining", "starting", "unavailable"))
             why = f"/health answered {response.code} ({core.health.get('status')})"
             self._tls_refused = None
         except Exception as e:

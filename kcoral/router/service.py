@@ -12,6 +12,7 @@ from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
+from kcoral.common.announce import announce
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
 from kcoral.inference.h2front import GrpcFront
@@ -68,6 +69,10 @@ class RouterConfig:
     tracing: str = "none"
     #: The port of the inference protocol over gRPC (None: gRPC off).
     grpc_port: int | None = None
+    #: The processes that serve that port, this one among them (a node's
+    #: gateway and its front processes, L{kcoral.node.front}); more than
+    #: one: each listens with C{SO_REUSEPORT}.
+    front_processes: int = 1
     #: The service name its traces carry.
     service_name: str = "kcoral-router"
     #: Whether /health lists each member (a gateway's own workers; a
@@ -107,7 +112,8 @@ def grpc_front(config: RouterConfig, app: RouterApp, reactor) -> service.IServic
     return GrpcFront(app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
                      max_message_bytes=config.max_request_bytes, guard=app.client_guard,
                      tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
-                     else None, client_ca=config.tls_client_ca)
+                     else None, client_ca=config.tls_client_ca,
+                     share_port=config.front_processes > 1)
 
 
 def _client_connections(limit: int, pool: Pool):
@@ -134,6 +140,13 @@ class RouterService(service.MultiService):
         self.listener.setServiceParent(self)
         grpc_front(config, self.app, reactor).setServiceParent(self)
         SettledHeap().setServiceParent(self)
+
+    def privilegedStartService(self):
+        super().privilegedStartService()
+        # A supervised Router (a node's front process) tells its supervisor
+        # where its HTTP port is; otherwise this does nothing.
+        if self.listener.url is not None:
+            announce(self.listener.url)
 
     def _drain(self) -> Deferred:
         scheduler, pool = self.app.scheduler, self.app.pool

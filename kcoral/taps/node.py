@@ -113,6 +113,9 @@ class NodeOptions(KCoralOptions):
                 "for more requests (0: run what is queued at once).", non_negative(int)),
         _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
                 "workers; default: gRPC off).", port),
+        _node("front_processes", "Processes serving --grpc-port, the gateway among them, each "
+              "listening with SO_REUSEPORT (default: one per four cores; more than one "
+              "puts a gateway before even a single worker).", positive(int)),
         _node("base_port", "gRPC port of worker 0 (worker i: + i); with it or --metrics-base-port "
               f"the gateway takes gRPC {GATEWAY_GRPC_PORT} and HTTP {GATEWAY_HTTP_PORT} unless "
               "--grpc-port and --port say otherwise.", port),
@@ -178,6 +181,10 @@ class NodeOptions(KCoralOptions):
             raise usage.UsageError(f"--router {self['router']!r} names no Router URL")
         if self["router"] and not self["node-id"]:
             raise usage.UsageError("--router needs --node-id (or KCORAL_NODE_ID)")
+        if self.given("front-processes") and self["front-processes"] > 1 and (
+                self["router"] or self["grpc-port"] is None):
+            raise usage.UsageError("--front-processes spreads the gateway's --grpc-port: it needs "
+                                   "--grpc-port, and no --router")
         if self["router"] and self["grpc-port"] is not None:
             # Under a Router the workers have no gateway: the Router's own
             # --grpc-port is where gRPC clients go.
@@ -240,7 +247,8 @@ class NodeOptions(KCoralOptions):
         named = [] if gpus == "none" else [g for g in gpus.split(",") if g.strip()]
         return bool(self["router"]) or self["cpu-workers"] > 1 or gpus == "all" \
             or len(named) > self["devices-per-worker"] or self["base-port"] is not None \
-            or self["metrics-base-port"] is not None
+            or self["metrics-base-port"] is not None \
+            or (self.given("front-processes") and self["front-processes"] > 1)
 
     def server_config(self, **overrides) -> ServerConfig:
         return config_from(ServerConfig, self, secured=bool(self["node-token"]),

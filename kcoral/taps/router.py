@@ -57,6 +57,11 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("tls_client_ca", TLS_CLIENT_CA),
     ("grpc_port", "Port of the inference protocol over gRPC (default: gRPC off).", port),
     *OBSERVING,
+    # A node's front processes serve its gateway's gRPC port with it, each
+    # started with the count (L{kcoral.node.front}); nothing else sets it.
+    ("front_processes",
+     "Processes serving --grpc-port, this one among them, each listening with SO_REUSEPORT.",
+     positive(int)),
 ]
 
 
@@ -67,6 +72,7 @@ class RouterOptions(KCoralOptions):
 
     optParameters = [parameter(RouterConfig, *row) for row in _OPTIONS]
     environment = {"node-token": "KCORAL_NODE_TOKEN", "client-token": CLIENT_TOKEN_ENV}
+    hidden = frozenset({"front-processes"})
 
     def postOptions(self):
         super().postOptions()

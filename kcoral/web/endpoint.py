@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+from typing import Any
 
 import attrs
+from twisted.internet.defer import fail, succeed
 from twisted.internet.endpoints import (
     SSL4ServerEndpoint,
     TCP4ServerEndpoint,
     TCP6ServerEndpoint,
     serverFromString,
 )
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from zope.interface import implementer
 
 
 def url_of(host: str, port: int, scheme: str = "http") -> str:
@@ -123,3 +130,37 @@ def tls_options(cert: str, key: str | None = None, client_ca: str | None = None,
     except (SSL.Error, crypto.Error, VerifyError) as e:
         raise ValueError(f"--tls-cert {cert} with --tls-key {key or cert}: {e}") from None
     return options
+
+
+@implementer(IStreamServerEndpoint)
+@attrs.frozen
+class SharedPortEndpoint:
+    """
+    A TCP port that other processes of the same user listen on too
+    (C{SO_REUSEPORT}): the kernel spreads the connections among them, each
+    process taking its own. Twisted's endpoints set no such option, so the
+    socket is made here and handed to the reactor (C{adoptStreamPort}); with
+    C{tls} (a context factory), connections speak TLS as on an SSL endpoint.
+    """
+
+    reactor: Any
+    port: int
+    interface: str = "127.0.0.1"
+    tls: Any = None
+    backlog: int = 50
+
+    def listen(self, factory):
+        family = socket.AF_INET6 if ":" in self.interface else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind((self.interface, self.port))
+                sock.listen(self.backlog)
+                sock.setblocking(False)
+                if self.tls is not None:
+                    factory = TLSMemoryBIOFactory(self.tls, False, factory)
+                # The reactor takes a copy of the descriptor; this one closes here.
+                return succeed(self.reactor.adoptStreamPort(sock.fileno(), family, factory))
+        except OSError as e:
+            return fail(CannotListenError(self.interface, self.port, e))
