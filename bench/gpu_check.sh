@@ -248,11 +248,16 @@ EOF
 # so KCoral (its node, and the same node behind a Router) and the in-process
 # floor, under the benchmark's own tritonclient load.
 # gRPC at 64 and 256 concurrent calls too: the load that a machine of many
-# cores can put on its front (the rehearsal, on two cores, keeps 1 and 16).
+# cores can put on its front (the rehearsal, on two cores, keeps 1 and 16),
+# by one process on the gRPC port (the server, "gateway") and by eight
+# ("gateway-f8": a gateway and seven front processes before the one worker;
+# the rehearsal keeps two).
 serving_concurrency=1,16,64,256
-[ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && serving_concurrency=1,16
-hook serving 120 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
-    --quick --concurrency "$serving_concurrency" --protocols grpc --gpus "$GPUS"
+front_processes=8
+[ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && serving_concurrency=1,16 && front_processes=2
+hook serving 150 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
+    --quick --concurrency "$serving_concurrency" --protocols grpc --gpus "$GPUS" \
+    --front-processes "$front_processes"
 # The floor and the kept loop only: the loop that resends its state moves
 # 400 MB a step. Its CPU rehearsal trains the same 64 MiB model on two cores.
 training_steps=50

@@ -12,6 +12,8 @@ and the floor: the same JAX function called in this process.
     .venv/bin/python bench/serving.py --quick --fronts kcoral,floor --load loop --batch-invariant
     .venv/bin/python bench/serving.py --fronts gateway,triton --protocols grpc \
         --grpc-fronts threaded,floor-aio,floor-threaded   # gRPC fronts side by side
+    .venv/bin/python bench/serving.py --quick --fronts gateway,triton --protocols grpc \
+        --front-processes 2       # the gateway with 2 processes on its gRPC port, beside 1
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
 ... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)
@@ -249,16 +251,24 @@ def workers_ready(gpus: str) -> dict[str, str]:
 
 
 def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list[str],
-                  name: str = "gateway", grpc_front: str | None = None) -> Front:
+                  name: str = "gateway", grpc_front: str | None = None,
+                  front_processes: int | None = None) -> Front:
     """The node's gateway in front of its two CPU workers; on one GPU a node
     is one server, with no gateway: that server. C{delay}: its further
     options; C{grpc_front}: one of C{bench/grpc_fronts.py}'s variants in
-    place of its gRPC front."""
-    if gpus == "none":
-        ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus)}
+    place of its gRPC front; C{front_processes}: how many processes serve its
+    gRPC port (its C{--front-processes}; on one GPU, more than one puts a
+    gateway before the server)."""
+    options = node_options(repository, gpus, delay)
+    fronts = {}
+    if front_processes is not None:
+        options += ["--front-processes", str(front_processes)]
+        fronts = {f"front{i}": rf"(front{i} is ready)" for i in range(1, front_processes)}
+    if gpus == "none" or front_processes and front_processes > 1:
+        ready = {"url": r"kcoral gateway listening on http://(\S+)", **workers_ready(gpus), **fronts}
     else:
         ready = {"url": r"kcoral server listening on http://(\S+)"}
-    return start_kcoral(started, name, node_options(repository, gpus, delay), ready, grpc_front)
+    return start_kcoral(started, name, options, ready, grpc_front)
 
 
 def start_server(started: list[Front], repository: Path, delay: list[str],
@@ -536,7 +546,8 @@ def report(cells: list[dict]) -> dict:
             print("\n".join(lines))
 
     for front in dict.fromkeys(c["front"] for c in cells):
-        if front in ("gateway", "server") or front.startswith(("gateway[", "server[", "grpc-floor")):
+        if front in ("gateway", "server") or front.startswith(("gateway[", "gateway-f", "server[",
+                                                                   "grpc-floor")):
             compare(front, "triton", f"KCoral {front} / Triton (perf_analyzer):",
                     lambda c: TARGET_TRITON_C1 if c == 1 else TARGET_TRITON if c >= 16 else None)
     kserve_base = "gateway-loop" if any(c["front"] == "gateway-loop" for c in cells) else "gateway"
@@ -544,6 +555,9 @@ def report(cells: list[dict]) -> dict:
             lambda c: TARGET_KSERVE if c >= 16 else None)
     compare("router", "gateway", "Router / gateway:", lambda c: TARGET_ROUTER)
     compare("gateway-invariant", "gateway", "Batch-invariant gateway / gateway:", lambda c: None)
+    for front in dict.fromkeys(c["front"] for c in cells):
+        if front.startswith("gateway-f"):
+            compare(front, "gateway", f"{front} / gateway:", lambda c: None)
     for c in cells:
         if c["front"] == "gateway" and c["concurrency"] == 64 and c.get("mean_batch") is not None:
             print(f"\nmean executed batch at c=64 ({c['protocol']}): {c['mean_batch']:.1f} rows "
@@ -659,6 +673,9 @@ def main() -> int:
                              "in a gateway of its own, and a standalone server with --fronts server "
                              "(threaded), and the floors (floor-aio, floor-h2, "
                              "floor-threaded)")
+    parser.add_argument("--front-processes", default="",
+                        help="comma-separated counts: the gateway once more with each as its "
+                             "--front-processes (gateway-fN), beside the plain one")
     parser.add_argument("--load", choices=["perf_analyzer", "loop"], default="perf_analyzer",
                         help="the load for every front but KServe's (which always gets the loop)")
     parser.add_argument("--seconds", type=float, help="one measurement window (default 2; --quick 1)")
@@ -686,6 +703,7 @@ def main() -> int:
     concurrency = [int(c) for c in (args.concurrency or ",".join(
         map(str, QUICK_CONCURRENCY if args.quick else CONCURRENCY))).split(",")]
     protocols = args.protocols.split(",")
+    front_counts = [int(n) for n in filter(None, args.front_processes.split(","))]
     seconds = args.seconds or (1.0 if args.quick else 2.0)
     began = time.monotonic()
     stop_on_signals()
@@ -733,6 +751,12 @@ def main() -> int:
                 front = start_peer(started, name, pythons[name], directory / "params.npz",
                                    args.max_batch_delay)
             runs.append((front, *plans[name]))
+            if name == "gateway":
+                for count in front_counts:
+                    print(f"== starting gateway-f{count} (--front-processes {count})", flush=True)
+                    runs.append((start_gateway(started, directory / "models", args.gpus, delay,
+                                               f"gateway-f{count}", front_processes=count),
+                                 *kcoral_load))
             if name == "gateway" and args.batch_invariant:
                 print("== starting gateway-invariant", flush=True)
                 runs.append((start_gateway(started, directory / "models", args.gpus,
