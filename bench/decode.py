@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from child import start_jax, write_results  # noqa: E402
+from kcoral.common.serverconfig import ServerConfig  # noqa: E402
 from kept_loops import (  # noqa: E402
     Traffic,
     Way,
@@ -256,7 +257,11 @@ def main() -> int:
     print(f"device: {device}; {layers} layers, parameters {results['param_bytes']:,} B, "
           f"cache {cache.nbytes:,} B", flush=True)
     program = Program.from_function(decode_step, params, cache, np.int32(0), np.int32(0))
-    with clients(args.gpus, "kept" in wanted, "router" in wanted) as (server, router):
+    # The parameters go in one request: a calibration on a fast host can
+    # pass the services' default bound on a request's body (256 MiB).
+    bound = ["--max-request-bytes",
+             str(max(ServerConfig().max_request_bytes, 2 * results["param_bytes"]))]
+    with clients(args.gpus, "kept" in wanted, "router" in wanted, *bound) as (server, router):
         made = {"floor": lambda: Floor(params, cache, device),
                 "kept": lambda: Kept("kept", server, program, params, cache),
                 "router": lambda: Kept("router", router, program, params, cache)}

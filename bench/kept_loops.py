@@ -34,9 +34,10 @@ _TCP_INFO_LENGTH = 232
 # -- the services ------------------------------------------------------------------
 
 @contextmanager
-def standalone_server(gpus: str):
-    """The URL of a C{kcoral server --port 0} on C{gpus}, stopped on the way out."""
-    server = KCoralChild(["server", "--port", "0", "--gpus", gpus],
+def standalone_server(gpus: str, *options: str):
+    """The URL of a C{kcoral server --port 0} on C{gpus}, with C{options},
+    stopped on the way out."""
+    server = KCoralChild(["server", "--port", "0", "--gpus", gpus, *options],
                          {"url": r"kcoral server listening on (http://\S+)", "ready": SERVER_READY},
                          name="server", timeout=120.0)
     try:
@@ -46,12 +47,13 @@ def standalone_server(gpus: str):
 
 
 @contextmanager
-def routed_node(gpus: str):
+def routed_node(gpus: str, *options: str):
     """The URL of a C{kcoral router} once its one node (one worker on
-    C{gpus}) is ready; both stopped on the way out, the node first."""
-    router = start_router()
+    C{gpus}) is ready, both with C{options}; both stopped on the way out,
+    the node first."""
+    router = start_router(None, *options)
     try:
-        node = start_node(router.found["url"], gpus)
+        node = start_node(router.found["url"], gpus, *options)
         try:
             wait_ready(router.found["url"])
             yield router.found["url"]
@@ -62,10 +64,11 @@ def routed_node(gpus: str):
 
 
 @contextmanager
-def clients(gpus: str, server: bool, router: bool):
+def clients(gpus: str, server: bool, router: bool, *options: str):
     """
     A C{Client} of a standalone server and one of a Router in front of a
-    node, for the ways that use them (None for one not asked for): both
+    node, for the ways that use them (None for one not asked for), each
+    service started with C{options} (options both commands take): both
     services run at once, so that the ways can take turns. Every child is
     stopped on the way out, whatever happened.
     """
@@ -75,7 +78,7 @@ def clients(gpus: str, server: bool, router: bool):
         found = []
         for wanted, service in ((server, standalone_server), (router, routed_node)):
             if wanted:
-                url = stack.enter_context(service(gpus))
+                url = stack.enter_context(service(gpus, *options))
                 found.append(stack.enter_context(Client(url, timeout=600)))
             else:
                 found.append(None)
