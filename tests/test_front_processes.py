@@ -25,7 +25,7 @@ from kcoral.web.endpoint import SharedPortEndpoint
 from tests.conftest import server_args
 from tests.harness import START_TIMEOUT, kcoral_argv, until
 from tests.httputil import request
-from tests.test_grpc_front import ADMITTED, TOKEN, export_mlp, in_thread, timed_probes
+from tests.test_grpc_front import TOKEN, export_mlp, in_thread, timed_probes
 from tests.test_node_multi import FAST, GATEWAY
 
 GRPC_PORT = re.compile(r"^\S+ info  \[kcoral\.inference\.h2front\] serving the inference protocol "
@@ -109,17 +109,26 @@ def _front_counts(text: str) -> dict[str, float]:
     return counts
 
 
-def _calls(address: str, count: int) -> None:
-    """C{count} inferences, each on a fresh connection: with the token, the same answer
-    bit for bit whichever process took the connection; UNAUTHENTICATED without."""
+def _front_pids(node) -> dict[str, int]:
+    """The process of each front process, the last one started under its name."""
+    return {m.group("front"): int(m.group("pid")) for m in map(
+        FRONT_STARTED.search, node.matching(FRONT_STARTED)) if m}
+
+
+def _calls(address: str, count: int, token: str = TOKEN, refused: str | None = None) -> None:
+    """C{count} inferences, each on a fresh connection: with C{token}, the same answer
+    bit for bit whichever process took the connection; UNAUTHENTICATED without it, and
+    with C{refused}."""
     x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
     answers = []
     for _ in range(count):
-        answers.append(timed_probes(address, dict(ADMITTED), "mlp", x, ("input", "output"))[1])
+        answers.append(timed_probes(address, {"authorization": f"Bearer {token}"}, "mlp", x,
+                                    ("input", "output"))[1])
         np.testing.assert_array_equal(answers[-1], answers[0])
-        with pytest.raises(InferenceServerException) as refused:
-            timed_probes(address, {}, "mlp", x, ("input", "output"))
-        assert refused.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
+        for metadata in ({}, {"authorization": f"Bearer {refused}"} if refused else {}):
+            with pytest.raises(InferenceServerException) as ended:
+                timed_probes(address, metadata, "mlp", x, ("input", "output"))
+            assert ended.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
     np.testing.assert_allclose(answers[0], np.tanh(x), rtol=1e-6)
 
 
@@ -129,11 +138,14 @@ async def test_front_processes_serve_the_gateways_grpc_port(processes, tmp_path)
     With --front-processes 3 a node of one worker has a gateway and two front processes
     on one gRPC port: calls on fresh connections are answered (and refused without the
     token) by all three; a front process killed is restarted and the port goes on
-    serving; SIGTERM stops the node and every process of it, exit status 0.
+    serving; SIGHUP makes every one of them read the tokens file again; SIGTERM stops
+    the node and every process of it, exit status 0.
     """
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
     node = processes.spawn(kcoral_argv(*server_args(
         "--model-repository", export_mlp(tmp_path), "--grpc-port", "0",
-        "--front-processes", "3", "--client-token", TOKEN, *FAST)), name="node")
+        "--front-processes", "3", "--client-tokens-file", str(tokens), *FAST)), name="node")
     gateway = (await node.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
     address = f"127.0.0.1:{(await node.wait_for_line(GRPC_PORT, START_TIMEOUT)).group('port')}"
     for name in ("worker0", "front1", "front2"):
@@ -143,19 +155,25 @@ async def test_front_processes_serve_the_gateways_grpc_port(processes, tmp_path)
     counts = _front_counts((await request("GET", gateway + "/metrics")).body.decode())
     assert set(counts) == {"front1", "front2"} and all(counts.values()), counts
 
-    pids = {m.group("front"): int(m.group("pid")) for m in map(FRONT_STARTED.search,
-                                                                node.matching(FRONT_STARTED)) if m}
     since = node.mark()
-    os.kill(pids["front1"], 9)
+    os.kill(_front_pids(node)["front1"], 9)
     await node.wait_for_line(r"front1 exited with signal 9; restarting", 30, since)
     await node.wait_for_line(r"\] front1 is ready at ", START_TIMEOUT, since)
     await in_thread(_calls, address, 5)
 
-    pids.update({m.group("front"): int(m.group("pid")) for m in map(
-        FRONT_STARTED.search, node.matching(FRONT_STARTED, since)) if m})
+    since = node.mark()
+    tokens.write_text(TOKEN[::-1] + "\n")
+    node.signal("HUP")
+    await until(lambda: len(node.matching(r"read the client tokens of .* again: 1 in force",
+                                          since)) == 3, "the tokens file read again by all three")
+    await in_thread(_calls, address, CONNECTIONS, TOKEN[::-1], TOKEN)
+
+    started = [int(m.group("pid")) for m in map(FRONT_STARTED.search,
+                                                node.matching(FRONT_STARTED)) if m]
+    assert len(started) == 3, started  # two, and the one restarted
     node.signal("TERM")
     assert await node.exited(60) == 0, node.tail(80)
-    for pid in pids.values():
+    for pid in started:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not node.matching("Traceback"), node.tail(80)

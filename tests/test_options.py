@@ -11,7 +11,7 @@ import pytest
 from twisted.python import usage
 
 from kcoral import cli
-from kcoral.node.front import default_front_processes
+from kcoral.node.config import default_front_processes
 from kcoral.router.service import RouterConfig
 from kcoral.taps import node as node_tap
 from kcoral.taps import router as router_tap

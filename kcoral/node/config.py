@@ -22,9 +22,18 @@ import attrs
 import yaml
 from twisted.python import usage
 
-from kcoral.node.front import default_front_processes
 from kcoral.node.restart import RestartSettings
 from kcoral.options import KCoralOptions
+
+
+def default_front_processes() -> int:
+    """
+    One process serving the gateway's gRPC port for every four cores this
+    process may run on, and at least one: the gateway alone, as on a small
+    host, where the workers and the clients need the cores more (measured:
+    C{doc/benchmarks.rst}, "Front processes").
+    """
+    return max(1, len(os.sched_getaffinity(0)) // 4)
 
 
 @attrs.frozen

@@ -17,16 +17,18 @@ gateway's, which scrapes each front process's metrics into its own.
 
 from __future__ import annotations
 
-import os
 import secrets
+import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 from twisted.application import service
 from twisted.internet.defer import DeferredList, inlineCallbacks
 
 from kcoral.node.devices import WorkerSpec
+from kcoral.node.gateway import NODE
 from kcoral.node.reporter import Reporter
 from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
@@ -42,18 +44,6 @@ FRONT_SETTINGS = ("unhealthy_threshold", "recovery_threshold", "max_status_age_s
 #: Where a front process's HTTP port is: the supervisor's probes and
 #: reports are its only clients.
 FRONT_LISTEN = "tcp:0:interface=127.0.0.1"
-#: The node, as its front processes' pools know it.
-NODE = "local"
-
-
-def default_front_processes() -> int:
-    """
-    One process serving gRPC for every four cores this process may run on,
-    and at least one: the gateway alone, as on a small host, where the
-    workers and the clients need the cores more (measured:
-    C{doc/benchmarks.rst}, "Front processes").
-    """
-    return max(1, len(os.sched_getaffinity(0)) // 4)
 
 
 def front_argv(config: RouterConfig, grpc_port: int) -> list[str]:
@@ -93,6 +83,7 @@ class FrontProcesses(service.MultiService):
         #: The node's token in its front processes, which no one else knows.
         self._token = secrets.token_urlsafe(32)
         self._reporters: dict[str, Reporter] = {}
+        self._hangup_before: Any = None
 
     def startService(self) -> None:
         port = self._grpc_port()
@@ -106,6 +97,22 @@ class FrontProcesses(service.MultiService):
                    self._reactor, self._http, on_change=self._changed,
                    env=env).setServiceParent(self)
         super().startService()
+        if self._config.client_tokens_file:
+            # The gateway reads its tokens file again on SIGHUP, and so must
+            # they: the same file, so that a token goes or comes on every
+            # process of the port at once.
+            self._hangup_before = signal.signal(signal.SIGHUP, self._hangup)
+
+    def _hangup(self, signum, frame) -> None:
+        if callable(self._hangup_before):
+            self._hangup_before(signum, frame)
+        # Between any two bytecodes: the children are signalled at the
+        # reactor's next turn.
+        self._reactor.callFromThread(self._tell_hangup)
+
+    def _tell_hangup(self) -> None:
+        for front in self:
+            front.signal("HUP")
 
     def urls(self) -> dict[str, str]:
         """The HTTP address of each front process that has one now."""
@@ -131,6 +138,8 @@ class FrontProcesses(service.MultiService):
 
     @inlineCallbacks
     def stopService(self):
+        if self._config.client_tokens_file:
+            signal.signal(signal.SIGHUP, self._hangup_before or signal.SIG_DFL)
         # The front processes drain first, told of the workers until they
         # have: their calls in flight are still being answered.
         yield super().stopService()

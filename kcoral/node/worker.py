@@ -357,6 +357,10 @@ class Worker(service.Service):
         super().stopService()
         return self._machine.stop()
 
+    def signal(self, name: str) -> None:
+        """Send the child the signal C{name} ("HUP"), when there is one."""
+        self._core.signal(name)
+
     # -- probing ------------------------------------------------------------
 
     @inlineCallbacks
