@@ -508,9 +508,14 @@ class H2Calls:
                         self.ended[event.stream_id] = {
                             "status": int(headers.get(b"grpc-status", b"-1")),
                             "message": headers.get(b"grpc-message", b"").decode(),
-                            "data": call["data"][5:], "reset": isinstance(event, StreamReset)}
+                            "data": call["data"][5:], "reset": isinstance(event, StreamReset),
+                            "request_id": headers.get(b"x-request-id")}
             self.flush()
         return [self.ended[s] for s in stream_ids]
+
+    def table(self) -> list[bytes]:
+        """The names of the headers the server has put in this connection's header table."""
+        return [name for name, _ in self._h2.decoder.header_table.dynamic_entries]
 
     def terminated(self) -> int | None:
         """Reads until the server closes the connection: the error code of its GOAWAY."""
@@ -647,6 +652,32 @@ async def test_many_calls_on_one_connection_are_each_answered(serve):
             assert ended["status"] == grpc.StatusCode.OK.value[0], ended
             doubled(ended["data"], rows)
         assert len(front.calls) == 100
+    finally:
+        calls.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_request_ids_take_no_place_in_the_header_table(serve):
+    """Each answer's trailers carry its own request id, sent as a header never indexed:
+    after 200 calls on one connection the header table holds none, and every answer's
+    headers are still there, each sent as an index."""
+    grpc_front = await serve(DoubleFront(), max_unread=256)
+    calls = H2Calls(grpc_front.port)
+
+    def call():
+        answers = []
+        for _ in range(2):
+            stream_ids = [calls.start("ModelInfer") for _ in range(100)]
+            for stream_id in stream_ids:
+                calls.send(stream_id, framed(infer_message()), end=True)
+            answers += calls.wait(*stream_ids)
+        return answers, calls.table()
+
+    try:
+        answers, table = await in_thread(call)
+        assert len({ended["request_id"] for ended in answers}) == 200, answers[:2]
+        assert all(ended["status"] == grpc.StatusCode.OK.value[0] for ended in answers)
+        assert b"x-request-id" not in table and b"content-type" in table, table
     finally:
         calls.close()
 

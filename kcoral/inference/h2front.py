@@ -49,6 +49,7 @@ from h2.events import (
 )
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes, Settings
+from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import GoAwayFrame
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
@@ -107,6 +108,13 @@ class _Ended(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
+
+
+def _request_id_header(request_id: str) -> NeverIndexedHeaderTuple:
+    """The call's request id, sent without a place in the connection's
+    header table: a value seen once would take one, pushing out the
+    headers every answer repeats, which would then be sent whole again."""
+    return NeverIndexedHeaderTuple(b"x-request-id", request_id.encode())
 
 
 def _status(code: grpc.StatusCode) -> bytes:
@@ -276,7 +284,7 @@ class _Connection(Protocol):
             return
         self._h2.send_headers(call.stream_id, _RESPONSE)
         self._send(call.stream_id, memoryview(_PREFIX.pack(0, len(message)) + message),
-                   ((b"grpc-status", _OK), (b"x-request-id", call.request_id.encode())))
+                   ((b"grpc-status", _OK), _request_id_header(call.request_id)))
         self._later()
 
     def _send(self, stream_id: int, data: memoryview, trailers) -> None:
@@ -328,7 +336,7 @@ class _Connection(Protocol):
         h2 = self._h2
         h2.send_headers(stream_id, (*_RESPONSE, (b"grpc-status", _status(why.code)),
                                     (b"grpc-message", quote(why.details, safe=_PRINTABLE).encode()),
-                                    (b"x-request-id", request_id.encode())),
+                                    _request_id_header(request_id)),
                         end_stream=True)
         if not self._closed(stream_id):
             h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
