@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -132,6 +132,20 @@ def parameter(config: type, field: str, doc: str,
     """The C{optParameters} row of C{field}'s option, its default from C{config}."""
     row = [option_name(field), None, default(config, field), doc]
     return row if coerce is None else row + [coerce]
+
+
+def options_of(config: Any, fields: Iterable[str]) -> list[str]:
+    """The command line that gives C{fields} of C{config} (an instance) as
+    they are, the way L{config_from} reads them: a flag named when set and
+    left out when not, a field that is None left out."""
+    argv: list[str] = []
+    for field in fields:
+        value = getattr(config, field)
+        if isinstance(value, bool):
+            argv += [f"--{option_name(field)}"] if value else []
+        elif value is not None:
+            argv += [f"--{option_name(field)}", str(value)]
+    return argv
 
 
 def config_from(config: type[C], options: usage.Options, **overrides: Any) -> C:

@@ -32,7 +32,7 @@ from kcoral.node.gateway import NODE
 from kcoral.node.reporter import Reporter
 from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
-from kcoral.options import option_name
+from kcoral.options import options_of
 from kcoral.router.service import RouterConfig
 from kcoral.web.auth import CLIENT_TOKEN_ENV
 
@@ -49,14 +49,10 @@ FRONT_LISTEN = "tcp:0:interface=127.0.0.1"
 def front_argv(config: RouterConfig, grpc_port: int) -> list[str]:
     """The command line of a front process of the gateway with C{config},
     whose gRPC front took C{grpc_port}."""
-    argv = [sys.executable, "-m", "kcoral", "router", "--listen", FRONT_LISTEN,
+    return [sys.executable, "-m", "kcoral", "router", "--listen", FRONT_LISTEN,
             "--host", config.host, "--grpc-port", str(grpc_port),
-            "--front-processes", str(config.front_processes)]
-    for name in FRONT_SETTINGS:
-        value = getattr(config, name)
-        if value is not None:
-            argv += [f"--{option_name(name)}", str(value)]
-    return argv
+            "--front-processes", str(config.front_processes),
+            *options_of(config, FRONT_SETTINGS)]
 
 
 class FrontProcesses(service.MultiService):

@@ -31,7 +31,7 @@ from kcoral.node.gateway import Gateway, gateway_config
 from kcoral.node.reporter import Reporters
 from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
-from kcoral.options import option_name
+from kcoral.options import options_of
 from kcoral.web.endpoint import url_of
 from kcoral.web.outgoing import Outgoing
 
@@ -56,13 +56,7 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int,
             "--gpus", spec.gpus_argument]
     if grpc_port is not None:
         argv += ["--grpc-port", str(grpc_port)]
-    for name in WORKER_SETTINGS:
-        value = getattr(server, name)
-        if isinstance(value, bool):
-            # A flag: named when set, left out when not.
-            argv += [f"--{option_name(name)}"] if value else []
-        elif value is not None:
-            argv += [f"--{option_name(name)}", str(value)]
+    argv += options_of(server, WORKER_SETTINGS)
     for name in server.load_model:
         argv += ["--load-model", name]
     if server.cache_dir:
