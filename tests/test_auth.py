@@ -154,6 +154,19 @@ def test_a_tokens_file_read_again_swaps_the_tokens(tmp_path, logged):
     assert OTHER not in text and TOKEN not in text and "fixed-token" not in text
 
 
+def test_a_tokens_file_read_again_tells_its_followers(tmp_path):
+    """Each follower is called every time the file is read again, a file that cannot be
+    read included: the processes that read the same file read it again with it."""
+    path = tmp_path / "tokens"
+    tokens = TokensFile(tokens_file(path, TOKEN), reactor=Clock())
+    told: list[str] = []
+    tokens.followers += [lambda: told.append("a"), lambda: told.append("b")]
+    tokens.reload()
+    path.unlink()
+    tokens.reload()
+    assert told == ["a", "b", "a", "b"]
+
+
 def test_a_missing_tokens_file_stops_the_service_at_start(tmp_path):
     """A tokens file that cannot be read is an error when the service is made, not an open door."""
     with pytest.raises(OSError):

@@ -18,10 +18,8 @@ gateway's, which scrapes each front process's metrics into its own.
 from __future__ import annotations
 
 import secrets
-import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 from twisted.application import service
@@ -34,7 +32,7 @@ from kcoral.node.restart import RestartPolicy, RestartSettings
 from kcoral.node.worker import Worker
 from kcoral.options import options_of
 from kcoral.router.service import RouterConfig
-from kcoral.web.auth import CLIENT_TOKEN_ENV
+from kcoral.web.auth import CLIENT_TOKEN_ENV, IGuard, TokensFile
 
 #: The gateway's settings that its front processes share.
 FRONT_SETTINGS = ("unhealthy_threshold", "recovery_threshold", "max_status_age_seconds",
@@ -61,13 +59,16 @@ class FrontProcesses(service.MultiService):
     less one: the gateway is the first), run with C{settings} by the clock
     and process spawner C{reactor}, probed and told C{report()} over the
     treq-like C{http}. They start after the gateway, on the port that
-    C{grpc_port()} says it took, and stop before it.
+    C{grpc_port()} says it took, and stop before it; they read the
+    gateway's tokens file again when its C{guard} does.
     """
 
     def __init__(self, config: RouterConfig, grpc_port: Callable[[], int | None],
-                 settings: RestartSettings, reactor, http, report: Callable[[], dict]):
+                 settings: RestartSettings, reactor, http, report: Callable[[], dict],
+                 guard: IGuard | None = None):
         super().__init__()
         self._grpc_port = grpc_port
+        self._guard = guard
         self._settings = settings
         self._reactor = reactor
         self._http = http
@@ -79,7 +80,6 @@ class FrontProcesses(service.MultiService):
         #: The node's token in its front processes, which no one else knows.
         self._token = secrets.token_urlsafe(32)
         self._reporters: dict[str, Reporter] = {}
-        self._hangup_before: Any = None
 
     def startService(self) -> None:
         port = self._grpc_port()
@@ -93,20 +93,12 @@ class FrontProcesses(service.MultiService):
                    self._reactor, self._http, on_change=self._changed,
                    env=env).setServiceParent(self)
         super().startService()
-        if self._config.client_tokens_file:
-            # The gateway reads its tokens file again on SIGHUP, and so must
-            # they: the same file, so that a token goes or comes on every
-            # process of the port at once.
-            self._hangup_before = signal.signal(signal.SIGHUP, self._hangup)
+        if isinstance(self._guard, TokensFile):
+            # When the gateway reads its tokens file again (SIGHUP), so do
+            # they: a token goes or comes on every process of the port at once.
+            self._guard.followers.append(self._read_again)
 
-    def _hangup(self, signum, frame) -> None:
-        if callable(self._hangup_before):
-            self._hangup_before(signum, frame)
-        # Between any two bytecodes: the children are signalled at the
-        # reactor's next turn.
-        self._reactor.callFromThread(self._tell_hangup)
-
-    def _tell_hangup(self) -> None:
+    def _read_again(self) -> None:
         for front in self:
             front.signal("HUP")
 
@@ -134,8 +126,8 @@ class FrontProcesses(service.MultiService):
 
     @inlineCallbacks
     def stopService(self):
-        if self._config.client_tokens_file:
-            signal.signal(signal.SIGHUP, self._hangup_before or signal.SIG_DFL)
+        if isinstance(self._guard, TokensFile) and self._read_again in self._guard.followers:
+            self._guard.followers.remove(self._read_again)
         # The front processes drain first, told of the workers until they
         # have: their calls in flight are still being answered.
         yield super().stopService()

@@ -137,7 +137,8 @@ class SupervisorService(service.MultiService):
             config = self.gateway.config
             if config.front_processes > 1:
                 self.fronts = FrontProcesses(config, self.gateway.grpc_port, settings, reactor,
-                                             self.outgoing.client, self.report)
+                                             self.outgoing.client, self.report,
+                                             self.gateway.app.client_guard)
                 self.fronts.setServiceParent(self)
                 self.gateway.fronts = self.fronts.urls
         SettledHeap().setServiceParent(self)

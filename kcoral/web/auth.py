@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from hmac import compare_digest
 from typing import Any
 
@@ -191,7 +191,9 @@ class TokensFile(service.Service):
     The client tokens of a tokens file (and C{fixed} ones, from
     C{--client-token}), read again on SIGHUP while this service runs. A
     file that cannot be read again, or holds no token, keeps the tokens in
-    force and logs why.
+    force and logs why. Each of C{followers} is called as the file is read
+    again: other processes that read the same file (a node's front
+    processes) are told to.
     """
 
     def __init__(self, path: str, fixed: Iterable[str] = (), *, reactor):
@@ -199,6 +201,7 @@ class TokensFile(service.Service):
         self._fixed = tuple(fixed)
         self._reactor = reactor
         self._previous_handler: Any = None
+        self.followers: list[Callable[[], object]] = []
         self.guard = self._read()
 
     def _read(self) -> TokenGuard:
@@ -214,6 +217,8 @@ class TokensFile(service.Service):
         return self.guard.admits(authorization)
 
     def reload(self) -> None:
+        for follower in self.followers:
+            follower()
         try:
             self.guard = self._read()
         except (OSError, ValueError) as e:
