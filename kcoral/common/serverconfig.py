@@ -59,3 +59,12 @@ class ServerConfig:
     #: Whether a batched model's row has the same output bytes whatever else
     #: is in its batch (a flag: its option gives 0 or 1).
     batch_invariant: bool = attrs.field(default=False, converter=bool)
+    #: Custom-call targets a program may hold beyond KCoral's allow-list
+    #: (kcoral.server.programcheck): the operator's own additions.
+    allow_custom_calls: tuple[str, ...] = ()
+    #: A run or inference batch still executing this long after it started
+    #: ends the process that runs it (0: no limit).
+    max_run_seconds: float = 0.0
+    #: How the process that runs programs confines itself (kcoral.sandbox):
+    #: auto, strict or off.
+    sandbox: str = "auto"

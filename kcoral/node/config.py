@@ -57,6 +57,11 @@ class NodeConfig:
     #: (L{kcoral.node.front}).
     front_processes: int = attrs.field(factory=default_front_processes)
     restart: RestartSettings = attrs.Factory(RestartSettings)
+    #: Variables of the node's environment its workers get beyond the
+    #: allow-list (kcoral.node.environment).
+    worker_env: tuple[str, ...] = ()
+    #: A command line each worker's is run under (bubblewrap, nsjail, runsc).
+    worker_wrapper: str | None = None
 
     @property
     def routers(self) -> tuple[str, ...]:
@@ -69,7 +74,7 @@ SECTIONS = {"cache": "cache-", "supervisor": ""}
 _SECTION_ALIASES = {"cache-compile-entries": "compile-cache-entries",
                     "cache-compilation-dir": "compilation-cache-dir"}
 #: Other names a node file may give a key (model_repo: the name other node supervisors use).
-_KEY_ALIASES = {"model-repo": "model-repository"}
+_KEY_ALIASES = {"model-repo": "model-repository", "allow-custom-calls": "allow-custom-call"}
 
 
 #: The gateway's public ports on a node whose workers take theirs from

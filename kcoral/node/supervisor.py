@@ -45,7 +45,8 @@ WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "que
                    "kept_idle_seconds", "compilation_cache_dir",
                    "model_repository", "model_control_mode", "repository_poll_seconds",
                    "max_batch_delay_microseconds", "batch_invariant",
-                   "tls_cert", "tls_key", "log_format", "tracing")
+                   "tls_cert", "tls_key", "log_format", "tracing", "max_run_seconds",
+                   "sandbox")
 
 
 def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int,
@@ -59,6 +60,8 @@ def worker_argv(server: ServerConfig, spec: WorkerSpec, port: int,
     argv += options_of(server, WORKER_SETTINGS)
     for name in server.load_model:
         argv += ["--load-model", name]
+    for target in server.allow_custom_calls:
+        argv += ["--allow-custom-call", target]
     if server.cache_dir:
         # One directory per worker: each keeps its own LRU accounting.
         argv += ["--cache-dir", os.path.join(server.cache_dir, spec.name)]

@@ -39,6 +39,7 @@ from kcoral.options import (
     positive,
 )
 from kcoral.router.placement import ROUTINGS
+from kcoral.sandbox import SANDBOX_MODES
 from kcoral.server.control import MODES
 from kcoral.server.service import ServerService
 from kcoral.web.auth import CLIENT_TOKEN_ENV
@@ -129,6 +130,15 @@ class NodeOptions(KCoralOptions):
         _server("client_token", CLIENT_TOKEN),
         _server("client_tokens_file", CLIENT_TOKENS_FILE),
         _server("tls_client_ca", TLS_CLIENT_CA),
+        _server("max_run_seconds", "A run or inference batch still executing this long after it "
+                "started is ended with its process: the client gets 504 run_timeout, a node's "
+                "worker is replaced, a standalone server exits with status 3 (0: no limit).",
+                non_negative(float)),
+        _server("sandbox", "How each process that runs programs confines itself: auto (every "
+                "layer the kernel offers), strict (exit 2 when one is missing) or off.",
+                OneOf(SANDBOX_MODES)),
+        _node("worker_wrapper", "A command line each worker's own is run under, e.g. "
+              "'bwrap --ro-bind / / --dev /dev --proc /proc --die-with-parent --'."),
         *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
@@ -147,6 +157,16 @@ class NodeOptions(KCoralOptions):
     def __init__(self):
         super().__init__()
         self["load-model"] = []
+        self["allow-custom-call"] = []
+        self["worker-env"] = []
+
+    def opt_allow_custom_call(self, target: str) -> None:
+        """A custom-call target programs may hold beyond KCoral's allow-list (repeat it)."""
+        self["allow-custom-call"].append(target)
+
+    def opt_worker_env(self, name: str) -> None:
+        """A variable of this environment every worker gets beyond the allow-list (repeat it)."""
+        self["worker-env"].append(name)
 
     def opt_load_model(self, name: str) -> None:
         """A model to load at start in explicit model control mode (repeat it; '*': all)."""
@@ -196,6 +216,10 @@ class NodeOptions(KCoralOptions):
             given = sorted(o for o in self.hidden if self.given(o))
             if given:
                 raise usage.UsageError(f"--{given[0]} requires --router (or several workers)")
+        if not self.supervised and (self["worker-wrapper"] or self["worker-env"]):
+            option = "worker-wrapper" if self["worker-wrapper"] else "worker-env"
+            raise usage.UsageError(f"--{option} is for a node's workers: it requires --router "
+                                   "(or several workers)")
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
 
@@ -252,13 +276,15 @@ class NodeOptions(KCoralOptions):
 
     def server_config(self, **overrides) -> ServerConfig:
         return config_from(ServerConfig, self, secured=bool(self["node-token"]),
-                           load_model=tuple(self["load-model"]), **overrides)
+                           load_model=tuple(self["load-model"]),
+                           allow_custom_calls=tuple(self["allow-custom-call"]), **overrides)
 
     def restart_settings(self) -> RestartSettings:
         return config_from(RestartSettings, self)
 
     def node_config(self) -> NodeConfig:
-        return config_from(NodeConfig, self, restart=self.restart_settings())
+        return config_from(NodeConfig, self, restart=self.restart_settings(),
+                           worker_env=tuple(self["worker-env"]))
 
 
 #: The name twistd's C{ServiceMaker} looks up in a plugin's module.
