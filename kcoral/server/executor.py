@@ -44,6 +44,7 @@ from kcoral.protocol.wire import (
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.kept import Kept, KeptStore
+from kcoral.server.programcheck import ProgramCheck
 from kcoral.server.upload_cache import CacheMetrics, UploadCache
 from kcoral.tracing import NO_SPAN, ISpan
 
@@ -67,6 +68,13 @@ class ExecutorMetrics:
         self.execution_seconds = Histogram("kcoral_execution_seconds", "Time spent running programs",
                                            buckets=SECONDS_BUCKETS, registry=registry)
         self.caches = CacheMetrics(registry)
+        self.programs_rejected = Counter(
+            "kcoral_programs_rejected", "Programs refused before they were compiled, by why: a "
+            "custom_call target or an op not allowed, or a module that could not be read",
+            ["reason"], registry=registry)
+
+    def rejected(self, why: str) -> None:
+        self.programs_rejected.labels(why).inc()
 
 
 def _select_platform(gpus: str, devices: int) -> None:
@@ -100,7 +108,8 @@ def gpu_target_of(device) -> str:
 class Executor:
     def __init__(self, *, uploads: UploadCache, compiled: CompileCache, placed: DeviceCache,
                  metrics: ExecutorMetrics, gpus: str = "0", devices: int = 1,
-                 compilation_cache_dir: str | None = None, kept: KeptStore | None = None):
+                 compilation_cache_dir: str | None = None, kept: KeptStore | None = None,
+                 check: ProgramCheck | None = None):
         self._uploads = uploads
         #: The arrays runs kept on this server's devices.
         self.kept = KeptStore() if kept is None else kept
@@ -110,6 +119,9 @@ class Executor:
         self._gpus = gpus
         self._count = devices
         self._compilation_cache_dir = compilation_cache_dir
+        #: Reads each program before it is compiled (once per digest: the
+        #: programs it passed are kept below).
+        self._check = check or ProgramCheck(rejected=metrics.rejected)
         self._programs: cachetools.LRUCache = cachetools.LRUCache(64)
         self._programs_lock = threading.Lock()
         # Bound once: labels() costs a lock and a dict lookup on every run.
@@ -175,15 +187,10 @@ class Executor:
         return blob.data
 
     def _exported(self, digest: str, serialized):
-        from jax import export
-
         with self._programs_lock:
             exported = self._programs.get(digest)
         if exported is None:
-            try:
-                exported = export.deserialize(bytearray(serialized))
-            except Exception as e:
-                raise ProgramRejected(f"the program could not be deserialized: {e}") from None
+            exported = self._check.deserialize(serialized)
             with self._programs_lock:
                 self._programs[digest] = exported
         return exported

@@ -21,10 +21,12 @@ import numpy as np
 from twisted.logger import Logger
 
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
+from kcoral.errors import ProgramRejected
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
 from kcoral.models.versions import VersionError, is_model, served_versions, stamp
 from kcoral.server.invariant import COUNT_DTYPE, row_by_row, row_size
+from kcoral.server.programcheck import ProgramCheck
 
 log = Logger()
 
@@ -132,16 +134,18 @@ class ModelRepository:
     its folder (L{kcoral.models.versions}). A model that cannot load is
     listed UNAVAILABLE with its reason; the others are served.
 
-    C{observe_compile} is given the seconds of each compile. With
+    C{observe_compile} is given the seconds of each compile; C{check} reads
+    each program before it is compiled (L{kcoral.server.programcheck}). With
     C{batch_invariant}, a batched model's row has the same outputs, byte for
     byte, whatever else is in its batch (L{kcoral.server.invariant}).
     """
 
     def __init__(self, path: str | os.PathLike, *,
                  observe_compile: Callable[[float], None] = lambda seconds: None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, check: ProgramCheck | None = None):
         self.path = os.fspath(path)
         self._observe_compile = observe_compile
+        self._check = check or ProgramCheck()
         self._batch_invariant = batch_invariant
         #: Each model's versions, by name and version.
         self._models: dict[str, dict[int, LoadedModel | ModelStatus]] = {}
@@ -285,10 +289,9 @@ class ModelRepository:
         placed = tuple(jax.device_put(bundle.params, device))
         for program in manifest.programs:
             try:
-                exported = jax.export.deserialize(bytearray(bundle.programs[program.file]))
-            except Exception as e:
-                raise _Unavailable(f"{program.file}: not a jax.export program: "
-                                   f"{_first_line(e)}") from None
+                exported = self._check.deserialize(bundle.programs[program.file], program.file)
+            except ProgramRejected as e:
+                raise _Unavailable(str(e)) from None
             _check_signature(program.file, exported, manifest, params)
             if not invariant:
                 for size in program.batch_sizes or (0,):

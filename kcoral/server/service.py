@@ -32,6 +32,7 @@ from kcoral.server.inference import InferenceMetrics, ServerInference, Slots
 from kcoral.server.invariant import deterministic_flags
 from kcoral.server.kept import KeptStore, kept_metrics
 from kcoral.server.models import ModelRepository, RepositoryError
+from kcoral.server.programcheck import ProgramCheck
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
@@ -62,6 +63,10 @@ class ServerService(service.MultiService):
             os.environ["XLA_FLAGS"] = deterministic_flags(os.environ.get("XLA_FLAGS", ""))
         registry = CollectorRegistry()
         metrics = ExecutorMetrics(registry)
+        check = ProgramCheck.with_additions(config.allow_custom_calls, metrics.rejected)
+        if config.allow_custom_calls:
+            log.warn("programs may also call the custom-call targets {targets} "
+                     "(--allow-custom-call)", targets=", ".join(config.allow_custom_calls))
         self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
         uploads = UploadCache(config.cache_memory_bytes, metrics.caches,
                               config.cache_dir, config.cache_disk_bytes)
@@ -75,14 +80,14 @@ class ServerService(service.MultiService):
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
                                  devices=config.devices_per_worker,
-                                 compilation_cache_dir=config.compilation_cache_dir)
+                                 compilation_cache_dir=config.compilation_cache_dir, check=check)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
         guard = client_guard(config, reactor)
         #: The models every worker loads before it is ready (None: no repository).
         self.repository = None if config.model_repository is None else ModelRepository(
             config.model_repository, observe_compile=metrics.compile_seconds.observe,
-            batch_invariant=config.batch_invariant)
+            batch_invariant=config.batch_invariant, check=check)
         #: Which of them it serves, and how that changes (None: no repository).
         self.control = None if self.repository is None else ModelControl(
             self.repository, mode=config.model_control_mode, load_models=config.load_model,

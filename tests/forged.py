@@ -1,0 +1,102 @@
+"""
+Programs forged as a hostile client forges them: a harmless C{jax.export}
+whose StableHLO module is replaced by one written here, then serialized as
+JAX serializes any program. Nothing on the client's side checks them, and
+they pass C{jax.export.deserialize} unchanged.
+
+Each module takes C{x: f32[4]} and returns C{f32[4]}, exported for the CPU
+and CUDA: the forged operation stands in C{main} itself (every platform) or
+in the CUDA branch alone, which a CPU worker never executes but must still
+refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: The operations a worker refuses, and a harmless one, each as the lines
+#: that read C{%x} and define C{%f}.
+OPS = {
+    "stablehlo.infeed": [
+        '%tok = stablehlo.after_all : !stablehlo.token',
+        ('%f, %t2 = "stablehlo.infeed"(%tok) {infeed_config = ""} : '
+         '(!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)')],
+    "stablehlo.outfeed": [
+        '%tok = stablehlo.after_all : !stablehlo.token',
+        ('%t2 = "stablehlo.outfeed"(%x, %tok) {outfeed_config = ""} : '
+         '(tensor<4xf32>, !stablehlo.token) -> !stablehlo.token'),
+        '%f = stablehlo.add %x, %x : tensor<4xf32>'],
+    "stablehlo.send": [
+        '%tok = stablehlo.after_all : !stablehlo.token',
+        ('%t2 = "stablehlo.send"(%x, %tok) {channel_handle = #stablehlo.channel_handle<handle = 1, '
+         'type = 2>, is_host_transfer = true} : (tensor<4xf32>, !stablehlo.token) -> !stablehlo.token'),
+        '%f = stablehlo.add %x, %x : tensor<4xf32>'],
+    "stablehlo.recv": [
+        '%tok = stablehlo.after_all : !stablehlo.token',
+        ('%f, %t2 = "stablehlo.recv"(%tok) {channel_handle = #stablehlo.channel_handle<handle = 2, '
+         'type = 3>, is_host_transfer = true} : (!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)')],
+}
+HARMLESS = ['%f = stablehlo.add %x, %x : tensor<4xf32>']
+#: Where the forged lines stand.
+PLACES = ("main", "cuda branch")
+
+
+def custom_call(target: str, index: int = 0) -> list[str]:
+    """A custom call of C{target} with the configuration JAX's host
+    callbacks read (C{index}: which callback, an unchecked offset)."""
+    return [(f'%f = "stablehlo.custom_call"(%x) {{call_target_name = {mlir_string(target)}, '
+            f'api_version = 4 : i32, backend_config = {{index = {index} : ui64}}}} : '
+            '(tensor<4xf32>) -> tensor<4xf32>')]
+
+
+def mlir_string(text: str) -> str:
+    """C{text} as an MLIR string literal: printable ASCII as it is, every
+    other byte of its UTF-8 as C{\\XX}."""
+    return '"' + "".join(chr(b) if 32 <= b < 127 and b not in b'"\\' else f"\\{b:02X}"
+                         for b in text.encode()) + '"'
+
+
+def module_text(lines: list[str], place: str = "main") -> str:
+    """The module with C{lines} at C{place}: in C{main}, or in the CUDA
+    branch of a C{case} on the platform index (the CPU branch doubles C{x})."""
+    def body(indent: str, result: str) -> str:
+        return "".join(f"{indent}{line}\n" for line in lines) + f"{indent}{result} %f : tensor<4xf32>\n"
+
+    if place == "main":
+        inner = body("    ", "return")
+    else:
+        inner = ('    %r = "stablehlo.case"(%p) ({\n'
+                 + "".join(f"      {line}\n" for line in HARMLESS)
+                 + "      stablehlo.return %f : tensor<4xf32>\n    }, {\n"
+                 + body("      ", "stablehlo.return")
+                 + "    }) : (tensor<i32>) -> tensor<4xf32>\n    return %r : tensor<4xf32>\n")
+    return ("module @forged attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {\n"
+            '  func.func public @main(%p: tensor<i32> {jax.global_constant = "_platform_index"}, '
+            "%x: tensor<4xf32>) -> (tensor<4xf32>) {\n"
+            + inner + "  }\n}\n")
+
+
+def forge(lines: list[str], place: str = "main", exempt: tuple = ()) -> bytes:
+    """
+    The serialized program of the module with C{lines} at C{place}, whose
+    C{disabled_safety_checks} claim C{exempt} (C{jax.export.DisabledSafetyCheck}s).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax.extend import mlir
+    from jax.extend.mlir import ir
+    from jax.extend.mlir.dialects import chlo, sdy, stablehlo
+
+    carrier = export.export(jax.jit(lambda x: x + x), platforms=("cpu", "cuda"))(
+        jax.ShapeDtypeStruct((4,), jnp.float32))
+    with ir.Context() as context, ir.Location.unknown():
+        for dialect in (stablehlo, chlo, sdy):
+            dialect.register_dialect(context)
+        # Reading the carrier's module loads every dialect its text needs
+        # (func among them, which has no registration of its own here).
+        mlir.deserialize_portable_artifact(carrier.mlir_module_serialized)
+        module = ir.Module.parse(module_text(lines, place))
+        serialized = mlir.serialize_portable_artifact(module, stablehlo.get_current_version())
+    return bytes(dataclasses.replace(carrier, mlir_module_serialized=serialized,
+                                     disabled_safety_checks=tuple(exempt)).serialize())
