@@ -16,12 +16,13 @@ from kcoral.errors import (
     ProgramExportError,
     ProgramFailed,
     ProgramRejected,
+    RunTimeout,
     ServerBusy,
 )
 
 __all__ = ["ArrayLost", "AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure",
            "NotFound", "Program", "ProgramExportError", "ProgramFailed", "ProgramRejected", "RemoteArray",
-           "ServerBusy", "__version__", "export_bundle"]
+           "RunTimeout", "ServerBusy", "__version__", "export_bundle"]
 
 
 def __getattr__(name: str):

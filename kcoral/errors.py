@@ -19,7 +19,7 @@ class KCoralError(Exception):
     @ivar type: the stable machine-readable name sent in the JSON body.
     @ivar reason: a finer reason (for 503: C{queue_full}, C{queue_timeout},
         C{no_ready_node}, C{draining}; for 422: C{not_enough_devices},
-        C{arrays_apart}).
+        C{arrays_apart}; for 504: C{run_timeout}).
     @ivar request_id: the request id the service reported, if any.
     @ivar relayed: whether another KCoral process answered it (and logged
         it): a front that passes it on need not log it again.
@@ -174,6 +174,20 @@ class InternalError(ProgramFailed):
     type = "internal_error"
 
 
+class RunTimeout(ProgramFailed):
+    """504, reason C{run_timeout}: the run, or the inference batch it was in,
+    was still executing the server's C{--max-run-seconds} after it started,
+    and the process running it was ended. Never run again by a Router: a
+    second run would take as long."""
+
+    status = 504
+    type = "run_timeout"
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("reason", "run_timeout")
+        super().__init__(message, **kwargs)
+
+
 class NodeFailure(KCoralError):
     """502: the node was lost after the request may have started."""
 
@@ -209,6 +223,7 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
     KeptMemoryFull,
     NodeFailure,
     ServerBusy,
+    RunTimeout,
 )
 
 #: Every error a KCoral service answers: the client's, and finer ones that a

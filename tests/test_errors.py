@@ -22,6 +22,7 @@ from kcoral.errors import (
     ProgramExportError,
     ProgramFailed,
     ProgramRejected,
+    RunTimeout,
     ServerBusy,
     error_body,
     error_from_answer,
@@ -36,6 +37,7 @@ DOCUMENTED_TABLE = {
     500: ProgramFailed,
     502: NodeFailure,
     503: ServerBusy,
+    504: RunTimeout,
 }
 
 
@@ -50,7 +52,7 @@ def test_status_codes_map_to_the_spec_exceptions(status, cls):
 def test_public_exceptions_are_importable_from_kcoral():
     """The public exceptions are KCoralErrors importable from kcoral; ProgramExportError is a ValueError."""
     for name in ("KCoralError", "ServerBusy", "NodeFailure", "ProgramRejected", "ProgramFailed",
-                 "BadRequest", "ProgramExportError"):
+                 "BadRequest", "ProgramExportError", "RunTimeout"):
         assert issubclass(getattr(kcoral, name), kcoral.KCoralError)
     assert issubclass(ProgramExportError, ValueError)
 
@@ -73,6 +75,22 @@ def test_error_body_round_trip(status):
     assert "rid-1" in str(back)
 
 
+def test_a_run_timeout_is_a_program_failure_with_its_reason():
+    """A 504 run_timeout rebuilds as RunTimeout, caught as the ProgramFailed it refines."""
+    back = error_from_body(504, error_body(RunTimeout("still running"), "slow-1"), "")
+    assert type(back) is RunTimeout and isinstance(back, ProgramFailed)
+    assert (back.reason, back.request_id) == ("run_timeout", "slow-1")
+
+
+def test_a_run_timeout_is_deadline_exceeded_over_grpc():
+    """A gRPC client of a run timeout gets DEADLINE_EXCEEDED."""
+    import grpc
+
+    from kcoral.inference.grpcmethods import status_code_of
+
+    assert status_code_of(RunTimeout("still running")) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def test_missing_digests_survive_the_round_trip():
     """A 409's missing digests are in its JSON body and on the MissingContent rebuilt from it."""
     error = MissingContent("gone", details={"missing": ["a" * 64, "b" * 64]})
@@ -90,7 +108,7 @@ def test_busy_reason_is_kept():
 
 
 @pytest.mark.parametrize("status, cls", [(418, BadRequest), (421, BadRequest), (451, BadRequest),
-                                         (501, ProgramFailed), (504, ProgramFailed)])
+                                         (501, ProgramFailed), (505, ProgramFailed)])
 def test_unknown_statuses_fall_back_by_class(status, cls):
     """An unknown 4xx rebuilds as BadRequest and an unknown 5xx as ProgramFailed."""
     assert type(error_from_body(status, {"error": {"message": "x"}}, "")) is cls

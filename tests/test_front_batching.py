@@ -403,10 +403,12 @@ def test_a_merged_request_that_may_fail_for_one_member_is_sent_again_member_by_m
     assert front.pool.active() == 0
 
 
-def test_a_merged_request_that_fails_for_want_of_capacity_fails_each_member_alike():
-    """Any other failure of a merged request (here a 502) is what each member would have
+@pytest.mark.parametrize("code", [502, 504])
+def test_a_merged_request_that_fails_for_want_of_capacity_fails_each_member_alike(code):
+    """Any other failure of a merged request (a 502: its node lost; a 504: the batch passed
+    the worker's run limit, as each member's rows would) is what each member would have
     met alone: each gets it, and none is sent again."""
-    front = Front(ModelWorker(code=502))
+    front = Front(ModelWorker(code=code))
     front.infer(*request(rows(1, 0)))
     front.turn()
     outcomes = [front.infer(*request(rows(1, i)))[1] for i in range(3)]
@@ -416,7 +418,7 @@ def test_a_merged_request_that_fails_for_want_of_capacity_fails_each_member_alik
         front.turn()
     assert front.worker.rows == [1, 3]
     errors = [o[0] for o in outcomes]
-    assert all(isinstance(e, KCoralError) and e.status == 502 for e in errors)
+    assert all(isinstance(e, KCoralError) and e.status == code for e in errors)
     assert len({(e.status, e.message) for e in errors}) == 1
 
 

@@ -8,6 +8,7 @@ L{tests.test_server}.
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -15,17 +16,19 @@ import pytest_twisted
 from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.python.threadpool import ThreadPool
 from twisted.web.resource import Resource
 
 from kcoral.common.queue import WaitQueue
+from kcoral.errors import RunTimeout
 from kcoral.protocol.wire import ALIGN, MAGIC, PREFIX, PROGRAM_HEADER, encode_request, sha256, wire_array
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
 from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
+from kcoral.server.runlimit import NO_RUN_LIMIT, RunLimit, RunTimer
 from kcoral.server.upload_cache import UploadCache
 from kcoral.web.request import RequestBody
 
@@ -55,7 +58,8 @@ class AsKCoralSite(Resource):
 class Harness:
     """A ServerApp on a fake clock, served by StubTreq."""
 
-    def __init__(self, *, capacity=2, waiting=4, timeout=30.0, reactor=None, threadpool=None):
+    def __init__(self, *, capacity=2, waiting=4, timeout=30.0, reactor=None, threadpool=None,
+                 run_limit=NO_RUN_LIMIT):
         self.clock = reactor if reactor is not None else Clock()
         self.registry = CollectorRegistry()
         metrics = ExecutorMetrics(self.registry)
@@ -66,7 +70,7 @@ class Harness:
         self.admission = Admission(capacity, WaitQueue(self.clock, waiting, timeout))
         self.app = ServerApp(executor=executor, admission=self.admission,
                              threadpool=threadpool or ThreadPool(), reactor=self.clock,
-                             registry=self.registry)
+                             registry=self.registry, run_limit=run_limit)
         self.resource = AsKCoralSite(self.app.resource())
         self.treq = StubTreq(self.resource)
 
@@ -362,3 +366,51 @@ async def test_content_that_does_not_match_its_digest_is_400(threaded):
     assert "does not match its digest" in info["message"]
     assert "d" * 64 not in threaded.uploads
     assert threaded.admission.active == 0
+
+
+# -- the run limit, on the one path of runs and inference batches to the device ----
+
+@pytest.fixture
+def limited(reactor):
+    """A server of one thread whose runs may execute 0.05 s, and the request ids that passed it."""
+    pool = ThreadPool(minthreads=1, maxthreads=1, name="test-limited")
+    pool.start()
+    passed: list[str] = []
+    harness = Harness(reactor=reactor, threadpool=pool,
+                      run_limit=RunLimit(0.05, reactor, passed.append))
+    harness.app.status = OK
+    yield harness, passed
+    pool.stop()
+
+
+def run_timers(reactor) -> list:
+    return [c for c in reactor.getDelayedCalls() if isinstance(getattr(c.func, "__self__", None),
+                                                                RunTimer)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_thread_past_the_limit_is_answered_while_it_holds_its_slot(limited, reactor):
+    """Work still on its thread past the limit is answered RunTimeout at once; its slot stays held."""
+    harness, passed = limited
+    stuck = threading.Event()
+    await harness.app.admitted("stuck-1")
+    answer = harness.app.in_thread("stuck-1", stuck.wait, 30)
+    try:
+        with pytest.raises(RunTimeout) as timed_out:
+            await answer.addTimeout(30, reactor)
+        assert timed_out.value.request_id == "stuck-1"
+        # The server is told once the answer is out, in the same turn.
+        await deferLater(reactor, 0, lambda: None)
+        assert passed == ["stuck-1"] and harness.admission.active == 1
+    finally:
+        stuck.set()
+    await harness.admission.idle().addTimeout(30, reactor)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_thread_done_in_time_leaves_no_timer(limited, reactor):
+    """Work done within the limit is answered, and its timer is gone with it."""
+    harness, passed = limited
+    await harness.app.admitted("quick-1")
+    assert await harness.app.in_thread("quick-1", lambda: 42).addTimeout(30, reactor) == 42
+    assert run_timers(reactor) == [] and passed == []

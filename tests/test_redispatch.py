@@ -3,15 +3,18 @@ Re-dispatch in the Router's forward loop (L{kcoral.router.forward}), with fake
 workers behind C{treq.testing.StubTreq} on a fake clock: a run whose client
 sends C{X-KCoral-Redispatch: true} is run again after the loss of its node,
 up to C{max_redispatches} times and with the same request id; without it the
-loss stays a 502.
+loss stays a 502. A run that passed its worker's run limit (504
+C{run_timeout}) is answered, and never sent again.
 """
 
 from __future__ import annotations
 
+import json
+
 from twisted.web.http_headers import Headers
 
 from kcoral.common.report import parse_report
-from kcoral.errors import NodeFailure
+from kcoral.errors import NodeFailure, RunTimeout, error_body
 from kcoral.protocol.wire import REDISPATCH_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.router.call import Call
 from kcoral.web.body import MemoryBody
@@ -109,3 +112,15 @@ def test_the_same_node_runs_it_again_once_it_is_reported_back():
     routed.client.flush()
     assert done[0][0] == "ok" and done[0][1].body == b"ran"
     assert len(routed.client.requests) == 2
+
+
+def test_a_run_timeout_is_passed_on_and_never_run_again():
+    """A member's 504 run_timeout is the client's answer as it came, sent nowhere else, even
+    to a client that allows a second run."""
+    body = json.dumps(error_body(RunTimeout("still running"), "redispatched-1")).encode()
+    routed = Routed("10.0.0.1", "10.0.0.2")
+    workers = {"10.0.0.1": FakeWorker(504, body), "10.0.0.2": FakeWorker(504, body)}
+    done = forward(routed, routed.serve(**workers), Redispatched())
+    kind, answer = done[0]
+    assert kind == "ok" and (answer.code, answer.body) == (504, body)
+    assert len(routed.client.requests) == 1 and routed.pool.active() == 0

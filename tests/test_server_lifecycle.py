@@ -3,8 +3,8 @@ Integration tests that start their own C{kcoral server} processes: restarts
 (the client resends what the new process lacks), the disk cache across a
 restart, a server with capacity 1, a queue of 1 and a small body limit (413,
 503 queue_full, dropping a queued request whose client left, health while a
-program runs), draining on SIGTERM, and the
-command's exit statuses.
+program runs), draining on SIGTERM, a run past --max-run-seconds (504,
+then exit status 3), and the command's exit statuses.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool
 
-from kcoral import AsyncClient, BadRequest, Client, Program, ServerBusy
+from kcoral import AsyncClient, BadRequest, Client, Program, RunTimeout, ServerBusy
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
 from tests.conftest import server_args, server_env
@@ -325,6 +325,35 @@ async def test_sigterm_drains_and_exits_zero(start_server, spin):
         await late_client.close()
     assert server.process.matching(r"too-late answered 503 server_busy")
     assert server.process.matching(r"kcoral server stopped")
+    assert not server.process.matching(r"Traceback")
+
+
+# -- the run limit -----------------------------------------------------------------------
+
+#: The largest count the spin program takes: a minute of running here, far
+#: past a limit of a second.
+FOREVER = np.int32(2**31 - 1)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_run_past_the_limit_is_504_and_the_server_exits_3(start_server, spin):
+    """With --max-run-seconds 1, a run that would take a minute is answered 504 run_timeout
+    with its request id about a second after it started; then the server exits with status 3."""
+    program, _, x = spin
+    server = await start_server("--max-run-seconds", "1")
+    client = AsyncClient(server.url, busy_timeout=0)
+    try:
+        sent = reactor.seconds()
+        with pytest.raises(RunTimeout) as timed_out:
+            await client.run(program, FOREVER, x, request_id="forever-1")
+        waited = reactor.seconds() - sent
+    finally:
+        await client.close()
+    assert (timed_out.value.reason, timed_out.value.request_id) == ("run_timeout", "forever-1")
+    assert 1.0 <= waited < 5.0, waited
+    assert await server.process.exited(30) == 3
+    assert server.process.matching(r"forever-1 was still running 1 s after it started "
+                                   r"\(--max-run-seconds\)")
     assert not server.process.matching(r"Traceback")
 
 

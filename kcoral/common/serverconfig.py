@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import attrs
 
+#: The status a server exits with once a run passed its C{max_run_seconds}:
+#: its supervisor (a node's, systemd, a container runtime) starts it again.
+RUN_TIMEOUT_EXIT_STATUS = 3
+
 
 @attrs.frozen
 class ServerConfig:

@@ -44,6 +44,7 @@ _CODES = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
     507: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 

@@ -36,6 +36,7 @@ from kcoral.server.admission import Admission
 from kcoral.server.executor import Executor
 from kcoral.server.inference import ServerInference
 from kcoral.server.kept import lost_error
+from kcoral.server.runlimit import NO_RUN_LIMIT, RunLimit
 from kcoral.tracing import NO_SPAN, NO_TRACING, ISpan, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import IGuard, trusted
@@ -56,7 +57,8 @@ class ServerApp:
     def __init__(self, *, executor: Executor, admission: Admission, threadpool, reactor,
                  registry: CollectorRegistry, tracing: ITracing = NO_TRACING,
                  client_guard: IGuard | None = None,
-                 inference: Callable[[ServerApp], ServerInference] | None = None):
+                 inference: Callable[[ServerApp], ServerInference] | None = None,
+                 run_limit: RunLimit = NO_RUN_LIMIT):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
@@ -65,6 +67,8 @@ class ServerApp:
         #: What runs need (None: nothing).
         self.client_guard = client_guard
         self.tracing = tracing
+        #: How long a run may execute (by default, for ever).
+        self.run_limit = run_limit
         self.status = STARTING
         #: When the last run arrived (reactor seconds), for the drain's quiet period.
         self.last_run_at: float | None = None
@@ -246,15 +250,21 @@ class ServerApp:
         The result of C{f(*args)} on a worker thread, holding its admission
         slot until the thread is done. Cancelling the result (the client went
         away) does not stop the work, which a device cannot interrupt: the
-        slot stays taken until it ends, and its answer is dropped.
+        slot stays taken until it ends, and its answer is dropped. Past
+        the run limit it fails with L{kcoral.errors.RunTimeout}
+        (L{kcoral.server.runlimit}).
         """
         answer: Deferred = Deferred()
+        timer = self.run_limit.timer(rid, answer)
 
         def ran(ok: bool, result) -> None:
             # On the reactor, once the worker thread is done (result: a Failure if not ok).
+            timer.stop()
             self.admission.release()
             if answer.called:
-                log.info("{request_id} answer dropped: the client went away", request_id=rid)
+                log.info("{request_id} answer dropped: {why}", request_id=rid,
+                         why="it had passed the run limit" if timer.passed
+                         else "the client went away")
             elif ok:
                 answer.callback(result)
             elif result.check(KCoralError):
@@ -266,5 +276,5 @@ class ServerApp:
         # Not deferToThreadPool: its Deferred, cancelled, would fire at once,
         # and the slot of a run still on the device would be freed with it.
         self._threadpool.callInThreadWithCallback(
-            lambda ok, result: self._reactor.callFromThread(ran, ok, result), f, *args)
+            lambda ok, result: self._reactor.callFromThread(ran, ok, result), timer.timed(f), *args)
         return answer

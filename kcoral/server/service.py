@@ -10,7 +10,7 @@ import os
 from prometheus_client import CollectorRegistry
 from twisted.application import service
 from twisted.application.internet import TimerService
-from twisted.internet.defer import inlineCallbacks
+from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -18,7 +18,7 @@ from twisted.python.threadpool import ThreadPool
 
 from kcoral.common.announce import announce
 from kcoral.common.queue import WaitQueue
-from kcoral.common.serverconfig import ServerConfig
+from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS, ServerConfig
 from kcoral.heap import settle
 from kcoral.inference.h2front import GrpcFront
 from kcoral.metrics import HttpMetrics
@@ -33,6 +33,7 @@ from kcoral.server.invariant import deterministic_flags
 from kcoral.server.kept import KeptStore, kept_metrics
 from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.programcheck import ProgramCheck
+from kcoral.server.runlimit import RunLimit
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
@@ -47,6 +48,9 @@ log = Logger()
 ROUTES = frozenset({"/health", "/readyz", "/metrics"})
 #: Once drained, a server closes its port only after this long without a new run.
 DRAIN_QUIET_SECONDS = 0.5
+#: Once a run passed --max-run-seconds, how long the answers already written
+#: (its 504 first) get to leave before the process exits.
+EXIT_GRACE_SECONDS = 1.0
 
 
 class ServerService(service.MultiService):
@@ -68,6 +72,9 @@ class ServerService(service.MultiService):
             log.warn("programs may also call the custom-call targets {targets} "
                      "(--allow-custom-call)", targets=", ".join(config.allow_custom_calls))
         self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
+        self._timed_out = metrics.executions.labels("timeout")
+        #: Set once a run passed the limit: the process is ending.
+        self._ending: Deferred | None = None
         uploads = UploadCache(config.cache_memory_bytes, metrics.caches,
                               config.cache_dir, config.cache_disk_bytes)
         kept = KeptStore(config.kept_bytes, config.kept_idle_seconds, now=reactor.seconds)
@@ -110,7 +117,8 @@ class ServerService(service.MultiService):
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
                              tracing=tracing_for(config.tracing, "kcoral-server"),
-                             client_guard=guard, inference=inference)
+                             client_guard=guard, inference=inference,
+                             run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long))
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
@@ -122,12 +130,15 @@ class ServerService(service.MultiService):
         self.listener = DrainingListener("kcoral server", address, reactor, site, self._drain,
                                          secured)
         self.listener.setServiceParent(self)
+        self.grpc: GrpcFront | None = None
         if config.grpc_port is not None:
             assert self.app.inference is not None  # a server always serves the protocol
-            GrpcFront(self.app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
-                      max_message_bytes=config.max_request_bytes, guard=guard,
-                      tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
-                      else None, client_ca=config.tls_client_ca).setServiceParent(self)
+            self.grpc = GrpcFront(
+                self.app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
+                max_message_bytes=config.max_request_bytes, guard=guard,
+                tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
+                else None, client_ca=config.tls_client_ca)
+            self.grpc.setServiceParent(self)
 
     def privilegedStartService(self):
         super().privilegedStartService()
@@ -193,3 +204,27 @@ class ServerService(service.MultiService):
         yield super().stopService()
         self._threadpool.stop()
         log.info("kcoral server stopped")
+
+    def _ran_too_long(self, rid: str) -> None:
+        """The run C{rid} passed the run limit, and is answered: the
+        process ends, its ports closed first (answers already written
+        leave), for its supervisor to start a fresh one."""
+        self._timed_out.inc()
+        if self._ending is not None:
+            return
+        self.app.status = DRAINING
+        closing = [self.listener.close(EXIT_GRACE_SECONDS)]
+        if self.grpc is not None:
+            closing.append(self.grpc.stopService(EXIT_GRACE_SECONDS))
+        self._ending = DeferredList(closing, consumeErrors=True)
+        self._ending.addCallback(self._exit)
+
+    def _exit(self, _) -> None:
+        log.warn("kcoral server exiting with status {status}: a run passed --max-run-seconds",
+                 status=RUN_TIMEOUT_EXIT_STATUS)
+        # Not the reactor's stop: its shutdown joins the worker threads (the
+        # service's and the reactor's), and the one still inside XLA never
+        # returns. Nothing is left to flush: the answers are out (or their
+        # clients gave up reading them) and each log line was flushed as it
+        # was written (twisted.logger's file observers flush every event).
+        os._exit(RUN_TIMEOUT_EXIT_STATUS)

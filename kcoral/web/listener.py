@@ -79,10 +79,22 @@ class DrainingListener(service.Service):
             if stop_keep_alive is not None:
                 stop_keep_alive()
         yield self._drain()
+        yield self.close(CLOSE_TIMEOUT_SECONDS)
+
+    @inlineCallbacks
+    def close(self, timeout: float):
+        """
+        Stop listening, and close each open connection once the answer to
+        its request in progress, if any, is written; fires once all are
+        closed, those still open after C{timeout} seconds aborted. It does
+        not drain: a process that must end whatever its requests do calls
+        it alone.
+        """
         if self.port is not None:
-            yield self.port.stopListening()
+            port, self.port = self.port, None
+            yield port.stopListening()
         # The last answers may still sit in their connections' buffers: the
         # reactor's shutdown would drop them, so close connections gracefully.
         close = getattr(self._factory, "close_connections", None)
         if close is not None:
-            yield close(CLOSE_TIMEOUT_SECONDS)
+            yield close(timeout)
