@@ -8,7 +8,9 @@ on each worker; a worker killed with SIGKILL under load is restarted while
 the other keeps serving, and the node's capacity comes back; under a Router
 the node reports both workers, which the Router schedules directly; the
 gateway's C{/metrics} holds every worker's series with a C{worker} label and
-parses; SIGTERM, or Ctrl+C to the whole process group, under load loses no
+parses; a run past C{--max-run-seconds} is a 504 through the gateway, its
+worker replaced at once, the node whole again and SIGTERM's exit 0 after it;
+SIGTERM, or Ctrl+C to the whole process group, under load loses no
 request and exits 0; children's lines arrive whole with their C{[workerN]}
 prefix; the node file (C{--config}): its settings, the command line winning,
 and its one-line errors.
@@ -37,7 +39,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import DeferredList, ensureDeferred
 
-from kcoral import AsyncClient, KCoralError, NodeFailure, Program
+from kcoral import AsyncClient, KCoralError, NodeFailure, Program, RunTimeout
 from procstat import OutsideLoad  # bench/procstat.py (tests/conftest.py)
 from tests import programs
 from tests.harness import ChildProcess, ProcessGroup, kcoral_argv, until
@@ -484,6 +486,41 @@ async def test_sigkill_one_worker_under_load(nodes, spin, quick):
                                 for i in range(4)], fireOnOneErrback=True, consumeErrors=True)
     assert all(ok for ok, _ in again)
     assert await executions(urls["worker0"]) >= 1
+
+
+# -- a run past the limit ----------------------------------------------------------------------
+
+@pytest_twisted.ensureDeferred
+async def test_a_run_past_the_limit_replaces_its_worker(nodes, spin, quick):
+    """With --max-run-seconds 1, a run that would take a minute is a 504 run_timeout through
+    the gateway, never sent again though its client allows it; its worker exits 3 and is
+    started again at once; the node is whole again and serves; SIGTERM then exits 0."""
+    node = await nodes(node_args("--max-run-seconds", "1"), name="limit-node")
+    first = node.pids()
+    mark = node.process.mark()
+    client = AsyncClient(node.url, busy_timeout=0, redispatch=True)
+    try:
+        with pytest.raises(RunTimeout) as timed_out:
+            await client.run(spin.program, np.int32(2**31 - 1), spin.x, request_id="forever-1")
+    finally:
+        await client.close()
+    assert (timed_out.value.reason, timed_out.value.request_id) == ("run_timeout", "forever-1")
+    ended = await node.process.wait_for_line(
+        r"(?P<worker>worker\d) exited with status 3 \(a run passed --max-run-seconds\); "
+        r"restarting in 0\.0s", 30, since=mark)
+    victim = ended.group("worker")
+    await node.until_full()
+    second = node.pids()
+    assert second[victim] != first[victim]
+    assert {w: p for w, p in second.items() if w != victim} == \
+        {w: p for w, p in first.items() if w != victim}
+    assert await run(node.url, quick, np.float32(3), request_id="after-1", busy_timeout=30) == 6
+    assert not node.process.matching(r"forever-1 (re-dispatched|attempt)", since=mark)
+
+    node.process.signal("TERM")
+    assert await node.process.exited(60) == 0
+    for worker in ("worker0", "worker1"):
+        assert node.process.matching(rf"{worker} stopped \(status 0\)", since=mark), worker
 
 
 # -- SIGTERM or Ctrl+C under load -------------------------------------------------------------

@@ -193,3 +193,11 @@ def test_a_start_is_condemned_once():
 def test_the_termination_grace_is_the_setting():
     """SIGKILL follows SIGTERM after the termination grace of the settings."""
     assert policy(termination_grace_seconds=2.5).termination_grace == 2.5
+
+
+def test_a_worker_that_ended_a_run_past_its_limit_restarts_at_once():
+    """After exit status 3 (a run passed --max-run-seconds) the delay is 0 and no restart
+    counts towards the backoff."""
+    p = policy()
+    assert [p.next_delay(3) for _ in range(3)] == [0.0] * 3
+    assert p.restarts == 0

@@ -295,3 +295,18 @@ def test_a_worker_that_was_never_started_stops_at_once():
     stopped = []
     s.worker.stopService().addCallback(stopped.append)
     assert stopped == [None] and s.reactor.processes == []
+
+
+def test_a_worker_that_ended_a_run_past_its_limit_is_started_again_at_once():
+    """A child that exits 3 (it ended a run past --max-run-seconds) is started again at once
+    and counted as a restart, while a later crash still waits the first backoff delay."""
+    s = Supervised()
+    s.worker.startService()
+    s.process.end(status=3)
+    s.reactor.advance(0)
+    assert len(s.reactor.processes) == 2 and s.restart_count() == 1
+    s.process.end(status=1)
+    s.reactor.advance(0.999)
+    assert len(s.reactor.processes) == 2
+    s.reactor.advance(0.001)
+    assert len(s.reactor.processes) == 3

@@ -5,7 +5,8 @@ C{startup_grace_seconds} after a start, and never twice for one start (the
 probes that fail while a worker is being replaced do not replace it again);
 SIGTERM, then SIGKILL after C{termination_grace_seconds}; capped exponential
 backoff with jitter between restarts, reset after the worker has been healthy
-for C{stable_reset_seconds}.
+for C{stable_reset_seconds}; none after a worker ended itself because a run
+passed its C{--max-run-seconds}, which counts no restart towards the backoff.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable
 
 import attrs
 from twisted.application.internet import backoffPolicy
+
+from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS
 
 
 @attrs.frozen
@@ -60,8 +63,16 @@ class RestartPolicy:
         """Seconds between SIGTERM and SIGKILL."""
         return self.settings.termination_grace_seconds
 
-    def next_delay(self) -> float:
-        """The delay before the next start; each call counts one restart."""
+    def next_delay(self, status: int | None = None) -> float:
+        """The delay before the next start of a worker that exited with
+        C{status} (None: a signal ended it); each call counts one restart,
+        but for a worker that ended itself because a run passed its limit."""
+        if status == RUN_TIMEOUT_EXIT_STATUS:
+            # It served until then, and ended only to end that run: no sign
+            # of the crash loop a backoff slows down. The process is gone
+            # (its port and device free), and the node's capacity should be
+            # whole again as soon as a fresh worker starts.
+            return 0.0
         base = self._backoff(self.restarts)
         self.restarts += 1
         jitter = self.settings.restart_jitter

@@ -32,6 +32,7 @@ from twisted.logger import Logger, globalLogPublisher
 from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.common.cached import parse_cached
 from kcoral.common.report import InvalidReport, WorkerReport, parse_instance, parse_models
+from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.devices import NODE_DEVICES_ENV, WorkerSpec
 from kcoral.node.restart import RestartPolicy
@@ -80,7 +81,17 @@ class LineProtocol(protocol.ProcessProtocol):
 
 def describe_exit(reason) -> str:
     signal = getattr(reason, "signal", None)
-    return f"signal {signal}" if signal else f"status {getattr(reason, 'exitCode', None)}"
+    if signal:
+        return f"signal {signal}"
+    status = exit_status(reason)
+    if status == RUN_TIMEOUT_EXIT_STATUS:
+        return f"status {status} (a run passed --max-run-seconds)"
+    return f"status {status}"
+
+
+def exit_status(reason) -> int | None:
+    """The status a child exited with (None: a signal ended it)."""
+    return getattr(reason, "exitCode", None)
 
 
 class _Inputs(Protocol):
@@ -212,7 +223,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
 
     def restart_later(inputs: _Inputs, core: _Core, reason: Any) -> DelayedCall:
         """The C{restart} timer: a new start after the policy's backoff."""
-        delay = core.policy.next_delay()
+        delay = core.policy.next_delay(exit_status(reason))
         log.warn("{worker} exited with {how}; restarting in {delay:.1f}s",
                  worker=core.name, how=describe_exit(reason), delay=delay)
         core.restart_count += 1
@@ -292,7 +303,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
         core.on_change()
         waiting_for_stop, core.stopped = core.stopped, []
         for d in waiting_for_stop:
-            d.callback(getattr(reason, "exitCode", None))
+            d.callback(exit_status(reason))
 
     @pep614(waiting.upon(_Inputs.stop).to(idle))
     def cancel_restart(inputs: _Inputs, core: _Core, restart: DelayedCall) -> Deferred[Any]:
