@@ -13,6 +13,7 @@ import attrs
 
 from kcoral.common.cached import Cached, parse_cached
 from kcoral.protocol.counts import MOST_VERSION, read_count
+from kcoral.sandbox import SANDBOX_MODES
 
 #: The GPU target of a worker that runs on the host's CPU (all of a node's
 #: CPU workers share its cores).
@@ -23,6 +24,9 @@ MAX_WORKER_CAPACITY = 1024
 MAX_WORKER_DEVICES = 1024
 MAX_RESTARTS = 10**9
 MAX_TEXT = 200
+#: Far beyond any Landlock ABI a kernel has (7 in Linux 6.18), within what
+#: the Router shows.
+MAX_LANDLOCK_ABI = 255
 
 
 #: Models a worker serves and lists (its repository's folders past this are
@@ -97,6 +101,36 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
 
 
 @attrs.frozen
+class Sandbox:
+    """How a worker confined itself, as its C{/health} says: its
+    C{--sandbox} mode and the layers that are on (a Landlock ABI of 0: none)."""
+
+    mode: str
+    no_new_privs: bool
+    seccomp: bool
+    landlock_abi: int
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+def parse_sandbox(value: object, what: str) -> Sandbox | None:
+    """A worker's C{sandbox}, checked (it is untrusted); None when it says
+    none (a server of a version before it did). Other keys are left out."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidReport(f"{what} must be an object")
+    mode, no_new_privs, seccomp = value.get("mode"), value.get("no_new_privs"), value.get("seccomp")
+    if mode not in SANDBOX_MODES or not isinstance(no_new_privs, bool) \
+            or not isinstance(seccomp, bool):
+        raise InvalidReport(f"{what} needs a mode of {', '.join(SANDBOX_MODES)}, and "
+                            "no_new_privs and seccomp true or false")
+    return Sandbox(mode, no_new_privs, seccomp,
+                   _count(value.get("landlock_abi"), f"{what} landlock_abi", MAX_LANDLOCK_ABI))
+
+
+@attrs.frozen
 class WorkerReport:
     name: str
     url: str
@@ -113,13 +147,18 @@ class WorkerReport:
     models: tuple[ModelState, ...] = ()
     #: The id it drew when it started, which its kept arrays' ids start with.
     instance: str | None = None
+    #: How it confined itself, when it says.
+    sandbox: Sandbox | None = None
 
     def to_json(self) -> dict:
-        json = attrs.asdict(self, filter=lambda field, value: field.name not in ("cache", "models"))
+        json = attrs.asdict(self, filter=lambda field, value: field.name not in (
+            "cache", "models", "sandbox"))
         if self.models:
             json["models"] = [m.to_json() for m in self.models]
         if self.cache is not None:
             json["cache"] = self.cache.to_json()
+        if self.sandbox is not None:
+            json["sandbox"] = self.sandbox.to_json()
         return json
 
 
@@ -213,6 +252,7 @@ def parse_report(body: object) -> NodeReport:
             restarts=_count(w.get("restarts", 0), f"worker {i} restarts", MAX_RESTARTS),
             models=parse_models(w.get("models", []), f"worker {i} models"),
             instance=parse_instance(w.get("instance")),
+            sandbox=parse_sandbox(w.get("sandbox"), f"worker {i} sandbox"),
         ))
     if len({w.name for w in parsed}) != len(parsed):
         raise InvalidReport("worker names must be unique")

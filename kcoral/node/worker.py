@@ -31,7 +31,13 @@ from twisted.logger import Logger, globalLogPublisher
 
 from kcoral.common.announce import URL_FD, URL_FD_ENV
 from kcoral.common.cached import parse_cached
-from kcoral.common.report import InvalidReport, WorkerReport, parse_instance, parse_models
+from kcoral.common.report import (
+    InvalidReport,
+    WorkerReport,
+    parse_instance,
+    parse_models,
+    parse_sandbox,
+)
 from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS
 from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
 from kcoral.node.devices import NODE_DEVICES_ENV, WorkerSpec
@@ -436,6 +442,10 @@ class Worker(service.Service):
             models = parse_models(self.health.get("models", []), "models") if healthy else ()
         except InvalidReport:
             models = ()
+        try:
+            sandbox = parse_sandbox(self.health.get("sandbox"), "sandbox")
+        except InvalidReport:
+            sandbox = None  # left out, as a Router would refuse the whole report
         return WorkerReport(self.spec.name, url, healthy,
                             int(self.health.get("capacity", 0)) if healthy else 0,
                             int(self.health.get("active", 0)) if healthy else 0,
@@ -446,4 +456,6 @@ class Worker(service.Service):
                             # Also while unhealthy: a live worker that missed a
                             # probe still holds its kept arrays (a restart
                             # forgets its health, and the id with it).
-                            instance=parse_instance(self.health.get("instance")))
+                            instance=parse_instance(self.health.get("instance")),
+                            # How it confined itself does not change while it lives.
+                            sandbox=sandbox)

@@ -184,7 +184,8 @@ class RouterApp:
             health["workers"] = [
                 {"name": m.name, "url": m.url, "healthy": m.healthy, "capacity": m.capacity,
                  "active": m.active, "devices": m.devices,
-                 "models": [s.to_json() for s in m.models]}
+                 "models": [s.to_json() for s in m.models],
+                 "sandbox": None if m.sandbox is None else m.sandbox.to_json()}
                 for n in self.pool.nodes.values() for m in n.members.values()]
         return health
 
@@ -300,7 +301,8 @@ class RouterApp:
                 "workers": [{"name": m.name, "url": m.url, "healthy": m.healthy,
                              "capacity": m.capacity, "active": m.active, "devices": m.devices,
                              "restarts": m.restarts, "models": [s.to_json() for s in m.models],
-                             "instance": m.instance}
+                             "instance": m.instance,
+                             "sandbox": None if m.sandbox is None else m.sandbox.to_json()}
                             for m in node.members.values()],
             })
         return json_response(request, 200, {"nodes": nodes})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from kcoral.common.report import ModelState, NodeReport
+from kcoral.common.report import ModelState, NodeReport, Sandbox
 from kcoral.router.residency import Demand, Holdings
 
 JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
@@ -44,6 +44,8 @@ class Member:
     ready_models: dict[str, int] = attrs.Factory(dict)
     #: The instance id it reports: runs of the arrays it keeps go only here.
     instance: str | None = None
+    #: How it confined itself, as last reported.
+    sandbox: Sandbox | None = None
 
     def fits(self, devices: int, demand: Demand | None) -> bool:
         """Whether a run that needs C{devices} devices (and C{demand}'s model,

@@ -152,6 +152,7 @@ class Pool:
             member.restarts = worker.restarts
             self.serve(member, worker.models)
             member.instance = worker.instance
+            member.sandbox = worker.sandbox
 
     def serve(self, member: Member, models: tuple[ModelState, ...]) -> None:
         """C{member}'s models are C{models} now (reported, or answered to a
