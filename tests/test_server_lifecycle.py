@@ -4,7 +4,8 @@ Integration tests that start their own C{kcoral server} processes: restarts
 restart, a server with capacity 1, a queue of 1 and a small body limit (413,
 503 queue_full, dropping a queued request whose client left, health while a
 program runs), draining on SIGTERM, a run past --max-run-seconds (504,
-then exit status 3), and the command's exit statuses.
+the requests the server held cut, then exit status 3), and the command's
+exit statuses.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 from twisted.web.client import HTTPConnectionPool
 
-from kcoral import AsyncClient, BadRequest, Client, Program, RunTimeout, ServerBusy
+from kcoral import (
+    AsyncClient,
+    BadRequest,
+    Client,
+    KCoralError,
+    NodeFailure,
+    Program,
+    RunTimeout,
+    ServerBusy,
+)
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from tests import programs
 from tests.conftest import server_args, server_env
@@ -69,6 +79,16 @@ async def until_health(server, what: str, count: int, timeout: float = 60.0) -> 
         body, _ = await health(server)
         return body if body[what] >= count else None
     return await until(reached, f"/health's {what} reaching {count}", timeout, interval=0.02)
+
+
+def outcome(d):
+    """A Deferred of the result of C{d}, or of the KCoralError it failed with."""
+
+    def error(failure):
+        failure.trap(KCoralError)
+        return failure.value
+
+    return d.addErrback(error)
 
 
 def check_spun(result, x):
@@ -355,6 +375,28 @@ async def test_a_run_past_the_limit_is_504_and_the_server_exits_3(start_server, 
     assert server.process.matching(r"forever-1 was still running 1 s after it started "
                                    r"\(--max-run-seconds\)")
     assert not server.process.matching(r"Traceback")
+
+
+@pytest_twisted.ensureDeferred
+async def test_the_requests_an_ending_server_held_fail_as_on_a_lost_node(start_server, spin):
+    """A run waiting for the slot of a run past the limit is cut when the server ends: the
+    client's NodeFailure (502), as for any lost node, while the run past the limit gets its 504."""
+    program, _, x = spin
+    # Two seconds: time enough to queue the second run behind the first.
+    server = await start_server("--max-run-seconds", "2", "--capacity", "1")
+    clients = [AsyncClient(server.url, busy_timeout=0) for _ in range(2)]
+    try:
+        forever = outcome(clients[0].run(program, FOREVER, x, request_id="forever-1"))
+        await until_health(server, "active", 1)
+        held = outcome(clients[1].run(program, np.int32(1), x, request_id="held-1"))
+        await until_health(server, "queued", 1)
+        assert isinstance(await forever, RunTimeout)
+        lost = await held
+    finally:
+        for client in clients:
+            await client.close()
+    assert isinstance(lost, NodeFailure) and lost.status == 502, lost
+    assert await server.process.exited(30) == 3
 
 
 # -- the command -------------------------------------------------------------------------

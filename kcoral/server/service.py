@@ -10,7 +10,7 @@ import os
 from prometheus_client import CollectorRegistry
 from twisted.application import service
 from twisted.application.internet import TimerService
-from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks
+from twisted.internet.defer import DeferredList, inlineCallbacks
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -73,8 +73,8 @@ class ServerService(service.MultiService):
                      "(--allow-custom-call)", targets=", ".join(config.allow_custom_calls))
         self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
         self._timed_out = metrics.executions.labels("timeout")
-        #: Set once a run passed the limit: the process is ending.
-        self._ending: Deferred | None = None
+        #: Whether a run passed the limit: the process is ending.
+        self._ending = False
         uploads = UploadCache(config.cache_memory_bytes, metrics.caches,
                               config.cache_dir, config.cache_disk_bytes)
         kept = KeptStore(config.kept_bytes, config.kept_idle_seconds, now=reactor.seconds)
@@ -210,16 +210,19 @@ class ServerService(service.MultiService):
         process ends, its ports closed first (answers already written
         leave), for its supervisor to start a fresh one."""
         self._timed_out.inc()
-        if self._ending is not None:
+        if self._ending:
             return
+        self._ending = True
         self.app.status = DRAINING
         closing = [self.listener.close(EXIT_GRACE_SECONDS)]
         if self.grpc is not None:
             closing.append(self.grpc.stopService(EXIT_GRACE_SECONDS))
-        self._ending = DeferredList(closing, consumeErrors=True)
-        self._ending.addCallback(self._exit)
+        DeferredList(closing, consumeErrors=True).addCallback(lambda _: self._exit())
+        # The grace bounds the exit whatever else happens meanwhile: a
+        # SIGTERM would start a drain that waits for the run still running.
+        self._reactor.callLater(EXIT_GRACE_SECONDS, self._exit)
 
-    def _exit(self, _) -> None:
+    def _exit(self) -> None:
         log.warn("kcoral server exiting with status {status}: a run passed --max-run-seconds",
                  status=RUN_TIMEOUT_EXIT_STATUS)
         # Not the reactor's stop: its shutdown joins the worker threads (the
