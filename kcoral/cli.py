@@ -12,13 +12,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 
+from twisted.internet import fdesc
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IReadDescriptor
 from twisted.python import usage
+from zope.interface import implementer
 
 from kcoral import status
 from kcoral._version import __version__
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV
+from kcoral.logs import CHILD_ENV
 from kcoral.options import SettingError
 from kcoral.taps import node as node_tap
 from kcoral.taps import router as router_tap
@@ -83,31 +87,54 @@ def _stop_once_on_signals(reactor) -> None:
         # group, but the supervisor must order the drain (gateway first, then
         # SIGTERM to each worker), or workers leave early and are restarted.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _drain_when_the_supervisor_dies(handler)
+        _drain_when_the_supervisor_goes(reactor, handler)
     else:
         signal.signal(signal.SIGINT, handler)
 
 
-def _drain_when_the_supervisor_dies(handler) -> None:
+@implementer(IReadDescriptor)
+class _SupervisorPipe:
     """
-    A supervised worker whose supervisor dies without stopping it (SIGKILL,
-    the OOM killer, a crash) drains and exits, as on SIGTERM: an orphan would
-    keep its port and its device's memory, so the restarted supervisor's new
-    worker could not start. On Linux the
-    kernel sends the SIGTERM (PR_SET_PDEATHSIG) when the parent dies.
+    The standard input of a supervised process: a pipe whose other end only
+    its supervisor holds. Nothing is sent on it; its end calls C{gone}.
     """
-    supervisor = os.environ.get(SUPERVISOR_PID_ENV)
-    if not supervisor or not sys.platform.startswith("linux"):
-        return
-    import ctypes
 
-    try:
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != supervisor:  # it died before we asked
-        handler(signal.SIGTERM, None)
+    def __init__(self, gone: Callable[[], None]):
+        self._gone = gone
+        fdesc.setNonBlocking(0)
+
+    def fileno(self) -> int:
+        return 0
+
+    def logPrefix(self) -> str:
+        return "supervisor"
+
+    def doRead(self):
+        return fdesc.readFromFD(0, lambda data: None)
+
+    def connectionLost(self, reason) -> None:
+        self._gone()
+
+
+def _drain_when_the_supervisor_goes(reactor, handler) -> None:
+    """
+    A supervised process drains and exits, as on SIGTERM, when the pipe on
+    its standard input ends. That happens when its supervisor dies without
+    stopping it (SIGKILL, the OOM killer, a crash: the kernel closes the
+    supervisor's end), and an orphan would keep its port and its device's
+    memory, so the restarted supervisor's new worker could not start. It
+    is also how the supervisor stops a worker run under C{--worker-wrapper}
+    (L{kcoral.node.wrapper}), where a SIGTERM would reach the wrapper, not
+    the worker: bubblewrap passes no signal on.
+
+    A pipe, not the kernel's signal on the parent's death
+    (C{PR_SET_PDEATHSIG}), because the pipe crosses a wrapper (the signal
+    watches the direct parent, the wrapper, and the supervisor's pid means
+    nothing in the wrapper's PID namespace), and it says the same whether
+    the supervisor died before or after this runs (the seconds of importing
+    JAX), with no pid to compare.
+    """
+    reactor.addReader(_SupervisorPipe(lambda: handler(signal.SIGTERM, None)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,6 @@ from zope.interface import provider
 
 #: Set by the supervisor for its children, whose lines it prefixes and stamps.
 CHILD_ENV = "KCORAL_SUPERVISED"
-#: Also set for them: the supervisor's pid, so that a worker can tell when its
-#: supervisor is gone (kcoral.cli).
-SUPERVISOR_PID_ENV = "KCORAL_SUPERVISOR_PID"
 #: The values of C{--log-format}.
 LOG_FORMATS = ("text", "json")
 

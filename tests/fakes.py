@@ -183,6 +183,8 @@ class FakeProcess:
         self.childFDs = childFDs
         self.pid: int | None = pid
         self.signals: list[str] = []
+        #: Whether the supervisor closed the child's standard input.
+        self.stdin_closed = False
         self.ended = False
         protocol.makeConnection(self)
 
@@ -203,10 +205,10 @@ class FakeProcess:
             ProcessTerminated(exitCode=None if signal else status, signal=signal)
         self.protocol.processEnded(Failure(reason))
 
-    # The rest of IProcessTransport: nothing to do for a child that never runs.
     def closeStdin(self) -> None:
-        pass
+        self.stdin_closed = True
 
+    # The rest of IProcessTransport: nothing to do for a child that never runs.
     def closeStdout(self) -> None:
         pass
 

@@ -18,6 +18,7 @@ from kcoral.node.worker import Worker
 from tests.fakes import FakeServers, ProcessReactor
 
 URL = "http://127.0.0.1:8123"
+ARGV = [sys.executable, "-m", "kcoral", "server", "--port", "8000"]
 HEALTHY = {"status": "ok", "capacity": 2, "active": 1, "gpu_target": "cpu"}
 
 
@@ -34,7 +35,7 @@ class Supervised:
                                 registry=CollectorRegistry())
         self.changes = 0
         self.worker = Worker(spec or WorkerSpec("worker0", 0, None),
-                             ["-m", "kcoral", "server", "--port", "8000"],
+                             ARGV,
                              RestartPolicy(RestartSettings(**settings), random=random.Random(0)),
                              self.reactor, self.http.client, on_change=self._changed,
                              restarts=self.restarts)
@@ -59,7 +60,7 @@ def test_a_worker_is_spawned_with_its_device_environment_and_url_pipe():
     s.worker.startService()
     process = s.process
     assert process.executable == sys.executable
-    assert process.args == ["-m", "kcoral", "server", "--port", "8000"]
+    assert process.args == ARGV
     assert process.env["CUDA_VISIBLE_DEVICES"] == "3"
     assert process.env["KCORAL_SUPERVISED"] == "1"
     assert process.env[URL_FD_ENV] == str(URL_FD) and process.childFDs[URL_FD] == "r"

@@ -26,11 +26,13 @@ from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import SettledHeap
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
+from kcoral.node.environment import SECURED_ENV, WorkerEnvironment
 from kcoral.node.front import FrontProcesses
 from kcoral.node.gateway import Gateway, gateway_config
 from kcoral.node.reporter import Reporters
 from kcoral.node.restart import RestartPolicy
 from kcoral.node.worker import Worker
+from kcoral.node.wrapper import wrapper_argv
 from kcoral.options import options_of
 from kcoral.web.endpoint import url_of
 from kcoral.web.outgoing import Outgoing
@@ -129,11 +131,16 @@ class SupervisorService(service.MultiService):
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()
+        # Each worker gets the allow-list's part of this environment, never
+        # the node's token, and the mark that says its node has one.
+        inherit = WorkerEnvironment(node.worker_env).of
+        env = {SECURED_ENV: "1"} if node.node_token else {}
+        wrapper = wrapper_argv(node.worker_wrapper)
         for spec, port, grpc_port in zip(specs, ports, grpc_ports or [None] * len(specs),
                                          strict=True):
             Worker(spec, worker_argv(server, spec, port, grpc_port), RestartPolicy(settings), reactor,
-                   self.outgoing.client, on_change=self._changed,
-                   restarts=restarts).setServiceParent(self.workers)
+                   self.outgoing.client, on_change=self._changed, restarts=restarts, env=env,
+                   inherit=inherit, wrapper=wrapper).setServiceParent(self.workers)
         self.workers.setServiceParent(self)
         if self.gateway is not None:
             self.gateway.setServiceParent(self)

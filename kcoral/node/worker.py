@@ -1,7 +1,8 @@
 """
 One supervised server process, as a service: started through a
 C{ProcessProtocol}, probed, replaced by its L{RestartPolicy} when it stops
-answering or exits, and stopped with SIGTERM (then SIGKILL, when it hangs).
+answering or exits, and stopped with SIGTERM (then SIGKILL, when it hangs);
+under a wrapper, TERM is the end of its input pipe (L{_Core.terminate}).
 
 Its life is an explicit state machine::
 
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -39,7 +39,7 @@ from kcoral.common.report import (
     parse_sandbox,
 )
 from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS
-from kcoral.logs import CHILD_ENV, SUPERVISOR_PID_ENV, relayed_event
+from kcoral.logs import CHILD_ENV, relayed_event
 from kcoral.node.devices import NODE_DEVICES_ENV, WorkerSpec
 from kcoral.node.restart import RestartPolicy
 from kcoral.web.auth import CLIENT_TOKEN_ENV
@@ -134,6 +134,10 @@ class _Core:
     probes: LoopingCall
     #: Set in the child's environment after everything else.
     env: dict[str, str] = attrs.Factory(dict)
+    #: The part of the supervisor's environment the child gets.
+    inherit: Callable[[Mapping[str, str]], Mapping[str, str]] = dict
+    #: A command line the child's own is run under (L{kcoral.node.wrapper}).
+    wrapper: tuple[str, ...] = ()
     #: The child (an IProcessTransport), while there is one.
     process: Any = None
     url: str | None = None
@@ -149,9 +153,8 @@ class _Core:
         return self.spec.name
 
     def spawn(self, inputs: _Inputs) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.spec.env)
+        env = dict(self.inherit(os.environ), PYTHONUNBUFFERED="1", **self.spec.env)
         env[CHILD_ENV] = "1"
-        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         env[URL_FD_ENV] = str(URL_FD)
         # Only the node reaches its workers, and it sends no client token.
         env.pop(CLIENT_TOKEN_ENV, None)
@@ -159,8 +162,9 @@ class _Core:
             env.pop(variable, None)
         env.update(self.env)
         self.url, self.healthy, self.health = None, False, {}
+        argv = [*self.wrapper, *self.argv]
         self.process = self.reactor.spawnProcess(
-            LineProtocol(self.relay, self.listening, inputs.ended), sys.executable, self.argv,
+            LineProtocol(self.relay, self.listening, inputs.ended), argv[0], argv,
             env=env, childFDs=CHILD_FDS)
         self.policy.started(self.reactor.seconds())
         log.info("{worker} started (pid {pid})", worker=self.name, pid=self.process.pid)
@@ -187,6 +191,18 @@ class _Core:
                 self.process.signalProcess(name)
             except error.ProcessExitedAlready:
                 pass
+
+    def terminate(self) -> None:
+        """Ask the child to drain and exit: SIGTERM, or under a wrapper the
+        end of the pipe on its standard input (L{kcoral.cli}), since the
+        wrapper would take the signal itself: bubblewrap dies of it, taking
+        the worker and its runs in flight along, and passes none on."""
+        if self.process is None:
+            return
+        if self.wrapper:
+            self.process.closeStdin()
+        else:
+            self.signal("TERM")
 
     def condemn(self) -> None:
         """Arm C{murder}, once: SIGKILL unless the child exits within the grace."""
@@ -273,7 +289,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
     def replace(inputs: _Inputs, core: _Core, why: str) -> None:
         log.warn("{worker} is being restarted: {why}", worker=core.name, why=why)
         core.unhealthy()
-        core.signal("TERM")
+        core.terminate()
         core.condemn()
 
     @pep614(stopping.upon(_Inputs.unresponsive).loop())
@@ -293,7 +309,7 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(running.upon(_Inputs.stop).to(stopping))
     def drain(inputs: _Inputs, core: _Core) -> Deferred[Any]:
         core.unhealthy()
-        core.signal("TERM")
+        core.terminate()
         return core.wait_for_stop()
 
     @pep614(replacing.upon(_Inputs.stop).to(stopping))
@@ -330,10 +346,14 @@ _build = _machine()
 class Worker(service.Service):
     """
     One server process under supervision: a child service of the
-    supervisor. C{reactor} provides C{IReactorProcess} and C{IReactorTime};
-    C{http} is a treq-like client for the health probes; C{env}, variables
-    its child gets on top of the supervisor's (a node's front processes
-    are run this way too, L{kcoral.node.front}).
+    supervisor, running C{argv} (its executable first). C{reactor} provides
+    C{IReactorProcess} and C{IReactorTime}; C{http} is a treq-like client
+    for the health probes; C{inherit}, the part of the supervisor's
+    environment its child gets (a node's workers get an allow-list's,
+    L{kcoral.node.environment.WorkerEnvironment}; by default, all of it);
+    C{env}, variables it gets on top of those; C{wrapper}, a command line its
+    own runs under. A node's front processes are run this way too
+    (L{kcoral.node.front}).
     """
 
     #: The TLS problem of the last failed probe, logged once when it appears.
@@ -341,7 +361,9 @@ class Worker(service.Service):
 
     def __init__(self, spec: WorkerSpec, argv: list[str], policy: RestartPolicy, reactor, http,
                  *, on_change: Callable[[], None] = lambda: None, restarts=None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None,
+                 inherit: Callable[[Mapping[str, str]], Mapping[str, str]] = dict,
+                 wrapper: tuple[str, ...] = ()):
         self.spec = spec
         self.setName(spec.name)
         self.policy = policy
@@ -349,7 +371,8 @@ class Worker(service.Service):
         self._http = http
         probes = LoopingCall(self._probe)
         probes.clock = reactor
-        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes, env=env or {})
+        self._core = _Core(spec, argv, policy, reactor, on_change, restarts, probes, env=env or {},
+                           inherit=inherit, wrapper=wrapper)
         self._machine = _build(self._core)
 
     @property

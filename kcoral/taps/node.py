@@ -15,8 +15,10 @@ from kcoral.common.serverconfig import ServerConfig
 from kcoral.node import config
 from kcoral.node.config import GATEWAY_GRPC_PORT, GATEWAY_HTTP_PORT, NodeConfig
 from kcoral.node.devices import NODE_DEVICES_ENV, gpus_from_count
+from kcoral.node.environment import SECURED_ENV, WorkerEnvironment
 from kcoral.node.restart import RestartSettings
 from kcoral.node.supervisor import make_supervisor_service
+from kcoral.node.wrapper import wrapper_argv
 from kcoral.options import (
     CLIENT_AUTH_OPTIONS,
     CLIENT_TOKEN,
@@ -220,6 +222,11 @@ class NodeOptions(KCoralOptions):
             option = "worker-wrapper" if self["worker-wrapper"] else "worker-env"
             raise usage.UsageError(f"--{option} is for a node's workers: it requires --router "
                                    "(or several workers)")
+        try:
+            WorkerEnvironment(tuple(self["worker-env"]))
+            wrapper_argv(self["worker-wrapper"])
+        except ValueError as e:
+            raise SettingError(str(e)) from None
         if self["restart-min-delay-seconds"] > self["restart-max-delay-seconds"]:
             raise usage.UsageError("--restart-min-delay-seconds exceeds --restart-max-delay-seconds")
 
@@ -275,7 +282,10 @@ class NodeOptions(KCoralOptions):
             or (self.given("front-processes") and self["front-processes"] > 1)
 
     def server_config(self, **overrides) -> ServerConfig:
-        return config_from(ServerConfig, self, secured=bool(self["node-token"]),
+        # A node's worker never gets the node's token, only the mark that
+        # its node has one (kcoral.node.environment).
+        secured = bool(self["node-token"]) or os.environ.get(SECURED_ENV) == "1"
+        return config_from(ServerConfig, self, secured=secured,
                            load_model=tuple(self["load-model"]),
                            allow_custom_calls=tuple(self["allow-custom-call"]), **overrides)
 
