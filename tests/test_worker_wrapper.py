@@ -163,7 +163,8 @@ async def test_a_node_under_bubblewrap_serves_and_stops_cleanly(processes, tmp_p
     cache = tmp_path / "compilation-cache"
     cache.mkdir()
     wrapper = (f"{bwrap} --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp "
-               f"--bind {cache} {cache} --unshare-pid --die-with-parent --")
+               f"--bind {cache} {cache} --unshare-user --unshare-pid --unshare-ipc "
+               "--unshare-uts --cap-drop ALL --new-session --die-with-parent --")
     mark = uuid.uuid4().hex
     node = processes.spawn(kcoral_argv(
         "server", "--port", "0", "--gpus", "none", "--cpu-workers", "2",

@@ -139,8 +139,10 @@ class NodeOptions(KCoralOptions):
         _server("sandbox", "How each process that runs programs confines itself: auto (every "
                 "layer the kernel offers), strict (exit 2 when one is missing) or off.",
                 OneOf(SANDBOX_MODES)),
-        _node("worker_wrapper", "A command line each worker's own is run under, e.g. "
-              "'bwrap --ro-bind / / --dev /dev --proc /proc --die-with-parent --'."),
+        _node("worker_wrapper", "A command line each worker's own is run under (bubblewrap, "
+              "nsjail, runsc): it must pass descriptors 0 to 3 on to the worker, and take the "
+              "worker along when it is killed, e.g. 'bwrap --ro-bind / / --dev /dev --proc /proc "
+              "--unshare-pid --die-with-parent --'."),
         *(_server(*row) for row in OBSERVING),
         ["config", None, None, "A YAML node file with any of these options (the command line wins)."],
     ] + SUPERVISOR_OPTIONS
