@@ -14,8 +14,11 @@
 #    throwaway folder put first on PYTHONPATH; then every requirement of the
 #    project followed through what that Python finds (bench/gpu_carry.py check);
 # 2. devices: nvidia-smi and the devices JAX sees, which must be GPUs;
-# 3. node: a node on GPU 0, its /health (the gpu_target it reports), and one
-#    run checked against JAX in process;
+# 3. node: a node of one worker on GPU 0 (a supervisor, its gateway and the
+#    worker, confined as by default), its /health (the gpu_target, and the
+#    sandbox the worker says it runs in, the same as the worker's own), no
+#    node token in the worker's environment, and one run through the gateway
+#    checked against JAX in process;
 # 4. conformance: the quick conformance set against a server on GPU 0, bit for
 #    bit against JAX on the same GPU (tests/test_conformance.py);
 # 5. two-devices: a program exported for two devices, refused by a worker of
@@ -144,7 +147,8 @@ else
 fi
 
 step node 75 "$PY" - <<'EOF'
-"""A node on the device under check: its health, and one run against JAX in process."""
+"""A node on the device under check, its worker confined as by default: the
+sandbox it reports, its environment, and one run against JAX in process."""
 import json
 import os
 import signal
@@ -156,7 +160,7 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 sys.path.insert(0, "bench")
 import numpy as np
 
-from child import SERVER_READY, KCoralChild, start_jax
+from child import KCoralChild, start_jax
 
 gpus = os.environ["GPUS"]
 device = start_jax(gpus)
@@ -164,14 +168,30 @@ import jax
 
 from kcoral import Client, Program
 
-node = KCoralChild(["server", "--port", "0", "--gpus", gpus],
-                   {"url": r"kcoral server listening on (http://\S+)", "ready": SERVER_READY},
-                   name="node")
+
+def health(url):
+    with urllib.request.urlopen(url + "/health", timeout=10) as answer:
+        return json.loads(answer.read())
+
+
+# A supervisor (--metrics-base-port: one worker behind the node's gateway),
+# given a node token that its worker must not inherit.
+token = "gpu-check-node-token"
+node = KCoralChild(["server", "--port", "0", "--grpc-port", "0", "--metrics-base-port", "0",
+                    "--gpus", gpus],
+                   {"url": r"kcoral gateway listening on (http://\S+)",
+                    "pid": r"worker0 started \(pid (\d+)\)",
+                    "worker": r"worker0 is ready at (http://\S+)"},
+                   name="node", env={"KCORAL_NODE_TOKEN": token})
 try:
     url = node.found["url"]
-    with urllib.request.urlopen(url + "/health", timeout=10) as answer:
-        health = json.loads(answer.read())
-    print("health:", json.dumps(health))
+    gateway = health(url)
+    print("health:", json.dumps(gateway))
+    sandbox = gateway["workers"][0]["sandbox"]
+    assert sandbox == health(node.found["worker"])["sandbox"], "the node's listing is not the worker's"
+    assert sandbox["mode"] == "auto" and sandbox["no_new_privs"] is True, sandbox
+    with open(f"/proc/{node.found['pid']}/environ", "rb") as environ:
+        assert token.encode() not in environ.read(), "the worker inherited the node token"
 
     def f(x, w):
         return jax.numpy.tanh(x @ w).sum(axis=0)
@@ -185,7 +205,8 @@ try:
     # program in process); jax.jit(f) may fuse differently.
     difference = float(np.abs(got - want).max())
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5), f"the node's answer is not JAX's ({difference})"
-    print(f"gpu_target {health['gpu_target']}; one run on {device} within {difference:.2g} of jax.jit")
+    layers = f"seccomp {sandbox['seccomp']}, landlock {sandbox['landlock_abi']}"
+    print(f"{gateway['gpu_target']} on {device}, confined ({layers}); a run within {difference:.2g}")
 finally:
     node.stop()
 EOF
