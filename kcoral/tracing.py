@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from twisted.logger import Logger
@@ -231,23 +232,41 @@ def tracing_for(mode: str, service: str) -> ITracing:
     OpenTelemetry C{service.name} unless C{OTEL_SERVICE_NAME} says otherwise).
     A ValueError when OpenTelemetry is not installed.
     """
+    return tracing_maker(mode, service)()
+
+
+def tracing_maker(mode: str, service: str) -> Callable[[], ITracing]:
+    """
+    What makes L{tracing_for}'s tracing, checked now (a ValueError when
+    OpenTelemetry is not installed), made when called: C{otlp}'s exporter
+    starts a thread, which a process that confines itself starts after
+    (L{kcoral.sandbox.confinement}).
+    """
     if mode == "none":
-        return NO_TRACING
+        return lambda: NO_TRACING
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     except ImportError:
         raise ValueError(f"--tracing {mode} needs OpenTelemetry: pip install 'kcoral[otel]'") from None
-    named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
-    provider = TracerProvider(resource=Resource.create(named))
     if mode == "console":
-        provider.add_span_processor(SimpleSpanProcessor(_LogExporter()))  # type: ignore[arg-type]
+        def processor():
+            return SimpleSpanProcessor(_LogExporter())  # type: ignore[arg-type]
     else:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             raise ValueError("--tracing otlp needs OpenTelemetry's OTLP exporter: "
                              "pip install 'kcoral[otel]'") from None
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return OpenTelemetry(provider)
+
+        def processor():
+            return BatchSpanProcessor(OTLPSpanExporter())
+
+    def make() -> ITracing:
+        named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
+        provider = TracerProvider(resource=Resource.create(named))
+        provider.add_span_processor(processor())
+        return OpenTelemetry(provider)
+
+    return make

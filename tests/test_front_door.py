@@ -254,13 +254,14 @@ async def test_a_standalone_server_holds_no_refused_body(standalone):
 
 #: What a probe sees of a protected standalone server, and what only a client does.
 PROBE_FIELDS = {"status", "gpu_target", "capacity", "active", "queued", "runtime", "devices", "version"}
-CLIENT_FIELDS = {"cache", "models", "instance"}
+CLIENT_FIELDS = {"cache", "models", "instance", "sandbox"}
 
 
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_protected_servers_health_shows_a_probe_only_what_it_needs(standalone):
-    """Without the token /health has its status and capacity, not its cache, models or kept-array instance."""
+    """Without the token /health has its status and capacity, not its cache, models, kept-array
+    instance or sandbox."""
     probe = await request("GET", standalone.url + "/health", timeout=10)
     client = await request("GET", standalone.url + "/health", timeout=10,
                            headers={"Authorization": f"Bearer {TOKEN}"})

@@ -19,6 +19,7 @@ from twisted.logger import Logger
 
 from kcoral._version import __version__
 from kcoral.common.queue import QueueFull, QueueTimeout
+from kcoral.common.report import Sandbox
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
 from kcoral.inference.rest import InferenceRoutes
 from kcoral.logs import debug_enabled
@@ -67,6 +68,8 @@ class ServerApp:
         #: What runs need (None: nothing).
         self.client_guard = client_guard
         self.tracing = tracing
+        #: How the process confined itself (kcoral.sandbox), once it has.
+        self.sandbox = Sandbox("off", no_new_privs=False, seccomp=False, landlock_abi=0)
         #: How long a run may execute (by default, for ever).
         self.run_limit = run_limit
         self.status = STARTING
@@ -91,8 +94,8 @@ class ServerApp:
     # -- health -----------------------------------------------------------
 
     def health(self, full: bool = True) -> dict:
-        """What C{/health} says: its cache, models and kept-array instance
-        only in the C{full} one, for a trusted client (L{kcoral.web.auth.trusted}); its
+        """What C{/health} says: its cache, models, kept-array instance and
+        sandbox only in the C{full} one, for a trusted client (L{kcoral.web.auth.trusted}); its
         supervisor, which reaches a worker with no token set, sees them."""
         info = self.executor.info
         health = {
@@ -107,6 +110,7 @@ class ServerApp:
         }
         if full:
             health.update(cache=self.executor.cached(), instance=self.executor.kept.instance,
+                          sandbox=self.sandbox.to_json(),
                           models=[] if self.inference is None else self.inference.health())
         return health
 

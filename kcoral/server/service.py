@@ -22,6 +22,7 @@ from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS, ServerConfig
 from kcoral.heap import settle
 from kcoral.inference.h2front import GrpcFront
 from kcoral.metrics import HttpMetrics
+from kcoral.sandbox.confinement import SandboxMissing, confine
 from kcoral.server.admission import Admission
 from kcoral.server.app import DRAINING, FAILED, OK, ServerApp
 from kcoral.server.compile_cache import CompileCache
@@ -35,7 +36,7 @@ from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.programcheck import ProgramCheck
 from kcoral.server.runlimit import RunLimit
 from kcoral.server.upload_cache import UploadCache
-from kcoral.tracing import tracing_for
+from kcoral.tracing import tracing_maker
 from kcoral.web.auth import client_guard, watch
 from kcoral.web.endpoint import ListenAddress
 from kcoral.web.fdlimit import connection_limit
@@ -114,9 +115,10 @@ class ServerService(service.MultiService):
                 # As many batches as runs may hold or wait for its slots.
                 most_waiting=config.capacity + config.max_queued_requests, control=self.control)
 
+        # Made once confined: otlp's exporter starts a thread.
+        self._tracing = tracing_maker(config.tracing, "kcoral-server")
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
-                             tracing=tracing_for(config.tracing, "kcoral-server"),
                              client_guard=guard, inference=inference,
                              run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long))
         watch(guard, self)
@@ -148,6 +150,17 @@ class ServerService(service.MultiService):
             announce(self.listener.url)
 
     def startService(self):
+        # Confined here, after privilegedStartService listened (and twistd
+        # gave up its user), before any thread starts: the runs', the model
+        # control's, the tracing exporter's.
+        try:
+            self.app.sandbox = confine(self.config)
+        except SandboxMissing as e:
+            log.critical("{why}", why=e)
+            self.exit_status = 2
+            self._reactor.stop()
+            return
+        self.app.tracing = self._tracing()
         self._threadpool.start()
         super().startService()
         self._load()
