@@ -50,7 +50,8 @@ NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x2000
 
 
 def available() -> str | None:
-    """None if a filter can be made here, or why not."""
+    """None if a filter can be made here, or why not. Called before Landlock
+    applies: C{pyseccomp}'s import finds libseccomp by running C{ldconfig}."""
     try:
         import pyseccomp  # noqa: F401
     except (ImportError, RuntimeError) as e:  # not installed; libseccomp not found
