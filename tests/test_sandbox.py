@@ -22,6 +22,7 @@ import pytest
 import pytest_twisted
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twisted.internet.threads import deferToThread
 
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.sandbox import landlock, seccomp
@@ -80,6 +81,31 @@ async def test_off_warns_and_confines_nothing(start_server):
     assert status_of(server.process.pid)["Seccomp"] == "0"
     assert (await full_health(server.url))["sandbox"] == {
         "mode": "off", "no_new_privs": False, "seccomp": False, "landlock_abi": 0}
+
+
+def unix_health(path: str) -> bytes:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: kcoral\r\nConnection: close\r\n\r\n")
+        return s.makefile("rb").readline()
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_server_on_a_unix_socket_stops_cleanly_and_starts_again(processes, tmp_path):
+    """A confined server may not remove its UNIX socket's file as it stops: it
+    says so and exits 0, and the next server on the same path serves."""
+    path = str(tmp_path / "kcoral.sock")
+    for start in range(2):
+        child = processes.spawn(kcoral_argv("server", "--listen", f"unix:{path}", "--gpus", "none"),
+                                name=f"unix-{start}", env=server_env())
+        await child.wait_for_line(SERVER_READY, START_TIMEOUT)
+        assert (await deferToThread(unix_health, path)).startswith(b"HTTP/1.1 200")
+        child.signal("TERM")
+        assert await child.exited(30) == 0
+        assert child.matching(f"left {path} behind: Permission denied")
+        assert not child.matching("Unhandled error")
 
 
 def without_landlock(*args: str) -> list[str]:

@@ -4,6 +4,7 @@ A listening HTTP service that drains before it stops listening.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from twisted.application import service
@@ -92,7 +93,14 @@ class DrainingListener(service.Service):
         """
         if self.port is not None:
             port, self.port = self.port, None
-            yield port.stopListening()
+            try:
+                yield port.stopListening()
+            except PermissionError as e:
+                # A UNIX socket's file is removed as its port closes, which
+                # a confined server may not do (kcoral.sandbox): the next
+                # start on the same path replaces it.
+                log.warn("{name} left {path} behind: {why}", name=self.name,
+                         path=os.fsdecode(e.filename), why=e.strerror)
         # The last answers may still sit in their connections' buffers: the
         # reactor's shutdown would drop them, so close connections gracefully.
         close = getattr(self._factory, "close_connections", None)
