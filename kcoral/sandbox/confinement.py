@@ -54,22 +54,22 @@ def confine(config: ServerConfig, *, environ: Mapping[str, str] = os.environ) ->
                  "its network, its user's other processes)")
         return current(mode, 0)
     started = time.perf_counter()
-    # Made first: its remover's fork also ends the threads OpenBLAS started
-    # as numpy was imported (kcoral.sandbox.tempfolder).
-    policy = policy_for(config, environ=environ).with_read_write(private_temporary_folder())
+    policy = policy_for(config, environ=environ)
+    missing = []
+    try:
+        # Made first: its remover's fork also ends the threads OpenBLAS
+        # started as numpy was imported (kcoral.sandbox.tempfolder).
+        policy = policy.with_read_write(private_temporary_folder())
+    except OSError as e:
+        missing.append(f"a private temporary folder ({e.strerror})")
     version = landlock.abi()
     threads = len(os.listdir("/proc/self/task"))
-    missing = []
-    if version == 0:
-        missing.append("Landlock (not in this kernel)")
-    elif threads > 1:
-        missing.append(f"Landlock ({threads} threads run already, which it would not confine)")
-    else:
-        missing += [f"Landlock's {what} (ABI {needed}; this kernel's is {version})"
-                    for needed, what in LANDLOCK_FEATURES if version < needed]
+    missing += _landlock_missing(version, threads)
     unavailable = seccomp.available()
     if unavailable:
         missing.append(unavailable)
+    if mode == "strict" and missing:
+        raise SandboxMissing(f"--sandbox strict: missing {'; '.join(missing)}")
     steps = [("no_new_privs", privileges.no_new_privs), ("no core dumps", privileges.no_core_dumps),
              ("dropping capabilities", privileges.drop_capabilities)]
     landlocked = version > 0 and threads == 1
@@ -77,8 +77,6 @@ def confine(config: ServerConfig, *, environ: Mapping[str, str] = os.environ) ->
         steps.append(("Landlock", lambda: _landlock(policy, version)))
     if not unavailable:
         steps.append(("seccomp", lambda: seccomp.install(execute=policy.execute)))
-    if mode == "strict" and missing:
-        raise SandboxMissing(f"--sandbox strict: missing {'; '.join(missing)}")
     for name, step in steps:
         try:
             step()
@@ -95,6 +93,16 @@ def confine(config: ServerConfig, *, environ: Mapping[str, str] = os.environ) ->
              ms=(time.perf_counter() - started) * 1e3, nnp=sandbox.no_new_privs,
              seccomp=sandbox.seccomp, abi=sandbox.landlock_abi)
     return sandbox
+
+
+def _landlock_missing(version: int, threads: int) -> list[str]:
+    """What of Landlock this process goes without."""
+    if version == 0:
+        return ["Landlock (not in this kernel)"]
+    if threads > 1:
+        return [f"Landlock ({threads} threads run already, which it would not confine)"]
+    return [f"Landlock's {what} (ABI {needed}; this kernel's is {version})"
+            for needed, what in LANDLOCK_FEATURES if version < needed]
 
 
 def _landlock(policy: Policy, version: int) -> None:

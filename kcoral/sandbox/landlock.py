@@ -104,9 +104,10 @@ def restrict(version: int, paths: Iterable[tuple[str, int]], *, bind: Iterable[i
     """
     Confine the calling thread, and every thread and process it starts
     after, to C{paths} (each a path and the rights granted beneath it; one
-    that does not exist is left out), TCP C{bind} and C{connect} ports (ABI
-    4), and its own signals and abstract UNIX sockets (ABI 6). Needs
-    no_new_privs. An OSError if the kernel refuses.
+    that does not exist, or that this process cannot reach, is left out),
+    TCP C{bind} and C{connect} ports (ABI 4), and its own signals and
+    abstract UNIX sockets (ABI 6). Needs no_new_privs. An OSError if the
+    kernel refuses.
     """
     fs = handled_fs(version)
     attr = _RulesetAttr(fs, BIND_TCP | CONNECT_TCP if version >= TCP_ABI else 0,
@@ -133,7 +134,7 @@ def restrict(version: int, paths: Iterable[tuple[str, int]], *, bind: Iterable[i
 def _add_path(ruleset: int, path: str, rights: int) -> None:
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError:  # missing, or out of this user's reach: nothing to grant
         return
     try:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
