@@ -73,6 +73,15 @@ class ModelNotReady(BadRequest):
     type = "model_not_ready"
 
 
+class LoadFailed(BadRequest):
+    """400 (gRPC C{INTERNAL}, as Triton answers it): a model load that
+    failed. The message starts C{failed to load 'NAME'}, the words Triton's
+    clients look for, and says why; a model served already goes on being
+    served."""
+
+    type = "load_failed"
+
+
 class MethodNotAllowed(BadRequest):
     """405: the route does not take this method."""
 
@@ -231,6 +240,7 @@ CLIENT_ERRORS: tuple[type[KCoralError], ...] = (
 ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     NotFound,
     ModelNotReady,
+    LoadFailed,
     MethodNotAllowed,
     RequestTimeout,
     NodeConflict,
@@ -243,6 +253,20 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
 #: no client error has (404 is L{NotFound}).
 ERRORS_BY_STATUS: dict[int, type[KCoralError]] = {
     **{cls.status: cls for cls in ERRORS}, **{cls.status: cls for cls in CLIENT_ERRORS}}
+
+
+def unknown_model(name: str, version: str | None = None, why: str = "") -> NotFound:
+    """404 for a model (or a version of it) not served, in the words of
+    Triton, whose clients look for how the message starts; then C{why}."""
+    return NotFound(f"Request for unknown model: '{name[:64]}'"
+                    + (f" version {version[:32]}" if version else "") + " is not found"
+                    + (f": {why}" if why else ""))
+
+
+def unreadable_version(version: str) -> BadRequest:
+    """400 for a model version that is not a version number, in Triton's words."""
+    return BadRequest(f"failed to get model version from specified version string "
+                      f"'{version[:32]}': a version is a number")
 
 
 def error_body(error: KCoralError, request_id: str) -> dict:

@@ -271,6 +271,19 @@ def test_grpc_raw_contents_must_match_inputs():
         rest_of_grpc_infer(pb)
 
 
+@pytest.mark.parametrize("read", [rest_of_grpc_infer, request_of_grpc_infer])
+def test_grpc_contents_beside_raw_input_contents_are_refused_in_tritons_words(read):
+    """An input with typed contents in a request that uses raw_input_contents is refused
+    with Triton's words, naming the input and the model, whichever front reads it."""
+    pb = grpc_request({"x": ARRAYS["INT32"], "y": ARRAYS["INT32"]})
+    del pb.raw_input_contents[1]
+    pb.inputs[1].contents.int_contents.extend([1])
+    with pytest.raises(BadRequest) as refused:
+        read(pb)
+    assert refused.value.message == ("contents field must not be specified when using "
+                                     "raw_input_contents for 'y' for model 'm'")
+
+
 def _outcome(read, pb):
     """What reading C{pb} with C{read} gives: its request, or the BadRequest's message."""
     try:

@@ -2,9 +2,11 @@
 Model control with real processes and real JAX: a server and a node of two
 CPU workers in C{--model-control-mode explicit}, loading and unloading
 models on request (REST through C{Client}, and gRPC through tritonclient),
-the gateway applying each request to both workers; a server in poll mode
-following its repository as model folders come and go; and the default mode,
-which refuses both.
+the gateway applying each request to both workers, a failed load answered
+in Triton's words; the repository index of every model folder, loaded or
+not, read when asked, as both of tritonclient's clients read it; a server
+in poll mode following its repository as model folders come and go; and the
+default mode, which refuses both.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tests.test_models import (
     GATEWAY,
     START_TIMEOUT,
     grpc_address,
+    grpc_control,
     infer_body,
     mlp,
     mlp_params,
@@ -35,6 +38,7 @@ pytestmark = pytest.mark.integration
 
 jax = pytest.importorskip("jax")
 grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
 
 
 @attrs.frozen
@@ -78,18 +82,32 @@ async def refused(url: str, model: str) -> str:
     return answer.json["error"]
 
 
-def grpc_control(address: str, verb: str, model: str) -> str | None:
-    """Load or unload over gRPC; the error's status, None when it succeeded."""
+def triton_reads(url: str, grpc: str) -> dict:
+    """What tritonclient's two clients read of a front: the repository index (name, version,
+    state, reason), and the message of an inference of an unknown model."""
     from tritonclient.utils import InferenceServerException
 
-    client = grpcclient.InferenceServerClient(address)
+    http = httpclient.InferenceServerClient(url.split("://", 1)[1])
+    rpc = grpcclient.InferenceServerClient(grpc)
+    x = httpclient.InferInput("input", [1, 16], "FP32")
+    x.set_data_from_numpy(rows(1))
+    given = grpcclient.InferInput("input", [1, 16], "FP32")
+    given.set_data_from_numpy(rows(1))
     try:
-        getattr(client, f"{verb}_model")(model)
-    except InferenceServerException as e:
-        return str(e.status())
+        read = {"http": [(m["name"], m["version"], m["state"], m["reason"])
+                         for m in http.get_model_repository_index()],
+                # Its JSON leaves an empty reason out.
+                "grpc": [(m["name"], m["version"], m["state"], m.get("reason", "")) for m in
+                         rpc.get_model_repository_index(as_json=True)["models"]]}
+        for name, client, tensor in (("http unknown", http, x), ("grpc unknown", rpc, given)):
+            try:
+                client.infer("nope", [tensor])
+            except InferenceServerException as e:
+                read[name] = e.message()
+        return read
     finally:
-        client.close()
-    return None
+        http.close()
+        rpc.close()
 
 
 async def check_explicit_control(url: str, grpc: str, models: Models) -> None:
@@ -103,6 +121,7 @@ async def check_explicit_control(url: str, grpc: str, models: Models) -> None:
         at_start = states(await client.models())
         assert at_start["mlp"][0] == "READY" and at_start["other"] == ("UNAVAILABLE", "not loaded")
         assert "not loaded" in await refused(url, "other")
+        await check_triton_reads(url, grpc, models)
 
         loaded = await client.load_model("other")
         assert {m["state"] for m in loaded["models"]} == {"READY"}, loaded
@@ -116,16 +135,47 @@ async def check_explicit_control(url: str, grpc: str, models: Models) -> None:
         for _ in range(3):
             assert "unloaded" in await refused(url, "other")
 
-        with pytest.raises(BadRequest, match="model.json"):
+        with pytest.raises(BadRequest, match="model.json") as broken:
             await client.load_model("broken")
-        with pytest.raises(NotFound):
+        assert str(broken.value).startswith("failed to load 'broken'"), broken.value
+        with pytest.raises(BadRequest) as unknown:
             await client.load_model("nope")
+        assert unknown.value.status == 400 and not isinstance(unknown.value, NotFound)
+        assert str(unknown.value).startswith("failed to load 'nope'"), unknown.value
+        assert "no such model in the repository" in str(unknown.value)
         assert states(await client.models())["mlp"][0] == "READY"
     finally:
         await client.close()
     assert await deferToThread(grpc_control, grpc, "load", "other") is None
     assert await deferToThread(grpc_control, grpc, "unload", "other") is None
-    assert "NOT_FOUND" in await deferToThread(grpc_control, grpc, "load", "nope")
+    status, message = await deferToThread(grpc_control, grpc, "load", "nope")
+    assert status == "StatusCode.INTERNAL" and message.startswith("failed to load 'nope'"), message
+
+
+async def check_triton_reads(url: str, grpc: str, models: Models) -> None:
+    """
+    The repository index of both of tritonclient's clients lists every model folder,
+    loaded or not, each version with its state and reason, read when asked: a folder moved
+    in is listed at once (not loaded), and leaves the index once removed. An unknown
+    model's message starts with Triton's words.
+    """
+    read = await deferToThread(triton_reads, url, grpc)
+    at_start = [("broken", "1", "UNAVAILABLE", "not loaded"), ("mlp", "1", "READY", ""),
+                ("other", "1", "UNAVAILABLE", "not loaded")]
+    assert read["http"] == read["grpc"] == at_start, read
+    for front in ("http unknown", "grpc unknown"):
+        assert read[front].startswith("Request for unknown model: 'nope' is not found"), read
+
+    late = os.path.join(models.path, "late")
+    shutil.copytree(models.spare, late)
+    try:
+        read = await deferToThread(triton_reads, url, grpc)
+    finally:
+        shutil.rmtree(late)
+    assert read["http"] == read["grpc"] == sorted(
+        [*at_start, ("late", "1", "UNAVAILABLE", "not loaded")]), read
+    read = await deferToThread(triton_reads, url, grpc)
+    assert read["http"] == read["grpc"] == at_start, read
 
 
 @pytest_twisted.ensureDeferred

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from kcoral.models.manifest import MANIFEST  # noqa: E402
 from kcoral.protocol.tensors import InvalidInput  # noqa: E402
 from kcoral.server.invariant import deterministic_flags  # noqa: E402
 from kcoral.server.models import (  # noqa: E402
+    NOT_LOADED,
     READY,
     UNAVAILABLE,
     ModelRepository,
@@ -180,6 +182,33 @@ def test_missing_repository(tmp_path):
     """A repository folder that does not exist fails the load, naming it."""
     with pytest.raises(RepositoryError, match=f"model repository {tmp_path}/none: No such file"):
         ModelRepository(tmp_path / "none").load(jax.local_devices()[0])
+
+
+def test_the_index_read_now_lists_every_model_folder(tmp_path):
+    """Read now, the index lists every model folder, loaded or not: one never loaded with
+    the versions a load would serve (numbered folders by their policy, a bundle by its
+    manifest), "not loaded"; a folder moved in after the start; a folder gone leaves it
+    unless its model is served (an unloaded one leaves it too)."""
+    export_mlp(tmp_path / "mlp")
+    for version in (1, 2):
+        (tmp_path / "numbered" / str(version)).mkdir(parents=True)
+        (tmp_path / "numbered" / str(version) / MANIFEST).write_text("{}")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / MANIFEST).write_text('{"version": 3}')
+    models = ModelRepository(tmp_path)
+    models.load(jax.local_devices()[0], only={"mlp"})
+    at_start = [ModelStatus("mlp", 1, READY), ModelStatus("numbered", 2, UNAVAILABLE, NOT_LOADED),
+                ModelStatus("plain", 3, UNAVAILABLE, NOT_LOADED)]
+    assert models.index() == models.listing() == at_start
+
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / MANIFEST).write_text("{not json")
+    shutil.rmtree(tmp_path / "plain")
+    shutil.rmtree(tmp_path / "mlp")
+    assert models.listing() == [ModelStatus("late", 1, UNAVAILABLE, NOT_LOADED), *at_start[:2]]
+    assert models.index() == at_start  # what it serves: no disk read
+    models.unload_model("mlp")
+    assert [s.name for s in models.listing()] == ["late", "numbered"]
 
 
 @pytest.mark.parametrize("count", [1, 3, 8])

@@ -156,6 +156,18 @@ def grpc_error(address: str, model: str, x: np.ndarray, name: str = "input",
     raise AssertionError(f"{model} {name} {x.shape} {datatype}: no error")
 
 
+def grpc_control(address: str, verb: str, model: str) -> tuple[str, str] | None:
+    """Load or unload over gRPC; the error's status and message, None when it succeeded."""
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        getattr(client, f"{verb}_model")(model)
+    except InferenceServerException as e:
+        return str(e.status()), e.message()
+    finally:
+        client.close()
+    return None
+
+
 def check_http_reads(got: dict, *, broken: bool = True) -> None:
     assert got["live"] is True and got["ready"] is True and got["model_ready"] is True
     assert got["server"]["name"] == "kcoral"
@@ -379,8 +391,8 @@ async def test_batch_invariant_server_gives_each_row_the_bytes_it_gets_alone(inv
 
 @pytest_twisted.ensureDeferred
 async def test_server_refuses_bad_inferences(server, repository):
-    """Bad inputs are 400 / INVALID_ARGUMENT, an unknown model 404 / NOT_FOUND, each with a
-    request id and an {"error": message} body; the server stays ready."""
+    """Bad inputs are 400 / INVALID_ARGUMENT, an unknown model 404 / NOT_FOUND in Triton's
+    words, each with a request id and an {"error": message} body; the server stays ready."""
     for what, model, body, code in BAD_REQUESTS:
         answer = await request("POST", f"{server.url}/v2/models/{model}/infer", body=body,
                                headers={"Content-Type": "application/json"})
@@ -398,6 +410,7 @@ async def test_server_refuses_bad_inferences(server, repository):
     for name, model, data, datatype, status in cases:
         error = await deferToThread(grpc_error, server.grpc, model, data, name, datatype)
         assert status in str(error.status()), (name, model, data.shape, datatype, error)
+    assert error.message().startswith("Request for unknown model: 'nope' is not found"), error
 
     ready = await request("GET", server.url + "/readyz")
     assert ready.code == 200
@@ -457,7 +470,7 @@ async def check_refused_at_once(front: Front) -> None:
     The broken model is refused at once on every path, with its state and
     reason: REST 400 (no Retry-After), gRPC FAILED_PRECONDITION, and
     C{Client.infer} a L{BadRequest} naming its request; an unknown model is
-    C{NotFound} (404) with its request id.
+    C{NotFound} (404) with its request id, in Triton's words.
     """
     from kcoral import AsyncClient, BadRequest, NotFound, ServerBusy
 
@@ -482,6 +495,7 @@ async def check_refused_at_once(front: Front) -> None:
         with pytest.raises(NotFound) as unknown:
             await client.infer("nope", rows(1), request_id="unknown-1")
         assert unknown.value.status == 404 and unknown.value.request_id == "unknown-1"
+        assert unknown.value.message == "Request for unknown model: 'nope' is not found"
     finally:
         await client.close()
     # Nothing waited in a queue or for a retry.
@@ -768,7 +782,7 @@ async def routed(module_processes, repository, tmp_path_factory) -> Routed:
 @pytest_twisted.ensureDeferred
 async def test_router_serves_models_of_its_nodes(routed, repository):
     """A Router with two nodes lists their models, infers through them over REST and gRPC
-    equal to the MLP, and answers 404 for a model no node has."""
+    equal to the MLP, and answers 404 for a model no node has, in Triton's words."""
     router = routed.router
 
     async def both_ready():
@@ -795,9 +809,10 @@ async def test_router_serves_models_of_its_nodes(routed, repository):
     missing = await request("POST", router.url + "/v2/models/nope/infer", body=infer_body(),
                             headers={"Content-Type": "application/json"})
     assert missing.code == 404 and missing.request_id, missing
-    assert isinstance(missing.json["error"], str)
+    assert missing.json["error"] == "Request for unknown model: 'nope' is not found", missing
     error = await deferToThread(grpc_error, router.grpc, "nope", rows(1))
     assert "NOT_FOUND" in str(error.status()), error
+    assert error.message().startswith("Request for unknown model: 'nope' is not found"), error
     # A member's 400 reaches the client as it is.
     over = await request("POST", router.url + "/v2/models/mlp/infer",
                          body=infer_body(shape=(9, 16)), headers={"Content-Type": "application/json"})
@@ -850,8 +865,9 @@ async def test_a_node_serving_another_mlp_is_refused_under_one_router(routed, re
 
 
 async def test_router_applies_model_control_to_every_node(routed):
-    """A load through the Router goes to every node's worker, and its refusal names each
-    one with its reason (these nodes load every model at start: no load on request)."""
+    """A load through the Router goes to every node's worker, and its refusal (400, gRPC
+    INTERNAL, in Triton's words) names each one with its reason (these nodes load every
+    model at start: no load on request)."""
     from kcoral import AsyncClient, BadRequest
 
     client = AsyncClient(routed.router.url)
@@ -861,6 +877,8 @@ async def test_router_applies_model_control_to_every_node(routed):
     finally:
         await client.close()
     message = str(refused.value)
-    assert "on 2 of 2 member(s)" in message, message
+    assert message.startswith("failed to load 'mlp' on 2 of 2 member(s)"), message
     assert "n0/worker0" in message and "n1/worker0" in message, message
     assert "--model-control-mode explicit" in message, message
+    status, message = await deferToThread(grpc_control, routed.router.grpc, "load", "mlp")
+    assert status == "StatusCode.INTERNAL" and message.startswith("failed to load 'mlp'"), message

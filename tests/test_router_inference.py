@@ -3,7 +3,9 @@ The Router's (and a gateway's) inference front over a pool whose members
 report their models, on a fake clock with fake members: a model every
 member failed to load is refused at once with its reason, one still loading
 is busy, a load goes to every member and what they answer is what the front
-knows of them at once, and statistics are the members' sum.
+knows of them at once, statistics are the members' sum, and the repository
+index is each member's own, asked when a client asks (a member that fails
+or hangs counts as its last report says).
 """
 
 from __future__ import annotations
@@ -12,22 +14,24 @@ import json
 import threading
 
 import attrs
+import grpc
 import numpy as np
 import pytest
 import pytest_twisted
 from tritonclient.grpc import service_pb2
-from twisted.internet.defer import succeed
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
 from kcoral.common.queue import WaitQueue
 from kcoral.common.report import parse_report
-from kcoral.errors import BadRequest, ModelNotReady, NotFound, ServerBusy
+from kcoral.errors import BadRequest, LoadFailed, ModelNotReady, NotFound, ServerBusy
 from kcoral.inference import message
 from kcoral.inference.front import InferCall
+from kcoral.inference.grpcmethods import status_code_of
 from kcoral.inference.message import GrpcMessage, RestMessage
 from kcoral.protocol.inference import ON_REACTOR_BYTES, rest_of_grpc_infer
 from kcoral.router.forward import Forwarder
-from kcoral.router.inference import RouterInference
+from kcoral.router.inference import INDEX_SECONDS, RouterInference
 from kcoral.router.pool import Pool
 from kcoral.router.proxy import Proxy
 from kcoral.router.scheduler import Scheduler
@@ -44,13 +48,15 @@ class Answer:
         return succeed(self.body)
 
 
-def front(states: list[tuple[str, str]], *, answers: dict[str, Answer] | None = None):
+def front(states: list[tuple[str, str]], *, answers: dict[str, Answer | Deferred] | None = None,
+          clock: Clock | None = None, healthy: bool = True):
     """A front of one node whose worker i reports mlp version 1 in C{states[i]}
-    (state, reason); C{answers} by URL answer its members' GETs and POSTs."""
-    clock = Clock()
+    (state, reason), each C{healthy} or not; C{answers} by URL answer its
+    members' GETs and POSTs (a Deferred: when it fires)."""
+    clock = clock or Clock()
     pool = Pool(clock, max_status_age_seconds=5.0, unhealthy_threshold=3, recovery_threshold=1,
                 node_retention_seconds=600.0)
-    body = node_report(capacities=(1,) * len(states))
+    body = node_report(capacities=(1,) * len(states), healthy=healthy)
     for worker, (state, reason) in zip(body["workers"], states, strict=True):
         worker["models"] = [{"name": "mlp", "version": "1", "state": state, "reason": reason,
                              "max_batch_size": 8 if state == "READY" else 0}]
@@ -60,7 +66,8 @@ def front(states: list[tuple[str, str]], *, answers: dict[str, Answer] | None = 
 
     def ask(url: str, **kwargs):
         asked.append(url)
-        return succeed((answers or {})[url])
+        answer = (answers or {})[url]
+        return answer if isinstance(answer, Deferred) else succeed(answer)
 
     # Nothing here is forwarded: the proxy has no client.
     forwarder = Forwarder(Scheduler(pool, WaitQueue(clock, 16, 30.0)), Proxy(None), clock)
@@ -105,11 +112,20 @@ def test_a_model_still_loading_somewhere_is_busy_not_refused():
     assert result_of(inference.model_ready("mlp", None)) is False
 
 
-def test_an_unknown_model_is_not_found():
-    """A model no member lists is 404, and so are its statistics."""
+def test_an_unknown_model_is_not_found_in_tritons_words():
+    """A model (or version) no member lists is 404, and so are its statistics, each message
+    starting as Triton's; a version that is no number is 400 in Triton's words."""
     inference, _ = front([("READY", "")])
-    assert isinstance(failure_of(inference.infer("nope", None, CALL)), NotFound)
+    error = failure_of(inference.infer("nope", None, CALL))
+    assert isinstance(error, NotFound)
+    assert error.message == "Request for unknown model: 'nope' is not found"
     assert isinstance(failure_of(inference.model_statistics("nope", None)), NotFound)
+    assert failure_of(inference.model_metadata("mlp", "3")).message == (
+        "Request for unknown model: 'mlp' version 3 is not found")
+    error = failure_of(inference.model_ready("mlp", "three"))
+    assert type(error) is BadRequest
+    assert error.message.startswith("failed to get model version from specified version string "
+                                    "'three'")
 
 
 def loaded(name: str, state: str) -> Answer:
@@ -136,8 +152,9 @@ def test_a_load_that_fails_on_one_member_names_it_with_its_reason():
         urls[0]: loaded("mlp", "READY"),
         urls[1]: Answer(400, json.dumps({"error": "failed to load 'mlp': out of memory"}).encode())})
     error = failure_of(inference.load_model("mlp"))
-    assert isinstance(error, BadRequest)
-    assert "on 1 of 2 member(s)" in error.message
+    assert isinstance(error, LoadFailed) and error.status == 400
+    assert status_code_of(error) == grpc.StatusCode.INTERNAL
+    assert error.message.startswith("failed to load 'mlp' on 1 of 2 member(s): ")
     assert "n/worker1: failed to load 'mlp': out of memory" in error.message
 
 
@@ -177,3 +194,58 @@ async def test_a_large_grpc_inference_is_forwarded_in_its_rest_form_made_off_the
     answer.addErrback(lambda _: None)  # nothing is forwarded here: the proxy has no client
     await until(lambda: made_in, "its REST form made")
     assert made_in[0] != threading.get_ident()
+
+
+def index_answers(url: str, index: list[dict], models: list[dict]) -> dict[str, Answer]:
+    """What the member at C{url} answers to its repository index and its /health."""
+    return {url + "/v2/repository/index": Answer(200, json.dumps(index).encode()),
+            url + "/health": Answer(200, json.dumps({"status": "ok", "models": models}).encode())}
+
+
+def mlp_state(version: str, state: str = "READY", reason: str = "") -> dict:
+    return {"name": "mlp", "version": version, "state": state, "reason": reason,
+            "max_batch_size": 8 if state == "READY" else 0}
+
+
+def test_the_index_is_each_members_own_asked_now_and_what_the_front_serves():
+    """A member that serves version 2 before its report says so: the index lists version 2
+    READY and the model folder it has not loaded, and version 2 is ready on the front at once."""
+    members = ["http://10.0.0.1:8000", "http://10.0.0.1:8001"]
+    fresh = [mlp_state("2"), {"name": "spare", "version": "1", "state": "UNAVAILABLE",
+                              "reason": "not loaded"}]
+    inference, asked = front([("READY", "")] * 2, answers={
+        **index_answers(members[0], fresh, [mlp_state("2")]),
+        **index_answers(members[1], [mlp_state("1")], [mlp_state("1")])})
+    assert isinstance(failure_of(inference.model_ready("mlp", "2")), NotFound)
+    index = result_of(inference.repository_index())
+    assert [(m["name"], m["version"], m["state"]) for m in index] == [
+        ("mlp", "1", "READY"), ("mlp", "2", "READY"), ("spare", "1", "UNAVAILABLE")]
+    assert index[2]["reason"] == "not loaded"
+    assert sorted(asked) == sorted(url + path for url in members
+                                   for path in ("/health", "/v2/repository/index"))
+    assert result_of(inference.model_ready("mlp", "2")) is True
+
+
+def test_a_member_that_fails_or_hangs_counts_as_its_last_report():
+    """A member whose index fails (its /health answered), and one that does not answer within
+    INDEX_SECONDS: the index and the front say what their reports say, once the time is up."""
+    clock = Clock()
+    members = ["http://10.0.0.1:8000", "http://10.0.0.1:8001"]
+    inference, _ = front([("READY", ""), ("UNAVAILABLE", "unloaded")], clock=clock, answers={
+        members[0] + "/v2/repository/index": Answer(500, b'{"error": "broken"}'),
+        members[0] + "/health": Answer(200, json.dumps({"models": [mlp_state("2")]}).encode()),
+        members[1] + "/v2/repository/index": Deferred(),
+        members[1] + "/health": Deferred()})
+    index = inference.repository_index()
+    assert not index.called
+    clock.advance(INDEX_SECONDS)
+    assert result_of(index) == [{"name": "mlp", "version": "1", "state": "READY", "reason": ""}]
+    assert isinstance(failure_of(inference.model_ready("mlp", "2")), NotFound)
+
+
+def test_a_member_that_is_not_usable_is_not_asked():
+    """A member that is not usable is listed as its report says, UNAVAILABLE, and not asked."""
+    inference, asked = front([("READY", "")], healthy=False)
+    assert result_of(inference.repository_index()) == [
+        {"name": "mlp", "version": "1", "state": "UNAVAILABLE", "reason": ""}]
+    assert asked == []

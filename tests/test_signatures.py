@@ -7,7 +7,10 @@ never given its inferences; the claim passes on once none serves it.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 
@@ -20,6 +23,7 @@ from kcoral.router.proxy import Proxy
 from kcoral.router.residency import Demand
 from kcoral.router.scheduler import Scheduler
 from tests.fakes import FakeWorkers, node_report
+from tests.test_router_inference import Answer
 
 SMALL, LARGE = "a" * 64, "b" * 64
 
@@ -39,18 +43,32 @@ class Fleet:
         self.clock = Clock()
         self.pool = Pool(self.clock, recovery_threshold=1)
         self.errors: list[dict] = []
+        #: What each worker says of its models, by URL.
+        self.said: dict[str, list[dict]] = {}
 
     def report(self, node_id: str, body: dict) -> None:
+        for worker in body["workers"]:
+            self.said[worker["url"]] = worker.get("models", [])
         self.pool.report(node_id, parse_report(body))
         self.pool.observe()
 
     def member(self, node_id: str):
         return self.pool.nodes[node_id].members["worker0"]
 
-    def index(self) -> list[dict]:
+    def answer(self, url: str, **kwargs):
+        """A worker's answer to its /health or its repository index: the models it says."""
+        if url.endswith("/health"):
+            body: object = {"models": self.said[url.removesuffix("/health")]}
+        else:
+            body = self.said[url.removesuffix("/v2/repository/index")]
+        return succeed(Answer(200, json.dumps(body).encode()))
+
+    def index(self, asked: bool = False) -> list[dict]:
+        """The front's repository index: from the reports, or (C{asked}) each worker asked."""
         scheduler = Scheduler(self.pool, WaitQueue(self.clock, 16, 30.0))
         forwarder = Forwarder(scheduler, Proxy(FakeWorkers().client()), self.clock)
-        front = RouterInference(pool=self.pool, forwarder=forwarder, get=None,
+        ask = self.answer if asked else None
+        front = RouterInference(pool=self.pool, forwarder=forwarder, get=ask, post=ask,
                                 is_ready=lambda: True, clock=self.clock, most_waiting=8)
         return front.repository_index().result
 
@@ -70,7 +88,7 @@ def errors():
 
 def test_a_later_node_with_another_signature_is_refused_loudly(errors):
     """The second node's mlp of another signature is unavailable with the reason, logged once,
-    and the index's ready mlp says why."""
+    and the index's ready mlp says why, whether read from reports or asked of each worker."""
     fleet = Fleet()
     fleet.report("first", report(SMALL))
     for _ in range(3):
@@ -84,6 +102,10 @@ def test_a_later_node_with_another_signature_is_refused_loudly(errors):
     assert [e["reason"] for e in errors] == [refused.reason]
     [entry] = fleet.index()
     assert entry["state"] == "READY" and entry["reason"] == refused.reason
+    # Asked, the refused worker says its mlp is READY: it stays refused, and the index says so.
+    assert fleet.index(asked=True) == [entry]
+    assert second.ready_models == {} and fleet.member("first").ready_models == {"mlp": 0}
+    assert len(errors) == 1
 
 
 def test_inferences_never_reach_the_refused_member():

@@ -24,6 +24,7 @@ from kcoral.models.versions import (
     VersionError,
     VersionPolicy,
     is_model,
+    listed_versions,
     parse_policy,
     served_versions,
     stamp,
@@ -103,6 +104,28 @@ def test_a_plain_bundle_is_its_own_version(tmp_path):
     assert not is_model(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("config, manifest, versions", [
+    (None, None, [10]),
+    ({"version_policy": {"all": {}}}, None, [1, 2, 10]),
+    ({"version_policy": {"specific": {"versions": [7]}}}, None, [1]),
+    ("{not json", None, [1]),
+    (None, '{"version": 3}', [3]),
+    (None, "{}", [1]),
+    (None, '{"version": "3"}', [1]),
+    (None, "[3", [1]),
+])
+def test_the_versions_listed_before_a_load(tmp_path, config, manifest, versions):
+    """A model not loaded is listed with the versions a load would serve: its policy's among
+    its numbered folders, or its one bundle's, as its manifest says; 1 where unreadable."""
+    if manifest is None:
+        bundle(tmp_path, 1, 2, 10)
+    else:
+        (tmp_path / "model.json").write_text(manifest)
+    if config is not None:
+        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    assert listed_versions(str(tmp_path)) == versions
+
+
 def test_the_stamp_changes_with_a_new_version_or_policy(tmp_path):
     """A new version folder, or a new config.json, changes the model's stamp."""
     bundle(tmp_path, 1)
@@ -149,8 +172,9 @@ class Loop:
             client.close()
 
 
-async def start_front(processes, repository, node: bool) -> str:
-    """A server, or a node of two workers, in poll mode on C{repository}; its URL."""
+async def start_front(processes, repository, node: bool, health_seconds: float = 0.5) -> str:
+    """A server, or a node of two workers probed every C{health_seconds}, in poll mode on
+    C{repository}; its URL."""
     polled = ("--model-repository", str(repository), "--model-control-mode", "poll",
               "--repository-poll-seconds", "0.2")
     if not node:
@@ -159,7 +183,8 @@ async def start_front(processes, repository, node: bool) -> str:
                                                 timeout=START_TIMEOUT)
         return service.url
     child = processes.spawn(kcoral_argv("server", "--port", "0", "--gpus", "none", "--cpu-workers",
-                                        "2", "--health-interval-seconds", "0.5", *polled),
+                                        "2", "--health-interval-seconds", str(health_seconds),
+                                        *polled),
                             name="node", env=server_env())
     url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
 
@@ -216,6 +241,30 @@ async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(pro
     assert (await request("GET", url + "/v2/models/mlp/versions/2/ready")).code == 200
     assert (await request("GET", url + "/v2/models/mlp/versions/1/ready")).code != 200
     shutil.rmtree(repository)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_gateways_index_is_never_older_than_its_answers(processes, tmp_path):
+    """On a node of two workers in poll mode whose workers are probed only every 10 s, as
+    soon as an inference answers from version 2 the gateway's index lists version 2 READY
+    (each worker asked, not their last reports), and version 2 is ready there at once."""
+    repository = tmp_path / "repository"
+    export(repository / "mlp" / "1", mlp_params(1))
+    export(tmp_path / "staged", mlp_params(2))
+    url = await start_front(processes, repository, node=True, health_seconds=10)
+    address = url.split("://", 1)[1]
+    x = rows(1, seed=5)
+    assert (await deferToThread(infer_version, address, x))[0] == "1"
+    os.rename(tmp_path / "staged", repository / "mlp" / "2")
+
+    async def answered_by_2():
+        return (await deferToThread(infer_version, address, x))[0] == "2" or None
+    await until(answered_by_2, "an answer of version 2", 120)
+    index = await request("POST", url + "/v2/repository/index", body=b"{}")
+    assert ("mlp", "2", "READY") in [(m["name"], m["version"], m["state"]) for m in index.json], \
+        index.json
+    assert (await request("GET", url + "/v2/models/mlp/versions/2/ready")).code == 200
+    assert (await deferToThread(infer_version, address, x, "2"))[0] == "2"
 
 
 def infer_version(address: str, x: np.ndarray, version: str = "") -> tuple[str, np.ndarray]:

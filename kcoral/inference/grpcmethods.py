@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from twisted.internet.defer import Deferred, succeed
 
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, KCoralError, ModelNotReady
+from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
 from kcoral.inference.message import GrpcAnswer, GrpcMessage
 from kcoral.protocol.inference import grpc_of_rest_answer
@@ -51,9 +51,12 @@ _CODES = {
 
 def status_code_of(error: KCoralError) -> grpc.StatusCode:
     """The gRPC status of a KCoral error: that of its HTTP status (a model
-    that cannot serve: the precondition of a loaded model fails)."""
+    that cannot serve: the precondition of a loaded model fails; a failed
+    load: INTERNAL, which Triton's clients expect of it)."""
     if isinstance(error, ModelNotReady):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(error, LoadFailed):
+        return grpc.StatusCode.INTERNAL
     code = _CODES.get(error.status)
     if code is not None:
         return code

@@ -16,7 +16,7 @@ import os
 
 import attrs
 
-from kcoral.models.manifest import MANIFEST
+from kcoral.models.manifest import MANIFEST, MAX_MANIFEST_BYTES
 
 #: The optional file of a model's settings (its version policy).
 CONFIG = "config.json"
@@ -130,6 +130,36 @@ def served_versions(folder: str) -> dict[int | None, str]:
         raise VersionError(f"no version of {sorted(versions)} is one of the "
                            f"{CONFIG} version_policy's")
     return {v: versions[v] for v in chosen}
+
+
+def listed_versions(folder: str) -> list[int]:
+    """
+    The versions of the model folder C{folder} that a load would serve, as
+    the repository index lists a model not loaded: those its policy selects
+    among its numbered folders, or its one bundle's; version 1 where they
+    cannot be read, as a load that fails there reports it.
+    """
+    try:
+        served = served_versions(folder)
+    except VersionError:
+        return [1]
+    if None in served:
+        return [_manifest_version(folder)]
+    return sorted(v for v in served if v is not None)
+
+
+def _manifest_version(folder: str) -> int:
+    """The version that the bundle in C{folder} says (1 unless it says
+    another), without reading or checking the rest of it."""
+    try:
+        # O_NONBLOCK: a FIFO in the folder must not hang the reader.
+        fd = os.open(os.path.join(folder, MANIFEST), os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            value = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return 1
+    version = value.get("version", 1) if isinstance(value, dict) else 1
+    return version if type(version) is int and 1 <= version < 1 << 31 else 1
 
 
 def stamp(folder: str) -> tuple:

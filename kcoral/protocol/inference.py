@@ -406,6 +406,13 @@ def _rest_parts(pb: service_pb2.ModelInferRequest) -> tuple[dict, list[bytes]]:
     if not 1 <= len(pb.inputs) <= MAX_INPUTS:
         raise BadRequest(f"inputs must list 1 to {MAX_INPUTS} tensors")
     raw = list(pb.raw_input_contents)
+    if raw:
+        for tensor in pb.inputs:
+            if tensor.HasField("contents"):
+                # Triton's words, which its clients look for.
+                raise BadRequest(f"contents field must not be specified when using "
+                                 f"raw_input_contents for '{tensor.name[:64]}' for model "
+                                 f"'{pb.model_name[:64]}'")
     if raw and len(raw) != len(pb.inputs):
         raise BadRequest(f"raw_input_contents holds {len(raw)} tensors for {len(pb.inputs)} inputs")
     inputs, buffers = [], []

@@ -3,16 +3,24 @@ The inference protocol on a Router and on a gateway: each inference placed
 like a run (the same queue, leases, placement, forwarder and 503s), only on
 members that report its model ready, and forwarded in the protocol's own
 REST form; a model's metadata and configuration asked of one such member;
-the repository index the union of what the members report.
+the repository index the union of the members' own, asked of each when a
+client asks for it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
-from twisted.internet.defer import Deferred, gatherResults, inlineCallbacks, maybeDeferred, succeed
+from twisted.internet.defer import (
+    Deferred,
+    FirstError,
+    gatherResults,
+    inlineCallbacks,
+    maybeDeferred,
+    succeed,
+)
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
@@ -20,12 +28,15 @@ from zope.interface import implementer
 from kcoral._version import __version__
 from kcoral.common.report import MODEL_NAME, UNAVAILABLE, ModelState, parse_models
 from kcoral.errors import (
+    BadRequest,
     KCoralError,
+    LoadFailed,
     ModelNotReady,
-    NotFound,
     ProgramFailed,
     ServerBusy,
     error_from_answer,
+    unknown_model,
+    unreadable_version,
 )
 from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
 from kcoral.models.statistics import summed
@@ -43,6 +54,7 @@ from kcoral.web.family import (
     MODEL_METADATA,
     MODEL_STATISTICS,
     MODEL_UNLOAD,
+    REPOSITORY_INDEX,
     STATISTICS,
     VERSION_CONFIG,
     VERSION_INFER,
@@ -52,6 +64,12 @@ from kcoral.web.family import (
 )
 
 log = Logger()
+
+#: How long a member may take to answer the repository index before its
+#: last report stands for it: a member that hangs must not hang the index.
+INDEX_SECONDS = 5.0
+#: A member's health, whose models are what a report of it says.
+HEALTH = "/health"
 
 
 def _path(routes: tuple[Route, Route], name: str, version: str | None) -> str:
@@ -75,6 +93,7 @@ class RouterInference:
                  is_ready: Callable[[], bool], clock, most_waiting: int,
                  tracing: ITracing = NO_TRACING, post: Callable[..., Deferred] | None = None):
         self._pool = pool
+        self._clock = clock
         self._batcher = FrontBatcher(forwarder, clock, most_waiting)
         self._get = get
         self._post = post
@@ -88,9 +107,10 @@ class RouterInference:
         member that lists it serves and says it failed (waiting would not
         help); none while a member may still come to serve it.
         """
-        if not MODEL_NAME.match(name) or (
-                version is not None and read_count(version, MOST_VERSION) is None):
-            raise NotFound(f"unknown model {name[:64]!r}")
+        if version is not None and read_count(version, MOST_VERSION) is None:
+            raise unreadable_version(version)
+        if not MODEL_NAME.match(name):
+            raise unknown_model(name, version)
         listed: list[tuple[Member, ModelState]] = []
         for node in self._pool.nodes.values():
             for member in node.members.values():
@@ -98,7 +118,7 @@ class RouterInference:
                     if state.name == name and (version is None or state.version == version):
                         listed.append((member, state))
         if not listed:
-            raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else ""))
+            raise unknown_model(name, version)
         ready = [member for member, state in listed if state.ready and member.usable]
         if not ready and all(member.usable and state.state == UNAVAILABLE
                              for member, state in listed):
@@ -145,26 +165,47 @@ class RouterInference:
         return maybeDeferred(lambda: bool(self._ready_members(name, version)))
 
     def repository_index(self) -> Deferred:
-        # A model ready anywhere is ready here; else the first reason given.
-        # A ready one that a member was refused for another signature says
-        # why (only the pool's refusals leave a signature on a model that is
-        # not ready: a worker signs only those it has ready).
-        models: dict[tuple[str, str], dict] = {}
-        refused: dict[tuple[str, str], str] = {}
-        for node in self._pool.nodes.values():
-            for member in node.members.values():
-                for state in member.models:
-                    key = (state.name, state.version)
-                    if state.signature and not state.ready:
-                        refused.setdefault(key, state.reason)
-                    if key not in models or state.ready and member.usable:
-                        models[key] = {"name": state.name, "version": state.version,
-                                       "state": state.state if member.usable else "UNAVAILABLE",
-                                       "reason": state.reason}
-        for key, reason in refused.items():
-            if not models[key]["reason"]:
-                models[key]["reason"] = reason
-        return succeed([models[key] for key in sorted(models)])
+        """
+        The union of the members' indexes, each asked now: a worker serves a
+        new version before its next report says so, and an index read from
+        reports would be older than the answers a client gets. What each
+        member's C{/health} says of its models at the same time becomes what
+        the front knows of it, as a report would, so that a version the
+        index lists ready is served here at once. A member that is not
+        usable, or does not answer both in time, counts as its last report
+        says.
+        """
+        members = [member for node in self._pool.nodes.values() for member in node.members.values()]
+        d = gatherResults([self._member_index(member) for member in members])
+        d.addCallback(lambda indexes: _union(zip(members, indexes, strict=True)))
+        return d
+
+    def _member_index(self, member: Member) -> Deferred[tuple[ModelState, ...]]:
+        """C{member}'s repository index, or its last report's models."""
+        if not member.usable or self._post is None:
+            return succeed(member.models)
+
+        def reported(failure) -> tuple[ModelState, ...]:
+            why = failure.value.subFailure.value if failure.check(FirstError) else failure.value
+            log.info("{member}'s repository index is its last report's: {why}",
+                     member=member.name, why=why)
+            return member.models
+
+        d = self._asked_index(member).addTimeout(INDEX_SECONDS, self._clock)
+        return d.addErrback(reported)
+
+    @inlineCallbacks
+    def _asked_index(self, member: Member):
+        """C{member}'s index and its C{/health}'s models, asked at once (a
+        timeout cancels both); the models become what the front knows of it."""
+        assert self._post is not None  # else it is not asked
+        index, health = yield gatherResults([
+            _json_of(self._post(member.url + REPOSITORY_INDEX.path(), data=b"")),
+            _json_of(self._get(member.url + HEALTH))], consumeErrors=True)
+        listed = parse_models(index, f"{member.name}'s repository index")
+        models = parse_models(health["models"], f"{member.name}'s models")
+        self._pool.serve(member, models)
+        return listed
 
     def load_model(self, name) -> Deferred:
         return maybeDeferred(lambda: self._control(name, "load"))
@@ -179,9 +220,12 @@ class RouterInference:
     @inlineCallbacks
     def _control(self, name: str, verb: str):
         """Load or unload model C{name} on every usable member, at once; the
-        states they answer, or one error naming each member that failed."""
+        states they answer, or one error naming each member that failed (a
+        load that a member refused: L{LoadFailed})."""
         if not MODEL_NAME.match(name):
-            raise NotFound(f"unknown model {name[:64]!r}")
+            if verb == "load":
+                raise LoadFailed(f"failed to load '{name[:64]}': no such model in the repository")
+            raise unknown_model(name)
         members = self._usable_members()
         if not members:
             raise ServerBusy("no member is ready to " + verb + f" model {name!r}",
@@ -193,7 +237,9 @@ class RouterInference:
         if failed:
             first = failed[0][1]
             cls = type(first) if isinstance(first, KCoralError) else ProgramFailed
-            raise cls(f"failed to {verb} {name!r} on {len(failed)} of {len(members)} member(s): "
+            if verb == "load" and isinstance(first, BadRequest):
+                cls = LoadFailed  # the member's refusal, in Triton's words
+            raise cls(f"failed to {verb} '{name}' on {len(failed)} of {len(members)} member(s): "
                       + "; ".join(f"{m.node.node_id}/{m.name}: {e}" for m, e in failed))
         return {"models": [state.to_json() for states in outcomes for state in states]}
 
@@ -265,3 +311,43 @@ class RouterInference:
             d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)
         return d
+
+
+@inlineCallbacks
+def _json_of(asked: Deferred):
+    """The JSON of a member's answer to a request C{asked}; its error
+    unless it is a 200."""
+    response = yield asked
+    content = yield response.content()
+    if response.code != 200:
+        raise error_from_answer(response.code, content)
+    return json.loads(content)
+
+
+def _union(indexes: Iterable[tuple[Member, tuple[ModelState, ...]]]) -> list[dict]:
+    """
+    A front's repository index from its members': a model version ready on
+    a usable member is ready; else it is as the first member that lists it
+    says (UNAVAILABLE where that member is not usable). A member refused a
+    model for another signature than the pool's counts as not serving it,
+    and the model's entry says why where it gives no other reason (only the
+    pool's refusals leave a signature on a model that is not ready: a worker
+    signs only those it has ready).
+    """
+    models: dict[tuple[str, int], dict] = {}
+    refused: dict[tuple[str, int], str] = {}
+    for member, index in indexes:
+        refusals = {(m.name, int(m.version)): m for m in member.models if m.signature and not m.ready}
+        for key, refusal in refusals.items():
+            refused.setdefault(key, refusal.reason)
+        for state in index:
+            key = (state.name, int(state.version))
+            state = refusals.get(key, state)
+            if key not in models or state.ready and member.usable:
+                models[key] = {"name": state.name, "version": state.version,
+                               "state": state.state if member.usable else UNAVAILABLE,
+                               "reason": state.reason}
+    for key, reason in refused.items():
+        if key in models and not models[key]["reason"]:
+            models[key]["reason"] = reason
+    return [models[key] for key in sorted(models)]

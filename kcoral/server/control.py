@@ -28,7 +28,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from kcoral.errors import BadRequest, NotFound
+from kcoral.errors import BadRequest, LoadFailed, NotFound
 from kcoral.server.models import READY, ModelRepository, ModelStatus, UnknownModel
 
 log = Logger()
@@ -109,32 +109,45 @@ class ModelControl(service.Service):
         self._threads.stop()
         return super().stopService()
 
+    def index(self) -> Deferred[list[ModelStatus]]:
+        """The repository index (L{ModelRepository.listing}), read now, in
+        the reactor's threads rather than the loading one: an index asked
+        for while a model compiles answers at once."""
+        return deferToThreadPool(self._reactor, self._reactor.getThreadPool(),
+                                 self.repository.listing)
+
     def _in_thread(self, f, *args) -> Deferred:
         return deferToThreadPool(self._reactor, self._threads, _in_background, f, *args)
 
-    def _explicit(self, verb: str) -> None:
-        if self.mode != "explicit":
-            raise BadRequest(f"models are not {verb}ed on request in model control mode "
-                             f"{self.mode!r}: start with --model-control-mode explicit")
+    def _refusal(self, verb: str) -> str | None:
+        """Why models are not C{verb}ed on request (None: they are)."""
+        if self.mode == "explicit":
+            return None
+        return (f"models are not {verb}ed on request in model control mode {self.mode!r}: "
+                "start with --model-control-mode explicit")
 
     @inlineCallbacks
     def load(self, name: str):
         """Load the versions of model C{name} (again); their states, READY.
-        NotFound when the repository has no such folder, BadRequest with the
-        reasons when a version fails."""
-        self._explicit("load")
-        if name not in (yield self._in_thread(self.repository.stamps)):
-            raise NotFound(f"failed to load {name!r}: no such model in the repository")
+        L{LoadFailed} with the reasons when the mode refuses it, the
+        repository has no such folder or a version fails."""
+        refusal = self._refusal("load")
+        if refusal is None and name not in (yield self._in_thread(self.repository.stamps)):
+            refusal = "no such model in the repository"
+        if refusal is not None:
+            raise LoadFailed(f"failed to load '{name[:64]}': {refusal}")
         states = yield self._in_thread(self.repository.load_model, name, self._device())
         failed = [s for s in states if s.state != READY]
         if failed:
-            raise BadRequest(f"failed to load {name!r}: " + "; ".join(
+            raise LoadFailed(f"failed to load '{name[:64]}': " + "; ".join(
                 f"version {s.version}: {s.reason}" for s in failed))
         return states
 
     def unload(self, name: str) -> list[ModelStatus]:
         """Stop serving model C{name}; its state after."""
-        self._explicit("unload")
+        refusal = self._refusal("unload")
+        if refusal is not None:
+            raise BadRequest(refusal)
         try:
             return self.repository.unload_model(name)
         except UnknownModel:

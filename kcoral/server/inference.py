@@ -16,7 +16,16 @@ from zope.interface import implementer
 
 from kcoral._version import __version__
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, KCoralError, ModelNotReady, NotFound, ServerBusy
+from kcoral.errors import (
+    BadRequest,
+    KCoralError,
+    LoadFailed,
+    ModelNotReady,
+    NotFound,
+    ServerBusy,
+    unknown_model,
+    unreadable_version,
+)
 from kcoral.inference.front import (
     IInferenceFront,
     InferCall,
@@ -35,6 +44,7 @@ from kcoral.server.models import (
     READY,
     LoadedModel,
     ModelRepository,
+    ModelStatus,
     ModelUnavailable,
     UnknownModel,
 )
@@ -106,13 +116,12 @@ class ServerInference:
     def _model(self, name: str, version: str | None):
         """The loaded model C{name}, of C{version} if given; its manifest or the error."""
         if self._repository is None:
-            raise NotFound(f"unknown model {name!r}: this server has no model repository")
+            raise unknown_model(name, why="this server has no model repository")
         number = _version(version)
         try:
             return self._repository.get(name, number)
         except UnknownModel:
-            raise NotFound(f"unknown model {name!r}" + (f" version {version}" if version else "")) \
-                from None
+            raise unknown_model(name, version) from None
         except ModelUnavailable as e:
             if e.state == LOADING:
                 raise ServerBusy(f"model {name!r} is {LOADING}", reason="model_loading") from None
@@ -148,24 +157,27 @@ class ServerInference:
         return maybeDeferred(ready)
 
     def repository_index(self) -> Deferred:
-        return succeed(self.index())
-
-    def _controlled(self) -> ModelControl:
         if self._control is None:
-            raise BadRequest("this server has no model repository")
-        return self._control
+            return succeed([])
+        return self._control.index().addCallback(lambda listed: [_indexed(m) for m in listed])
 
     def _states(self, name: str) -> dict:
         return {"models": [m for m in self.health() if m["name"] == name]}
 
     def load_model(self, name) -> Deferred:
-        d = maybeDeferred(lambda: self._controlled().load(name))
+        def load() -> Deferred:
+            if self._control is None:
+                raise LoadFailed(f"failed to load '{name[:64]}': this server has no model repository")
+            return self._control.load(name)
+        d = maybeDeferred(load)
         d.addCallback(lambda _: self._states(name))
         return d
 
     def unload_model(self, name) -> Deferred:
         def unload() -> dict:
-            self._controlled().unload(name)
+            if self._control is None:
+                raise BadRequest("this server has no model repository")
+            self._control.unload(name)
             return self._states(name)
         return maybeDeferred(unload)
 
@@ -182,11 +194,12 @@ class ServerInference:
         return maybeDeferred(listed)
 
     def index(self) -> list[dict]:
-        """The repository index: every model, its state and why."""
+        """Every model version it knows, its state and why, as it serves
+        them now, without reading the disk (the repository index reads it
+        for the folders it has not loaded)."""
         if self._repository is None:
             return []
-        return [{"name": m.name, "version": str(m.version), "state": m.state, "reason": m.reason}
-                for m in self._repository.index()]
+        return [_indexed(m) for m in self._repository.index()]
 
     def health(self) -> list[dict]:
         """The index as /health lists it, with what a Router needs of a ready
@@ -303,10 +316,16 @@ class ServerInference:
         return outputs
 
 
+def _indexed(status: ModelStatus) -> dict:
+    """One model version as the repository index lists it."""
+    return {"name": status.name, "version": str(status.version), "state": status.state,
+            "reason": status.reason}
+
+
 def _version(version: str | None) -> int | None:
     if version is None:
         return None
     number = read_count(version, MOST_VERSION)
     if number is None:
-        raise NotFound(f"unknown model version {version[:32]!r}")
+        raise unreadable_version(version)
     return number

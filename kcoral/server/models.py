@@ -24,7 +24,13 @@ from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.errors import ProgramRejected
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
-from kcoral.models.versions import VersionError, is_model, served_versions, stamp
+from kcoral.models.versions import (
+    VersionError,
+    is_model,
+    listed_versions,
+    served_versions,
+    stamp,
+)
 from kcoral.server.invariant import COUNT_DTYPE, row_by_row, row_size
 from kcoral.server.programcheck import ProgramCheck
 
@@ -162,7 +168,8 @@ class ModelRepository:
             if only is None or name in only:
                 self.load_model(name, device)
             else:
-                self._settle(name, 1, ModelStatus(name, 1, UNAVAILABLE, NOT_LOADED))
+                for version in listed_versions(os.path.join(self.path, name)):
+                    self._settle(name, version, ModelStatus(name, version, UNAVAILABLE, NOT_LOADED))
 
     def load_model(self, name: str, device) -> list[ModelStatus]:
         """
@@ -252,7 +259,8 @@ class ModelRepository:
         # mapping each time, never one changing under an iteration.
         self._models = {**self._models, name: {**self._models.get(name, {}), version: model}}
 
-    def _folders(self) -> list[str]:
+    def _folders(self, warn: bool = True) -> list[str]:
+        """The model folders served, in name order; C{warn}: log those left out."""
         try:
             with os.scandir(self.path) as entries:
                 folders = sorted(entry.name for entry in entries
@@ -263,10 +271,10 @@ class ModelRepository:
         for name in folders:
             if NAME.match(name):
                 named.append(name)
-            else:
+            elif warn:
                 log.warn("model folder {name!r} is not served: a model's name is 1-64 of "
                          "[A-Za-z0-9_.-]", name=name)
-        if len(named) > MAX_MODELS:
+        if len(named) > MAX_MODELS and warn:
             log.warn("the model repository holds {count} models: serving the first {most}",
                      count=len(named), most=MAX_MODELS)
         return named[:MAX_MODELS]
@@ -315,10 +323,30 @@ class ModelRepository:
         return executable
 
     def index(self) -> list[ModelStatus]:
-        """Every version of every model and its state, in name and version order."""
-        return [ModelStatus(name, version, READY) if isinstance(model, LoadedModel) else model
-                for name, versions in sorted(self._models.items())
-                for version, model in sorted(versions.items())]
+        """Every version of every model known and its state, in name and
+        version order, without reading the disk (what the worker serves)."""
+        return _statuses(self._models)
+
+    def listing(self) -> list[ModelStatus]:
+        """
+        The repository index, read now: every model folder of the
+        repository, each version with its state (one never loaded: the
+        versions a load would serve, C{not loaded}), and the models served
+        or loading whose folder is gone, in name and version order. It reads
+        the disk: call it off the reactor.
+        """
+        known = self._models  # one mapping: a load replaces it, never changes it
+        try:
+            folders = self._folders(warn=False)
+        except RepositoryError:
+            folders = []  # gone: what is served is still listed
+        unread = [ModelStatus(name, version, UNAVAILABLE, NOT_LOADED) for name in folders
+                  if name not in known
+                  for version in listed_versions(os.path.join(self.path, name))]
+        kept = set(folders) | {name for name, versions in known.items() if any(
+            isinstance(m, LoadedModel) or m.state == LOADING for m in versions.values())}
+        listed = [status for status in _statuses(known) if status.name in kept]
+        return sorted(listed + unread, key=lambda status: (status.name, status.version))
 
     def get(self, name: str, version: int | None = None) -> LoadedModel:
         """The model C{name} at C{version} (None: its highest ready one) ready
@@ -340,6 +368,13 @@ class ModelRepository:
         if isinstance(model, ModelStatus):
             raise ModelUnavailable(name, model.reason, model.state)
         return model
+
+
+def _statuses(models: Mapping[str, Mapping[int, LoadedModel | ModelStatus]]) -> list[ModelStatus]:
+    """Every version of C{models} and its state, in name and version order."""
+    return [ModelStatus(name, version, READY) if isinstance(model, LoadedModel) else model
+            for name, versions in sorted(models.items())
+            for version, model in sorted(versions.items())]
 
 
 class _Unavailable(Exception):
