@@ -113,6 +113,32 @@ def spin():
     return program, programs.spin_iterations(1.0), x
 
 
+@pytest_twisted.async_yield_fixture
+async def serve():
+    """C{await serve(front, **options)}: a started gRPC front of C{front} (a fake
+    C{IInferenceFront}) on loopback, guarded by the test client token
+    (L{tests.test_inference_fronts.TOKEN}), stopped after the test."""
+    from twisted.internet import reactor
+
+    from kcoral.inference.h2front import GrpcFront
+    from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
+    from tests.test_inference_fronts import TOKEN
+
+    started: list[GrpcFront] = []
+
+    async def start(front, **options) -> GrpcFront:
+        grpc_front = GrpcFront(front, reactor=reactor, guard=TokenGuard.of([TOKEN], CLIENT_ROUTES),
+                               **options)
+        grpc_front.startService()
+        started.append(grpc_front)
+        return grpc_front
+
+    yield start
+    for grpc_front in started:
+        if grpc_front.running:
+            await grpc_front.stopService(grace=0)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Show the recent output of every live child when a test fails."""

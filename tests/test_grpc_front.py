@@ -30,6 +30,7 @@ from h2.connection import H2Connection
 from h2.events import (
     ConnectionTerminated,
     DataReceived,
+    PingAckReceived,
     ResponseReceived,
     StreamEnded,
     StreamReset,
@@ -48,7 +49,6 @@ from kcoral.inference.front import InferCall
 from kcoral.inference.h2front import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
 from kcoral.inference.message import GrpcMessage
 from kcoral.protocol.inference import MAX_TYPED_VALUES, parse_infer, rest_of_grpc_infer
-from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
 from procstat import cpu_seconds  # bench/procstat.py (tests/conftest.py)
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, until
@@ -124,27 +124,6 @@ def timed_probes(target: str, metadata: dict, model: str, x: np.ndarray, names: 
 
 def double_probes(target: str) -> tuple[float, np.ndarray]:
     return timed_probes(target, dict(ADMITTED), "double", np.ones((1, 4), np.float32), ("x", "y"))
-
-
-@pytest_twisted.async_yield_fixture
-async def serve():
-    """C{await serve(front, **options)}: a started GrpcFront, guarded by the client token, and
-    stopped after the test."""
-    from twisted.internet import reactor
-
-    started: list[GrpcFront] = []
-
-    async def start(front, **options) -> GrpcFront:
-        grpc_front = GrpcFront(front, reactor=reactor, guard=TokenGuard.of([TOKEN], CLIENT_ROUTES),
-                               **options)
-        grpc_front.startService()
-        started.append(grpc_front)
-        return grpc_front
-
-    yield start
-    for grpc_front in started:
-        if grpc_front.running:
-            await grpc_front.stopService(grace=0)
 
 
 def target(grpc_front: GrpcFront) -> str:
@@ -235,7 +214,7 @@ async def test_garbage_oversized_and_unknown_calls(serve):
             grpc.StatusCode.INVALID_ARGUMENT)
         assert await calls.start("ModelInfer", infer_message(rows=70_000), ADMITTED) == (
             grpc.StatusCode.RESOURCE_EXHAUSTED)
-        assert await calls.start("ModelStreamInfer", b"", ADMITTED) == grpc.StatusCode.UNIMPLEMENTED
+        assert await calls.start("Nope", b"", ADMITTED) == grpc.StatusCode.UNIMPLEMENTED
         assert front.calls == []
         assert await calls.start("ModelInfer", infer_message(), ADMITTED) == grpc.StatusCode.OK
     finally:
@@ -445,14 +424,18 @@ def framed(message: bytes) -> bytes:
 
 
 class H2Calls:
-    """Calls on one HTTP/2 connection, every frame sent as told (blocking: run in a thread)."""
+    """Calls on one HTTP/2 connection, every frame sent as told (blocking: run in a thread).
+    With C{acknowledge} False it reads what comes and never gives the window back: a client
+    that does not read its answers."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, acknowledge: bool = True):
         self._socket = socket.create_connection(("127.0.0.1", port), timeout=30)
         self._h2 = H2Connection(H2Configuration(client_side=True, header_encoding=None))
         self._h2.initiate_connection()
         self.flush()
+        self.acknowledge = acknowledge
         self.ended: dict[int, dict] = {}
+        self.pongs = 0
         self._open: dict[int, dict] = {}
 
     def flush(self) -> None:
@@ -487,13 +470,31 @@ class H2Calls:
         if flush:
             self.flush()
 
+    def ping(self) -> None:
+        """A PING: its answer, once read (L{pongs}), says the server has taken every frame
+        sent before it."""
+        self._h2.ping(b"kcoral!!")
+        self.flush()
+
+    def messages(self, stream_id: int) -> list[bytes]:
+        """The messages the server has sent on C{stream_id} so far, unframed."""
+        return unframed(self._open[stream_id]["data"])
+
     def wait(self, *stream_ids: int) -> list[dict]:
         """The end of each call: C{status}, C{message} (grpc-message), C{data} (its answer's
-        message, unframed), C{reset} (the server reset it, whatever it said first)."""
-        while not all(s in self.ended for s in stream_ids):
+        message, unframed), C{messages} (every message it sent, unframed), C{reset} (the
+        server reset it, whatever it said first)."""
+        self.read_until(lambda: all(s in self.ended for s in stream_ids))
+        return [self.ended[s] for s in stream_ids]
+
+    def read_until(self, done) -> None:
+        """Reads what the server sends until C{done()}."""
+        while not done():
             data = self._socket.recv(1 << 16)
             assert data, "the server closed the connection"
             for event in self._h2.receive_data(data):
+                if isinstance(event, PingAckReceived):
+                    self.pongs += 1
                 call = self._open.get(getattr(event, "stream_id", 0))
                 if call is None:
                     continue
@@ -501,17 +502,27 @@ class H2Calls:
                     call["headers"].update(dict(event.headers))
                 elif isinstance(event, DataReceived):
                     call["data"] += event.data
-                    self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    if self.acknowledge:
+                        self._h2.acknowledge_received_data(event.flow_controlled_length,
+                                                           event.stream_id)
                 elif isinstance(event, (StreamEnded, StreamReset)):
                     if event.stream_id not in self.ended:
                         headers = call["headers"]
                         self.ended[event.stream_id] = {
                             "status": int(headers.get(b"grpc-status", b"-1")),
                             "message": headers.get(b"grpc-message", b"").decode(),
-                            "data": call["data"][5:], "reset": isinstance(event, StreamReset),
+                            "data": call["data"][5:], "messages": unframed(call["data"]),
+                            "reset": isinstance(event, StreamReset),
                             "request_id": headers.get(b"x-request-id")}
             self.flush()
-        return [self.ended[s] for s in stream_ids]
+
+    def acknowledge_all(self) -> None:
+        """Gives the server back the window of everything read so far, and of what comes."""
+        self.acknowledge = True
+        for stream_id, call in self._open.items():
+            if call["data"] and stream_id not in self.ended:
+                self._h2.acknowledge_received_data(len(call["data"]), stream_id)
+        self.flush()
 
     def table(self) -> list[bytes]:
         """The names of the headers the server has put in this connection's header table."""
@@ -528,6 +539,16 @@ class H2Calls:
 
     def close(self) -> None:
         self._socket.close()
+
+
+def unframed(data: bytes) -> list[bytes]:
+    """The gRPC messages of a stream's DATA."""
+    messages = []
+    while len(data) >= 5:
+        _, length = struct.unpack_from(">BI", data)
+        messages.append(data[5:5 + length])
+        data = data[5 + length:]
+    return messages
 
 
 def doubled(answer: bytes, rows: int = 1) -> None:

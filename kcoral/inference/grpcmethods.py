@@ -23,7 +23,7 @@ from twisted.internet.defer import Deferred, succeed
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
-from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
 from kcoral.inference.message import GrpcAnswer, GrpcMessage
 from kcoral.protocol.inference import grpc_of_rest_answer
 from kcoral.web.family import TRACE_HEADERS
@@ -64,16 +64,31 @@ def status_code_of(error: KCoralError) -> grpc.StatusCode:
 
 
 @attrs.frozen
+class Streamed:
+    """
+    How a streaming method's call answers each of its messages, on the
+    stream: C{answered} makes what is sent of a message's serialized answer,
+    C{failed} of the message of the error that message failed with (the
+    call goes on).
+    """
+
+    answered: Callable[[bytes], bytes]
+    failed: Callable[[str], bytes]
+
+
+@attrs.frozen
 class Method:
     """
     One method: C{answer(message, request_id, metadata)} fires with the
     serialized answer. An C{open} method needs no client token and never
     reads its message (it is empty): no number of slow calls keeps a probe
-    waiting.
+    waiting. A C{streamed} one's call carries any number of messages, each
+    answered so.
     """
 
     answer: Callable[[bytes, str, Mapping[bytes, bytes]], Deferred[bytes]]
     open: bool = False
+    streamed: Streamed | None = None
 
 
 def _parsed(message_type, raw: bytes):
@@ -97,6 +112,12 @@ def _metadata_response(value: dict) -> service_pb2.ModelMetadataResponse:
 def _config_response(value: dict) -> service_pb2.ModelConfigResponse:
     return service_pb2.ModelConfigResponse(config=json_format.ParseDict(
         value, model_config_pb2.ModelConfig(), ignore_unknown_fields=True))
+
+
+def _parameters(request: service_pb2.RepositoryModelLoadRequest) -> dict[str, object]:
+    """A load's parameters, each its value (None: it sets none)."""
+    return {key: getattr(value, which) if (which := value.WhichOneof("parameter_choice")) else None
+            for key, value in request.parameters.items()}
 
 
 def _serialized(respond: Callable[[Any], Any]) -> Callable[[Any], bytes]:
@@ -131,7 +152,8 @@ class GrpcMethods:
                                                     ignore_unknown_fields=True)),
             "RepositoryModelLoad": self._method(
                 service_pb2.RepositoryModelLoadRequest,
-                lambda front, request: front.load_model(request.model_name),
+                lambda front, request: front.load_model(request.model_name, load_config(
+                    request.model_name, _parameters(request))),
                 lambda _: service_pb2.RepositoryModelLoadResponse()),
             "RepositoryModelUnload": self._method(
                 service_pb2.RepositoryModelUnloadRequest,
@@ -139,6 +161,8 @@ class GrpcMethods:
                 lambda _: service_pb2.RepositoryModelUnloadResponse()),
             "RepositoryIndex": Method(self._repository_index),
             "ModelInfer": Method(self._infer),
+            # Each message of the stream is one ModelInfer, answered as one.
+            "ModelStreamInfer": Method(self._infer, streamed=Streamed(_stream_answer, _stream_error)),
         }
 
     def items(self) -> ItemsView[str, Method]:
@@ -198,6 +222,27 @@ def _grpc_form(answered: InferAnswer | GrpcAnswer) -> bytes | Deferred[bytes]:
 
 def _converted(answered: InferAnswer) -> bytes:
     return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
+
+
+#: The key of ModelStreamInferResponse's C{infer_response} (field 2, a message).
+_INFER_RESPONSE = bytes([2 << 3 | 2])
+
+
+def _stream_answer(answer: bytes) -> bytes:
+    """A ModelStreamInferResponse of C{answer}, a serialized ModelInferResponse,
+    made without parsing it again: a message field is its key, its length
+    (a varint), then the message's own bytes."""
+    length = bytearray()
+    size = len(answer)
+    while size > 0x7F:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    length.append(size)
+    return b"".join((_INFER_RESPONSE, length, answer))
+
+
+def _stream_error(message: str) -> bytes:
+    return service_pb2.ModelStreamInferResponse(error_message=message).SerializeToString()
 
 
 _LIVE = service_pb2.ServerLiveResponse(live=True).SerializeToString()

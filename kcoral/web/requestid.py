@@ -12,7 +12,9 @@ from kcoral.errors import BadRequest
 from kcoral.web.responses import error_response
 
 HEADER = b"X-Request-ID"
-_SANE = re.compile(rb"\A[A-Za-z0-9._:-]{1,128}\Z")
+#: The longest request id taken from a client.
+_LONGEST = 128
+_SANE = re.compile(rb"\A[A-Za-z0-9._:-]{1,%d}\Z" % _LONGEST)
 
 
 #: What every id this process makes starts with: 16 random hex digits,
@@ -29,6 +31,14 @@ def request_id_from(value: bytes | None) -> str:
     # bytes for each request: a request id names a request in logs and
     # answers, it admits to nothing, so unique is all it must be.
     return f"{_PROCESS}{next(_made):016x}"
+
+
+def numbered(request_id: str, index: int) -> str:
+    """The id of request C{index} of those made under C{request_id} (the
+    messages of one gRPC stream): that id, a dot and the index, the id cut
+    short where the two would be longer than an id may be."""
+    suffix = f".{index}"
+    return request_id[:_LONGEST - len(suffix)] + suffix
 
 
 class RequestIdResource(Resource):
