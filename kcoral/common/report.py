@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import attrs
 
 from kcoral.common.cached import Cached, parse_cached
+from kcoral.common.serverconfig import SANDBOX_MODES
 from kcoral.protocol.counts import MOST_VERSION, read_count
-from kcoral.sandbox import SANDBOX_MODES
 
 #: The GPU target of a worker that runs on the host's CPU (all of a node's
 #: CPU workers share its cores).

@@ -10,6 +10,9 @@ import attrs
 #: The status a server exits with once a run passed its C{max_run_seconds}:
 #: its supervisor (a node's, systemd, a container runtime) starts it again.
 RUN_TIMEOUT_EXIT_STATUS = 3
+#: C{--sandbox} (kcoral.sandbox): every layer the kernel offers (the
+#: missing ones logged), every layer or exit 2, or none.
+SANDBOX_MODES = ("auto", "strict", "off")
 
 
 @attrs.frozen

@@ -1,8 +1,8 @@
 """
 How a process that runs clients' programs confines itself: a node's workers
-and a standalone server.
+and a standalone server (L{kcoral.sandbox.confinement}).
 """
 
-#: C{--sandbox}: every layer the kernel offers (the missing ones logged),
-#: every layer or exit 2, or none.
-SANDBOX_MODES = ("auto", "strict", "off")
+from kcoral.common.serverconfig import SANDBOX_MODES
+
+__all__ = ["SANDBOX_MODES"]
