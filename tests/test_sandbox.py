@@ -170,11 +170,12 @@ def helper_settings(tmp_path, listeners):
             "tracing": "otlp", "parent_port": listeners[0], "tokens": str(secrets / "tokens")}
 
 
-def confined(given: dict, sockets=(), collector: int | None = None) -> dict:
-    """What L{tests.confined} saw, under the policy of the settings C{given}."""
+def confined(given: dict, sockets: list | None = None, collector: int | None = None) -> dict:
+    """What L{tests.confined} saw, under the policy of the settings C{given}:
+    its tries, or with C{sockets} those alone."""
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector or 1}"}
     argv = [sys.executable, str(HERE / "confined.py"), json.dumps(given)]
-    done = subprocess.run([*argv, json.dumps(list(sockets))] if sockets else argv,
+    done = subprocess.run(argv if sockets is None else [*argv, json.dumps(sockets)],
                           capture_output=True, text=True, timeout=120, env=env, check=True)
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -225,10 +226,10 @@ async def test_the_private_temporary_folder_is_removed_when_the_process_ends(hel
     await until(lambda: not os.path.exists(seen["tmpdir"]), "the temporary folder removed")
 
 
-def test_a_thread_started_before_leaves_landlock_off(helper_settings, listeners):
+def test_a_thread_started_before_leaves_landlock_off(helper_settings):
     """A thread that runs before the process confines itself would escape
     Landlock: auto leaves Landlock off (and applies the rest)."""
-    seen = confined({**helper_settings, "threads": 1}, collector=listeners[1])
+    seen = confined({**helper_settings, "threads": 1}, sockets=[])
     assert seen["sandbox"] == {"mode": "auto", "no_new_privs": True, "seccomp": True,
                                "landlock_abi": 0}
 
