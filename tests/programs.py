@@ -5,7 +5,6 @@ C{jax.export}.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -125,15 +124,13 @@ def huge_allocation_program():
 
 
 def uncompilable_program():
-    """A well-formed serialized program whose StableHLO module is garbage:
-    it deserializes, and fails to compile."""
-    import jax
-    from jax import export
-
+    """A program that passes the worker's check and fails to compile: it
+    calls a CUDA kernel of the allow-list outside any platform's branch,
+    which a CPU worker has no handler for."""
     from kcoral import Program
+    from tests.forged import custom_call, forge
 
-    exported = export.export(jax.jit(lambda x: x + 1), platforms=("cpu", "cuda"))(np.float32(1))
-    return Program.from_exported(dataclasses.replace(exported, mlir_module_serialized=b"not a module"))
+    return Program.from_bytes(forge(custom_call("cusolver_potrf_ffi"), "main"))
 
 
 def other_platform_program(server_gpus: str | None):

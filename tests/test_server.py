@@ -530,7 +530,7 @@ RAW_CASES = {
     "wrong shapes": (_wrong_shape_frame, 422, "program_rejected", "shape"),
     "wrong dtype": (_wrong_dtype_frame, 422, "program_rejected", "dtype"),
     "wrong input count": (_wrong_count_frame, 422, "program_rejected", "inputs"),
-    "not a program": (_not_a_program_frame, 422, "program_rejected", "deserialized"),
+    "not a program": (_not_a_program_frame, 422, "program_rejected", "not a jax.export program"),
 }
 
 
@@ -557,7 +557,7 @@ async def test_bad_requests(server, affine, case):
 CLIENT_CASES = {
     "platform mismatch": (lambda: programs.other_platform_program(TEST_GPUS), (np.float32(1),),
                           ProgramRejected, "exported for"),
-    "compile failure": (programs.uncompilable_program, (np.float32(1),), ProgramRejected,
+    "compile failure": (programs.uncompilable_program, (np.ones(4, np.float32),), ProgramRejected,
                         "failed to compile"),
     "runtime failure": (programs.huge_allocation_program, (np.float32(1),), ProgramFailed,
                         "failed while running"),
