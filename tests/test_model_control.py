@@ -2,8 +2,8 @@
 Model control with real processes and real JAX: a server and a node of two
 CPU workers in C{--model-control-mode explicit}, loading and unloading
 models on request (REST through C{Client}, and gRPC through tritonclient),
-the gateway applying each request to both workers, a failed load answered
-in Triton's words; the repository index of every model folder, loaded or
+the gateway applying each request to both workers, a load with a
+configuration, a failed load answered in Triton's words; the repository index of every model folder, loaded or
 not, read when asked, as both of tritonclient's clients read it; a server
 in poll mode following its repository as model folders come and go; and the
 default mode, which refuses both.
@@ -122,6 +122,7 @@ async def check_explicit_control(url: str, grpc: str, models: Models) -> None:
         assert at_start["mlp"][0] == "READY" and at_start["other"] == ("UNAVAILABLE", "not loaded")
         assert "not loaded" in await refused(url, "other")
         await check_triton_reads(url, grpc, models)
+        await check_configured_load(url, grpc, models)
 
         loaded = await client.load_model("other")
         assert {m["state"] for m in loaded["models"]} == {"READY"}, loaded
@@ -150,6 +151,58 @@ async def check_explicit_control(url: str, grpc: str, models: Models) -> None:
     assert await deferToThread(grpc_control, grpc, "unload", "other") is None
     status, message = await deferToThread(grpc_control, grpc, "load", "nope")
     assert status == "StatusCode.INTERNAL" and message.startswith("failed to load 'nope'"), message
+
+
+def configured_load(url: str, grpc: str, params: dict) -> dict:
+    """
+    Through tritonclient's clients: mlp loaded with a configuration of a larger
+    max_batch_size (quoted, as Triton's example sends it) over REST and runs 16 rows;
+    configurations that cannot load (invalid JSON over REST, another model's over gRPC)
+    fail in Triton's words and leave it served as it was; loaded again without one over
+    gRPC, it is as its bundle says. What each client read, by step.
+    """
+    from tritonclient.utils import InferenceServerException
+
+    http = httpclient.InferenceServerClient(url.split("://", 1)[1])
+    rpc = grpcclient.InferenceServerClient(grpc)
+    read: dict = {}
+    try:
+        http.load_model("mlp", config='{"max_batch_size": "16"}')
+        read["http config"] = http.get_model_config("mlp")
+        read["grpc config"] = rpc.get_model_config("mlp", as_json=True)["config"]
+        x = rows(16, seed=3)
+        tensor = httpclient.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_allclose(http.infer("mlp", [tensor]).as_numpy("output"),
+                                   np.asarray(mlp(params, x)), rtol=1e-5, atol=1e-6)
+        for name, load in (("http invalid", lambda: http.load_model("mlp", config='{"max_')),
+                           ("grpc other", lambda: rpc.load_model("mlp", config='{"name": "x"}'))):
+            try:
+                load()
+            except InferenceServerException as e:
+                read[name] = (str(e.status()), e.message())
+        read["after"] = http.get_model_config("mlp")["max_batch_size"]
+        rpc.load_model("mlp")
+        read["again"] = rpc.get_model_config("mlp").config.max_batch_size
+        return read
+    finally:
+        http.close()
+        rpc.close()
+
+
+async def check_configured_load(url: str, grpc: str, models: Models) -> None:
+    """A load with a configuration is applied, shown by config, and refused when it cannot be
+    honoured, the model served unchanged (L{configured_load})."""
+    read = await deferToThread(configured_load, url, grpc, models.params)
+    assert read["http config"]["max_batch_size"] == 16, read
+    assert read["grpc config"]["max_batch_size"] == 16, read
+    status, message = read["http invalid"]
+    assert status == "400" and message.startswith("failed to load 'mlp'"), read
+    assert "not JSON" in message, message
+    status, message = read["grpc other"]
+    assert status == "StatusCode.INTERNAL" and message.startswith("failed to load 'mlp'"), read
+    assert "name 'x' is not the model's, 'mlp'" in message, message
+    assert read["after"] == 16 and read["again"] == 8, read
 
 
 async def check_triton_reads(url: str, grpc: str, models: Models) -> None:

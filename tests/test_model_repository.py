@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import kcoral  # noqa: E402
 from kcoral.models.bundle import PARAMS, PROGRAM, BundleError, read_bundle  # noqa: E402
+from kcoral.models.config import parse_config  # noqa: E402
 from kcoral.models.manifest import MANIFEST  # noqa: E402
 from kcoral.protocol.tensors import InvalidInput  # noqa: E402
 from kcoral.server.invariant import deterministic_flags  # noqa: E402
@@ -264,6 +265,55 @@ def test_get(repository):
     with pytest.raises(ModelUnavailable, match="model 'cuda_only' is unavailable: exported for cuda") as e:
         models.get("cuda_only")
     assert e.value.reason.startswith("exported for cuda")
+
+
+# -- a load's configuration ----------------------------------------------------------------
+
+def test_a_larger_max_batch_size_is_compiled_where_the_batch_is_symbolic(tmp_path):
+    """A configuration's max_batch_size over the bundle's is compiled for a program of a
+    symbolic batch (its sizes: those below it, and it); the model runs 16 rows; and the
+    version_policy and batching delay it sets are the model's."""
+    export_mlp(tmp_path / "mlp")
+    models = ModelRepository(tmp_path)
+    config = parse_config('{"max_batch_size": "16", "dynamic_batching": '
+                          '{"max_queue_delay_microseconds": 250}}')
+    [state] = models.load_model("mlp", jax.local_devices()[0], config)
+    assert state == ModelStatus("mlp", 1, READY)
+    model = models.get("mlp")
+    assert (model.manifest.max_batch_size, model.manifest.batch_sizes) == (16, (1, 8, 16))
+    assert model.config == config and model.config.batch_delay_microseconds == 250
+    x = rows(16)
+    assert_within_rounding(model.infer({"input": x})["output"],
+                           np.asarray(jax.jit(mlp)(mlp_params(), x)))
+    [state] = models.load_model("mlp", jax.local_devices()[0], parse_config('{"max_batch_size": 4}'))
+    assert models.get("mlp").manifest.batch_sizes == (1, 4)
+
+
+def test_a_configuration_a_bundle_cannot_honour_leaves_the_served_model(tmp_path):
+    """A max_batch_size over what programs exported per batch size run, or a configuration
+    of another model, fails the load with the reason; the model served is served still, and
+    a smaller max_batch_size among the programs' sizes is honoured."""
+    w = np.random.default_rng(5).standard_normal((16, 16)).astype(np.float32)
+    kcoral.export_bundle(layer, w, rows(1), dir=tmp_path / "layer", name="layer", batch_sizes=[2, 8])
+    models = ModelRepository(tmp_path)
+    device = jax.local_devices()[0]
+    models.load(device)
+    served = models.get("layer")
+    for text, reason in (
+            ('{"max_batch_size": 16}', ("max_batch_size 16: the bundle's programs run at batch "
+                                       "sizes [2, 8] alone (exported without a symbolic batch "
+                                       "dimension): export it for 16")),
+            ('{"max_batch_size": 0}', ("max_batch_size 0: the model was exported batched "
+                                      "(max_batch_size 8): export it again")),
+            ('{"name": "other"}', "name 'other' is not the model's, 'layer'"),
+            ('{"input": [{"name": "input", "data_type": "TYPE_FP32", "dims": ["15"]}]}',
+             "input must be the model's own: input TYPE_FP32 [16]")):
+        [state] = models.load_model("layer", device, parse_config(text))
+        assert (state.state, state.reason) == (UNAVAILABLE, reason)
+        assert models.get("layer") is served
+    models.load_model("layer", device, parse_config(
+        '{"max_batch_size": 2, "input": [{"name": "input", "data_type": "TYPE_FP32", "dims": [16]}]}'))
+    assert models.get("layer").manifest.batch_sizes == (2,)
 
 
 # -- batch invariant ------------------------------------------------------------------------

@@ -49,10 +49,11 @@ class Answer:
 
 
 def front(states: list[tuple[str, str]], *, answers: dict[str, Answer | Deferred] | None = None,
-          clock: Clock | None = None, healthy: bool = True):
+          clock: Clock | None = None, healthy: bool = True, sent: dict | None = None):
     """A front of one node whose worker i reports mlp version 1 in C{states[i]}
     (state, reason), each C{healthy} or not; C{answers} by URL answer its
-    members' GETs and POSTs (a Deferred: when it fires)."""
+    members' GETs and POSTs (a Deferred: when it fires), whose bodies go in
+    C{sent} by URL."""
     clock = clock or Clock()
     pool = Pool(clock, max_status_age_seconds=5.0, unhealthy_threshold=3, recovery_threshold=1,
                 node_retention_seconds=600.0)
@@ -66,6 +67,8 @@ def front(states: list[tuple[str, str]], *, answers: dict[str, Answer | Deferred
 
     def ask(url: str, **kwargs):
         asked.append(url)
+        if sent is not None:
+            sent[url] = kwargs.get("data")
         answer = (answers or {})[url]
         return answer if isinstance(answer, Deferred) else succeed(answer)
 
@@ -94,7 +97,8 @@ CALL = InferCall(RestMessage(b"{}", None), "r1")
 
 
 def test_a_model_every_member_failed_is_refused_at_once_with_its_reason():
-    """No member can serve it and none will: 400, its state and the first reason given."""
+    """No member can serve it and none will: 400, its state and the first reason given; it
+    is not ready (a question answered, not refused)."""
     inference, asked = front([("UNAVAILABLE", "params.safetensors: its SHA-256 is 00"),
                               ("UNAVAILABLE", "")])
     error = failure_of(inference.infer("mlp", None, CALL))
@@ -102,6 +106,7 @@ def test_a_model_every_member_failed_is_refused_at_once_with_its_reason():
     assert "'mlp' is UNAVAILABLE" in error.message and "SHA-256" in error.message
     assert asked == []
     assert isinstance(failure_of(inference.model_metadata("mlp", None)), ModelNotReady)
+    assert result_of(inference.model_ready("mlp", None)) is False
 
 
 def test_a_model_still_loading_somewhere_is_busy_not_refused():
@@ -143,6 +148,20 @@ def test_a_load_goes_to_every_member_and_their_answers_count_at_once():
     assert sorted(asked) == urls
     assert [m["state"] for m in answer["models"]] == ["READY", "READY"]
     assert result_of(inference.model_ready("mlp", None)) is True
+
+
+def test_a_load_sends_its_configuration_to_every_member():
+    """A load with a configuration sends each member the configuration, as Triton's
+    clients send it; one without, an empty body."""
+    urls = [f"http://10.0.0.1:{8000 + i}/v2/repository/models/mlp/load" for i in range(2)]
+    sent: dict = {}
+    inference, _ = front([("READY", "")] * 2, sent=sent,
+                         answers={url: loaded("mlp", "READY") for url in urls})
+    result_of(inference.load_model("mlp", '{"max_batch_size": "16"}'))
+    assert {url: json.loads(body) for url, body in sent.items()} == {
+        url: {"parameters": {"config": '{"max_batch_size": "16"}'}} for url in urls}
+    result_of(inference.load_model("mlp"))
+    assert set(sent.values()) == {b""}
 
 
 def test_a_load_that_fails_on_one_member_names_it_with_its_reason():

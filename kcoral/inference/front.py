@@ -6,22 +6,30 @@ model that every front builds the same way from its manifest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 from twisted.internet.defer import Deferred
 from zope.interface import Interface
 
+from kcoral.errors import LoadFailed
 from kcoral.inference.message import GrpcAnswer, IInferMessage
+from kcoral.models.config import PLATFORM
+from kcoral.models.config import config_of as model_config_of
 from kcoral.models.manifest import ModelManifest, TensorSpec
 from kcoral.protocol.inference import InferAnswer
-from kcoral.protocol.tensors import config_type
 
-__all__ = ["IInferenceFront", "InferAnswer", "InferCall", "model_config_of", "model_metadata_of",
-           "server_metadata"]
+__all__ = ["IInferenceFront", "InferAnswer", "InferCall", "load_config", "model_config_of",
+           "model_metadata_of", "server_metadata"]
 
 #: The server's name in its metadata.
 SERVER_NAME = "kcoral"
-#: The model platform that metadata and configurations name.
-PLATFORM = "jax"
+#: The parameter of a model load that carries its configuration.
+CONFIG_PARAMETER = "config"
+#: The prefix of the parameters of a model load that carry its files.
+FILE_PARAMETER = "file:"
+#: The longest name of one folder or file (Linux's NAME_MAX).
+MAX_PATH_COMPONENT = 255
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics")
@@ -75,10 +83,12 @@ class IInferenceFront(Interface):
         None), or one model's, in the form of Triton's statistics extension
         (L{kcoral.models.statistics})."""
 
-    def load_model(name: str) -> Deferred[dict]:
-        """Load model C{name} (again) from the repository, on every member;
-        C{{"models": [...]}}, its states as C{/health} lists them. Refused
-        (L{BadRequest}) unless the model control mode is explicit."""
+    def load_model(name: str, config: str | None = None) -> Deferred[dict]:
+        """Load model C{name} (again) from the repository, on every member,
+        configured by C{config} (Triton's ModelConfig as JSON) if given;
+        C{{"models": [...]}}, its states as C{/health} lists them.
+        L{LoadFailed} when it fails, and unless the model control mode is
+        explicit."""
 
     def unload_model(name: str) -> Deferred[dict]:
         """Stop serving model C{name}, on every member; as L{load_model}."""
@@ -86,6 +96,43 @@ class IInferenceFront(Interface):
     def infer(name: str, version: str | None, call: InferCall) -> Deferred[InferAnswer | GrpcAnswer]:
         """The answer of one inference: in the form of its message where this
         answers it itself (a server), in REST's where it forwards it."""
+
+
+def load_config(name: str, parameters: Mapping[str, object]) -> str | None:
+    """
+    The configuration that a load of model C{name} carries in its
+    C{parameters} (None: none), whatever front took them: Triton's
+    ModelConfig as JSON text in C{config}. L{LoadFailed} for any other
+    parameter (a load with files is not served; a file's path that could
+    name a file outside a model's folder is refused in Triton's words), or
+    a config that is not text.
+    """
+    for key in parameters:
+        if key.startswith(FILE_PARAMETER):
+            why = _unsafe(key[len(FILE_PARAMETER):])
+            if why:
+                raise LoadFailed(f"failed to load '{name[:64]}': failed to poll from model "
+                                 f"repository: {key[:64]!r}: {why}")
+        if key != CONFIG_PARAMETER:
+            raise LoadFailed(f"failed to load '{name[:64]}': parameter {key[:64]!r} is not served "
+                             f"(a load takes {CONFIG_PARAMETER!r} alone)")
+    config = parameters.get(CONFIG_PARAMETER)
+    if config is not None and not isinstance(config, str):
+        raise LoadFailed(f"failed to load '{name[:64]}': {CONFIG_PARAMETER} must be text, "
+                         "Triton's ModelConfig as JSON")
+    return config
+
+
+def _unsafe(path: str) -> str:
+    """Why a file's path in a load is refused ("" when it is not)."""
+    parts = path.split("/")
+    if not path or path.startswith("/"):
+        return "a file's path must be relative to the model's folder"
+    if ".." in parts:
+        return "a file's path must not hold '..'"
+    if any(len(part.encode()) > MAX_PATH_COMPONENT for part in parts):
+        return f"a component of a file's path is over {MAX_PATH_COMPONENT} bytes"
+    return ""
 
 
 def server_metadata(version: str) -> dict:
@@ -102,24 +149,3 @@ def model_metadata_of(manifest: ModelManifest) -> dict:
     return {"name": manifest.name, "versions": [str(manifest.version)], "platform": PLATFORM,
             "inputs": [_metadata(t) for t in manifest.inputs],
             "outputs": [_metadata(t) for t in manifest.outputs]}
-
-
-def _config(spec: TensorSpec, batched: bool) -> dict:
-    # Triton's dims leave out the batch dimension of a batched model.
-    dims = spec.shape[1:] if batched else spec.shape
-    return {"name": spec.name, "data_type": config_type(spec.datatype), "dims": list(dims)}
-
-
-def model_config_of(manifest: ModelManifest) -> dict:
-    """A model's configuration as Triton's tools read it (perf_analyzer needs
-    C{max_batch_size}, C{input} and C{output}); every key is a field of
-    Triton's C{ModelConfig} message, so the gRPC front sends the same."""
-    batched = manifest.max_batch_size > 0
-    config = {"name": manifest.name, "platform": PLATFORM,
-              "max_batch_size": manifest.max_batch_size,
-              "input": [_config(t, batched) for t in manifest.inputs],
-              "output": [_config(t, batched) for t in manifest.outputs]}
-    if batched:
-        # Workers batch concurrent inferences of a batched model.
-        config["dynamic_batching"] = {}
-    return config

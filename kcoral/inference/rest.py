@@ -15,9 +15,10 @@ from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succ
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.errors import BadRequest, KCoralError
-from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall
+from kcoral.errors import BadRequest, KCoralError, LoadFailed
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
 from kcoral.inference.message import RestMessage
+from kcoral.models.config import MAX_CONFIG_BYTES
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.errors import internal_error
@@ -51,6 +52,9 @@ log = Logger()
 
 #: The most a repository index request's body (its filter) may hold.
 MAX_INDEX_BODY = 64 * 1024
+#: The most a load request's body may hold: a configuration, written as a
+#: JSON string within it.
+MAX_LOAD_BODY = 4 * MAX_CONFIG_BYTES
 
 
 def _json(request, status: int, value: Any) -> bytes:
@@ -73,6 +77,24 @@ def _header_length(request) -> int | None:
     if length is None:
         raise BadRequest("Inference-Header-Content-Length must be a count of bytes, in digits")
     return length
+
+
+def _load_config(request, model: str) -> str | None:
+    """The configuration that a load request's body carries (None: none)."""
+    data = request.content.getvalue()
+    if not data.strip():
+        return None
+    if len(data) > MAX_LOAD_BODY:
+        raise LoadFailed(f"failed to load '{model[:64]}': the request is over {MAX_LOAD_BODY} bytes")
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        raise LoadFailed(f"failed to load '{model[:64]}': the request is not JSON") from None
+    parameters = value.get("parameters", {}) if isinstance(value, dict) else None
+    if not isinstance(parameters, dict):
+        raise LoadFailed(f"failed to load '{model[:64]}': a load request is "
+                         '{"parameters": {"config": "<JSON>"}}')
+    return load_config(model, parameters)
 
 
 def _body(request) -> Deferred[memoryview]:
@@ -119,7 +141,7 @@ class InferenceRoutes:
                 lambda value: _json(request, 200, value)),
             MODEL_STATISTICS: model(self._front.model_statistics, self._json),
             VERSION_STATISTICS: version(self._front.model_statistics, self._json),
-            MODEL_LOAD: self.control(self._front.load_model),
+            MODEL_LOAD: self.load,
             MODEL_UNLOAD: self.control(self._front.unload_model),
         }
 
@@ -140,6 +162,11 @@ class InferenceRoutes:
         """The handler of a model's load or unload route, that C{act}s on it."""
         return lambda request, model: self._answer(
             request, lambda: act(model), lambda value: _json(request, 200, value))
+
+    def load(self, request, model: str) -> Deferred[bytes]:
+        """A model's load route: its body, if any, C{{"parameters": {"config": "<JSON>"}}}."""
+        return self._answer(request, lambda: self._front.load_model(model, _load_config(request, model)),
+                            lambda value: _json(request, 200, value))
 
     @staticmethod
     def _json(request, value: Any) -> bytes:

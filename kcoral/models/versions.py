@@ -38,6 +38,14 @@ class VersionPolicy:
     count: int = 1
     versions: frozenset[int] = frozenset()
 
+    def to_json(self) -> dict:
+        """The policy as Triton's configuration writes it."""
+        if self.kind == "all":
+            return {"all": {}}
+        if self.kind == "specific":
+            return {"specific": {"versions": sorted(self.versions)}}
+        return {"latest": {"num_versions": self.count}}
+
     def select(self, available: list[int]) -> list[int]:
         """The versions of C{available} that this policy serves, lowest first."""
         ordered = sorted(available)
@@ -52,15 +60,16 @@ def _positive(value: object) -> bool:
     return type(value) is int and 1 <= value <= MAX_VERSION
 
 
-def parse_policy(value: object) -> VersionPolicy:
-    """The policy of a parsed config.json's C{version_policy} (absent: latest 1)."""
+def parse_policy(value: object, where: str = CONFIG) -> VersionPolicy:
+    """The policy of a parsed config.json's C{version_policy} (absent: latest
+    1); C{where} the configuration is, for the error's message."""
     if not isinstance(value, dict):
-        raise VersionError(f"{CONFIG} must be a JSON object")
+        raise VersionError(f"{where} must be a JSON object")
     policy = value.get("version_policy")
     if policy is None:
         return VersionPolicy()
     if not isinstance(policy, dict) or len(policy) != 1:
-        raise VersionError(f"{CONFIG}: version_policy must be one of latest, all, specific")
+        raise VersionError(f"{where}: version_policy must be one of latest, all, specific")
     [(kind, setting)] = policy.items()
     if kind == "all" and setting == {}:
         return VersionPolicy("all")
@@ -72,7 +81,7 @@ def parse_policy(value: object) -> VersionPolicy:
             and isinstance(setting["versions"], list) and setting["versions"] \
             and all(_positive(v) for v in setting["versions"]):
         return VersionPolicy("specific", versions=frozenset(setting["versions"]))
-    raise VersionError(f"{CONFIG}: version_policy must be {{\"latest\": {{\"num_versions\": N}}}}, "
+    raise VersionError(f"{where}: version_policy must be {{\"latest\": {{\"num_versions\": N}}}}, "
                        "{\"all\": {}} or {\"specific\": {\"versions\": [N, ...]}}")
 
 
@@ -114,21 +123,20 @@ def is_model(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, MANIFEST)) or bool(numbered(folder))
 
 
-def served_versions(folder: str) -> dict[int | None, str]:
+def served_versions(folder: str, policy: VersionPolicy | None = None) -> dict[int | None, str]:
     """
     The bundle folders of the versions the model folder C{folder} serves,
-    by version: the versions its policy selects among its numbered folders,
-    or its one bundle (key None: the version its manifest says). Numbered
-    folders win over a bundle beside them.
+    by version: the versions its policy (C{policy}, else its config.json's)
+    selects among its numbered folders, or its one bundle (key None: the
+    version its manifest says). Numbered folders win over a bundle beside
+    them.
     """
     versions = numbered(folder)
     if not versions:
         return {None: folder}
-    policy = read_policy(folder)
-    chosen = policy.select(list(versions))
+    chosen = (policy or read_policy(folder)).select(list(versions))
     if not chosen:
-        raise VersionError(f"no version of {sorted(versions)} is one of the "
-                           f"{CONFIG} version_policy's")
+        raise VersionError(f"no version of {sorted(versions)} is one of the version_policy's")
     return {v: versions[v] for v in chosen}
 
 

@@ -38,7 +38,7 @@ from kcoral.errors import (
     unknown_model,
     unreadable_version,
 )
-from kcoral.inference.front import IInferenceFront, InferCall, server_metadata
+from kcoral.inference.front import CONFIG_PARAMETER, IInferenceFront, InferCall, server_metadata
 from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import ON_REACTOR_BYTES
@@ -162,7 +162,12 @@ class RouterInference:
         return maybeDeferred(lambda: self._ask(name, version, (MODEL_CONFIG, VERSION_CONFIG)))
 
     def model_ready(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: bool(self._ready_members(name, version)))
+        def ready() -> bool:
+            try:
+                return bool(self._ready_members(name, version))
+            except ModelNotReady:
+                return False  # a model that failed or was unloaded: known, not ready
+        return maybeDeferred(ready)
 
     def repository_index(self) -> Deferred:
         """
@@ -207,8 +212,11 @@ class RouterInference:
         self._pool.serve(member, models)
         return listed
 
-    def load_model(self, name) -> Deferred:
-        return maybeDeferred(lambda: self._control(name, "load"))
+    def load_model(self, name, config=None) -> Deferred:
+        # Each member reads the configuration, as it would read it alone.
+        body = b"" if config is None else json.dumps(
+            {"parameters": {CONFIG_PARAMETER: config}}).encode()
+        return maybeDeferred(lambda: self._control(name, "load", body))
 
     def unload_model(self, name) -> Deferred:
         return maybeDeferred(lambda: self._control(name, "unload"))
@@ -218,10 +226,11 @@ class RouterInference:
                 for member in node.members.values() if member.usable]
 
     @inlineCallbacks
-    def _control(self, name: str, verb: str):
-        """Load or unload model C{name} on every usable member, at once; the
-        states they answer, or one error naming each member that failed (a
-        load that a member refused: L{LoadFailed})."""
+    def _control(self, name: str, verb: str, body: bytes = b""):
+        """Load or unload model C{name} on every usable member, at once,
+        sending each C{body}; the states they answer, or one error naming
+        each member that failed (a load that a member refused:
+        L{LoadFailed})."""
         if not MODEL_NAME.match(name):
             if verb == "load":
                 raise LoadFailed(f"failed to load '{name[:64]}': no such model in the repository")
@@ -230,7 +239,7 @@ class RouterInference:
         if not members:
             raise ServerBusy("no member is ready to " + verb + f" model {name!r}",
                              reason="no_ready_node")
-        outcomes = yield gatherResults([maybeDeferred(self._member_control, member, name, verb)
+        outcomes = yield gatherResults([maybeDeferred(self._member_control, member, name, verb, body)
                                         .addErrback(lambda f: f.value) for member in members])
         failed = [(member, e) for member, e in zip(members, outcomes, strict=True)
                   if isinstance(e, Exception)]
@@ -244,13 +253,13 @@ class RouterInference:
         return {"models": [state.to_json() for states in outcomes for state in states]}
 
     @inlineCallbacks
-    def _member_control(self, member: Member, name: str, verb: str):
+    def _member_control(self, member: Member, name: str, verb: str, body: bytes):
         """The model's states on C{member} once it has loaded or unloaded
         it; what the member answers also becomes what the front knows of it,
         so that inferences follow at once, before its next report."""
         assert self._post is not None  # a Router's fronts are given one
         url = member.url + {"load": MODEL_LOAD, "unload": MODEL_UNLOAD}[verb].path(model=name)
-        response = yield self._post(url, data=b"")
+        response = yield self._post(url, data=body)
         content = yield response.content()
         if response.code != 200:
             raise error_from_answer(response.code, content)

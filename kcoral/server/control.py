@@ -29,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.errors import BadRequest, LoadFailed, NotFound
+from kcoral.models.config import NO_CONFIG, ConfigError, parse_config
 from kcoral.server.models import READY, ModelRepository, ModelStatus, UnknownModel
 
 log = Logger()
@@ -127,16 +128,24 @@ class ModelControl(service.Service):
                 "start with --model-control-mode explicit")
 
     @inlineCallbacks
-    def load(self, name: str):
-        """Load the versions of model C{name} (again); their states, READY.
-        L{LoadFailed} with the reasons when the mode refuses it, the
-        repository has no such folder or a version fails."""
+    def load(self, name: str, config: str | None = None):
+        """Load the versions of model C{name} (again), configured by
+        C{config} (Triton's ModelConfig as JSON) if given; their states,
+        READY. L{LoadFailed} with the reasons when the mode refuses it, the
+        configuration cannot be honoured, the repository has no such folder
+        or a version fails; the model served meanwhile is served still."""
         refusal = self._refusal("load")
+        configured = NO_CONFIG
+        if refusal is None and config is not None:
+            try:
+                configured = parse_config(config)
+            except ConfigError as e:
+                refusal = str(e)
         if refusal is None and name not in (yield self._in_thread(self.repository.stamps)):
             refusal = "no such model in the repository"
         if refusal is not None:
             raise LoadFailed(f"failed to load '{name[:64]}': {refusal}")
-        states = yield self._in_thread(self.repository.load_model, name, self._device())
+        states = yield self._in_thread(self.repository.load_model, name, self._device(), configured)
         failed = [s for s in states if s.state != READY]
         if failed:
             raise LoadFailed(f"failed to load '{name[:64]}': " + "; ".join(

@@ -145,7 +145,10 @@ class ServerInference:
         return maybeDeferred(metadata)
 
     def model_config(self, name, version) -> Deferred:
-        return maybeDeferred(lambda: model_config_of(self._model(name, version).manifest))
+        def configured() -> dict:
+            model = self._model(name, version)
+            return model_config_of(model.manifest, model.config)
+        return maybeDeferred(configured)
 
     def model_ready(self, name, version) -> Deferred:
         def ready() -> bool:
@@ -164,11 +167,11 @@ class ServerInference:
     def _states(self, name: str) -> dict:
         return {"models": [m for m in self.health() if m["name"] == name]}
 
-    def load_model(self, name) -> Deferred:
+    def load_model(self, name, config=None) -> Deferred:
         def load() -> Deferred:
             if self._control is None:
                 raise LoadFailed(f"failed to load '{name[:64]}': this server has no model repository")
-            return self._control.load(name)
+            return self._control.load(name, config)
         d = maybeDeferred(load)
         d.addCallback(lambda _: self._states(name))
         return d
@@ -282,7 +285,9 @@ class ServerInference:
             batcher = self._batchers[(name, number)] = Batcher(
                 model, admitted=lambda: self._slots.admitted(f"a batch of {name}"),
                 release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
-                delay=self._batch_delay, observe=observe, executed=executed,
+                delay=self._batch_delay if model.config.batch_delay_microseconds is None
+                else model.config.batch_delay_microseconds / 1e6,
+                observe=observe, executed=executed,
                 most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
 

@@ -23,7 +23,8 @@ from twisted.logger import Logger
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.errors import ProgramRejected
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
-from kcoral.models.manifest import MANIFEST, NAME, ModelManifest
+from kcoral.models.config import NO_CONFIG, ConfigError, ModelConfig
+from kcoral.models.manifest import MANIFEST, NAME, ModelManifest, ProgramFile
 from kcoral.models.versions import (
     VersionError,
     is_model,
@@ -93,6 +94,8 @@ class LoadedModel:
     _params: tuple = attrs.field(repr=False)
     _executables: Mapping[int, Any] = attrs.field(repr=False)
     batch_invariant: bool = False
+    #: What its load's configuration set (its manifest has its batch sizes).
+    config: ModelConfig = NO_CONFIG
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs, by name in the manifest's order, of one request's
@@ -171,25 +174,26 @@ class ModelRepository:
                 for version in listed_versions(os.path.join(self.path, name)):
                     self._settle(name, version, ModelStatus(name, version, UNAVAILABLE, NOT_LOADED))
 
-    def load_model(self, name: str, device) -> list[ModelStatus]:
+    def load_model(self, name: str, device, config: ModelConfig = NO_CONFIG) -> list[ModelStatus]:
         """
         Load the versions of model C{name} that its policy serves (again)
-        from its folder onto C{device}; their states after. Each version is
-        loaded beside the one served, which serves until the new one is
-        ready (and goes on serving if it fails); versions the policy no
-        longer serves are dropped once the others are loaded, so that
-        traffic moves to a new version only when it is ready.
+        from its folder onto C{device}, configured by C{config} (what a load
+        request gave); their states after. Each version is loaded beside the
+        one served, which serves until the new one is ready (and goes on
+        serving if it fails); versions the policy no longer serves are
+        dropped once the others are loaded, so that traffic moves to a new
+        version only when it is ready.
         """
         platform = "cuda" if device.platform == "gpu" else device.platform
         try:
-            wanted = served_versions(os.path.join(self.path, name))
+            wanted = served_versions(os.path.join(self.path, name), config.policy)
         except VersionError as e:
             failed = ModelStatus(name, 1, UNAVAILABLE, str(e)[:MAX_REASON])
             log.warn("model {name} is unavailable: {reason}", name=name, reason=failed.reason)
             if not any(isinstance(m, LoadedModel) for m in self._models.get(name, {}).values()):
                 self._models = {**self._models, name: {1: failed}}
             return [failed]
-        states = [self._load_version(name, version, folder, device, platform)
+        states = [self._load_version(name, version, folder, device, platform, config)
                   for version, folder in sorted(wanted.items(), key=lambda item: item[0] or 0)]
         kept = {s.version for s in states}
         self._models = {**self._models, name: {v: m for v, m in self._models.get(name, {}).items()
@@ -197,7 +201,7 @@ class ModelRepository:
         return states
 
     def _load_version(self, name: str, version: int | None, folder: str, device,
-                      platform: str) -> ModelStatus:
+                      platform: str, config: ModelConfig) -> ModelStatus:
         """Load one version (None: the one its manifest says) of C{name} from C{folder}."""
         number = version or 1
         try:
@@ -211,11 +215,11 @@ class ModelRepository:
             served = self._models.get(name, {}).get(number)
             if not isinstance(served, LoadedModel):
                 self._settle(name, number, ModelStatus(name, number, LOADING))
-            loaded = self._load(name, bundle, device, platform)
+            loaded = self._load(name, bundle, device, platform, config)
         except Exception as e:
             # Out of device memory and compile errors alike: XLA raises
             # no class of its own for either.
-            reason = (str(e) if isinstance(e, (BundleError, _Unavailable)) else (
+            reason = (str(e) if isinstance(e, (BundleError, ConfigError, _Unavailable)) else (
                 f"failed to load onto {platform}: {_first_line(e)}"))[:MAX_REASON]
             log.warn("model {name} version {version} is unavailable: {reason}", name=name,
                      version=number, reason=reason)
@@ -279,7 +283,8 @@ class ModelRepository:
                      count=len(named), most=MAX_MODELS)
         return named[:MAX_MODELS]
 
-    def _load(self, name: str, bundle: Bundle, device, platform: str) -> LoadedModel:
+    def _load(self, name: str, bundle: Bundle, device, platform: str,
+              config: ModelConfig) -> LoadedModel:
         import jax
         from jax.sharding import SingleDeviceSharding
 
@@ -291,16 +296,21 @@ class ModelRepository:
             raise _Unavailable(f"exported for {', '.join(manifest.platforms)}, this worker "
                                f"runs {platform}: export it for {platform} too")
         params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in bundle.params]
+        programs = {}
+        for program in manifest.programs:
+            try:
+                programs[program.file] = self._check.deserialize(bundle.programs[program.file],
+                                                                 program.file)
+            except ProgramRejected as e:
+                raise _Unavailable(str(e)) from None
+            _check_signature(program.file, programs[program.file], manifest, params)
+        manifest = _configured(manifest, config, programs, len(params))
         sharding = SingleDeviceSharding(device)
         invariant = self._batch_invariant and manifest.max_batch_size > 0
         executables = {}
         placed = tuple(jax.device_put(bundle.params, device))
         for program in manifest.programs:
-            try:
-                exported = self._check.deserialize(bundle.programs[program.file], program.file)
-            except ProgramRejected as e:
-                raise _Unavailable(str(e)) from None
-            _check_signature(program.file, exported, manifest, params)
+            exported = programs[program.file]
             if not invariant:
                 for size in program.batch_sizes or (0,):
                     executables[size] = self._compiled(exported.call, sharding, params,
@@ -312,7 +322,8 @@ class ModelRepository:
                     row_by_row(exported.call, len(params), size), sharding, params,
                     [*_inputs(manifest, manifest.max_batch_size),
                      jax.ShapeDtypeStruct((), COUNT_DTYPE)])
-        return LoadedModel(manifest, placed, executables, batch_invariant=self._batch_invariant)
+        return LoadedModel(manifest, placed, executables, batch_invariant=self._batch_invariant,
+                           config=config)
 
     def _compiled(self, function: Callable, sharding, params: list, inputs: list):
         import jax
@@ -379,6 +390,39 @@ def _statuses(models: Mapping[str, Mapping[int, LoadedModel | ModelStatus]]) -> 
 
 class _Unavailable(Exception):
     """A model that cannot be served; the message says why."""
+
+
+def _configured(manifest: ModelManifest, config: ModelConfig, programs: Mapping[str, Any],
+                params: int) -> ModelManifest:
+    """
+    C{manifest} with the batch sizes of C{config}'s C{max_batch_size}: those
+    below it, and it. A program exported with a symbolic batch dimension
+    (its first input's first dimension is not a number) runs at any size; a
+    program exported for given sizes runs at those alone. ConfigError when
+    they cannot serve it, or the configuration is not of this model.
+    """
+    most = config.max_batch_size
+    if most is not None and most != manifest.max_batch_size:
+        if not manifest.max_batch_size or not most:
+            raise ConfigError(f"max_batch_size {most}: the model was exported "
+                              + ("batched" if manifest.max_batch_size else "not batched")
+                              + f" (max_batch_size {manifest.max_batch_size}): export it again")
+        sizes = tuple(s for s in manifest.batch_sizes if s < most) + (most,)
+        symbolic = [p for p in manifest.programs if not isinstance(
+            programs[p.file].in_avals[params].shape[0], int)]
+        served: tuple[ProgramFile, ...]
+        if symbolic:
+            served = (attrs.evolve(symbolic[0], batch_sizes=sizes),)
+        elif set(sizes) <= set(manifest.batch_sizes):
+            served = tuple(attrs.evolve(p, batch_sizes=tuple(s for s in p.batch_sizes if s in sizes))
+                           for p in manifest.programs if set(p.batch_sizes) & set(sizes))
+        else:
+            raise ConfigError(f"max_batch_size {most}: the bundle's programs run at batch sizes "
+                              f"{list(manifest.batch_sizes)} alone (exported without a symbolic "
+                              f"batch dimension): export it for {most}")
+        manifest = attrs.evolve(manifest, max_batch_size=most, batch_sizes=sizes, programs=served)
+    config.check(manifest)
+    return manifest
 
 
 def _inputs(manifest: ModelManifest, size: int) -> list:

@@ -1,0 +1,177 @@
+"""
+A model's configuration given with its load, as Triton takes it: its
+C{ModelConfig} message in JSON form (integers quoted or not), which replaces
+what the model's folder says. KCoral honours C{max_batch_size},
+C{version_policy} and C{dynamic_batching}'s C{max_queue_delay_microseconds};
+C{name}, C{platform} (or C{backend}), C{input} and C{output} may be given
+when they are the model's own, as C{GET .../config} shows them, so that a
+configuration read, changed and sent back loads. Any other field is refused,
+naming it: a load that silently ignored it would serve another model than
+the client asked for.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
+
+from kcoral.models.manifest import MAX_BATCH_SIZE, ModelManifest, TensorSpec
+from kcoral.models.versions import VersionError, VersionPolicy, parse_policy
+from kcoral.protocol.tensors import config_type
+
+#: The model platform that configurations name.
+PLATFORM = "jax"
+#: The most bytes of a configuration given with a load.
+MAX_CONFIG_BYTES = 64 * 1024
+#: The fields KCoral reads of a configuration; the others are refused.
+_HONOURED = frozenset({"name", "platform", "backend", "max_batch_size", "version_policy",
+                       "dynamic_batching", "input", "output"})
+_DELAY = "max_queue_delay_microseconds"
+#: The most a batch waits for more rows (an hour: past it, a typo).
+MAX_DELAY_MICROSECONDS = 3600 * 10**6
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be honoured; the message says why."""
+
+
+@attrs.frozen
+class ModelConfig:
+    """
+    What a load's configuration sets (None: what the bundle and its folder
+    say): the most rows of a batch, the versions served, and how long a
+    short batch waits for more rows; C{inputs} and C{outputs}, when given,
+    each C{(name, data_type, dims)}, must be the model's own.
+    """
+
+    max_batch_size: int | None = None
+    policy: VersionPolicy | None = None
+    batch_delay_microseconds: int | None = None
+    inputs: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
+    outputs: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
+    name: str = ""
+
+    def check(self, manifest: ModelManifest) -> None:
+        """ConfigError unless the model of C{manifest}, configured so, is
+        the one this configuration describes."""
+        if self.name and self.name != manifest.name:
+            raise ConfigError(f"name {self.name[:64]!r} is not the model's, {manifest.name!r}")
+        batched = manifest.max_batch_size > 0
+        if self.batch_delay_microseconds is not None and not batched:
+            raise ConfigError("dynamic_batching needs a max_batch_size of 1 or more")
+        for what, given, specs in (("input", self.inputs, manifest.inputs),
+                                   ("output", self.outputs, manifest.outputs)):
+            own = tuple(_tensor(spec, batched) for spec in specs)
+            if given is not None and given != own:
+                raise ConfigError(f"{what} must be the model's own: "
+                                  + ", ".join(f"{n} {t} {list(d)}" for n, t, d in own))
+
+
+#: A load without a configuration: the model as its bundle and folder say.
+NO_CONFIG = ModelConfig()
+
+
+def _tensor(spec: TensorSpec, batched: bool) -> tuple[str, str, tuple[int, ...]]:
+    # Triton's dims leave out the batch dimension of a batched model.
+    return spec.name, config_type(spec.datatype), spec.shape[1:] if batched else spec.shape
+
+
+def tensor_config(spec: TensorSpec, batched: bool) -> dict:
+    """A tensor as Triton's configuration lists it."""
+    name, data_type, dims = _tensor(spec, batched)
+    return {"name": name, "data_type": data_type, "dims": list(dims)}
+
+
+def config_of(manifest: ModelManifest, config: ModelConfig = NO_CONFIG) -> dict:
+    """
+    A model's configuration as Triton's tools read it (perf_analyzer needs
+    C{max_batch_size}, C{input} and C{output}), with what its load's
+    C{config} set; every key is a field of Triton's C{ModelConfig} message,
+    so the gRPC front sends the same.
+    """
+    batched = manifest.max_batch_size > 0
+    value: dict = {"name": manifest.name, "platform": PLATFORM,
+                   "max_batch_size": manifest.max_batch_size,
+                   "input": [tensor_config(t, batched) for t in manifest.inputs],
+                   "output": [tensor_config(t, batched) for t in manifest.outputs]}
+    if config.policy is not None:
+        value["version_policy"] = config.policy.to_json()
+    if batched:
+        # Workers batch concurrent inferences of a batched model.
+        value["dynamic_batching"] = {} if config.batch_delay_microseconds is None else {
+            _DELAY: config.batch_delay_microseconds}
+    return value
+
+
+def parse_config(text: str) -> ModelConfig:
+    """The configuration in C{text}, Triton's ModelConfig as JSON;
+    ConfigError says why it cannot be honoured."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"the configuration is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"the configuration is not JSON: {str(e)[:200]}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("the configuration must be a JSON object, Triton's ModelConfig")
+    try:
+        message = json_format.ParseDict(value, model_config_pb2.ModelConfig())
+    except (json_format.ParseError, RecursionError) as e:
+        raise ConfigError(f"the configuration is not a ModelConfig: {str(e)[:300]}") from None
+    present = {field.name for field, _ in message.ListFields()}
+    refused = sorted(present - _HONOURED)
+    if refused:
+        raise ConfigError(f"{refused[0]} is not served: a configuration may set only "
+                          + ", ".join(sorted(_HONOURED)))
+    for field in ("platform", "backend"):
+        if getattr(message, field) not in ("", PLATFORM):
+            raise ConfigError(f"{field} {getattr(message, field)[:64]!r} is not {PLATFORM!r}")
+    # A scalar's absence and its zero read the same in a message: the JSON
+    # says whether max_batch_size was given.
+    given = "max_batch_size" in value or "maxBatchSize" in value
+    if not 0 <= message.max_batch_size <= MAX_BATCH_SIZE:
+        raise ConfigError(f"max_batch_size must be from 0 to {MAX_BATCH_SIZE}")
+    return ModelConfig(
+        max_batch_size=message.max_batch_size if given else None,
+        policy=_policy(message) if "version_policy" in present else None,
+        batch_delay_microseconds=_delay(message, value) if "dynamic_batching" in present else None,
+        inputs=_tensors(message.input) if "input" in present else None,
+        outputs=_tensors(message.output) if "output" in present else None,
+        name=message.name)
+
+
+def _policy(message: model_config_pb2.ModelConfig) -> VersionPolicy:
+    policy = message.version_policy
+    kind = policy.WhichOneof("policy_choice")
+    setting: dict = {}
+    if kind == "latest" and policy.latest.num_versions:
+        setting = {"num_versions": policy.latest.num_versions}
+    elif kind == "specific":
+        setting = {"versions": list(policy.specific.versions)}
+    try:
+        return parse_policy({"version_policy": {kind: setting}}, "the configuration")
+    except VersionError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _delay(message: model_config_pb2.ModelConfig, value: dict) -> int | None:
+    """The delay that C{dynamic_batching} sets (None: it sets none)."""
+    batching = message.dynamic_batching
+    refused = sorted(field.name for field, _ in batching.ListFields() if field.name != _DELAY)
+    if refused:
+        raise ConfigError(f"dynamic_batching.{refused[0]} is not served: KCoral's batches "
+                          f"take {_DELAY} alone")
+    given = value.get("dynamic_batching", value.get("dynamicBatching"))
+    if not isinstance(given, dict) or not {_DELAY, "maxQueueDelayMicroseconds"} & set(given):
+        return None  # as a scalar's zero, its absence reads 0 in the message
+    if batching.max_queue_delay_microseconds > MAX_DELAY_MICROSECONDS:
+        raise ConfigError(f"dynamic_batching.{_DELAY} is over {MAX_DELAY_MICROSECONDS}")
+    return batching.max_queue_delay_microseconds
+
+
+def _tensors(tensors) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    return tuple((t.name, model_config_pb2.DataType.Name(t.data_type), tuple(t.dims))
+                 for t in tensors)
