@@ -208,7 +208,7 @@ async def test_http_client(served):
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"] == {"name": "kcoral", "version": "9.9",
                                  "extensions": ["binary_tensor_data", "model_configuration",
-                                                "model_repository", "statistics"]}
+                                                "model_repository", "statistics", "system_shared_memory"]}
     assert results["metadata"] == results["versioned"] == model_metadata_of(MANIFEST)
     assert results["metadata"]["inputs"][0]["shape"] == [-1, 4]
     assert results["config"]["max_batch_size"] == 8
@@ -319,8 +319,9 @@ async def test_grpc_client(served):
     results = await in_thread(grpc_calls, served.grpc, served.metadata)
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"]["name"] == "kcoral"
-    assert results["server"]["extensions"] == ["binary_tensor_data", "model_configuration",
-                                                "model_repository", "statistics"]
+    assert results["server"]["extensions"] == [
+        "binary_tensor_data", "model_configuration", "model_repository", "statistics",
+        "system_shared_memory"]
     assert results["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     config = results["config"]["config"]
     assert config["max_batch_size"] == 8

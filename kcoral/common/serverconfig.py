@@ -66,6 +66,10 @@ class ServerConfig:
     #: Whether a batched model's row has the same output bytes whatever else
     #: is in its batch (a flag: its option gives 0 or 1).
     batch_invariant: bool = attrs.field(default=False, converter=bool)
+    #: Whether clients on this host may register system shared-memory
+    #: regions (a flag: its option gives 0 or 1); the process that accepts
+    #: inferences then opens any object of /dev/shm a client names.
+    allow_client_shm: bool = attrs.field(default=False, converter=bool)
     #: Custom-call targets a program may hold beyond KCoral's allow-list
     #: (kcoral.server.programcheck): the operator's own additions.
     allow_custom_calls: tuple[str, ...] = ()

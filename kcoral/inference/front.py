@@ -32,7 +32,8 @@ FILE_PARAMETER = "file:"
 MAX_PATH_COMPONENT = 255
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics",
+              "system_shared_memory")
 
 
 @attrs.frozen

@@ -19,12 +19,13 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
-from kcoral.inference.message import GrpcAnswer, GrpcMessage
+from kcoral.inference.message import GrpcAnswer, GrpcMessage, IInferMessage
+from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.inference import grpc_of_rest_answer
 from kcoral.web.family import TRACE_HEADERS
 
@@ -34,6 +35,9 @@ SERVICE = "inference.GRPCInferenceService"
 #: The metadata keys of the request id, and of a client token.
 REQUEST_ID = "x-request-id"
 AUTHORIZATION = "authorization"
+#: The keys under which the front gives a method the caller's token and
+#: address (pseudo-headers: set by the front, whatever a client sends).
+CALLER_TOKEN, CALLER_HOST = b":kcoral-token", b":kcoral-host"
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -127,8 +131,9 @@ def _serialized(respond: Callable[[Any], Any]) -> Callable[[Any], bytes]:
 class GrpcMethods:
     """The service's methods, each one call of C{front}, on raw bytes."""
 
-    def __init__(self, front: IInferenceFront):
+    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None):
         self._front = front
+        self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
         self._methods: dict[str, Method] = {
             "ServerLive": Method(lambda message, rid, metadata: succeed(_LIVE), open=True),
             "ServerReady": self._server_method(
@@ -160,6 +165,24 @@ class GrpcMethods:
                 lambda front, request: front.unload_model(request.model_name),
                 lambda _: service_pb2.RepositoryModelUnloadResponse()),
             "RepositoryIndex": Method(self._repository_index),
+            "SystemSharedMemoryStatus": self._shm_method(
+                service_pb2.SystemSharedMemoryStatusRequest,
+                lambda shm, caller, request: _regions(shm.status(caller, request.name or None))),
+            "SystemSharedMemoryRegister": self._shm_method(
+                service_pb2.SystemSharedMemoryRegisterRequest,
+                _register),
+            "SystemSharedMemoryUnregister": self._shm_method(
+                service_pb2.SystemSharedMemoryUnregisterRequest,
+                _unregister),
+            # No front holds a GPU of its own: there is never a CUDA region.
+            "CudaSharedMemoryStatus": self._shm_method(
+                service_pb2.CudaSharedMemoryStatusRequest,
+                lambda shm, caller, request: service_pb2.CudaSharedMemoryStatusResponse()),
+            "CudaSharedMemoryUnregister": self._shm_method(
+                service_pb2.CudaSharedMemoryUnregisterRequest,
+                lambda shm, caller, request: service_pb2.CudaSharedMemoryUnregisterResponse()),
+            "CudaSharedMemoryRegister": self._shm_method(
+                service_pb2.CudaSharedMemoryRegisterRequest, _no_cuda),
             "ModelInfer": Method(self._infer),
             # Each message of the stream is one ModelInfer, answered as one.
             "ModelStreamInfer": Method(self._infer, streamed=Streamed(_stream_answer, _stream_error)),
@@ -192,6 +215,12 @@ class GrpcMethods:
                             lambda front, request: ask(front, request.name, request.version or None),
                             respond)
 
+    def _shm_method(self, message_type, act: Callable[[SharedMemory, Caller, Any], Any]) -> Method:
+        """A guarded method on the caller's shared-memory regions."""
+        return Method(lambda message, rid, metadata: maybeDeferred(
+            act, self._shared_memory, _caller(metadata), _parsed(message_type, message)
+        ).addCallback(lambda response: response.SerializeToString()))
+
     def _repository_index(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]
                           ) -> Deferred[bytes]:
         request = _parsed(service_pb2.RepositoryIndexRequest, message)
@@ -204,12 +233,53 @@ class GrpcMethods:
         headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
 
         def ask(pb: service_pb2.ModelInferRequest) -> Deferred:
-            return self._front.infer(pb.model_name, pb.model_version or None, InferCall(
-                GrpcMessage(pb, len(message)), rid, headers))
+            call = GrpcMessage(pb, len(message))
+            resolved = self._shared_memory.resolve(_caller(metadata), call)
+            if resolved is None:
+                return self._front.infer(pb.model_name, pb.model_version or None,
+                                         InferCall(call, rid, headers))
+
+            def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred:
+                message, placement = resolution
+                return self._front.infer(pb.model_name, pb.model_version or None, InferCall(
+                    message, rid, headers)).addCallback(placement.place)
+
+            return resolved.addCallback(placed)
 
         # A large message is parsed, and a large answer converted, in a thread.
         return off_reactor(len(message), _parsed, service_pb2.ModelInferRequest, message).addCallback(
             ask).addCallback(_grpc_form)
+
+
+def _caller(metadata: Mapping[bytes, bytes]) -> Caller:
+    """Who calls, as the front tells: its token, and its address."""
+    return Caller(metadata.get(CALLER_TOKEN) or None, metadata.get(CALLER_HOST, b"").decode())
+
+
+def _regions(regions: list[dict]) -> service_pb2.SystemSharedMemoryStatusResponse:
+    response = service_pb2.SystemSharedMemoryStatusResponse()
+    for region in regions:
+        response.regions[region["name"]].CopyFrom(
+            service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+    return response
+
+
+def _register(shm: SharedMemory, caller: Caller,
+              request: service_pb2.SystemSharedMemoryRegisterRequest
+              ) -> service_pb2.SystemSharedMemoryRegisterResponse:
+    shm.register(caller, request.name, request.key, request.offset, request.byte_size)
+    return service_pb2.SystemSharedMemoryRegisterResponse()
+
+
+def _unregister(shm: SharedMemory, caller: Caller,
+                request: service_pb2.SystemSharedMemoryUnregisterRequest
+                ) -> service_pb2.SystemSharedMemoryUnregisterResponse:
+    shm.unregister(caller, request.name or None)
+    return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+
+def _no_cuda(shm: SharedMemory, caller: Caller, request: Any) -> Any:
+    raise BadRequest(NO_CUDA)
 
 
 def _grpc_form(answered: InferAnswer | GrpcAnswer) -> bytes | Deferred[bytes]:

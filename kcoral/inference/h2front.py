@@ -72,7 +72,15 @@ from zope.interface import Interface, implementer
 
 from kcoral.errors import KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront
-from kcoral.inference.grpcmethods import SERVICE, GrpcMethods, Method, status_code_of
+from kcoral.inference.grpcmethods import (
+    CALLER_HOST,
+    CALLER_TOKEN,
+    SERVICE,
+    GrpcMethods,
+    Method,
+    status_code_of,
+)
+from kcoral.inference.sharedmemory import SharedMemory
 from kcoral.web.auth import IGuard, presented
 from kcoral.web.endpoint import SharedPortEndpoint, tls_options
 from kcoral.web.requestid import numbered, request_id_from
@@ -778,6 +786,10 @@ class _Connection(Protocol):
             else:
                 metadata[key] = value
         request_id = request_id_from(metadata.get(b"x-request-id"))
+        # Who calls, for the methods that answer each client its own (its
+        # shared-memory regions): set here, whatever the client sent.
+        metadata[CALLER_TOKEN] = presented(authorization) or b""
+        metadata[CALLER_HOST] = getattr(self.transport.getPeer(), "host", "").encode()
         path = metadata.get(b":path", b"")
         method = self.served.methods.get(path[len(_PATH):].decode("ascii", "replace")) \
             if path.startswith(_PATH) else None
@@ -869,9 +881,9 @@ class GrpcFront(service.Service):
                  max_unread: int = MAX_UNREAD, message_seconds: float = MESSAGE_SECONDS,
                  max_in_flight: int = MAX_IN_FLIGHT, guard: IGuard | None = None,
                  tls: tuple[str, str] | None = None, client_ca: str | None = None, clock=None,
-                 share_port: bool = False):
+                 share_port: bool = False, shared_memory: SharedMemory | None = None):
         self.front = front
-        self.methods = GrpcMethods(front)
+        self.methods = GrpcMethods(front, shared_memory)
         self.guard = guard
         self.host = host
         self.port = port

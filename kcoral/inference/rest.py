@@ -17,12 +17,19 @@ from twisted.python.failure import Failure
 
 from kcoral.errors import BadRequest, KCoralError, LoadFailed
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
-from kcoral.inference.message import RestMessage
+from kcoral.inference.message import IInferMessage, RestMessage
+from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
 from kcoral.models.config import MAX_CONFIG_BYTES
 from kcoral.protocol.counts import MOST_BYTES, read_count
+from kcoral.web.auth import request_authorization
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.errors import internal_error
 from kcoral.web.family import (
+    CUDA_REGION_STATUS,
+    CUDA_REGION_UNREGISTER,
+    CUDA_REGISTER,
+    CUDA_STATUS,
+    CUDA_UNREGISTER,
     FORMED_BATCH_HEADER,
     INFERENCE_HEADER_LENGTH,
     LIVE,
@@ -36,6 +43,11 @@ from kcoral.web.family import (
     READY,
     REPOSITORY_INDEX,
     SERVER_METADATA,
+    SHM_REGION_STATUS,
+    SHM_REGION_UNREGISTER,
+    SHM_REGISTER,
+    SHM_STATUS,
+    SHM_UNREGISTER,
     STATISTICS,
     TRACE_HEADERS,
     VERSION_CONFIG,
@@ -52,6 +64,8 @@ log = Logger()
 
 #: The most a repository index request's body (its filter) may hold.
 MAX_INDEX_BODY = 64 * 1024
+#: The most a shared-memory registration's body may hold.
+MAX_REGISTER_BODY = 4 * 1024
 #: The most a load request's body may hold: a configuration, written as a
 #: JSON string within it.
 MAX_LOAD_BODY = 4 * MAX_CONFIG_BYTES
@@ -97,6 +111,11 @@ def _load_config(request, model: str) -> str | None:
     return load_config(model, parameters)
 
 
+def _caller(request) -> Caller:
+    """Who sent C{request}: its token, and the host it came from."""
+    return Caller(request_authorization(request), getattr(request.getClientAddress(), "host", ""))
+
+
 def _body(request) -> Deferred[memoryview]:
     """The whole request body: a view of it in memory, or what a KCoral site
     spooled to a file, read in the spool's thread (never on the reactor's)."""
@@ -120,8 +139,9 @@ class InferenceRoutes:
     cannot be closed while they live).
     """
 
-    def __init__(self, front: IInferenceFront):
+    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None):
         self._front = front
+        self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
 
     def handlers(self) -> dict[Route, Handler]:
         """Each route of the family, and its handler."""
@@ -143,6 +163,17 @@ class InferenceRoutes:
             VERSION_STATISTICS: version(self._front.model_statistics, self._json),
             MODEL_LOAD: self.load,
             MODEL_UNLOAD: self.control(self._front.unload_model),
+            SHM_STATUS: lambda request: self._regions(request, None),
+            SHM_REGION_STATUS: self._regions,
+            SHM_UNREGISTER: lambda request: self._unregister(request, None),
+            SHM_REGION_UNREGISTER: self._unregister,
+            SHM_REGISTER: self.register,
+            # No front holds a GPU of its own: there is never a CUDA region.
+            CUDA_STATUS: lambda request: _json(request, 200, []),
+            CUDA_REGION_STATUS: lambda request, region: _json(request, 200, []),
+            CUDA_UNREGISTER: lambda request: _status(request, True),
+            CUDA_REGION_UNREGISTER: lambda request, region: _status(request, True),
+            CUDA_REGISTER: lambda request, region: error_response(request, BadRequest(NO_CUDA)),
         }
 
     def model_route(self, ask: Callable[[str, str | None], Deferred],
@@ -233,6 +264,36 @@ class InferenceRoutes:
             raise BadRequest('a repository index request is {"ready": true|false}')
         return value.get("ready", False)
 
+    # -- system shared memory ---------------------------------------------------------------
+
+    def _regions(self, request, region: str | None) -> Deferred[bytes]:
+        return self._answer(
+            request, lambda: maybeDeferred(self._shared_memory.status, _caller(request), region),
+            lambda value: _json(request, 200, value))
+
+    def _unregister(self, request, region: str | None) -> Deferred[bytes]:
+        return self._answer(
+            request, lambda: maybeDeferred(self._shared_memory.unregister, _caller(request), region),
+            lambda _: _status(request, True))
+
+    def register(self, request, region: str) -> Deferred[bytes]:
+        """A region's registration: C{{"key", "offset", "byte_size"}}."""
+        def call() -> Deferred[None]:
+            data = request.content.getvalue()
+            if len(data) > MAX_REGISTER_BODY:
+                raise BadRequest(f"a registration is over {MAX_REGISTER_BODY} bytes")
+            try:
+                value = json.loads(data)
+            except (ValueError, RecursionError):
+                raise BadRequest("the registration is not JSON") from None
+            if not isinstance(value, dict):
+                raise BadRequest('a registration is {"key": "/name", "offset": 0, "byte_size": N}')
+            self._shared_memory.register(_caller(request), region, value.get("key"),
+                                         value.get("offset", 0), value.get("byte_size"))
+            return succeed(None)
+
+        return self._answer(request, call, lambda _: _status(request, True))
+
     # -- inferences -----------------------------------------------------------------------------
 
     def infer(self, request, model: str, version: str | None = None) -> Deferred[bytes]:
@@ -243,11 +304,23 @@ class InferenceRoutes:
             header_length = _header_length(request)
             headers = {name: value for name in TRACE_HEADERS
                        if (value := request.getHeader(name)) is not None}
-            d = _body(request)
-            d.addCallback(lambda body: self._front.infer(
-                model, version, InferCall(RestMessage(body, header_length), request.request_id, headers,
-                                          request.getHeader(FORMED_BATCH_HEADER) == b"true")))
-            return d
+            formed = request.getHeader(FORMED_BATCH_HEADER) == b"true"
+
+            def ask(body: memoryview) -> Deferred:
+                message = RestMessage(body, header_length)
+                resolved = self._shared_memory.resolve(_caller(request), message)
+                if resolved is None:
+                    return self._front.infer(model, version, InferCall(
+                        message, request.request_id, headers, formed))
+
+                def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred[InferAnswer]:
+                    message, placement = resolution
+                    return self._front.infer(model, version, InferCall(
+                        message, request.request_id, headers, formed)).addCallback(placement.place)
+
+                return resolved.addCallback(placed)
+
+            return _body(request).addCallback(ask)
 
         def render(answer: InferAnswer) -> bytes:
             if answer.header_length is None:

@@ -16,6 +16,7 @@ from twisted.logger import Logger
 from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.inference.h2front import GrpcFront
+from kcoral.inference.sharedmemory import OFF, SharedMemory
 from kcoral.node.config import NodeConfig
 from kcoral.node.metrics import merge, scrape
 from kcoral.router.service import RouterConfig, build_router, grpc_front
@@ -51,10 +52,12 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
 class Gateway(service.MultiService):
     """Serves the node's public port; stopping drains its runs, then closes it."""
 
-    def __init__(self, config: RouterConfig, reactor):
+    def __init__(self, config: RouterConfig, reactor, allow_client_shm: bool = False):
         super().__init__()
         self.config = config
-        self.app, site = build_router(config, reactor)
+        self.app, site = build_router(config, reactor, SharedMemory(
+            refused=None if allow_client_shm else OFF, max_bytes=config.max_request_bytes,
+            namespaced=bool(config.client_token or config.client_tokens_file)))
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
         self.app.history.setServiceParent(self)

@@ -127,7 +127,7 @@ class SupervisorService(service.MultiService):
                                       timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
-            self.gateway = Gateway(gateway_config(node, server), reactor)
+            self.gateway = Gateway(gateway_config(node, server), reactor, server.allow_client_shm)
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()

@@ -493,8 +493,13 @@ def grpc_of_rest_answer(body: bytes | memoryview, header_length: int | None
             model_version=str(header.get("model_version", "")), id=str(header.get("id", "")))
         for output in header.get("outputs", []):
             name, datatype, shape = output["name"], output["datatype"], output["shape"]
-            size = _parameters(output.get("parameters"), f"output {name!r}").get("binary_data_size")
-            if size is None:
+            parameters = _parameters(output.get("parameters"), f"output {name!r}")
+            size = parameters.get("binary_data_size")
+            if "shared_memory_region" in parameters:
+                # Written into the client's region: an empty placeholder
+                # keeps the later outputs at their places.
+                data = b""
+            elif size is None:
                 data = np.array(output["data"], dtype=dtype_of(datatype).newbyteorder("<")).tobytes()
             else:
                 data = bytes(view[offset:offset + size])

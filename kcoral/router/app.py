@@ -33,6 +33,7 @@ from kcoral.errors import (
     ServerBusy,
 )
 from kcoral.inference.rest import InferenceRoutes
+from kcoral.inference.sharedmemory import ROUTER, SharedMemory
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.counts import read_count
 from kcoral.protocol.wire import (
@@ -117,8 +118,13 @@ class RouterApp:
                  client_guard: IGuard | None = None,
                  health_lists_workers: bool = False, status_check_interval: float = 1.0,
                  metrics_source=None, tracing: ITracing = NO_TRACING,
-                 max_redispatches: int = MAX_REDISPATCHES):
+                 max_redispatches: int = MAX_REDISPATCHES,
+                 shared_memory: SharedMemory | None = None):
         self.pool = pool
+        #: The system shared-memory regions of its clients: a node's gateway
+        #: serves them to clients on its host; a Router, whose clients are
+        #: on other hosts, refuses them.
+        self.shared_memory = shared_memory or SharedMemory(refused=ROUTER, max_bytes=0)
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
         #: (a gateway's scrapes of its workers) share its connection pool.
@@ -156,7 +162,7 @@ class RouterApp:
         routes: dict[Route, Handler] = {
             RUN_ROUTE: self.post_run, ARRAY: self.array, ARRAYS_NAMED: self.arrays,
             NODE_LIST: self.get_nodes, NODE_CONTROL: self.node_control,
-            **InferenceRoutes(self.inference).handlers()}
+            **InferenceRoutes(self.inference, self.shared_memory).handlers()}
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- client routes --------------------------------------------------------

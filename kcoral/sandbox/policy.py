@@ -113,6 +113,11 @@ def policy_for(config: ServerConfig, *, environ: Mapping[str, str] = os.environ,
         read_only += [path for path in map(shutil.which, GPU_PROGRAMS) if path]
         written += glob.glob("/dev/nvidia*")
         read_write.append("/dev/shm")  # NCCL's buffers between devices
+    elif config.allow_client_shm:
+        # A standalone server opens its clients' shared-memory regions
+        # itself; a node's workers are never given the option (their
+        # gateway opens the regions).
+        read_write.append("/dev/shm")
     return Policy(read_only=tuple(_absolute(read_only)), read_write=tuple(_absolute(read_write)),
                   written=tuple(written),
                   bind=() if config.grpc_port is None else (config.grpc_port,),

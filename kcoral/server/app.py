@@ -22,6 +22,7 @@ from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.common.report import Sandbox
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
 from kcoral.inference.rest import InferenceRoutes
+from kcoral.inference.sharedmemory import SharedMemory
 from kcoral.logs import debug_enabled
 from kcoral.metrics import SECONDS_BUCKETS, render
 from kcoral.protocol.wire import (
@@ -59,7 +60,7 @@ class ServerApp:
                  registry: CollectorRegistry, tracing: ITracing = NO_TRACING,
                  client_guard: IGuard | None = None,
                  inference: Callable[[ServerApp], ServerInference] | None = None,
-                 run_limit: RunLimit = NO_RUN_LIMIT):
+                 run_limit: RunLimit = NO_RUN_LIMIT, shared_memory: SharedMemory | None = None):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
@@ -70,6 +71,8 @@ class ServerApp:
         self.tracing = tracing
         #: How the process confined itself (kcoral.sandbox), once it has.
         self.sandbox = Sandbox("off", no_new_privs=False, seccomp=False, landlock_abi=0)
+        #: The system shared-memory regions its clients registered.
+        self.shared_memory = shared_memory
         #: How long a run may execute (by default, for ever).
         self.run_limit = run_limit
         self.status = STARTING
@@ -88,7 +91,7 @@ class ServerApp:
         routes: dict[Route, Handler] = {RUN_ROUTE: self.post_run, ARRAY: self.array,
                                         ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
-            routes.update(InferenceRoutes(self.inference).handlers())
+            routes.update(InferenceRoutes(self.inference, self.shared_memory).handlers())
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- health -----------------------------------------------------------

@@ -21,6 +21,7 @@ from kcoral.common.queue import WaitQueue
 from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS, ServerConfig
 from kcoral.heap import settle
 from kcoral.inference.h2front import GrpcFront
+from kcoral.inference.sharedmemory import OFF, SharedMemory
 from kcoral.metrics import HttpMetrics
 from kcoral.sandbox.confinement import SandboxMissing, confine
 from kcoral.server.admission import Admission
@@ -120,7 +121,10 @@ class ServerService(service.MultiService):
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
                              client_guard=guard, inference=inference,
-                             run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long))
+                             run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long),
+                             shared_memory=SharedMemory(
+                                 refused=None if config.allow_client_shm else OFF,
+                                 max_bytes=config.max_request_bytes, namespaced=guard is not None))
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
@@ -139,7 +143,7 @@ class ServerService(service.MultiService):
                 self.app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
                 max_message_bytes=config.max_request_bytes, guard=guard,
                 tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
-                else None, client_ca=config.tls_client_ca)
+                else None, client_ca=config.tls_client_ca, shared_memory=self.app.shared_memory)
             self.grpc.setServiceParent(self)
 
     def privilegedStartService(self):

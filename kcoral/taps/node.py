@@ -151,6 +151,9 @@ class NodeOptions(KCoralOptions):
         ["batch-invariant", None, ("Give each row of a batched model the same output bytes "
                                    "whatever else is in its batch (each row computed on its "
                                    "own: slower) [node file: batch_invariant].")],
+        ["allow-client-shm", None, ("Serve system shared memory to clients on this host: they "
+                                    "name any object of /dev/shm, which the server or gateway "
+                                    "opens [node file: allow_client_shm].")],
     ]
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",

@@ -158,11 +158,25 @@ STATISTICS, MODEL_STATISTICS, VERSION_STATISTICS = _routes(
 #: The model repository extension's control: a model loaded, or unloaded.
 MODEL_LOAD, MODEL_UNLOAD = _routes(_V2 + "/repository/models/{model}",
                                    ("/load", POST, CLIENT), ("/unload", POST, CLIENT))
+#: The shared-memory extensions, system and CUDA: every region's status or
+#: unregistration, one region's, and a region's registration.
+(SHM_STATUS, SHM_UNREGISTER, SHM_REGION_STATUS, SHM_REGION_UNREGISTER,
+ SHM_REGISTER) = _routes(_V2 + "/systemsharedmemory", ("/status", GET, CLIENT),
+                         ("/unregister", POST, CLIENT), ("/region/{region}/status", GET, CLIENT),
+                         ("/region/{region}/unregister", POST, CLIENT),
+                         ("/region/{region}/register", POST, CLIENT))
+(CUDA_STATUS, CUDA_UNREGISTER, CUDA_REGION_STATUS, CUDA_REGION_UNREGISTER,
+ CUDA_REGISTER) = _routes(_V2 + "/cudasharedmemory", ("/status", GET, CLIENT),
+                          ("/unregister", POST, CLIENT), ("/region/{region}/status", GET, CLIENT),
+                          ("/region/{region}/unregister", POST, CLIENT),
+                          ("/region/{region}/register", POST, CLIENT))
 INFERENCE = Family(
     "inference", _V2.encode(),
     (SERVER_METADATA, LIVE, READY, REPOSITORY_INDEX, MODEL_METADATA, MODEL_READY, MODEL_CONFIG,
      MODEL_INFER, VERSION_METADATA, VERSION_READY, VERSION_CONFIG, VERSION_INFER,
-     STATISTICS, MODEL_STATISTICS, VERSION_STATISTICS, MODEL_LOAD, MODEL_UNLOAD),
+     STATISTICS, MODEL_STATISTICS, VERSION_STATISTICS, MODEL_LOAD, MODEL_UNLOAD,
+     SHM_STATUS, SHM_UNREGISTER, SHM_REGION_STATUS, SHM_REGION_UNREGISTER, SHM_REGISTER,
+     CUDA_STATUS, CUDA_UNREGISTER, CUDA_REGION_STATUS, CUDA_REGION_UNREGISTER, CUDA_REGISTER),
     forwarded=(b"Content-Type", INFERENCE_HEADER_LENGTH, *TRACE_HEADERS),
     returned=(b"Content-Type", b"Retry-After", INFERENCE_HEADER_LENGTH), flat_errors=True)
 

@@ -1,0 +1,382 @@
+"""
+System shared memory, Triton's extension: a client on the same host
+registers a POSIX shared-memory object as a named region, then names the
+region in an inference instead of sending an input's bytes, or receiving
+an output's.
+
+The process that accepts the request (a standalone server, a node's
+gateway) opens the region; it reads an input's bytes out of it into an
+ordinary binary tensor, and writes an output that names a region into it
+from the answer, which then carries no data for it. So whatever serves the
+inference behind it (a confined worker) never opens C{/dev/shm}.
+
+A region is read and written with C{pread} and C{pwrite} on its file, never
+mapped: a client that shrinks the object after registering it gets short
+reads (refused), where a mapping would fault the server's process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import stat
+
+import attrs
+from tritonclient.grpc import service_pb2
+from twisted.internet.defer import Deferred, succeed
+
+from kcoral.common.offreactor import off_reactor
+from kcoral.errors import BadRequest
+from kcoral.inference.message import GrpcAnswer, IInferMessage, RestMessage
+from kcoral.protocol.inference import InferAnswer, rest_of_grpc_infer
+
+__all__ = ["SHM_DIR", "Caller", "Placement", "SharedMemory"]
+
+#: Where Linux keeps POSIX shared-memory objects: C{shm_open("/x")} is
+#: the file C{/dev/shm/x}.
+SHM_DIR = "/dev/shm"
+#: A POSIX shared-memory name: one leading slash, no other, at most
+#: NAME_MAX bytes after it.
+_KEY = re.compile(r"\A/[^/\x00]{1,255}\Z")
+#: The most regions one client token may hold registered at once.
+MAX_REGIONS = 256
+#: The parameters that name a region, in an input or an output.
+REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
+#: The names of a region, as of a model.
+MAX_NAME_CHARS = 256
+#: Why registration is refused where the server was not told to serve it.
+OFF = "system shared memory is off: start the server with --allow-client-shm to serve it"
+#: Why a Router refuses it: the region is on its client's host, not its own.
+ROUTER = ("a Router serves no shared memory: its clients' regions are on another host; "
+          "register them with the server or node gateway on the client's host")
+#: Why a client on another host is refused.
+NOT_LOOPBACK = "shared memory is served only to clients on this host (loopback)"
+#: Why CUDA shared memory is refused by a front with no GPU of its own.
+NO_CUDA = "CUDA shared memory is not served: this front holds no GPU"
+
+
+@attrs.frozen
+class Caller:
+    """Who asks: the client token it presented (None: none), and the
+    address it connects from."""
+
+    token: bytes | None
+    host: str
+
+    @property
+    def local(self) -> bool:
+        """Whether it connects over loopback."""
+        try:
+            return ipaddress.ip_address(self.host.removeprefix("::ffff:")).is_loopback
+        except ValueError:
+            return False
+
+
+@attrs.frozen(eq=False)
+class _Region:
+    """A registered region: C{byte_size} bytes from C{offset} of the object
+    C{key}, open as C{fd}."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    fd: int
+
+    def status(self) -> dict:
+        return {"name": self.name, "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size}
+
+
+@attrs.frozen
+class _Slice:
+    """Where an input or output lies: C{size} bytes from C{offset} of C{region}."""
+
+    region: _Region
+    offset: int
+    size: int
+
+    def read(self) -> bytes:
+        start = self.region.offset + self.offset
+        data = os.pread(self.region.fd, self.size, start)
+        if len(data) != self.size:
+            raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter than it "
+                             "was when registered")
+        return data
+
+    def write(self, data: memoryview) -> None:
+        # The object may have shrunk since it was registered: a write past
+        # its end would grow it again, which its owner did not ask for.
+        if os.fstat(self.region.fd).st_size < self.region.offset + self.offset + self.size:
+            raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter than it "
+                             "was when registered")
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self.region.fd, data[written:],
+                                 self.region.offset + self.offset + written)
+
+
+@attrs.frozen
+class Placement:
+    """The outputs of one inference to write into regions, by name."""
+
+    outputs: dict[str, _Slice]
+
+    def place(self, answer: InferAnswer | GrpcAnswer) -> Deferred[InferAnswer]:
+        """C{answer} with the outputs named here written into their
+        regions and carrying no data (off the reactor when large)."""
+        # The message was made in REST's form, and is answered in it.
+        assert isinstance(answer, InferAnswer)
+        if not self.outputs:
+            return succeed(answer)
+        return off_reactor(len(answer.body), self._placed, answer)
+
+    def _placed(self, answer: InferAnswer) -> InferAnswer:
+        view = memoryview(answer.body)
+        size = len(view) if answer.header_length is None else answer.header_length
+        header = json.loads(bytes(view[:size]))
+        offset, kept = size, []
+        for output in header.get("outputs", []):
+            parameters = output.get("parameters") or {}
+            length = parameters.get("binary_data_size")
+            data = view[offset:offset + length] if length is not None else None
+            if length is not None:
+                offset += length
+            where = self.outputs.get(output["name"])
+            if where is None:
+                if data is not None:
+                    kept.append(data)
+                continue
+            if data is None or len(data) > where.size:
+                raise BadRequest(f"output '{output['name'][:64]}' is {len(data or b'')} bytes, "
+                                 f"its shared memory slice {where.size}")
+            where.write(data)
+            parameters.pop("binary_data_size", None)
+            output.pop("data", None)
+            parameters.update({REGION: where.region.name, BYTE_SIZE: where.size})
+            if where.offset:
+                parameters[OFFSET] = where.offset
+            output["parameters"] = parameters
+        encoded = json.dumps(header).encode()
+        if not kept:
+            return InferAnswer(encoded, None)
+        return InferAnswer(b"".join([encoded, *kept]), len(encoded))
+
+
+class SharedMemory:
+    """
+    The system shared-memory regions of one front, by client token (with
+    C{namespaced} False, where the service has no tokens, one namespace).
+    C{refused}: why registration is refused (None: it is served). A region
+    is at most C{max_bytes}; its object is opened from C{directory}.
+    """
+
+    def __init__(self, *, refused: str | None, max_bytes: int, namespaced: bool = False,
+                 directory: str = SHM_DIR):
+        self.refused = refused
+        self._max_bytes = max_bytes
+        self._namespaced = namespaced
+        self._directory = directory
+        self._regions: dict[bytes, dict[str, _Region]] = {}
+
+    def _space(self, caller: Caller) -> bytes:
+        # A digest: the token itself is never kept.
+        if not self._namespaced or caller.token is None:
+            return b""
+        return hashlib.sha256(caller.token).digest()
+
+    def register(self, caller: Caller, name: str, key: object, offset: object,
+                 byte_size: object) -> None:
+        """Register region C{name}: C{byte_size} bytes from C{offset} of
+        the shared-memory object C{key}; L{BadRequest} says why not."""
+        if self.refused is not None:
+            raise BadRequest(self.refused)
+        if not caller.local:
+            raise BadRequest(NOT_LOOPBACK)
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
+            raise BadRequest(f"a region's name must be 1 to {MAX_NAME_CHARS} characters")
+        if not isinstance(key, str) or not _KEY.match(key):
+            raise BadRequest(f"Unable to open shared memory region: '{str(key)[:64]}': a key is a "
+                             "POSIX shared memory name, '/' then up to 255 bytes with no '/'")
+        if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 1:
+            raise BadRequest(f"failed to register shared memory region '{name[:64]}': offset and "
+                             "byte_size must be counts of bytes, byte_size at least 1")
+        if byte_size > self._max_bytes:
+            raise BadRequest(f"failed to register shared memory region '{name[:64]}': byte_size "
+                             f"{byte_size} is over the {self._max_bytes} bytes a request may hold")
+        regions = self._regions.setdefault(self._space(caller), {})
+        if name in regions:
+            raise BadRequest(f"shared memory region '{name[:64]}' already in manager")
+        if len(regions) >= MAX_REGIONS:
+            raise BadRequest(f"failed to register shared memory region '{name[:64]}': "
+                             f"{MAX_REGIONS} regions are already registered")
+        fd = self._open(key)
+        size = os.fstat(fd).st_size
+        if offset + byte_size > size:
+            os.close(fd)
+            raise BadRequest(f"failed to register shared memory region '{name[:64]}': offset "
+                             f"{offset} and byte_size {byte_size} run past the object's "
+                             f"{size} bytes")
+        regions[name] = _Region(name, key, offset, byte_size, fd)
+
+    def _open(self, key: str) -> int:
+        """The object C{key}, open to read and write: a regular file of
+        the shared-memory folder, never a link out of it."""
+        try:
+            fd = os.open(os.path.join(self._directory, key[1:]),
+                         os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            raise BadRequest(f"Unable to open shared memory region: '{key[:64]}': "
+                             f"{os.strerror(e.errno or 0)}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadRequest(f"Unable to open shared memory region: '{key[:64]}': "
+                             "not a shared memory object")
+        return fd
+
+    def unregister(self, caller: Caller, name: str | None) -> None:
+        """Unregister region C{name} of C{caller}'s (None: all of them)."""
+        regions = self._regions.get(self._space(caller), {})
+        if name is None:
+            for region in regions.values():
+                os.close(region.fd)
+            regions.clear()
+            return
+        if name not in regions:
+            raise BadRequest(f"Unable to find system shared memory region: '{name[:64]}'")
+        os.close(regions.pop(name).fd)
+
+    def status(self, caller: Caller, name: str | None) -> list[dict]:
+        """The status of region C{name} of C{caller}'s (None: all of them)."""
+        regions = self._regions.get(self._space(caller), {})
+        if name is None:
+            return [region.status() for region in regions.values()]
+        return [self._region(regions, name).status()]
+
+    @staticmethod
+    def _region(regions: dict[str, _Region], name: object) -> _Region:
+        region = regions.get(name) if isinstance(name, str) else None
+        if region is None:
+            raise BadRequest(f"Unable to find shared memory region: '{str(name)[:64]}'")
+        return region
+
+    def _slice(self, caller: Caller, what: str, parameters: dict) -> _Slice:
+        """Where the input or output C{what} with C{parameters} lies."""
+        region = self._region(self._regions.get(self._space(caller), {}), parameters.get(REGION))
+        size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
+        if type(size) is not int or type(offset) is not int or size < 0 or offset < 0 \
+                or offset + size > region.byte_size:
+            raise BadRequest(f"{what}: Invalid offset + byte size for shared memory region: "
+                             f"'{region.name[:64]}'")
+        return _Slice(region, offset, size)
+
+    # -- inferences -------------------------------------------------------------------------
+
+    def resolve(self, caller: Caller, message: IInferMessage
+                ) -> Deferred[tuple[IInferMessage, Placement]] | None:
+        """
+        C{message} with every input that names a region read out of it into
+        a binary tensor, and the outputs to write into regions; None when
+        it names none (it is served as it is).
+        """
+        if isinstance(message, RestMessage):
+            size = len(message.body) if message.header_length is None else message.header_length
+            if REGION.encode() not in bytes(message.body[:size]):
+                return None
+            try:
+                header = json.loads(bytes(message.body[:size]))
+            except (ValueError, RecursionError):
+                return None  # refused as the request it is, where it is read
+            if not isinstance(header, dict):
+                return None
+            return off_reactor(self._bound(header), self._rest, caller, message, header, size)
+        pb = getattr(message, "message", None)
+        if not isinstance(pb, service_pb2.ModelInferRequest) or not any(
+                REGION in t.parameters for t in (*pb.inputs, *pb.outputs)):
+            return None
+        return off_reactor(self._bound_of(pb), self._grpc, caller, pb)
+
+    def _bound(self, header: dict) -> int:
+        """How many bytes a request's regions may give it, at most: for
+        choosing where it is read."""
+        return sum(int(e.get("parameters", {}).get(BYTE_SIZE) or 0)
+                   for e in header.get("inputs", []) if isinstance(e, dict)
+                   and isinstance(e.get("parameters"), dict)
+                   and type(e["parameters"].get(BYTE_SIZE)) is int)
+
+    @staticmethod
+    def _bound_of(pb: service_pb2.ModelInferRequest) -> int:
+        return sum(t.parameters[BYTE_SIZE].int64_param for t in pb.inputs if BYTE_SIZE in t.parameters)
+
+    def _rest(self, caller: Caller, message: RestMessage, header: dict, size: int
+              ) -> tuple[IInferMessage, Placement]:
+        view = memoryview(message.body)
+        offset, buffers = size, list[bytes | memoryview]()
+        for entry in header.get("inputs", []):
+            parameters = entry.get("parameters") if isinstance(entry, dict) else None
+            if not isinstance(parameters, dict):
+                continue
+            length = parameters.get("binary_data_size")
+            if REGION in parameters:
+                data = self._slice(caller, f"input '{str(entry.get('name'))[:64]}'", parameters).read()
+                entry["parameters"] = {"binary_data_size": len(data)}
+                buffers.append(data)
+            elif type(length) is int and length >= 0:
+                buffers.append(view[offset:offset + length])
+                offset += length
+        placed = self._outputs(caller, header)
+        encoded = json.dumps(header).encode()
+        return RestMessage(b"".join([encoded, *buffers]), len(encoded)), placed
+
+    def _outputs(self, caller: Caller, header: dict) -> Placement:
+        """The outputs of a REST request's C{header} that name a region,
+        asked for in binary instead."""
+        outputs = {}
+        for entry in header.get("outputs") or []:
+            parameters = entry.get("parameters") if isinstance(entry, dict) else None
+            if isinstance(parameters, dict) and REGION in parameters:
+                outputs[str(entry.get("name"))] = self._slice(
+                    caller, f"output '{str(entry.get('name'))[:64]}'", parameters)
+                entry["parameters"] = {"binary_data": True}
+        return Placement(outputs)
+
+    def _grpc(self, caller: Caller, pb: service_pb2.ModelInferRequest
+              ) -> tuple[IInferMessage, Placement]:
+        # Triton's clients send raw_input_contents for the inputs that
+        # name no region, in order.
+        raw = iter(pb.raw_input_contents)
+        copy = service_pb2.ModelInferRequest()
+        copy.CopyFrom(pb)
+        del copy.raw_input_contents[:]
+        for tensor in copy.inputs:
+            if REGION in tensor.parameters:
+                parameters = {key: _value(value) for key, value in tensor.parameters.items()}
+                copy.raw_input_contents.append(
+                    self._slice(caller, f"input '{tensor.name[:64]}'", parameters).read())
+                tensor.parameters.clear()
+            else:
+                copy.raw_input_contents.append(next(raw, b""))
+        outputs = {}
+        for output in copy.outputs:
+            if REGION in output.parameters:
+                parameters = {key: _value(value) for key, value in output.parameters.items()}
+                outputs[output.name] = self._slice(caller, f"output '{output.name[:64]}'", parameters)
+                output.parameters.clear()
+        rest = rest_of_grpc_infer(copy)
+        return RestMessage(rest.body, rest.header_length), Placement(outputs)
+
+    def close(self) -> None:
+        """Unregister every region of every client."""
+        for regions in self._regions.values():
+            for region in regions.values():
+                os.close(region.fd)
+        self._regions.clear()
+
+
+def _value(parameter: service_pb2.InferParameter) -> object:
+    which = parameter.WhichOneof("parameter_choice")
+    return None if which is None else getattr(parameter, which)
+
