@@ -63,6 +63,8 @@ class DoubleFront:
         self.calls: list[InferCall] = []
         #: The configuration of each load.
         self.configs: list[str | None] = []
+        #: The files of each load.
+        self.files: list[dict | None] = []
 
     def _model(self, name: str) -> ModelManifest:
         if name != MANIFEST.name:
@@ -87,9 +89,10 @@ class DoubleFront:
     def repository_index(self):
         return defer.succeed([{"name": "double", "version": "1", "state": "READY", "reason": ""}])
 
-    def load_model(self, name, config=None):
+    def load_model(self, name, config=None, files=None):
         self._model(name)
         self.configs.append(config)
+        self.files.append(files)
         return defer.succeed({"models": [{"name": name, "version": "1", "state": "READY"}]})
 
     def unload_model(self, name):
@@ -360,47 +363,47 @@ async def test_grpc_errors(served):
 
 
 def loads(address: str, metadata: dict | None) -> dict:
-    """Loads of double over gRPC: with a configuration, then with a file and a configuration
-    of bytes, each refused (status and message)."""
+    """Loads of double over gRPC: with a configuration, with a file, then with a file whose
+    path climbs out of the model's folder, refused (status and message)."""
     client = grpcclient.InferenceServerClient(address)
     read: dict = {}
     try:
         client.load_model("double", headers=metadata, config='{"max_batch_size": "16"}')
-        for name, kwargs in (("file", {"files": {"file:1/model.json": b"{}"}}),
-                             ("climbing", {"files": {"file:../x": b"{}"}})):
-            try:
-                client.load_model("double", headers=metadata, **kwargs)
-            except InferenceServerException as e:
-                read[name] = (e.status(), e.message())
+        client.load_model("double", headers=metadata, files={"file:1/model.json": b"{}"})
+        try:
+            client.load_model("double", headers=metadata, files={"file:../x": b"{}"})
+        except InferenceServerException as e:
+            read["climbing"] = (e.status(), e.message())
         return read
     finally:
         client.close()
 
 
 @pytest_twisted.ensureDeferred
-async def test_a_load_carries_its_configuration_and_nothing_else(served):
-    """A load's config parameter reaches the front (REST and gRPC); any other parameter, and
-    a body that is not a load request, is 400 (gRPC INTERNAL) in Triton's words, and the
-    front serves on."""
+async def test_a_load_carries_its_configuration_and_files_and_nothing_else(served):
+    """A load's config and file: parameters reach the front (REST: base64, gRPC: bytes); any
+    other parameter, a file's path that climbs, and a body that is not a load request, is 400
+    (gRPC INTERNAL) in Triton's words, and the front serves on."""
     client = httpclient.InferenceServerClient(served.http)
     try:
         await in_thread(lambda: client.load_model("double", headers=served.headers,
-                                                  config='{"max_batch_size": 4}'))
+                                                  config='{"max_batch_size": 4}',
+                                                  files={"file:1/model.stablehlo": b"\0\xff"}))
     finally:
         client.close()
     read = await in_thread(loads, served.grpc, served.metadata)
-    assert served.front.configs == ['{"max_batch_size": 4}', '{"max_batch_size": "16"}']
-    assert read["file"] == ("StatusCode.INTERNAL", ("failed to load 'double': parameter "
-                            "'file:1/model.json' is not served (a load takes 'config' alone)"))
+    assert served.front.configs == ['{"max_batch_size": 4}', '{"max_batch_size": "16"}', None]
+    assert served.front.files == [{"1/model.stablehlo": b"\0\xff"}, {}, {"1/model.json": b"{}"}]
     assert read["climbing"][0] == "StatusCode.INTERNAL"
     assert "failed to poll from model repository" in read["climbing"][1]
     url = f"http://{served.http}/v2/repository/models/double/load"
     for body in (b"{not json", b"[]", b'{"parameters": []}', b'{"parameters": {"config": 1}}',
-                 b'{"parameters": {"config": "{}", "x": 1}}', b" " * 10 + b"x" * (1 << 19)):
+                 b'{"parameters": {"config": "{}", "x": 1}}', b'{"parameters": {"file:a": 1}}',
+                 b'{"parameters": {"file:a": "not base64!"}}', b" " * 10 + b"x" * (1 << 19)):
         answer = await request("POST", url, body=body, headers=served.headers)
         assert answer.code == 400 and answer.request_id, (body[:32], answer)
         assert answer.json["error"].startswith("failed to load 'double': "), answer.json
-    assert len(served.front.configs) == 2
+    assert len(served.front.configs) == 3
     results = await in_thread(http_calls, served.http, served.headers)
     assert results["model_ready"]
 

@@ -114,29 +114,14 @@ def test_the_configuration_shown_is_the_one_loaded():
     parse_config(json.dumps(shown)).check(MANIFEST)
 
 
-@pytest.mark.parametrize("key, reason", [
-    ("file:" + "A" * 256, "a component of a file's path is over 255 bytes"),
-    ("file:/etc/passwd", "a file's path must be relative to the model's folder"),
-    ("file:1/../../x", "a file's path must not hold '..'"),
-    ("file:", "a file's path must be relative to the model's folder"),
-])
-def test_a_file_path_that_could_leave_the_model_folder_fails_in_tritons_words(key, reason):
-    """A load's file path that is absolute, climbs or has an over-long component: refused,
-    'failed to poll from model repository' and why."""
-    with pytest.raises(LoadFailed) as refused:
-        load_config("simple", {"config": "{}", key: b"a"})
-    assert refused.value.message == (f"failed to load 'simple': failed to poll from model "
-                                     f"repository: {key[:64]!r}: {reason}")
-
-
 @pytest.mark.parametrize("parameters, reason", [
-    ({"file:1/model.json": b"{}"}, "parameter 'file:1/model.json' is not served"),
     ({"other": "x"}, "parameter 'other' is not served"),
     ({"config": b"{}"}, "config must be text"),
     ({"config": 3}, "config must be text"),
 ])
-def test_a_load_takes_a_configuration_alone(parameters, reason):
-    """Any parameter but config, or a config that is not text, fails the load naming it."""
+def test_a_load_takes_a_configuration_and_files_alone(parameters, reason):
+    """Any parameter but config and files, or a config that is not text, fails the load
+    naming it."""
     with pytest.raises(LoadFailed) as refused:
         load_config("simple", parameters)
     assert refused.value.message.startswith("failed to load 'simple': " + reason)

@@ -6,7 +6,7 @@ model that every front builds the same way from its manifest.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -19,7 +19,8 @@ from kcoral.models.config import config_of as model_config_of
 from kcoral.models.manifest import ModelManifest, TensorSpec
 from kcoral.protocol.inference import InferAnswer
 
-__all__ = ["IInferenceFront", "InferAnswer", "InferCall", "load_config", "model_config_of",
+__all__ = ["IInferenceFront", "InferAnswer", "InferCall", "load_config", "load_files",
+           "model_config_of",
            "model_metadata_of", "server_metadata"]
 
 #: The server's name in its metadata.
@@ -30,6 +31,12 @@ CONFIG_PARAMETER = "config"
 FILE_PARAMETER = "file:"
 #: The longest name of one folder or file (Linux's NAME_MAX).
 MAX_PATH_COMPONENT = 255
+#: The deepest a file of a load may be (a bundle's are one folder deep, in
+#: its version's).
+MAX_PATH_DEPTH = 8
+#: The most files one load may carry (a bundle of every version has a few
+#: each).
+MAX_LOAD_FILES = 1024
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics",
@@ -84,8 +91,10 @@ class IInferenceFront(Interface):
         None), or one model's, in the form of Triton's statistics extension
         (L{kcoral.models.statistics})."""
 
-    def load_model(name: str, config: str | None = None) -> Deferred[dict]:
-        """Load model C{name} (again) from the repository, on every member,
+    def load_model(name: str, config: str | None = None,
+                   files: Mapping[str, bytes] | None = None) -> Deferred[dict]:
+        """Load model C{name} (again) from the repository, or from C{files}
+        (its folder's files by relative path) when given, on every member,
         configured by C{config} (Triton's ModelConfig as JSON) if given;
         C{{"models": [...]}}, its states as C{/health} lists them.
         L{LoadFailed} when it fails, and unless the model control mode is
@@ -103,20 +112,14 @@ def load_config(name: str, parameters: Mapping[str, object]) -> str | None:
     """
     The configuration that a load of model C{name} carries in its
     C{parameters} (None: none), whatever front took them: Triton's
-    ModelConfig as JSON text in C{config}. L{LoadFailed} for any other
-    parameter (a load with files is not served; a file's path that could
-    name a file outside a model's folder is refused in Triton's words), or
-    a config that is not text.
+    ModelConfig as JSON text in C{config}. L{LoadFailed} for a parameter
+    that is neither it nor a file (L{load_files}), or a config that is not
+    text.
     """
     for key in parameters:
-        if key.startswith(FILE_PARAMETER):
-            why = _unsafe(key[len(FILE_PARAMETER):])
-            if why:
-                raise LoadFailed(f"failed to load '{name[:64]}': failed to poll from model "
-                                 f"repository: {key[:64]!r}: {why}")
-        if key != CONFIG_PARAMETER:
+        if key != CONFIG_PARAMETER and not key.startswith(FILE_PARAMETER):
             raise LoadFailed(f"failed to load '{name[:64]}': parameter {key[:64]!r} is not served "
-                             f"(a load takes {CONFIG_PARAMETER!r} alone)")
+                             f"(a load takes {CONFIG_PARAMETER!r} and {FILE_PARAMETER}<path>)")
     config = parameters.get(CONFIG_PARAMETER)
     if config is not None and not isinstance(config, str):
         raise LoadFailed(f"failed to load '{name[:64]}': {CONFIG_PARAMETER} must be text, "
@@ -124,15 +127,51 @@ def load_config(name: str, parameters: Mapping[str, object]) -> str | None:
     return config
 
 
-def _unsafe(path: str) -> str:
+def load_files(name: str, parameters: Mapping[str, object],
+               decode: Callable[[object], bytes]) -> dict[str, bytes]:
+    """
+    The model's files that a load of model C{name} carries in its
+    C{parameters}, by path in the model's folder: each C{file:<path>}, its
+    value read by C{decode} (REST sends base64 text, gRPC bytes; C{decode}
+    raises ValueError for a value that is not a file's content).
+    L{LoadFailed} in Triton's words for a path that could name a file
+    outside the model's folder, or a value that is no file's content.
+    """
+    files = {}
+    for key, value in parameters.items():
+        if not key.startswith(FILE_PARAMETER):
+            continue
+        path = key[len(FILE_PARAMETER):]
+        why = unsafe_path(path)
+        if not why:
+            try:
+                files[path] = decode(value)
+            except ValueError as e:
+                why = str(e)
+        if why:
+            raise LoadFailed(f"failed to load '{name[:64]}': failed to poll from model "
+                             f"repository: {key[:64]!r}: {why}")
+    if len(files) > MAX_LOAD_FILES:
+        raise LoadFailed(f"failed to load '{name[:64]}': failed to poll from model repository: "
+                         f"{len(files)} files, over {MAX_LOAD_FILES}")
+    return files
+
+
+def unsafe_path(path: str) -> str:
     """Why a file's path in a load is refused ("" when it is not)."""
     parts = path.split("/")
     if not path or path.startswith("/"):
         return "a file's path must be relative to the model's folder"
     if ".." in parts:
         return "a file's path must not hold '..'"
-    if any(len(part.encode()) > MAX_PATH_COMPONENT for part in parts):
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_PATH_COMPONENT for part in parts):
         return f"a component of a file's path is over {MAX_PATH_COMPONENT} bytes"
+    if len(parts) > MAX_PATH_DEPTH:
+        return f"a file's path is over {MAX_PATH_DEPTH} folders deep"
+    if any(part in ("", ".") for part in parts) or "\0" in path:
+        # Each path names one file once: no empty or "." component, no NUL
+        # (which no file name on Linux holds).
+        return "a file's path must name a file: no empty or '.' component, no NUL"
     return ""
 
 

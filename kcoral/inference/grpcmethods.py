@@ -23,7 +23,7 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
-from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
+from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config, load_files
 from kcoral.inference.message import GrpcAnswer, GrpcMessage, IInferMessage
 from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.inference import grpc_of_rest_answer
@@ -124,6 +124,13 @@ def _parameters(request: service_pb2.RepositoryModelLoadRequest) -> dict[str, ob
             for key, value in request.parameters.items()}
 
 
+def _bytes(value: object) -> bytes:
+    """A file's content as gRPC carries it: a bytes parameter."""
+    if not isinstance(value, bytes):
+        raise ValueError("a file's content must be a bytes_param")
+    return value
+
+
 def _serialized(respond: Callable[[Any], Any]) -> Callable[[Any], bytes]:
     return lambda value: respond(value).SerializeToString()
 
@@ -157,8 +164,9 @@ class GrpcMethods:
                                                     ignore_unknown_fields=True)),
             "RepositoryModelLoad": self._method(
                 service_pb2.RepositoryModelLoadRequest,
-                lambda front, request: front.load_model(request.model_name, load_config(
-                    request.model_name, _parameters(request))),
+                lambda front, request: front.load_model(
+                    request.model_name, load_config(request.model_name, _parameters(request)),
+                    load_files(request.model_name, _parameters(request), _bytes)),
                 lambda _: service_pb2.RepositoryModelLoadResponse()),
             "RepositoryModelUnload": self._method(
                 service_pb2.RepositoryModelUnloadRequest,

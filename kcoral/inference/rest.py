@@ -7,19 +7,27 @@ id header.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.errors import BadRequest, KCoralError, LoadFailed
-from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config
+from kcoral.inference.front import (
+    IInferenceFront,
+    InferAnswer,
+    InferCall,
+    load_config,
+    load_files,
+)
 from kcoral.inference.message import IInferMessage, RestMessage
 from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
-from kcoral.models.config import MAX_CONFIG_BYTES
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.web.auth import request_authorization
 from kcoral.web.body import SpooledBody, body_of
@@ -66,9 +74,6 @@ log = Logger()
 MAX_INDEX_BODY = 64 * 1024
 #: The most a shared-memory registration's body may hold.
 MAX_REGISTER_BODY = 4 * 1024
-#: The most a load request's body may hold: a configuration, written as a
-#: JSON string within it.
-MAX_LOAD_BODY = 4 * MAX_CONFIG_BYTES
 
 
 def _json(request, status: int, value: Any) -> bytes:
@@ -93,22 +98,31 @@ def _header_length(request) -> int | None:
     return length
 
 
-def _load_config(request, model: str) -> str | None:
-    """The configuration that a load request's body carries (None: none)."""
-    data = request.content.getvalue()
-    if not data.strip():
-        return None
-    if len(data) > MAX_LOAD_BODY:
-        raise LoadFailed(f"failed to load '{model[:64]}': the request is over {MAX_LOAD_BODY} bytes")
+def _load_request(data: memoryview, model: str) -> tuple[str | None, dict[str, bytes]]:
+    """The configuration (None: none) and the files that a load request's
+    body carries; it may be as large as any request, so this runs off the
+    reactor."""
+    if not data.nbytes or not bytes(data).strip():
+        return None, {}
     try:
-        value = json.loads(data)
+        value = json.loads(bytes(data))
     except (ValueError, RecursionError):
         raise LoadFailed(f"failed to load '{model[:64]}': the request is not JSON") from None
     parameters = value.get("parameters", {}) if isinstance(value, dict) else None
     if not isinstance(parameters, dict):
         raise LoadFailed(f"failed to load '{model[:64]}': a load request is "
-                         '{"parameters": {"config": "<JSON>"}}')
-    return load_config(model, parameters)
+                         '{"parameters": {"config": "<JSON>", "file:<path>": "<base64>"}}')
+    return load_config(model, parameters), load_files(model, parameters, _base64)
+
+
+def _base64(value: object) -> bytes:
+    """A file's content as REST carries it: base64 text."""
+    if not isinstance(value, str):
+        raise ValueError("a file's content must be base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise ValueError("a file's content is not base64") from None
 
 
 def _caller(request) -> Caller:
@@ -195,9 +209,16 @@ class InferenceRoutes:
             request, lambda: act(model), lambda value: _json(request, 200, value))
 
     def load(self, request, model: str) -> Deferred[bytes]:
-        """A model's load route: its body, if any, C{{"parameters": {"config": "<JSON>"}}}."""
-        return self._answer(request, lambda: self._front.load_model(model, _load_config(request, model)),
-                            lambda value: _json(request, 200, value))
+        """A model's load route: its body, if any, C{{"parameters": {"config":
+        "<JSON>", "file:<path>": "<base64>", ...}}}."""
+        def load(loaded: tuple[str | None, dict[str, bytes]]) -> Deferred[dict]:
+            config, files = loaded
+            return self._front.load_model(model, config, files)
+
+        def call() -> Deferred[dict]:
+            return _body(request).addCallback(
+                lambda body: deferToThread(_load_request, body, model)).addCallback(load)
+        return self._answer(request, call, lambda value: _json(request, 200, value))
 
     @staticmethod
     def _json(request, value: Any) -> bytes:

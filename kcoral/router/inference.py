@@ -9,6 +9,7 @@ client asks for it.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterable
 
@@ -21,6 +22,7 @@ from twisted.internet.defer import (
     maybeDeferred,
     succeed,
 )
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
@@ -38,7 +40,13 @@ from kcoral.errors import (
     unknown_model,
     unreadable_version,
 )
-from kcoral.inference.front import CONFIG_PARAMETER, IInferenceFront, InferCall, server_metadata
+from kcoral.inference.front import (
+    CONFIG_PARAMETER,
+    FILE_PARAMETER,
+    IInferenceFront,
+    InferCall,
+    server_metadata,
+)
 from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import ON_REACTOR_BYTES
@@ -212,11 +220,19 @@ class RouterInference:
         self._pool.serve(member, models)
         return listed
 
-    def load_model(self, name, config=None) -> Deferred:
-        # Each member reads the configuration, as it would read it alone.
-        body = b"" if config is None else json.dumps(
-            {"parameters": {CONFIG_PARAMETER: config}}).encode()
-        return maybeDeferred(lambda: self._control(name, "load", body))
+    def load_model(self, name, config=None, files=None) -> Deferred:
+        # Each member reads the configuration and checks the files, as it
+        # would alone.
+        def body() -> bytes:
+            parameters = {FILE_PARAMETER + path: base64.b64encode(data).decode()
+                          for path, data in (files or {}).items()}
+            if config is not None:
+                parameters[CONFIG_PARAMETER] = config
+            return json.dumps({"parameters": parameters}).encode() if parameters else b""
+        # A body of files may be as large as a request: made off the reactor.
+        d = deferToThread(body) if files else maybeDeferred(body)
+        d.addCallback(lambda data: self._control(name, "load", data))
+        return d
 
     def unload_model(self, name) -> Deferred:
         return maybeDeferred(lambda: self._control(name, "unload"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -29,8 +29,10 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.errors import BadRequest, LoadFailed, NotFound
-from kcoral.models.config import NO_CONFIG, ConfigError, parse_config
+from kcoral.models.config import NO_CONFIG, ConfigError, ModelConfig, parse_config
+from kcoral.models.manifest import NAME
 from kcoral.server.models import READY, ModelRepository, ModelStatus, UnknownModel
+from kcoral.server.sentfiles import SentFilesError, sent_folder
 
 log = Logger()
 
@@ -61,15 +63,18 @@ class ModelControl(service.Service):
     The control of C{repository}'s models in C{mode}: C{load_models} at
     start in explicit mode, a poll every C{poll_seconds} in poll mode (on
     C{clock}); C{device()} is the device the models load onto, known once
-    the worker has started it.
+    the worker has started it. The files a load sends are written in
+    C{files_dir} (None: the temporary folder) while it loads.
     """
 
     def __init__(self, repository: ModelRepository, *, mode: str, load_models: tuple[str, ...],
-                 poll_seconds: float, device: Callable[[], object], reactor):
+                 poll_seconds: float, device: Callable[[], object], reactor,
+                 files_dir: str | None = None):
         self.repository = repository
         self.mode = mode
         self._load_models = load_models
         self._device = device
+        self._files_dir = files_dir
         self._reactor = reactor
         self._threads = ThreadPool(minthreads=0, maxthreads=1, name="kcoral-models")
         self._poll = LoopingCall(self.poll)
@@ -128,12 +133,14 @@ class ModelControl(service.Service):
                 "start with --model-control-mode explicit")
 
     @inlineCallbacks
-    def load(self, name: str, config: str | None = None):
-        """Load the versions of model C{name} (again), configured by
-        C{config} (Triton's ModelConfig as JSON) if given; their states,
-        READY. L{LoadFailed} with the reasons when the mode refuses it, the
-        configuration cannot be honoured, the repository has no such folder
-        or a version fails; the model served meanwhile is served still."""
+    def load(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None):
+        """Load the versions of model C{name} (again) from its folder, or from
+        C{files} (a model folder's files by relative path) when given,
+        configured by C{config} (Triton's ModelConfig as JSON) if given;
+        their states, READY. L{LoadFailed} with the reasons when the mode
+        refuses it, the configuration cannot be honoured, the repository has
+        no such folder (and no files came), the files cannot be written or a
+        version fails; the model served meanwhile is served still."""
         refusal = self._refusal("load")
         configured = NO_CONFIG
         if refusal is None and config is not None:
@@ -141,16 +148,32 @@ class ModelControl(service.Service):
                 configured = parse_config(config)
             except ConfigError as e:
                 refusal = str(e)
-        if refusal is None and name not in (yield self._in_thread(self.repository.stamps)):
+        if refusal is None and files and not NAME.match(name):
+            refusal = "a model's name is 1-64 of [A-Za-z0-9_.-]"
+        if refusal is None and not files and name not in (
+                yield self._in_thread(self.repository.stamps)):
             refusal = "no such model in the repository"
         if refusal is not None:
             raise LoadFailed(f"failed to load '{name[:64]}': {refusal}")
-        states = yield self._in_thread(self.repository.load_model, name, self._device(), configured)
+        try:
+            states = yield self._in_thread(self._load_from, name, self._device(), configured, files)
+        except SentFilesError as e:
+            raise LoadFailed(f"failed to load '{name[:64]}': failed to poll from model "
+                             f"repository: {e}") from None
         failed = [s for s in states if s.state != READY]
         if failed:
             raise LoadFailed(f"failed to load '{name[:64]}': " + "; ".join(
                 f"version {s.version}: {s.reason}" for s in failed))
         return states
+
+    def _load_from(self, name: str, device, config: ModelConfig,
+                   files: Mapping[str, bytes] | None) -> list[ModelStatus]:
+        """L{ModelRepository.load_model}, from C{files} written to a folder
+        of their own when given (in the loading thread: it writes)."""
+        if not files:
+            return self.repository.load_model(name, device, config)
+        with sent_folder(files, self._files_dir) as folder:
+            return self.repository.load_model(name, device, config, folder)
 
     def unload(self, name: str) -> list[ModelStatus]:
         """Stop serving model C{name}; its state after."""

@@ -167,11 +167,11 @@ class ServerInference:
     def _states(self, name: str) -> dict:
         return {"models": [m for m in self.health() if m["name"] == name]}
 
-    def load_model(self, name, config=None) -> Deferred:
+    def load_model(self, name, config=None, files=None) -> Deferred:
         def load() -> Deferred:
             if self._control is None:
                 raise LoadFailed(f"failed to load '{name[:64]}': this server has no model repository")
-            return self._control.load(name, config)
+            return self._control.load(name, config, files)
         d = maybeDeferred(load)
         d.addCallback(lambda _: self._states(name))
         return d

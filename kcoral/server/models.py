@@ -174,38 +174,46 @@ class ModelRepository:
                 for version in listed_versions(os.path.join(self.path, name)):
                     self._settle(name, version, ModelStatus(name, version, UNAVAILABLE, NOT_LOADED))
 
-    def load_model(self, name: str, device, config: ModelConfig = NO_CONFIG) -> list[ModelStatus]:
+    def load_model(self, name: str, device, config: ModelConfig = NO_CONFIG,
+                   folder: str | None = None) -> list[ModelStatus]:
         """
         Load the versions of model C{name} that its policy serves (again)
-        from its folder onto C{device}, configured by C{config} (what a load
-        request gave); their states after. Each version is loaded beside the
+        from its folder (or C{folder}, the files its load request sent)
+        onto C{device}, configured by C{config} (what a load request gave);
+        their states after. Each version is loaded beside the
         one served, which serves until the new one is ready (and goes on
         serving if it fails); versions the policy no longer serves are
-        dropped once the others are loaded, so that traffic moves to a new
-        version only when it is ready.
+        dropped once the others are all loaded, so that traffic moves to a
+        new version only when it is ready, and a load that fails leaves what
+        was served.
         """
         platform = "cuda" if device.platform == "gpu" else device.platform
         try:
-            wanted = served_versions(os.path.join(self.path, name), config.policy)
+            wanted = served_versions(folder or os.path.join(self.path, name), config.policy)
         except VersionError as e:
             failed = ModelStatus(name, 1, UNAVAILABLE, str(e)[:MAX_REASON])
             log.warn("model {name} is unavailable: {reason}", name=name, reason=failed.reason)
             if not any(isinstance(m, LoadedModel) for m in self._models.get(name, {}).values()):
                 self._models = {**self._models, name: {1: failed}}
             return [failed]
-        states = [self._load_version(name, version, folder, device, platform, config)
-                  for version, folder in sorted(wanted.items(), key=lambda item: item[0] or 0)]
-        kept = {s.version for s in states}
-        self._models = {**self._models, name: {v: m for v, m in self._models.get(name, {}).items()
-                                               if v in kept}}
+        states = [self._load_version(name, version, bundle, folder or self.path, device,
+                                     platform, config)
+                  for version, bundle in sorted(wanted.items(), key=lambda item: item[0] or 0)]
+        if all(s.state == READY for s in states):
+            # Only a load that is whole retires the versions it replaces:
+            # one that failed leaves them serving, as the model was.
+            kept = {s.version for s in states}
+            self._models = {**self._models, name: {
+                v: m for v, m in self._models.get(name, {}).items() if v in kept}}
         return states
 
-    def _load_version(self, name: str, version: int | None, folder: str, device,
+    def _load_version(self, name: str, version: int | None, folder: str, within: str, device,
                       platform: str, config: ModelConfig) -> ModelStatus:
-        """Load one version (None: the one its manifest says) of C{name} from C{folder}."""
+        """Load one version (None: the one its manifest says) of C{name} from
+        C{folder}, which must be in C{within} once links are resolved."""
         number = version or 1
         try:
-            bundle = read_bundle(folder, within=self.path)
+            bundle = read_bundle(folder, within=within)
             if version is None:
                 number = bundle.manifest.version
             else:

@@ -101,7 +101,7 @@ class ServerService(service.MultiService):
         self.control = None if self.repository is None else ModelControl(
             self.repository, mode=config.model_control_mode, load_models=config.load_model,
             poll_seconds=config.repository_poll_seconds, device=lambda: self.executor.device,
-            reactor=reactor)
+            reactor=reactor, files_dir=config.cache_dir)
         if self.control is not None:
             self.control.setServiceParent(self)
         inference_metrics = InferenceMetrics(registry)
