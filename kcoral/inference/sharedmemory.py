@@ -31,7 +31,7 @@ from twisted.internet.defer import Deferred, succeed
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest
 from kcoral.inference.message import GrpcAnswer, IInferMessage, RestMessage
-from kcoral.protocol.inference import InferAnswer, rest_of_grpc_infer
+from kcoral.protocol.inference import MAX_HEADER_BYTES, InferAnswer, rest_of_grpc_infer
 
 __all__ = ["SHM_DIR", "Caller", "Placement", "SharedMemory"]
 
@@ -100,12 +100,19 @@ class _Slice:
     size: int
 
     def read(self) -> bytes:
-        start = self.region.offset + self.offset
-        data = os.pread(self.region.fd, self.size, start)
-        if len(data) != self.size:
-            raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter than it "
-                             "was when registered")
-        return data
+        into = bytearray(self.size)
+        self.read_into(memoryview(into))
+        return bytes(into)
+
+    def read_into(self, view: memoryview) -> None:
+        """Its bytes into C{view}, of its size."""
+        start, done = self.region.offset + self.offset, 0
+        while done < self.size:
+            count = os.preadv(self.region.fd, [view[done:]], start + done)
+            if count == 0:
+                raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter "
+                                 "than it was when registered")
+            done += count
 
     def write(self, data: memoryview) -> None:
         # The object may have shrunk since it was registered: a write past
@@ -284,8 +291,8 @@ class SharedMemory:
         """
         if isinstance(message, RestMessage):
             size = len(message.body) if message.header_length is None else message.header_length
-            if REGION.encode() not in bytes(message.body[:size]):
-                return None
+            if size > MAX_HEADER_BYTES or REGION.encode() not in bytes(message.body[:size]):
+                return None  # a header too large is refused where it is read
             try:
                 header = json.loads(bytes(message.body[:size]))
             except (ValueError, RecursionError):
@@ -314,22 +321,34 @@ class SharedMemory:
     def _rest(self, caller: Caller, message: RestMessage, header: dict, size: int
               ) -> tuple[IInferMessage, Placement]:
         view = memoryview(message.body)
-        offset, buffers = size, list[bytes | memoryview]()
+        offset, parts = size, list[memoryview | _Slice]()
         for entry in header.get("inputs", []):
             parameters = entry.get("parameters") if isinstance(entry, dict) else None
             if not isinstance(parameters, dict):
                 continue
             length = parameters.get("binary_data_size")
             if REGION in parameters:
-                data = self._slice(caller, f"input '{str(entry.get('name'))[:64]}'", parameters).read()
-                entry["parameters"] = {"binary_data_size": len(data)}
-                buffers.append(data)
+                where = self._slice(caller, f"input '{str(entry.get('name'))[:64]}'", parameters)
+                entry["parameters"] = {"binary_data_size": where.size}
+                parts.append(where)
             elif type(length) is int and length >= 0:
-                buffers.append(view[offset:offset + length])
+                parts.append(view[offset:offset + length])
                 offset += length
         placed = self._outputs(caller, header)
         encoded = json.dumps(header).encode()
-        return RestMessage(b"".join([encoded, *buffers]), len(encoded)), placed
+        # One buffer, each region's bytes read straight into their place.
+        body = bytearray(len(encoded) + sum(len(p) if isinstance(p, memoryview) else p.size
+                                            for p in parts))
+        body[:len(encoded)] = encoded
+        at = len(encoded)
+        for part in parts:
+            if isinstance(part, memoryview):
+                body[at:at + len(part)] = part
+                at += len(part)
+            else:
+                part.read_into(memoryview(body)[at:at + part.size])
+                at += part.size
+        return RestMessage(memoryview(body), len(encoded)), placed
 
     def _outputs(self, caller: Caller, header: dict) -> Placement:
         """The outputs of a REST request's C{header} that name a region,
