@@ -22,6 +22,7 @@ from kcoral.models.config import (
     ModelConfig,
     config_of,
     parse_config,
+    read_config,
 )
 from kcoral.models.manifest import ModelManifest, ProgramFile, TensorSpec
 from kcoral.models.versions import VersionPolicy
@@ -125,6 +126,38 @@ def test_a_load_takes_a_configuration_and_files_alone(parameters, reason):
     with pytest.raises(LoadFailed) as refused:
         load_config("simple", parameters)
     assert refused.value.message.startswith("failed to load 'simple': " + reason)
+
+
+def test_a_loads_configuration_overrides_the_folders_field_by_field():
+    """What a load's configuration sets wins; what it leaves unset, the folder's config.json
+    sets."""
+    folder = ModelConfig(max_batch_size=16, policy=VersionPolicy("all"),
+                         batch_delay_microseconds=250)
+    assert folder.overridden(ModelConfig(max_batch_size=0, name="simple")) == ModelConfig(
+        max_batch_size=0, policy=VersionPolicy("all"), batch_delay_microseconds=250,
+        name="simple")
+    assert folder.overridden(NO_CONFIG) == folder and NO_CONFIG.overridden(folder) == folder
+
+
+@pytest.mark.parametrize("text, read", [
+    (None, NO_CONFIG),
+    ('{"version_policy": {"latest": {"num_versions": 2}}, "max_batch_size": 4}',
+     ModelConfig(max_batch_size=4, policy=VersionPolicy("latest", 2))),
+    ("{not json", "config.json is not JSON"),
+    ('{"instance_group": [{"count": 2}]}', "config.json: instance_group is not served"),
+    ('{"max_batch_size": -1}', "config.json: max_batch_size must be from 0 to"),
+])
+def test_config_json_reads_as_a_loads_configuration(tmp_path, text, read):
+    """config.json is read as a load's configuration is: its fields, or why it cannot be
+    honoured, naming the file."""
+    if text is not None:
+        (tmp_path / "config.json").write_text(text)
+    if isinstance(read, ModelConfig):
+        assert read_config(str(tmp_path)) == read
+    else:
+        with pytest.raises(ConfigError) as refused:
+            read_config(str(tmp_path))
+        assert str(refused.value).startswith(read), refused.value
 
 
 def test_a_load_without_parameters_has_no_configuration():

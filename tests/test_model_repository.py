@@ -316,6 +316,32 @@ def test_a_configuration_a_bundle_cannot_honour_leaves_the_served_model(tmp_path
     assert models.get("layer").manifest.batch_sizes == (2,)
 
 
+def test_config_json_sets_what_a_loads_configuration_sets(tmp_path):
+    """config.json in a model's folder may set max_batch_size (compiled where the batch is
+    symbolic), dynamic_batching and version_policy, as a load's configuration does; a
+    load's configuration overrides it field by field; a field it cannot honour leaves the
+    model unavailable, the reason naming config.json."""
+    export_mlp(tmp_path / "mlp")
+    (tmp_path / "mlp" / "config.json").write_text(json.dumps(
+        {"max_batch_size": 16, "dynamic_batching": {"max_queue_delay_microseconds": 250}}))
+    models = ModelRepository(tmp_path)
+    device = jax.local_devices()[0]
+    models.load(device)
+    model = models.get("mlp")
+    assert (model.manifest.max_batch_size, model.config.batch_delay_microseconds) == (16, 250)
+    x = rows(16)
+    assert_within_rounding(model.infer({"input": x})["output"],
+                           np.asarray(jax.jit(mlp)(mlp_params(), x)))
+    models.load_model("mlp", device, parse_config('{"max_batch_size": 4}'))
+    model = models.get("mlp")
+    assert (model.manifest.max_batch_size, model.config.batch_delay_microseconds) == (4, 250)
+    (tmp_path / "mlp" / "config.json").write_text('{"instance_group": [{"count": 2}]}')
+    [state] = models.load_model("mlp", device)
+    assert state.state == UNAVAILABLE and state.reason.startswith(
+        "config.json: instance_group is not served"), state
+    assert models.get("mlp") is model
+
+
 # -- batch invariant ------------------------------------------------------------------------
 
 #: The XLA CPU configurations rowcheck runs under (XLA_FLAGS, on one core): the

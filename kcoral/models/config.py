@@ -19,7 +19,13 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
 from kcoral.models.manifest import MAX_BATCH_SIZE, ModelManifest, TensorSpec
-from kcoral.models.versions import VersionError, VersionPolicy, parse_policy
+from kcoral.models.versions import (
+    CONFIG,
+    VersionError,
+    VersionPolicy,
+    parse_policy,
+    read_config_json,
+)
 from kcoral.protocol.tensors import config_type
 
 #: The model platform that configurations name.
@@ -68,6 +74,12 @@ class ModelConfig:
             if given is not None and given != own:
                 raise ConfigError(f"{what} must be the model's own: "
                                   + ", ".join(f"{n} {t} {list(d)}" for n, t, d in own))
+
+    def overridden(self, by: ModelConfig) -> ModelConfig:
+        """This configuration with every field that C{by} sets set as C{by}
+        sets it: a load's configuration over its folder's."""
+        return ModelConfig(**{field.name: getattr(self, field.name) if getattr(by, field.name) in (
+            None, "") else getattr(by, field.name) for field in attrs.fields(ModelConfig)})
 
 
 #: A load without a configuration: the model as its bundle and folder say.
@@ -141,6 +153,24 @@ def parse_config(text: str) -> ModelConfig:
         inputs=_tensors(message.input) if "input" in present else None,
         outputs=_tensors(message.output) if "output" in present else None,
         name=message.name)
+
+
+def read_config(folder: str) -> ModelConfig:
+    """
+    What the C{config.json} of the model folder C{folder} sets, in the
+    form a load's configuration takes (NO_CONFIG: it has none); ConfigError
+    names the file and why. It reads the disk: call it off the reactor.
+    """
+    try:
+        value = read_config_json(folder)
+    except VersionError as e:
+        raise ConfigError(str(e)) from None
+    if value is None:
+        return NO_CONFIG
+    try:
+        return parse_config(json.dumps(value))
+    except ConfigError as e:
+        raise ConfigError(f"{CONFIG}: {e}") from None
 
 
 def _policy(message: model_config_pb2.ModelConfig) -> VersionPolicy:

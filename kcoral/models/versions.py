@@ -4,7 +4,8 @@ out: the folder holds one bundle (its C{model.json} directly in it), or
 numbered subfolders (C{1/}, C{2/}, ...), each a bundle of that version. An
 optional C{config.json} beside them may set Triton's C{version_policy}:
 C{{"latest": {"num_versions": N}}} (the default, N = 1), C{{"all": {}}} or
-C{{"specific": {"versions": [...]}}}. Nothing else of it is read.
+C{{"specific": {"versions": [...]}}}; its other fields are those a load's
+configuration sets (L{kcoral.models.config.read_config}).
 
 Everything here reads the disk: call it off the reactor.
 """
@@ -85,23 +86,28 @@ def parse_policy(value: object, where: str = CONFIG) -> VersionPolicy:
                        "{\"all\": {}} or {\"specific\": {\"versions\": [N, ...]}}")
 
 
-def read_policy(folder: str) -> VersionPolicy:
-    """The version policy of the model folder C{folder}."""
+def read_config_json(folder: str) -> object:
+    """The parsed C{config.json} of the model folder C{folder} (None: it has none)."""
     path = os.path.join(folder, CONFIG)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        return VersionPolicy()
+        return None
     except OSError as e:
         raise VersionError(f"{CONFIG}: {e.strerror}") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise VersionError(f"{CONFIG} is over {MAX_CONFIG_BYTES} bytes")
     try:
-        value = json.loads(data)
+        return json.loads(data)
     except (ValueError, RecursionError):
         raise VersionError(f"{CONFIG} is not JSON") from None
-    return parse_policy(value)
+
+
+def read_policy(folder: str) -> VersionPolicy:
+    """The version policy of the model folder C{folder}."""
+    value = read_config_json(folder)
+    return VersionPolicy() if value is None else parse_policy(value)
 
 
 def numbered(folder: str) -> dict[int, str]:

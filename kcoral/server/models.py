@@ -23,10 +23,11 @@ from twisted.logger import Logger
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
 from kcoral.errors import ProgramRejected
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
-from kcoral.models.config import NO_CONFIG, ConfigError, ModelConfig
+from kcoral.models.config import NO_CONFIG, ConfigError, ModelConfig, read_config
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest, ProgramFile
 from kcoral.models.versions import (
     VersionError,
+    VersionPolicy,
     is_model,
     listed_versions,
     served_versions,
@@ -179,8 +180,8 @@ class ModelRepository:
         """
         Load the versions of model C{name} that its policy serves (again)
         from its folder (or C{folder}, the files its load request sent)
-        onto C{device}, configured by C{config} (what a load request gave);
-        their states after. Each version is loaded beside the
+        onto C{device}, configured by C{config} (what a load request gave)
+        over what its folder's config.json sets; their states after. Each version is loaded beside the
         one served, which serves until the new one is ready (and goes on
         serving if it fails); versions the policy no longer serves are
         dropped once the others are all loaded, so that traffic moves to a
@@ -189,8 +190,12 @@ class ModelRepository:
         """
         platform = "cuda" if device.platform == "gpu" else device.platform
         try:
-            wanted = served_versions(folder or os.path.join(self.path, name), config.policy)
-        except VersionError as e:
+            # A load's configuration sets what it sets; the folder's
+            # config.json, the rest.
+            source = folder or os.path.join(self.path, name)
+            config = read_config(source).overridden(config)
+            wanted = served_versions(source, config.policy or VersionPolicy())
+        except (VersionError, ConfigError) as e:
             failed = ModelStatus(name, 1, UNAVAILABLE, str(e)[:MAX_REASON])
             log.warn("model {name} is unavailable: {reason}", name=name, reason=failed.reason)
             if not any(isinstance(m, LoadedModel) for m in self._models.get(name, {}).values()):
