@@ -22,9 +22,14 @@ from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
 from twisted.internet.defer import Deferred
 
+from kcoral.common.serverconfig import ServerConfig
 from kcoral.errors import BadRequest
 from kcoral.inference.message import RestMessage
 from kcoral.inference.sharedmemory import NOT_LOOPBACK, OFF, ROUTER, Caller, SharedMemory
+from kcoral.node.devices import WorkerSpec
+from kcoral.node.supervisor import worker_argv
+from kcoral.router.service import RouterConfig, build_router
+from kcoral.sandbox.policy import policy_for
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, kcoral_argv, until
 from tests.httputil import request as http_request
@@ -149,6 +154,26 @@ def test_an_object_that_shrinks_is_refused_not_faulted(folder):
         LOCAL, _infer_body({"region": "r", "size": 4, "offset": 32})))
     assert "shorter than it was when registered" in failure.value.message
     registry.close()
+
+
+def test_only_a_standalone_server_given_the_option_may_open_dev_shm():
+    """With --allow-client-shm a standalone server's Landlock rules allow
+    /dev/shm, and without it they do not; a node's workers are never given
+    the option (their gateway opens the regions)."""
+    cpu = {"JAX_PLATFORMS": "cpu"}
+    assert "/dev/shm" in policy_for(ServerConfig(allow_client_shm=True), environ=cpu).read_write
+    assert "/dev/shm" not in policy_for(ServerConfig(), environ=cpu).read_write
+    argv = worker_argv(ServerConfig(allow_client_shm=True), WorkerSpec("worker0", 0, None), 8100)
+    assert not any("shm" in arg for arg in argv)
+
+
+def test_a_router_refuses_registration(reactor):
+    """A Router's front refuses registration with 400 saying why (its
+    clients' regions are on other hosts), even from loopback."""
+    app, _ = build_router(RouterConfig(), reactor)
+    with pytest.raises(BadRequest, match="a Router serves no shared memory") as raised:
+        app.shared_memory.register(LOCAL, "r", "/obj", 0, 64)
+    assert raised.value.status == 400
 
 
 # -- real fronts ----------------------------------------------------------------------------------
