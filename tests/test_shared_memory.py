@@ -7,6 +7,8 @@ shared-memory utilities; and the registry's bounds against hostile input.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import uuid
 
@@ -16,7 +18,7 @@ import pytest_twisted
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
@@ -331,6 +333,45 @@ async def test_hostile_registrations_answer_in_triton_words(shm_front):
     Triton's words; CUDA shared memory is empty and refused; the front is
     live afterwards and lists the extension."""
     await threads.deferToThread(_hostile, shm_front[0])
+
+
+def _fuzzed(address: str) -> None:
+    connection = http.client.HTTPConnection(address, timeout=30)
+    values = st.one_of(st.integers(), st.integers(-2, 1 << 20), st.text(max_size=8), st.none(),
+                       st.floats(), st.lists(st.integers(), max_size=2))
+    keys = st.one_of(values, st.sampled_from(["/", "/x", "/" + "k" * 300, "/../etc/passwd"]),
+                     st.text(max_size=40).map(lambda t: "/" + t))
+
+    @settings(max_examples=120, deadline=None)
+    @given(name=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="/?#%"),
+                        min_size=1, max_size=40),
+           key=keys, offset=values, size=values)
+    def check(name, key, offset, size):
+        # Only what names no object: one that exists might be registered.
+        assume(not isinstance(key, str) or not os.path.isfile(os.path.join("/dev/shm", key[1:])))
+        connection.request("POST", f"/v2/systemsharedmemory/region/{name}/register",
+                           json.dumps({"key": key, "offset": offset, "byte_size": size}),
+                           {**_headers(TOKENS[0]), "Content-Type": "application/json"})
+        answer = connection.getresponse()
+        body = answer.read()
+        assert answer.status == 400, (answer.status, body)
+        assert json.loads(body)["error"] and answer.getheader("X-Request-Id")
+
+    try:
+        check()
+        connection.request("GET", "/v2/systemsharedmemory/status", headers=_headers(TOKENS[0]))
+        answer = connection.getresponse()
+        assert answer.status == 200 and json.loads(answer.read()) == []
+    finally:
+        connection.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_fuzzed_registrations_are_json_400s_with_request_ids(shm_front):
+    """Registrations of any name, key, offset and size that name no object
+    of this process's are refused with 400, a JSON error and a request id,
+    and leave nothing registered."""
+    await threads.deferToThread(_fuzzed, shm_front[0])
 
 
 def _refused(address: str) -> None:
