@@ -99,11 +99,6 @@ class _Slice:
     offset: int
     size: int
 
-    def read(self) -> bytes:
-        into = bytearray(self.size)
-        self.read_into(memoryview(into))
-        return bytes(into)
-
     def read_into(self, view: memoryview) -> None:
         """Its bytes into C{view}, of its size."""
         start, done = self.region.offset + self.offset, 0
@@ -364,28 +359,29 @@ class SharedMemory:
 
     def _grpc(self, caller: Caller, pb: service_pb2.ModelInferRequest
               ) -> tuple[IInferMessage, Placement]:
+        """As L{_rest}, from a gRPC message: its REST form, with each input
+        that names a region empty there, then read into its place."""
+        copy = service_pb2.ModelInferRequest(model_name=pb.model_name, id=pb.id,
+                                              inputs=pb.inputs, outputs=pb.outputs)
         # Triton's clients send raw_input_contents for the inputs that
         # name no region, in order.
         raw = iter(pb.raw_input_contents)
-        copy = service_pb2.ModelInferRequest()
-        copy.CopyFrom(pb)
-        del copy.raw_input_contents[:]
-        for tensor in copy.inputs:
+        regions = {}
+        for i, tensor in enumerate(copy.inputs):
             if REGION in tensor.parameters:
-                parameters = {key: _value(value) for key, value in tensor.parameters.items()}
-                copy.raw_input_contents.append(
-                    self._slice(caller, f"input '{tensor.name[:64]}'", parameters).read())
-                tensor.parameters.clear()
-            else:
-                copy.raw_input_contents.append(next(raw, b""))
-        outputs = {}
-        for output in copy.outputs:
-            if REGION in output.parameters:
-                parameters = {key: _value(value) for key, value in output.parameters.items()}
-                outputs[output.name] = self._slice(caller, f"output '{output.name[:64]}'", parameters)
-                output.parameters.clear()
+                regions[i] = {key: _value(value) for key, value in tensor.parameters.items()}
+                tensor.ClearField("contents")
+            if pb.raw_input_contents:
+                copy.raw_input_contents.append(b"" if i in regions else next(raw, b""))
         rest = rest_of_grpc_infer(copy)
-        return RestMessage(rest.body, rest.header_length), Placement(outputs)
+        header = json.loads(bytes(rest.body[:rest.header_length]))
+        for i, parameters in regions.items():
+            header["inputs"][i]["parameters"] = parameters
+        for entry, output in zip(header.get("outputs", []), copy.outputs):
+            if REGION in output.parameters:
+                entry["parameters"] = {key: _value(value) for key, value in output.parameters.items()}
+        return self._rest(caller, RestMessage(rest.body, rest.header_length), header,
+                          rest.header_length or 0)
 
     def close(self) -> None:
         """Unregister every region of every client."""
