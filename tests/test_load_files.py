@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from twisted.internet.threads import deferToThread
 
 from kcoral.errors import LoadFailed
-from kcoral.inference.front import MAX_PATH_COMPONENT, load_files, unsafe_path
+from kcoral.inference.front import MAX_LOAD_FILES, MAX_PATH_COMPONENT, load_files, unsafe_path
 from kcoral.server.sentfiles import PREFIX, SentFilesError, sent_folder
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, kcoral_argv, until
@@ -82,6 +82,37 @@ def test_a_path_is_taken_only_inside_the_model_folder(path):
     assert os.path.normpath(os.path.join(root, path)).startswith(root + "/")
     assert all(0 < len(part.encode("utf-8", "surrogatepass")) <= MAX_PATH_COMPONENT
                for part in path.split("/"))
+
+
+@given(st.dictionaries(st.text(max_size=40).map(lambda path: "file:" + path),
+                       st.one_of(st.binary(max_size=16), st.text(max_size=16), st.integers(),
+                                 st.none()), max_size=8))
+def test_whatever_the_parameters_a_load_takes_its_files_or_refuses_them(parameters):
+    """Any file: parameters, of any value: the files exactly as sent, or LoadFailed in
+    Triton's words; never another error."""
+    try:
+        files = load_files("sent", parameters, as_bytes)
+    except LoadFailed as e:
+        assert e.message.startswith(POLL)
+        return
+    assert files == {key[len("file:"):]: value for key, value in parameters.items()}
+
+
+@given(st.integers(0, 3 * MAX_LOAD_FILES // 2))
+def test_a_load_carries_at_most_so_many_files(count):
+    """Up to MAX_LOAD_FILES files are taken; more fail the load saying how many."""
+    parameters = {f"file:{i}/model.json": b"" for i in range(count)}
+    if count <= MAX_LOAD_FILES:
+        assert len(load_files("sent", parameters, as_is)) == count
+    else:
+        with pytest.raises(LoadFailed, match=f"{count} files, over {MAX_LOAD_FILES}"):
+            load_files("sent", parameters, as_is)
+
+
+def as_bytes(value: object) -> bytes:
+    if not isinstance(value, bytes):
+        raise ValueError("a file's content must be bytes")
+    return value
 
 
 names = st.text(st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)),
