@@ -7,12 +7,13 @@ they pass C{jax.export.deserialize} unchanged.
 Each module takes C{x: f32[4]} and returns C{f32[4]}, exported for the CPU
 and CUDA: the forged operation stands in C{main} itself (every platform) or
 in the CUDA branch alone, which a CPU worker never executes but must still
-refuse.
+refuse. Private functions may stand beside C{main} (L{calls}, L{recursion}).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 #: The operations a worker refuses, and a harmless one, each as the lines
 #: that read C{%x} and define C{%f}.
@@ -49,16 +50,74 @@ def custom_call(target: str, index: int = 0) -> list[str]:
             '(tensor<4xf32>) -> tensor<4xf32>')]
 
 
-def mlir_string(text: str) -> str:
+def mlir_string(text: str | bytes) -> str:
     """C{text} as an MLIR string literal: printable ASCII as it is, every
-    other byte of its UTF-8 as C{\\XX}."""
+    other byte (of its UTF-8, for a C{str}) as C{\\XX}; bytes need not be UTF-8."""
+    raw = text.encode() if isinstance(text, str) else text
     return '"' + "".join(chr(b) if 32 <= b < 127 and b not in b'"\\' else f"\\{b:02X}"
-                         for b in text.encode()) + '"'
+                         for b in raw) + '"'
 
 
-def module_text(lines: list[str], place: str = "main") -> str:
+def nested(depth: int, inner: str = "stablehlo.add %x, %x : tensor<4xf32>") -> list[str]:
+    """Lines whose deepest operation stands C{depth} deep (those of C{main}
+    itself stand 1 deep): C{depth - 1} C{stablehlo.case}s on an index read
+    from C{%x} (one on the platform index, a constant once the platform is
+    known, would be folded away before XLA's compiler sees it), one in the
+    other, around C{inner} (the doubling of C{%x}, or a call), the
+    outermost defining C{%f}."""
+    names = ["%f", *(f"%n{i}" for i in range(1, depth))]
+    lines = ["%x0 = stablehlo.slice %x [0:1] : (tensor<4xf32>) -> tensor<1xf32>",
+             "%x1 = stablehlo.reshape %x0 : (tensor<1xf32>) -> tensor<f32>",
+             "%i = stablehlo.convert %x1 : (tensor<f32>) -> tensor<i32>",
+             *(f'{name} = "stablehlo.case"(%i) ({{' for name in names[:-1])]
+    lines.append(f"{names[-1]} = {inner}")
+    for name in reversed(names[1:]):
+        lines += [f"stablehlo.return {name} : tensor<4xf32>", "}) : (tensor<i32>) -> tensor<4xf32>"]
+    return lines
+
+
+#: The call of the first private function.
+CALL = "call @f0(%x) : (tensor<4xf32>) -> tensor<4xf32>"
+
+
+def calls(length: int) -> tuple[list[str], list[str]]:
+    """The lines and private functions of a chain of C{length} functions,
+    each calling the next (the last doubles its C{%x}): its deepest
+    operation stands C{length + 1} deep, calls followed."""
+    functions = [_function(f"f{i}", f"%r = call @f{i + 1}(%x) : (tensor<4xf32>) -> tensor<4xf32>"
+                           if i + 1 < length else "%r = stablehlo.add %x, %x : tensor<4xf32>")
+                 for i in range(length)]
+    return [f"%f = {CALL}"], functions
+
+
+#: How a function is made to call itself: by C{func.call}, through another
+#: function, or as the decomposition of a C{stablehlo.composite}.
+RECURSIONS = {
+    "call": f"%r = {CALL}",
+    "call through another": "%r = call @f1(%x) : (tensor<4xf32>) -> tensor<4xf32>",
+    "composite": '%r = stablehlo.composite "kcoral.forged" %x {decomposition = @f0} : '
+                 "(tensor<4xf32>) -> tensor<4xf32>",
+}
+
+
+def recursion(how: str) -> tuple[list[str], list[str]]:
+    """The lines and private functions of a program whose function C{f0}
+    calls itself C{how} (a key of L{RECURSIONS})."""
+    functions = [_function("f0", RECURSIONS[how])]
+    if how == "call through another":
+        functions.append(_function("f1", f"%r = {CALL}"))
+    return [f"%f = {CALL}"], functions
+
+
+def _function(name: str, line: str) -> str:
+    return (f"  func.func private @{name}(%x: tensor<4xf32>) -> tensor<4xf32> {{\n"
+            f"    {line}\n    return %r : tensor<4xf32>\n  }}\n")
+
+
+def module_text(lines: list[str], place: str = "main", functions: Sequence[str] = ()) -> str:
     """The module with C{lines} at C{place}: in C{main}, or in the CUDA
-    branch of a C{case} on the platform index (the CPU branch doubles C{x})."""
+    branch of a C{case} on the platform index (the CPU branch doubles C{x});
+    C{functions} stand after C{main}."""
     def body(indent: str, result: str) -> str:
         return "".join(f"{indent}{line}\n" for line in lines) + f"{indent}{result} %f : tensor<4xf32>\n"
 
@@ -73,13 +132,15 @@ def module_text(lines: list[str], place: str = "main") -> str:
     return ("module @forged attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {\n"
             '  func.func public @main(%p: tensor<i32> {jax.global_constant = "_platform_index"}, '
             "%x: tensor<4xf32>) -> (tensor<4xf32>) {\n"
-            + inner + "  }\n}\n")
+            + inner + "  }\n" + "".join(functions) + "}\n")
 
 
-def forge(lines: list[str], place: str = "main", exempt: tuple = ()) -> bytes:
+def forge(lines: list[str], place: str = "main", exempt: tuple = (),
+          functions: Sequence[str] = ()) -> bytes:
     """
-    The serialized program of the module with C{lines} at C{place}, whose
-    C{disabled_safety_checks} claim C{exempt} (C{jax.export.DisabledSafetyCheck}s).
+    The serialized program of the module with C{lines} at C{place} and
+    C{functions} beside C{main}, whose C{disabled_safety_checks} claim
+    C{exempt} (C{jax.export.DisabledSafetyCheck}s).
     """
     import jax
     import jax.numpy as jnp
@@ -96,7 +157,7 @@ def forge(lines: list[str], place: str = "main", exempt: tuple = ()) -> bytes:
         # Reading the carrier's module loads every dialect its text needs
         # (func among them, which has no registration of its own here).
         mlir.deserialize_portable_artifact(carrier.mlir_module_serialized)
-        module = ir.Module.parse(module_text(lines, place))
+        module = ir.Module.parse(module_text(lines, place, functions))
         serialized = mlir.serialize_portable_artifact(module, stablehlo.get_current_version())
     return bytes(dataclasses.replace(carrier, mlir_module_serialized=serialized,
                                      disabled_safety_checks=tuple(exempt)).serialize())

@@ -36,12 +36,25 @@ from kcoral.server.programcheck import (  # noqa: E402
     ALLOWED_CUSTOM_CALLS,
     CLIENT_CODE,
     CUSTOM_CALL,
+    MAX_DEPTH,
+    NESTING,
     OP,
     UNREADABLE,
     ProgramCheck,
     Refused,
 )
-from tests.forged import HARMLESS, OPS, PLACES, custom_call, forge  # noqa: E402
+from tests.forged import (  # noqa: E402
+    CALL,
+    HARMLESS,
+    OPS,
+    PLACES,
+    RECURSIONS,
+    calls,
+    custom_call,
+    forge,
+    nested,
+    recursion,
+)
 from tests.harness import SERVER_READY  # noqa: E402
 from tests.httputil import request  # noqa: E402
 from tests.test_bundle import export_mlp  # noqa: E402
@@ -57,38 +70,57 @@ CALLBACKS = ("xla_ffi_python_cpu_callback", "xla_ffi_python_gpu_callback",
              "xla_python_cpu_callback", "xla_python_gpu_callback")
 targets = st.one_of(st.sampled_from(CALLBACKS + tuple(sorted(CLIENT_CODE))),
                     st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)),
-                            min_size=1, max_size=40)
-                    ).filter(lambda t: t not in ALLOWED_CUSTOM_CALLS)
+                            min_size=1, max_size=40),
+                    # Bytes a target is spelled with, UTF-8 or not.
+                    st.binary(min_size=1, max_size=40),
+                    ).filter(lambda t: _spelled(t) not in ALLOWED_CUSTOM_CALLS)
 #: What a forged program claims of its own checks.
 exemptions = st.sampled_from([(), "target", (DisabledSafetyCheck.custom_call("ALL"),),
                               (DisabledSafetyCheck.platform(),)])
 
 
-def _claimed(exempt, target: str | None) -> tuple:
+def _spelled(target: str | bytes) -> str:
+    """A target as a refusal names it: its bytes read as UTF-8, any other byte escaped."""
+    return target if isinstance(target, str) else target.decode("utf-8", "backslashreplace")
+
+
+def _claimed(exempt, target: str | bytes | None) -> tuple:
     if exempt == "target":
-        return (DisabledSafetyCheck.custom_call(target),) if target else ()
+        return (DisabledSafetyCheck.custom_call(_spelled(target)),) if target else ()
     return exempt
 
 
-# The case of a forged program: what it holds (a target or an op), where,
-# and its own exemptions; what the refusal must name and its metrics label.
+# The case of a forged program: what it holds (a target, an op, or a
+# structure the compiler cannot take, with the private functions beside
+# main), where, and its own exemptions; what the refusal must name and its
+# metrics label.
 forged_targets = st.builds(
-    lambda t, i, p, e: (custom_call(t, i), p, _claimed(e, t), repr(t), CUSTOM_CALL),
+    lambda t, i, p, e: (custom_call(t, i), p, _claimed(e, t), repr(_spelled(t)), CUSTOM_CALL, ()),
     targets, st.sampled_from([0, 1, 1 << 40]), st.sampled_from(PLACES), exemptions)
-forged_ops = st.builds(lambda op, p, e: (OPS[op], p, _claimed(e, None), repr(op), OP),
+forged_ops = st.builds(lambda op, p, e: (OPS[op], p, _claimed(e, None), repr(op), OP, ()),
                        st.sampled_from(sorted(OPS)), st.sampled_from(PLACES), exemptions)
-forged = st.one_of(forged_targets, forged_ops)
+#: Past what XLA's compiler can take: operations nested past MAX_DEPTH
+#: (regions, calls, both), a function that calls itself.
+TOO_DEEP = f"more than {MAX_DEPTH} deep"
+chain, chained = calls(MAX_DEPTH)
+forged_structures = st.sampled_from([
+    (nested(MAX_DEPTH + 1), "main", (), TOO_DEEP, NESTING, ()),
+    (nested(MAX_DEPTH), "cuda branch", (), TOO_DEEP, NESTING, ()),
+    (chain, "main", (), TOO_DEEP, NESTING, chained),
+    *((lines, place, (), "'f0'", NESTING, functions)
+      for lines, functions in map(recursion, sorted(RECURSIONS)) for place in PLACES)])
+forged = st.one_of(forged_targets, forged_ops, forged_structures)
 
 
 @functools.cache
 def _forged(case_key):
-    lines, place, exempt = case_key
-    return forge(list(lines), place, exempt)
+    lines, place, exempt, functions = case_key
+    return forge(list(lines), place, exempt, functions)
 
 
 def forged_bytes(case) -> bytes:
-    lines, place, exempt, _, _ = case
-    return _forged((tuple(lines), place, tuple(exempt)))
+    lines, place, exempt, _, _, functions = case
+    return _forged((tuple(lines), place, tuple(exempt), tuple(functions)))
 
 
 # -- the check itself -----------------------------------------------------------------------------
@@ -134,6 +166,65 @@ def test_the_operator_may_allow_a_target():
     check.deserialize(forge(custom_call("my_kernel"), "main"))
     with pytest.raises(Refused, match="'my_other_kernel'"):
         check.deserialize(forge(custom_call("my_other_kernel"), "main"))
+
+
+@pytest.mark.parametrize("target", [b"xla_ffi_python_cpu_callback\xff", b"Sharding\xff",
+                                    b"\xc0\xafSharding", b"\xed\xa0\x80", b"\xff" * 40])
+def test_a_target_whose_bytes_are_no_utf8_is_refused_naming_them(target):
+    """A target spelled with bytes that are not UTF-8 is refused and counted as any target
+    outside the list is, its bytes escaped where the refusal names it (it was an internal
+    error, a 500)."""
+    counted: list[str] = []
+    with pytest.raises(Refused) as refused:
+        ProgramCheck(rejected=counted.append).deserialize(forge(custom_call(target)))
+    assert refused.value.status == 422 and counted == [CUSTOM_CALL]
+    assert repr(target.decode("utf-8", "backslashreplace")) in str(refused.value)
+
+
+def _depth_cases(depth: int):
+    """Programs whose deepest operation stands C{depth} deep, as (lines, place, functions):
+    regions in main, in the CUDA branch, a chain of calls, and regions around a chain."""
+    chain, chained = calls(depth - 1)
+    half = depth // 2
+    return [(nested(depth), "main", ()), (nested(depth - 1), "cuda branch", ()),
+            (chain, "main", chained), (nested(half, CALL), "main", calls(depth - half)[1])]
+
+
+DEPTH_CASES = ["regions", "cuda branch", "calls", "regions around calls"]
+
+
+@pytest.mark.parametrize("case", range(4), ids=DEPTH_CASES)
+def test_a_program_nested_to_the_limit_passes_and_runs(case):
+    """Operations nested MAX_DEPTH deep -- regions in regions, calls followed, both -- pass
+    and compute: the limit is far past what JAX exports and what XLA's compiler needs."""
+    lines, place, functions = _depth_cases(MAX_DEPTH)[case]
+    exported = ProgramCheck().deserialize(forge(lines, place, functions=functions))
+    np.testing.assert_array_equal(np.asarray(exported.call(X)), X + X)
+
+
+@pytest.mark.parametrize("case", range(4), ids=DEPTH_CASES)
+def test_a_program_nested_past_the_limit_is_refused(case):
+    """One level more is refused (422, counted as nesting), before XLA's compiler, which
+    recurses once a level on a thread of its own, overflows its stack (about 220 levels
+    crashed a worker, SIGSEGV)."""
+    lines, place, functions = _depth_cases(MAX_DEPTH + 1)[case]
+    counted: list[str] = []
+    with pytest.raises(Refused, match=f"more than {MAX_DEPTH} deep") as refused:
+        ProgramCheck(rejected=counted.append).deserialize(forge(lines, place, functions=functions))
+    assert refused.value.status == 422 and counted == [NESTING]
+
+
+@pytest.mark.parametrize("how", sorted(RECURSIONS))
+@pytest.mark.parametrize("place", PLACES)
+def test_a_function_that_calls_itself_is_refused(how, place):
+    """A function that calls itself (by func.call, through another function, or as a
+    composite's decomposition) is refused naming it: XLA's compiler follows the calls
+    without end (it crashed a worker, SIGSEGV, for a program of 1 kB)."""
+    lines, functions = recursion(how)
+    counted: list[str] = []
+    with pytest.raises(Refused, match="'f0'") as refused:
+        ProgramCheck(rejected=counted.append).deserialize(forge(lines, place, functions=functions))
+    assert refused.value.status == 422 and counted == [NESTING]
 
 
 def test_a_module_that_cannot_be_read_is_refused():
@@ -257,28 +348,33 @@ def test_the_check_costs_little_beside_deserialization():
 # -- against real processes -----------------------------------------------------------------------
 
 def _attack(url: str, cases, pids) -> int:
-    """Send each forged case to C{url} (from a thread): a 422 program_rejected naming what,
-    in under a second, then a harmless program answers and C{pids()} is unchanged. The
-    count of refusals."""
+    """Send C{cases} forged cases drawn by hypothesis to C{url} (from a thread), each
+    L{_refused}. The count of refusals."""
     harmless = Program.from_bytes(forge(HARMLESS, "cuda branch"))
     before = pids()
     sent = 0
     with Client(url, timeout=60) as client:
         def one(case):
             nonlocal sent
-            started = time.monotonic()
-            with pytest.raises(ProgramRejected) as refused:
-                client.run(Program.from_bytes(forged_bytes(case)), X)
-            assert time.monotonic() - started < 1.0
-            assert refused.value.reason == "program_rejected" and case[3] in refused.value.message
-            assert refused.value.request_id
+            _refused(client, harmless, case, lambda: pids() == before)
             sent += 1
-            np.testing.assert_array_equal(np.asarray(client.run(harmless, X)), X + X)
-            assert pids() == before
 
         settings(max_examples=cases, deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))(given(forged)(one))()
     return sent
+
+
+def _refused(client: Client, harmless: Program, case, unchanged) -> None:
+    """C{case} sent through C{client}: a 422 program_rejected naming what, in under a
+    second; then C{harmless} answers and C{unchanged()} holds (no process replaced)."""
+    started = time.monotonic()
+    with pytest.raises(ProgramRejected) as refused:
+        client.run(Program.from_bytes(forged_bytes(case)), X)
+    assert time.monotonic() - started < 1.0
+    assert refused.value.reason == "program_rejected" and case[3] in refused.value.message
+    assert refused.value.request_id
+    np.testing.assert_array_equal(np.asarray(client.run(harmless, X)), X + X)
+    assert unchanged()
 
 
 async def _rejected_total(url: str) -> float:
@@ -301,6 +397,33 @@ async def test_a_real_server_refuses_forged_programs_and_lives(processes):
     sent = await deferToThread(_attack, server.url, 12, lambda: server.process.pid)
     assert server.process.running
     assert await _rejected_total(server.url) == sent
+
+
+#: Programs that crashed XLA's compiler, and the server with it (SIGSEGV), before the check
+#: refused them: each function that calls itself, and regions nested four times the limit deep.
+CRASHERS = [*((lines, "main", (), "'f0'", NESTING, functions)
+              for lines, functions in map(recursion, sorted(RECURSIONS))),
+            (nested(4 * MAX_DEPTH), "main", (), TOO_DEEP, NESTING, ())]
+
+
+@pytest.mark.integration
+@pytest_twisted.ensureDeferred
+async def test_a_real_server_refuses_what_would_crash_its_compiler_and_lives(processes):
+    """Each program that crashed the compiler is refused (422 naming why, under a second), and
+    the server keeps running and answers a harmless program after each."""
+    from tests.conftest import server_args, server_env
+
+    server = await processes.start_service(server_args(), name="server", ready=SERVER_READY,
+                                           env=server_env())
+    harmless = Program.from_bytes(forge(HARMLESS, "cuda branch"))
+
+    def attack():
+        with Client(server.url, timeout=60) as client:
+            for case in CRASHERS:
+                _refused(client, harmless, case, lambda: server.process.running)
+
+    await deferToThread(attack)
+    assert await _rejected_total(server.url) == len(CRASHERS)
 
 
 @pytest.mark.integration

@@ -70,7 +70,8 @@ class ExecutorMetrics:
         self.caches = CacheMetrics(registry)
         self.programs_rejected = Counter(
             "kcoral_programs_rejected", "Programs refused before they were compiled, by why: a "
-            "custom_call target or an op not allowed, or a module that could not be read",
+            "custom_call target or an op not allowed, operations nested too deep, or a module "
+            "that could not be read",
             ["reason"], registry=registry)
 
     def rejected(self, why: str) -> None:

@@ -10,9 +10,11 @@ configuration the client wrote: JAX's host callbacks read a client-chosen
 index as a pointer, Pallas and Mosaic kernels are device code the client
 wrote. And C{infeed}, C{outfeed}, C{send} and C{recv} wait for a host or a
 peer that a worker never provides, so a program that holds one runs for
-ever. C{jax.export} checks custom calls only where a program is exported, on
-the client's side, and honours the exemptions the program carries; nothing
-checks them where it is deserialized or compiled. So the worker checks here,
+ever. XLA's compiler itself is taken down by a module nested deep enough,
+or by a function that calls itself (L{MAX_DEPTH}). C{jax.export} checks
+custom calls only where a program is exported, on the client's side, and
+honours the exemptions the program carries; nothing checks them where it is
+deserialized or compiled. So the worker checks here,
 once per program (its callers cache what this returns by digest), with an
 allow-list of its own and never the program's exemptions.
 """
@@ -64,8 +66,22 @@ CLIENT_CODE = frozenset({"tpu_custom_call", "mosaic_gpu_v2", "tf.call_tf_functio
 REFUSED_OPS = frozenset({"stablehlo.infeed", "stablehlo.outfeed", "stablehlo.send",
                          "stablehlo.recv"})
 
+#: How deep a program's operations may stand, regions in regions and calls
+#: followed (those of a function's body stand 1 deep; each region a level
+#: more, each call the callee's depth more). XLA's compiler recurses once a
+#: level, on a thread of its own: about 220 levels overflowed its stack and
+#: crashed the worker (SIGSEGV), and a function that calls itself, however
+#: small, did the same. What JAX exports stands a few levels deep (a scan in
+#: a cond in a jitted function); 64 keeps well clear of both.
+MAX_DEPTH = 64
+
+#: The operations that call a function of the module, and the attribute
+#: that names it (or, for a custom call, a list of them).
+CALLS = {"func.call": "callee", "stablehlo.composite": "decomposition",
+         "stablehlo.custom_call": "called_computations"}
+
 #: The labels of C{kcoral_programs_rejected_total}.
-CUSTOM_CALL, OP, UNREADABLE = "custom_call", "op", "unreadable"
+CUSTOM_CALL, OP, NESTING, UNREADABLE = "custom_call", "op", "nesting", "unreadable"
 REASON = "program_rejected"
 
 
@@ -141,25 +157,98 @@ class ProgramCheck:
         from jax.extend.mlir import ir
 
         refused: list[Refused] = []
+        # Of each operation that holds others: the function it stands in
+        # and how deep what it holds stands; filled as the walk, parents
+        # first, meets their first child.
+        places: dict = {}
+        # Each function's calls (how deep each stands, and the callee), and
+        # how deep its operations stand.
+        calls: dict[str, list[tuple[int, str]]] = {}
+        deepest: dict[str, int] = {}
+
+        def place(parent) -> tuple[str, int]:
+            found = places.get(parent)
+            if found is None:
+                grandparent = parent.parent
+                if parent.name == "func.func":
+                    found = (_symbol(parent.attributes["sym_name"]), 1)
+                elif grandparent is None:  # the module: its functions stand 0 deep
+                    found = ("", 0)
+                else:
+                    function, depth = place(grandparent)
+                    found = (function, depth + 1)
+                places[parent] = found
+                deepest[found[0]] = max(deepest.get(found[0], 0), found[1])
+                if found[1] > MAX_DEPTH:
+                    refused.append(_too_deep(what))
+            return found
 
         def visit(op):
             name = op.name
+            parent = op.parent
+            function, depth = ("", 0) if parent is None else place(parent)
             if name == "stablehlo.custom_call":
-                target = ir.StringAttr(op.attributes["call_target_name"]).value
-                if target not in self.allowed:
+                spelled = ir.StringAttr(op.attributes["call_target_name"]).value_bytes
+                target = spelled.decode("utf-8", "backslashreplace")
+                # Bytes that are not UTF-8 are no target of the list, whatever they read as.
+                if target.encode() != spelled or target not in self.allowed:
                     refused.append(Refused(
                         f"{what} calls the custom-call target {target!r}, which a worker does "
                         "not run (see --allow-custom-call)", CUSTOM_CALL))
             elif name in REFUSED_OPS:
                 refused.append(Refused(f"{what} holds the operation {name!r}, which waits on a "
                                        "host or peer a worker does not provide", OP))
+            if name in CALLS and CALLS[name] in op.attributes:
+                callees = op.attributes[CALLS[name]]
+                for callee in callees if isinstance(callees, ir.ArrayAttr) else [callees]:
+                    calls.setdefault(function, []).append((depth, _symbol(callee)))
             return ir.WalkResult.INTERRUPT if refused else ir.WalkResult.ADVANCE
 
         # MLIR's own walk, every region of every operation: about a
         # microsecond an operation, where one in Python costs several.
-        root.walk(visit)
+        # Parents first, so that a module nested too deep is refused
+        # before the walk, which recurses as the compiler does, goes deep.
+        root.walk(visit, ir.WalkOrder.PRE_ORDER)
         if refused:
             raise refused[0]
+        _deepest_call(calls, deepest, what)
+
+
+def _symbol(attribute) -> str:
+    """The name a function's C{sym_name} or a symbol reference holds, as
+    MLIR writes it (escaped: its bytes need not be UTF-8, which the
+    binding's C{value} insists on), the same for both."""
+    text = str(attribute).removeprefix("@")
+    return text[1:-1] if text.startswith('"') else text
+
+
+def _deepest_call(calls: dict[str, list[tuple[int, str]]], deepest: dict[str, int],
+                  what: str) -> None:
+    """Raise L{Refused} if a function calls itself, or if following the
+    calls leads past L{MAX_DEPTH}."""
+    reached: dict[str, int] = {}
+
+    def reach(function: str, path: tuple[str, ...]) -> int:
+        if function in path:
+            raise Refused(f"{what} calls the function {function!r} from itself, which a "
+                          "worker's compiler would follow without end", NESTING)
+        if function not in reached:
+            if len(path) > MAX_DEPTH:
+                raise _too_deep(what)
+            reached[function] = max([deepest.get(function, 0), *(
+                depth + reach(callee, (*path, function))
+                for depth, callee in calls.get(function, ()))])
+            if reached[function] > MAX_DEPTH:
+                raise _too_deep(what)
+        return reached[function]
+
+    for function in list(calls):
+        reach(function, ())
+
+
+def _too_deep(what: str) -> Refused:
+    return Refused(f"{what} nests its operations more than {MAX_DEPTH} deep (regions in "
+                   "regions, calls followed), past what a worker's compiler can take", NESTING)
 
 
 def _first_line(error: Exception) -> str:
