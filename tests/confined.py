@@ -6,7 +6,11 @@ what a server does; it prints one JSON object: the sandbox, its temporary
 folder, and for each try "ok" or the name of the error; given SOCKETS, it
 tries those alone.
 
-    python tests/confined.py SETTINGS [SOCKETS]
+    python -m tests.confined SETTINGS [SOCKETS]
+
+Run with C{-m}, as a node runs its workers, from a working folder that
+holds a file named C{secret} (the folder its node was started in: the
+operator's).
 
 SETTINGS: a JSON object of L{kcoral.common.serverconfig.ServerConfig}
 fields, plus "parent_port" (a TCP port it may not connect to), "tokens"
@@ -134,6 +138,7 @@ def tries(config: ServerConfig, tokens: str, parent_port: int) -> dict[str, str]
         "read its tokens file": attempt(lambda: read(tokens)),
         "read a file beside its tokens file": attempt(
             lambda: read(os.path.join(os.path.dirname(tokens), "sibling"))),
+        "read a file of its working folder": attempt(lambda: read("secret")),
         "run a jitted function": attempt(jitted),
     }
 

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -172,19 +173,24 @@ def helper_settings(tmp_path, listeners):
 
 def confined(given: dict, sockets: list | None = None, collector: int | None = None) -> dict:
     """What L{tests.confined} saw, under the policy of the settings C{given}:
-    its tries, or with C{sockets} those alone."""
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector or 1}"}
-    argv = [sys.executable, str(HERE / "confined.py"), json.dumps(given)]
-    done = subprocess.run(argv if sockets is None else [*argv, json.dumps(sockets)],
-                          capture_output=True, text=True, timeout=120, env=env, check=True)
+    its tries, or with C{sockets} those alone. It runs as a node's workers
+    do (C{python -m}), from a working folder of its own holding a secret."""
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector or 1}",
+           "PYTHONPATH": str(HERE.parent)}
+    argv = [sys.executable, "-m", "tests.confined", json.dumps(given)]
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "secret").write_text("the operator's")
+        done = subprocess.run(argv if sockets is None else [*argv, json.dumps(sockets)],
+                              capture_output=True, text=True, timeout=120, env=env, check=True,
+                              cwd=folder)
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def test_a_confined_process_is_refused_what_is_not_its_own(helper_settings, listeners):
-    """Under a server's policy, a process cannot read files outside it, another
-    process's /proc, /dev/shm, ports not its own, datagram and raw sockets,
-    programs, ptrace or signals; it reads and writes what the server needs
-    and runs JAX."""
+    """Under a server's policy, a process cannot read files outside it (the working folder
+    python -m put on its import path among them), another process's /proc, /dev/shm, ports
+    not its own, datagram and raw sockets, programs, ptrace or signals; it reads and writes
+    what the server needs and runs JAX."""
     seen = confined(helper_settings, collector=listeners[1])
     assert seen["sandbox"] == {"mode": "auto", "no_new_privs": True, "seccomp": True,
                                "landlock_abi": landlock.abi()}
@@ -212,6 +218,7 @@ def test_a_confined_process_is_refused_what_is_not_its_own(helper_settings, list
         "read the model repository": "ok",
         "read its tokens file": "ok",
         "read a file beside its tokens file": "EACCES",
+        "read a file of its working folder": "EACCES",
         "run a jitted function": "ok",
     }
 

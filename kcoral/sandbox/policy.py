@@ -126,9 +126,23 @@ def policy_for(config: ServerConfig, *, environ: Mapping[str, str] = os.environ,
 
 def python_paths() -> list[str]:
     """Python's installation (the prefixes, where a conda environment's
-    own libraries also are) and every folder and archive it imports from."""
+    own libraries also are) and every folder and archive it imports from,
+    but the working folder, unless KCoral itself is imported from there."""
     prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    return list(dict.fromkeys([*prefixes, *(p or os.getcwd() for p in sys.path)]))
+    # C{python -m}, which starts every worker of a node, puts the working
+    # folder on the import path: wherever the node was started (a home
+    # folder, with its keys and the node's token file), never a folder of
+    # Python's.
+    here = os.getcwd()
+    imported = [os.path.abspath(p or here) for p in sys.path]
+    return list(dict.fromkeys([*prefixes, *(p for p in imported if p != here), _kcoral_root()]))
+
+
+def _kcoral_root() -> str:
+    """The folder KCoral is imported from (a source checkout's, where it is not installed)."""
+    import kcoral
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(kcoral.__file__)))
 
 
 def otlp_port(environ: Mapping[str, str]) -> int:
