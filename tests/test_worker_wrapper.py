@@ -162,8 +162,11 @@ async def test_a_node_under_bubblewrap_serves_and_stops_cleanly(processes, tmp_p
     bwrap = debian_tool("bwrap", "bubblewrap")
     cache = tmp_path / "compilation-cache"
     cache.mkdir()
+    # The checkout and its virtualenv may lie under /tmp (a CI clone): bound
+    # again over the private /tmp, read-only.
+    root = Path(__file__).resolve().parent.parent
     wrapper = (f"{bwrap} --ro-bind / / --dev /dev --proc /proc --tmpfs /tmp "
-               f"--bind {cache} {cache} --unshare-user --unshare-pid --unshare-ipc "
+               f"--ro-bind {root} {root} --bind {cache} {cache} --unshare-user --unshare-pid --unshare-ipc "
                "--unshare-uts --cap-drop ALL --new-session --die-with-parent --")
     mark = uuid.uuid4().hex
     node = processes.spawn(kcoral_argv(
