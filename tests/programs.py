@@ -80,9 +80,12 @@ def keyword_program():
     return Program.from_function(scale, *args, **kwargs), args, kwargs, expected
 
 
-def spin_program():
+def spin_program(costly: bool = False):
     """C{spin(n, x)}: C{n} iterations of a while loop; its running time is
-    proportional to C{n}, which L{spin_iterations} calibrates."""
+    proportional to C{n}, which L{spin_iterations} calibrates. C{costly}:
+    each iteration multiplies a 64x64 matrix, which makes XLA's CPU client
+    run it asynchronously (its call returns before it ends), as a GPU runs
+    every program."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -92,11 +95,11 @@ def spin_program():
     def spin(n, x):
         def body(carry):
             i, v = carry
-            return i + 1, jnp.sin(v) * 0.5 + v * 0.5
+            return i + 1, jnp.tanh(v @ v) if costly else jnp.sin(v) * 0.5 + v * 0.5
 
         return lax.while_loop(lambda carry: carry[0] < n, body, (jnp.int32(0), x))[1]
 
-    x = np.ones(16, np.float32)
+    x = np.eye(64, dtype=np.float32) / 2 if costly else np.ones(16, np.float32)
     return Program.from_function(spin, np.int32(1), x), jax.jit(spin), x
 
 

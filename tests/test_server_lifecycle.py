@@ -378,6 +378,24 @@ async def test_a_run_past_the_limit_is_504_and_the_server_exits_3(start_server, 
 
 
 @pytest_twisted.ensureDeferred
+async def test_a_run_that_keeps_its_outputs_is_timed_until_they_are_computed(start_server):
+    """A run that keeps its outputs on the server, of a program the device runs after the
+    call that starts it returns, is answered once they are computed: one that never ends is
+    answered 504 run_timeout and the server exits 3. (It was answered 200 at once, a kept
+    array of a computation running for ever, and the run limit struck the next run instead.)"""
+    program, _, x = programs.spin_program(costly=True)
+    server = await start_server("--max-run-seconds", "1")
+    client = AsyncClient(server.url, busy_timeout=0)
+    try:
+        with pytest.raises(RunTimeout) as timed_out:
+            await client.run(program, FOREVER, x, keep=True, request_id="kept-forever-1")
+    finally:
+        await client.close()
+    assert timed_out.value.request_id == "kept-forever-1"
+    assert await server.process.exited(30) == 3
+
+
+@pytest_twisted.ensureDeferred
 async def test_the_requests_an_ending_server_held_fail_as_on_a_lost_node(start_server, spin):
     """A run waiting for the slot of a run past the limit is cut when the server ends: the
     client's NodeFailure (502), as for any lost node, while the run past the limit gets its 504."""

@@ -309,8 +309,7 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, specs, keeps, bool(run.free), arrays, placements,
-                                     span)
+                outputs = self._call(executable, specs, keeps, arrays, placements, span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -319,8 +318,7 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, specs, keeps, bool(run.free), arrays, placements,
-                                     span)
+                outputs = self._call(executable, specs, keeps, arrays, placements, span)
         except Exception as e:
             if reservation is not None:
                 self.kept.release(reservation)
@@ -367,12 +365,16 @@ class Executor:
         parts, _ = encode_result([np.asarray(entry.array)], [entry.key_type])
         return b"".join(parts)
 
-    def _call(self, executable, specs: list[ArraySpec], keeps: tuple[bool, ...], frees: bool,
-              arrays: list, placements, span: ISpan) -> list:
+    def _call(self, executable, specs: list[ArraySpec], keeps: tuple[bool, ...], arrays: list,
+              placements, span: ISpan) -> list:
         """The outputs of one run: as device arrays where it keeps them,
-        else as host arrays (a sharded output gathered whole). A run that
-        frees arrays waits for the ones it keeps, so that a failure on the
-        device fails it before anything is freed."""
+        else as host arrays (a sharded output gathered whole), once all are
+        computed. A device runs a program after the call that starts it
+        returns: a run that returned then would leave its thread, and its
+        time limit, while its program still runs, for ever perhaps (the
+        limit then struck the next run, and a read of what it kept waited
+        on a thread no limit times); and a run that frees arrays must fail
+        on a failure of the device before anything is freed."""
         import jax
 
         # Small numpy inputs go straight to the compiled executable: its C++
@@ -389,8 +391,7 @@ class Executor:
                   for i, (spec, array) in enumerate(zip(specs, arrays))]
         with span.child("kcoral.execute"):
             outputs = executable(*arrays)
-            if frees:
-                jax.block_until_ready(outputs)
+            jax.block_until_ready(outputs)
             back = [o for o, k in zip(outputs, keeps) if not k]
             # jax.device_get overlaps the copies of several outputs; for the
             # common single one that goes back (a loss, a decoded token),
