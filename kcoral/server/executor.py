@@ -110,7 +110,7 @@ class Executor:
     def __init__(self, *, uploads: UploadCache, compiled: CompileCache, placed: DeviceCache,
                  metrics: ExecutorMetrics, gpus: str = "0", devices: int = 1,
                  compilation_cache_dir: str | None = None, kept: KeptStore | None = None,
-                 check: ProgramCheck | None = None):
+                 check: ProgramCheck | None = None, timed: bool = False):
         self._uploads = uploads
         #: The arrays runs kept on this server's devices.
         self.kept = KeptStore() if kept is None else kept
@@ -123,6 +123,9 @@ class Executor:
         #: Reads each program before it is compiled (once per digest: the
         #: programs it passed are kept below).
         self._check = check or ProgramCheck(rejected=metrics.rejected)
+        #: Whether runs are timed (--max-run-seconds): each then waits for
+        #: the outputs it keeps, as well as those it sends.
+        self._timed = timed
         self._programs: cachetools.LRUCache = cachetools.LRUCache(64)
         self._programs_lock = threading.Lock()
         # Bound once: labels() costs a lock and a dict lookup on every run.
@@ -309,7 +312,8 @@ class Executor:
         started = time.perf_counter()
         try:
             try:
-                outputs = self._call(executable, specs, keeps, arrays, placements, span)
+                outputs = self._call(executable, specs, keeps, self._timed or bool(run.free), arrays,
+                                     placements, span)
             except Exception as e:
                 # The device cache may hold the memory this run needed: give
                 # it back and run once more.
@@ -318,7 +322,8 @@ class Executor:
                     raise
                 log.info("{request_id} ran out of device memory: dropped {count} cached "
                          "input(s), running once more", request_id=request_id, count=dropped)
-                outputs = self._call(executable, specs, keeps, arrays, placements, span)
+                outputs = self._call(executable, specs, keeps, self._timed or bool(run.free), arrays,
+                                     placements, span)
         except Exception as e:
             if reservation is not None:
                 self.kept.release(reservation)
@@ -365,16 +370,19 @@ class Executor:
         parts, _ = encode_result([np.asarray(entry.array)], [entry.key_type])
         return b"".join(parts)
 
-    def _call(self, executable, specs: list[ArraySpec], keeps: tuple[bool, ...], arrays: list,
-              placements, span: ISpan) -> list:
+    def _call(self, executable, specs: list[ArraySpec], keeps: tuple[bool, ...], wait: bool,
+              arrays: list, placements, span: ISpan) -> list:
         """The outputs of one run: as device arrays where it keeps them,
-        else as host arrays (a sharded output gathered whole), once all are
-        computed. A device runs a program after the call that starts it
-        returns: a run that returned then would leave its thread, and its
-        time limit, while its program still runs, for ever perhaps (the
-        limit then struck the next run, and a read of what it kept waited
-        on a thread no limit times); and a run that frees arrays must fail
-        on a failure of the device before anything is freed."""
+        else as host arrays (a sharded output gathered whole). A device runs
+        a program after the call that starts it returns, so a run whose
+        outputs all stay on the worker would be answered while its program
+        still runs, and the next run on those arrays overlaps its own
+        round trip with it. With C{wait} it is answered once all are
+        computed: a run that frees arrays must fail on a failure of the
+        device before anything is freed, and a timed run must not leave its
+        thread, and its limit, while its program runs on (for ever perhaps:
+        the limit would strike the next run, and a read of what it kept
+        would wait on a thread no limit times)."""
         import jax
 
         # Small numpy inputs go straight to the compiled executable: its C++
@@ -391,7 +399,8 @@ class Executor:
                   for i, (spec, array) in enumerate(zip(specs, arrays))]
         with span.child("kcoral.execute"):
             outputs = executable(*arrays)
-            jax.block_until_ready(outputs)
+            if wait:
+                jax.block_until_ready(outputs)
             back = [o for o, k in zip(outputs, keeps) if not k]
             # jax.device_get overlaps the copies of several outputs; for the
             # common single one that goes back (a loss, a decoded token),

@@ -89,7 +89,8 @@ class ServerService(service.MultiService):
                                  placed=DeviceCache(config.device_cache_bytes, metrics.caches),
                                  metrics=metrics, gpus=config.gpus,
                                  devices=config.devices_per_worker,
-                                 compilation_cache_dir=config.compilation_cache_dir, check=check)
+                                 compilation_cache_dir=config.compilation_cache_dir, check=check,
+                                 timed=config.max_run_seconds > 0)
         admission = Admission(config.capacity, WaitQueue(
             reactor, config.max_queued_requests, config.queue_wait_timeout_seconds))
         guard = client_guard(config, reactor)
