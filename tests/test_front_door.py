@@ -305,7 +305,8 @@ async def until_ready(url: str) -> None:
 
 #: Every route each kind of front serves: the families' (their names filled
 #: in) and the service's own.
-_FILLED = {"model": "mlp", "version": "1", "kept": "a1b2c3d4e5f60718-0", "node_id": "door-node"}
+_FILLED = {"model": "mlp", "version": "1", "kept": "a1b2c3d4e5f60718-0", "node_id": "door-node",
+           "region": "door-region"}
 _SERVER_ROUTES = [(route.path(**_FILLED), route) for family in (RUN, ARRAYS) for route in family.routes]
 _OWN = [("/health", None), ("/readyz", None), ("/metrics", None)]
 _ROUTER_ROUTES = [(route.path(**_FILLED), route) for family in FAMILIES for route in family.routes]
