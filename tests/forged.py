@@ -161,3 +161,51 @@ def forge(lines: list[str], place: str = "main", exempt: tuple = (),
         serialized = mlir.serialize_portable_artifact(module, stablehlo.get_current_version())
     return bytes(dataclasses.replace(carrier, mlir_module_serialized=serialized,
                                      disabled_safety_checks=tuple(exempt)).serialize())
+
+
+def forge_mhlo(target: str) -> bytes:
+    """
+    A program whose C{main} calls a private function holding an
+    C{mhlo.custom_call} of C{target}, its portable artifact written by hand.
+    JAX's writer would have turned the call into a C{stablehlo.custom_call};
+    as bytecode, it reaches a reader that knows the mhlo dialect (JAX's does)
+    as it is. The artifact is a carrier's VHLO, its addition replaced by the
+    call, written as MLIR bytecode with the producer a portable artifact
+    carries.
+    """
+    import io
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax.extend import mlir
+    from jax.extend.mlir import ir
+
+    carrier = export.export(jax.jit(lambda x: x + x), platforms=("cpu",))(
+        jax.ShapeDtypeStruct((4,), jnp.float32))
+    artifact = carrier.mlir_module_serialized
+    hidden = ('  "func.func"() <{function_type = (tensor<4xf32>) -> tensor<4xf32>, '
+              'sym_name = "hidden", sym_visibility = "private"}> ({\n'
+              '  ^bb0(%a: tensor<4xf32>):\n'
+              f'    %r = "mhlo.custom_call"(%a) {{call_target_name = {mlir_string(target)}, '
+              'api_version = 4 : i32, backend_config = {index = 0 : ui64}} : '
+              '(tensor<4xf32>) -> tensor<4xf32>\n'
+              '    "func.return"(%r) : (tensor<4xf32>) -> ()\n  }) : () -> ()')
+    with ir.Context() as context, ir.Location.unknown():
+        # Reading the artifact once loads VHLO, which reading its bytecode as
+        # it is needs; mhlo, unknown here, is written as it is.
+        mlir.deserialize_portable_artifact(artifact)
+        context.allow_unregistered_dialects = True
+        text = ir.Module.parse(artifact).operation.get_asm(print_generic_op_form=True)
+        text = re.sub(r'"vhlo\.add_v1"\((%\w+), %\w+\) : \(([^,]+), [^)]+\)',
+                      r'"vhlo.call_v1"(\1) <{callee = #vhlo.string_v1<"hidden">}> : (\2)', text)
+        head, _, tail = text.rpartition("\n})")
+        written = io.BytesIO()
+        ir.Module.parse(f"{head}\n{hidden}\n}}){tail}").operation.write_bytecode(
+            written, desired_version=6)
+    # After the magic number, the version and the producer up to its NUL.
+    raw = written.getvalue()
+    producer = artifact[4:artifact.index(b"\0", 4) + 1]
+    return bytes(dataclasses.replace(carrier, mlir_module_serialized=(
+        raw[:4] + producer + raw[raw.index(b"\0", 4) + 1:])).serialize())

@@ -52,6 +52,7 @@ from tests.forged import (  # noqa: E402
     calls,
     custom_call,
     forge,
+    forge_mhlo,
     nested,
     recursion,
 )
@@ -234,6 +235,19 @@ def test_a_module_that_cannot_be_read_is_refused():
     garbage = dataclasses.replace(carrier, mlir_module_serialized=b"ML\xefR garbage").serialize()
     with pytest.raises(Refused, match="could not be read"):
         ProgramCheck(rejected=counted.append).deserialize(garbage)
+    assert counted == [UNREADABLE]
+
+
+def test_a_custom_call_of_another_dialect_is_refused_unread():
+    """An mhlo.custom_call hidden in a module's bytecode, which a reader that knows mhlo
+    (JAX's own, whose program XLA compiled: the worker died of SIGSEGV in a trial) reads
+    as it is, is refused unread: the check reads only the dialects JAX writes."""
+    program = forge_mhlo("xla_ffi_python_cpu_callback")
+    assert "mhlo.custom_call @xla_ffi_python_cpu_callback" in \
+        jax.export.deserialize(bytearray(program)).mlir_module()
+    counted: list[str] = []
+    with pytest.raises(Refused, match="could not be read"):
+        ProgramCheck(rejected=counted.append).deserialize(program)
     assert counted == [UNREADABLE]
 
 
