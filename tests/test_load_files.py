@@ -26,9 +26,9 @@ from kcoral.errors import LoadFailed
 from kcoral.inference.front import MAX_LOAD_FILES, MAX_PATH_COMPONENT, load_files, unsafe_path
 from kcoral.server.sentfiles import PREFIX, SentFilesError, sent_folder
 from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY, kcoral_argv, until
-from tests.httputil import request
-from tests.test_models import GATEWAY, START_TIMEOUT, grpc_address, mlp, mlp_params, rows
+from tests.harness import SERVER_READY
+from tests.test_model_control import start_explicit_node
+from tests.test_models import START_TIMEOUT, grpc_address, mlp, mlp_params, rows
 
 POLL = "failed to load 'sent': failed to poll from model repository: "
 #: The bound on a request in the servers started here.
@@ -293,20 +293,8 @@ async def test_a_node_sends_the_files_to_every_worker(processes, sent, tmp_path)
     """Through a node's gateway, a load with files reaches both workers, each loading the
     model from them, before it answers."""
     caches = str(tmp_path / "cache")
-    child = processes.spawn(kcoral_argv(
-        "server", "--port", "0", "--grpc-port", "0", "--gpus", "none", "--cpu-workers", "2",
-        "--health-interval-seconds", "0.5", "--model-repository", sent.path,
-        "--cache-dir", caches, "--max-request-bytes", str(MOST_BYTES),
-        "--model-control-mode", "explicit", "--load-model", "mlp"), name="node", env=server_env())
-    url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
-    for i in range(2):
-        await child.wait_for_line(rf"worker{i} is ready at ", START_TIMEOUT)
-    grpc = await grpc_address(child)
-
-    async def ready():
-        health = (await request("GET", url + "/health", timeout=10)).json
-        return health["status"] == "ok" and all(w["healthy"] for w in health["workers"])
-    await until(ready, "the gateway ready with both workers", 60)
+    child, url, grpc = await start_explicit_node(
+        processes, sent.path, "--cache-dir", caches, "--max-request-bytes", str(MOST_BYTES))
     await check_files_loads(url, grpc, sent, caches)
     for version in (1, 2):
         assert len(child.matching(rf"\[worker\d\] .*model sent version {version} is ready")) == 2

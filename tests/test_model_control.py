@@ -243,12 +243,16 @@ async def test_a_server_loads_and_unloads_models_on_request(processes, models):
     assert "model_repository" in server.json["extensions"]
 
 
-@pytest_twisted.ensureDeferred
-async def test_a_node_loads_and_unloads_on_every_worker(processes, models):
-    """Through a node's gateway, a load or unload applies to both workers before it answers."""
+async def start_explicit_node(processes, repository: str, *args: str):
+    """
+    A node of two CPU workers serving C{repository} in explicit model
+    control, C{mlp} loaded at start, with C{args} besides: (its process, its
+    gateway's URL, its gRPC address) once the gateway counts both workers
+    healthy.
+    """
     child = processes.spawn(kcoral_argv(
         "server", "--port", "0", "--grpc-port", "0", "--gpus", "none", "--cpu-workers", "2",
-        "--health-interval-seconds", "0.5", "--model-repository", models.path,
+        "--health-interval-seconds", "0.5", "--model-repository", repository, *args,
         "--model-control-mode", "explicit", "--load-model", "mlp"), name="node", env=server_env())
     url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
     for i in range(2):
@@ -259,6 +263,13 @@ async def test_a_node_loads_and_unloads_on_every_worker(processes, models):
         health = (await request("GET", url + "/health", timeout=10)).json
         return health["status"] == "ok" and all(w["healthy"] for w in health["workers"])
     await until(ready, "the gateway ready with both workers", 60)
+    return child, url, grpc
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_node_loads_and_unloads_on_every_worker(processes, models):
+    """Through a node's gateway, a load or unload applies to both workers before it answers."""
+    child, url, grpc = await start_explicit_node(processes, models.path)
     await check_explicit_control(url, grpc, models)
     assert len(child.matching(r"\[worker\d\] .*model other is unloaded")) >= 2
 
