@@ -41,8 +41,8 @@ from zope.interface import implementer
 from kcoral.inference.front import IInferenceFront
 from kcoral.inference.h2front import MAX_UNREAD_BYTES, SERVICE, GrpcFront
 from kcoral.web.auth import CLIENT_ROUTES, TokenGuard
-from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY, ChildProcess, kcoral_argv, until
+from tests.conftest import server_args
+from tests.harness import ChildProcess, until
 from tests.httputil import request as http_request
 from tests.test_grpc_front import (
     ANSWERED_WITHIN,
@@ -58,7 +58,7 @@ from tests.test_grpc_front import (
     unframed,
 )
 from tests.test_inference_fronts import DoubleFront
-from tests.test_models import GATEWAY, START_TIMEOUT, grpc_address
+from tests.test_models import start_grpc_front
 
 STREAM = "ModelStreamInfer"
 ADMITTED = {"authorization": f"Bearer {TOKEN}"}
@@ -684,20 +684,7 @@ async def real_front(request: pytest.FixtureRequest, module_processes, tmp_path_
     repository = export_models(tmp_path_factory.mktemp("models"))
     args = server_args("--model-repository", repository, "--grpc-port", "0",
                        "--client-token", TOKEN)
-    if request.param == "server":
-        service = await module_processes.start_service(args, name="server", ready=SERVER_READY,
-                                                       env=server_env())
-        return await grpc_address(service.process), service.url, service.process
-    child = module_processes.spawn(kcoral_argv(*args, "--cpu-workers", "2",
-                                               "--health-interval-seconds", "0.5"),
-                                   name="node", env=server_env())
-    url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
-    address = await grpc_address(child)
-
-    async def ready():
-        return (await http_request("GET", url + "/readyz", timeout=10)).code == 200 or None
-    await until(ready, "the gateway ready", START_TIMEOUT)
-    return address, url, child
+    return await start_grpc_front(module_processes, request.param, args)
 
 
 def mlp_requests(count: int, unknown: int, misshapen: int) -> list:

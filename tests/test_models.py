@@ -231,6 +231,25 @@ async def grpc_address(child: ChildProcess) -> str:
     return f"127.0.0.1:{found.group('port')}"
 
 
+async def start_grpc_front(group, kind: str, args: list[str]) -> tuple[str, str, ChildProcess]:
+    """C{kcoral ARGS} as a standalone server (C{kind} "server") or as a
+    node's gateway before two CPU workers ("gateway"), in C{group}: its gRPC
+    address, its URL and its process, once it is ready."""
+    if kind == "server":
+        service = await group.start_service(args, name="server", ready=SERVER_READY,
+                                            env=server_env())
+        return await grpc_address(service.process), service.url, service.process
+    child = group.spawn(kcoral_argv(*args, "--cpu-workers", "2", "--health-interval-seconds",
+                                    "0.5"), name="node", env=server_env())
+    url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
+    address = await grpc_address(child)
+
+    async def ready():
+        return (await request("GET", url + "/readyz", timeout=10)).code == 200 or None
+    await until(ready, "the gateway ready", START_TIMEOUT)
+    return address, url, child
+
+
 def infer_body(name: str = "input", shape=(1, 16), datatype: str = "FP32", data=None) -> bytes:
     count = int(np.prod(shape))
     return json.dumps({"id": "req-7", "inputs": [{

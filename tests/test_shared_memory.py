@@ -32,10 +32,8 @@ from kcoral.node.devices import WorkerSpec
 from kcoral.node.supervisor import worker_argv
 from kcoral.router.service import RouterConfig, build_router
 from kcoral.sandbox.policy import policy_for
-from tests.conftest import server_args, server_env
-from tests.harness import SERVER_READY, kcoral_argv, until
-from tests.httputil import request as http_request
-from tests.test_models import GATEWAY, START_TIMEOUT, grpc_address
+from tests.conftest import server_args
+from tests.test_models import start_grpc_front
 
 TOKENS = ("t0ken-a", "t0ken-b")
 LOCAL = Caller(b"Bearer a", "127.0.0.1")
@@ -201,19 +199,7 @@ async def shm_front(request: pytest.FixtureRequest, module_processes, tmp_path_f
     (root / "tokens").write_text("\n".join(TOKENS) + "\n")
     args = server_args("--model-repository", export_simple(root), "--grpc-port", "0",
                        "--client-tokens-file", str(root / "tokens"), "--allow-client-shm")
-    if request.param == "server":
-        service = await module_processes.start_service(args, name="server", ready=SERVER_READY,
-                                                       env=server_env())
-        return service.url.removeprefix("http://"), await grpc_address(service.process)
-    child = module_processes.spawn(kcoral_argv(*args, "--cpu-workers", "2",
-                                               "--health-interval-seconds", "0.5"),
-                                   name="node", env=server_env())
-    url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
-    address = await grpc_address(child)
-
-    async def ready():
-        return (await http_request("GET", url + "/readyz", timeout=10)).code == 200 or None
-    await until(ready, "the gateway ready", START_TIMEOUT)
+    address, url, _ = await start_grpc_front(module_processes, request.param, args)
     return url.removeprefix("http://"), address
 
 
