@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # The site needs Sphinx, not JAX: its own extra, in the same venv.
 DOCS_STAMP := $(VENV)/.docs-stamp
 
-.PHONY: demo test test-slow lint docs install bench clean
+.PHONY: demo test test-slow hosts-tools lint docs install bench clean
 
 $(STAMP): EXTRAS = jax,test,lint
 $(DOCS_STAMP): EXTRAS = docs
@@ -25,11 +25,17 @@ demo: $(STAMP)
 # The suite in two parts, so that the first stays under fifteen minutes on two
 # cores: `make test` runs every case but those marked slow, `make test-slow`
 # runs those (long chaos, benchmark and recovery cases); CI runs both.
-test: $(STAMP)
+test: $(STAMP) hosts-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) hosts-tools
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# The test hosts of the runs of faults between hosts (bench/hosts.py: network
+# namespaces) need iproute2 and nftables, installed here where root lacks them;
+# without root those tests skip, saying so.
+hosts-tools:
+	@if [ "$$(id -u)" = 0 ]; then $(call require,ip,iproute2); $(call require,nft,nftables); fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
