@@ -23,16 +23,20 @@ C{tc netem}; delay and loss rates are not offered.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 #: The network the hosts' addresses are taken from: private to the
 #: namespaces, so it may be the same in concurrent runs.
 NETWORK = ipaddress.ip_network("10.77.0.0/24")
+#: setns(2)'s flag for a network namespace.
+CLONE_NEWNET = 0x40000000
 
 
 class HostsUnavailable(Exception):
@@ -153,6 +157,25 @@ class Hosts:
     def _pids(self, ns: str) -> list[int]:
         done = _run("ip", "netns", "pids", ns, check=False)
         return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
+
+    @contextmanager
+    def entered(self, name: str) -> Iterator[None]:
+        """
+        The calling thread inside host C{name}'s network, then back: a
+        socket made meanwhile belongs to that host for its whole life, and a
+        thread started meanwhile stays there. Lets a run's own threads (its
+        clients, its checks) sit on a host without a process of their own.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/thread-self/ns/net") as home, \
+                open(f"/run/netns/{self.namespace(name)}") as there:
+            if libc.setns(there.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {name}")
+            try:
+                yield
+            finally:
+                if libc.setns(home.fileno(), CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back")
 
     def freeze(self, name: str) -> list[int]:
         """SIGSTOP every process of host C{name} (its kernel still answers

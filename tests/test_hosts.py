@@ -125,3 +125,22 @@ def test_remove_leaves_nothing_even_after_a_failure():
         assert "kcrm-0" in namespaces()
         raise RuntimeError("a step failed")
     assert "kcrm" not in namespaces()
+
+
+def source_address(peer: str) -> str:
+    """The address this thread's network would send from to C{peer} (a
+    connected UDP socket: nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 7000))
+        return probe.getsockname()[0]
+
+
+def test_a_thread_enters_a_host(three):
+    """Sockets made inside entered() are the host's and keep working after; the thread comes back."""
+    with three.entered("a"):
+        assert source_address(three.address("b")) == three.address("a")
+        conn = socket.create_connection((three.address("b"), 7000), timeout=5)
+    with conn:
+        conn.sendall(b"from a")
+        assert conn.recv(100) == b"from a"
+    assert source_address(three.address("b")) != three.address("a")
