@@ -6,6 +6,10 @@ src/python/examples) expect, made with kcoral.export_bundle:
   OUTPUT0 their sum and OUTPUT1 their difference, as version 1;
 - custom_identity_int32: INPUT0 [-1, 16] INT32 to OUTPUT0 the same
   (memory_growth_test.py);
+- simple_string: INPUT0 and INPUT1, [-1, 16] BYTES, each element a decimal
+  integer, to OUTPUT0 their sum and OUTPUT1 their difference, as decimal
+  BYTES (the string clients, and grpc_explicit_byte_content_client.py);
+- simple_identity: INPUT0 [-1, 16] BYTES to OUTPUT0 the same, any bytes;
 - filler models (filler0, ...) up to --models folders in all: the model
   control clients count the repository index (7 for HTTP's, 8 for gRPC's).
 
@@ -17,9 +21,16 @@ from __future__ import annotations
 import argparse
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 import kcoral
+from kcoral import Strings
+
+#: The longest element of simple_string's tensors (an int32 in decimal
+#: takes at most 11 bytes), and of simple_identity's.
+DECIMAL_LENGTH = 16
+IDENTITY_LENGTH = 64
 
 
 def sum_and_difference(a, b):
@@ -28,6 +39,40 @@ def sum_and_difference(a, b):
 
 def identity(x):
     return x
+
+
+def decimal_value(strings):
+    """The int32 value of each decimal element of C{strings} (an optional
+    '-', then digits)."""
+    data, lengths = strings.data.astype(jnp.int32), strings.lengths[..., None]
+    place = jnp.arange(data.shape[-1])
+    negative = (data[..., 0] == ord("-")) & (strings.lengths > 0)
+    digit = (place < lengths) & ~((place == 0) & negative[..., None])
+    # Each digit's weight: 10 to the power of the places after it.
+    weight = jnp.where(digit, 10 ** jnp.clip(lengths - 1 - place, 0, 9), 0)
+    value = jnp.sum((data - ord("0")) * weight, axis=-1)
+    return jnp.where(negative, -value, value)
+
+
+def decimal_strings(values):
+    """Each int32 of C{values} in decimal, as a BYTES tensor."""
+    negative = values < 0
+    magnitude = jnp.abs(values)
+    powers = 10 ** jnp.arange(10)
+    digits = (magnitude[..., None] // powers) % 10  # the least significant first
+    count = jnp.maximum(1, jnp.sum(magnitude[..., None] >= powers, axis=-1))
+    lengths = count + negative
+    place = jnp.arange(DECIMAL_LENGTH)
+    which = jnp.clip(lengths[..., None] - 1 - place, 0, 9)
+    chars = jnp.take_along_axis(digits, which, axis=-1) + ord("0")
+    chars = jnp.where(negative[..., None] & (place == 0), ord("-"), chars)
+    chars = jnp.where(place < lengths[..., None], chars, 0)
+    return Strings(chars.astype(jnp.uint8), lengths.astype(jnp.int32))
+
+
+def string_sum_and_difference(a, b):
+    x, y = decimal_value(a), decimal_value(b)
+    return decimal_strings(x + y), decimal_strings(x - y)
 
 
 def doubled(x):
@@ -49,7 +94,16 @@ def main() -> None:
                          dir=os.path.join(args.dir, "custom_identity_int32", "1"),
                          name="custom_identity_int32", batch_sizes=[1, 8],
                          input_names=["INPUT0"], output_names=["OUTPUT0"])
-    for i in range(max(args.models - 3, 0)):
+    strings = Strings.of([[b""] * 16], DECIMAL_LENGTH)
+    kcoral.export_bundle(string_sum_and_difference, None, strings, strings,
+                         dir=os.path.join(args.dir, "simple_string", "1"), name="simple_string",
+                         batch_sizes=[1, 8], input_names=["INPUT0", "INPUT1"],
+                         output_names=["OUTPUT0", "OUTPUT1"])
+    kcoral.export_bundle(identity, None, Strings.of([[b""] * 16], IDENTITY_LENGTH),
+                         dir=os.path.join(args.dir, "simple_identity", "1"),
+                         name="simple_identity", batch_sizes=[1, 8],
+                         input_names=["INPUT0"], output_names=["OUTPUT0"])
+    for i in range(max(args.models - 5, 0)):
         kcoral.export_bundle(doubled, None, np.zeros((1, 4), np.float32),
                              dir=os.path.join(args.dir, f"filler{i}"), name=f"filler{i}",
                              batch_sizes=[1])

@@ -22,7 +22,7 @@ from kcoral.errors import (
 
 __all__ = ["ArrayLost", "AsyncClient", "BadRequest", "Client", "KCoralError", "NodeFailure",
            "NotFound", "Program", "ProgramExportError", "ProgramFailed", "ProgramRejected", "RemoteArray",
-           "RunTimeout", "ServerBusy", "__version__", "export_bundle"]
+           "RunTimeout", "ServerBusy", "Strings", "__version__", "export_bundle"]
 
 
 def __getattr__(name: str):
@@ -38,6 +38,9 @@ def __getattr__(name: str):
     if name == "Program":
         from kcoral.program import Program
         return Program
+    if name == "Strings":
+        from kcoral.protocol.strings import Strings
+        return Strings
     if name == "export_bundle":
         from kcoral.models.bundle import export_bundle
         return export_bundle

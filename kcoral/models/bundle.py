@@ -30,7 +30,8 @@ from kcoral.models.manifest import (
     TensorSpec,
 )
 from kcoral.program import DEFAULT_PLATFORMS
-from kcoral.protocol.tensors import DATATYPES, datatype_of
+from kcoral.protocol.strings import DATA, LENGTHS, MAX_LENGTH, Strings
+from kcoral.protocol.tensors import BYTES, DATATYPES, datatype_of
 
 PARAMS = "params.safetensors"
 #: The program exported with a symbolic batch dimension, serving every size.
@@ -76,7 +77,11 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
 
     C{params} is any pytree of arrays; the first dimension of every example
     input and of every output is the batch dimension, and only the example
-    inputs' other dimensions and dtypes matter. The program is exported once
+    inputs' other dimensions and dtypes matter. A BYTES input's example is a
+    L{Strings} (its elements' bytes at their most length, and their
+    lengths), and C{fn} is given it as one; a BYTES output is a L{Strings}
+    that C{fn} returns, its max_length the last dimension of its bytes
+    (L{kcoral.protocol.strings}). The program is exported once
     with a symbolic batch dimension when JAX can trace C{fn} so, else once
     for each of C{batch_sizes}. C{model.json} is written last, so a reader
     never sees a manifest whose files are not all there.
@@ -90,19 +95,19 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         raise ValueError("a model takes one or more inputs: pass an example of each")
     leaves, tree = jax.tree.flatten(params)
     leaves = [_host(leaf, f"param {i}") for i, leaf in enumerate(leaves)]
-    examples = [_host(x, f"input {i}") for i, x in enumerate(example_inputs)]
-    for i, x in enumerate(examples):
-        if x.ndim == 0:
-            raise ValueError(f"input {i} is a scalar: its first dimension must be the batch")
+    strings = [isinstance(x, Strings) for x in example_inputs]
+    examples = [array for i, x in enumerate(example_inputs) for array in _example(x, f"input {i}")]
+    #: Which outputs are BYTES, as the last trace of fn returned them.
+    returned: list[bool] = []
     bound = params is not None
 
     def flat(*arrays):
         # The program takes and returns flat arrays, so that the server (and
         # a writer in another language) needs no pytree of the caller's.
-        args = arrays[len(leaves):]
+        args = _grouped(arrays[len(leaves):], strings)
         if bound:
             args = (jax.tree.unflatten(tree, arrays[:len(leaves)]), *args)
-        return tuple(jax.tree.leaves(fn(*args)))
+        return _returned(fn(*args), returned)
 
     jitted = jax.jit(flat)
     fixed = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
@@ -121,8 +126,8 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         exported = {SIZED_PROGRAM.format(size=size): (program, (size,))
                     for program, size in zip(sized, sizes)}
     first = next(iter(exported.values()))[0]
-    inputs = _specs(first.in_avals[len(fixed):], input_names, "input")
-    outputs = _specs(first.out_avals, output_names, "output")
+    inputs = _specs(first.in_avals[len(fixed):], input_names, "input", strings)
+    outputs = _specs(first.out_avals, output_names, "output", returned)
 
     files = {file: bytes(program.serialize()) for file, (program, _) in exported.items()}
     programs = tuple(ProgramFile(file, _sha256(files[file]), covered)
@@ -146,6 +151,46 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         _write(dir, file, data)
     _write(dir, MANIFEST, manifest.dumps())
     return manifest
+
+
+def _example(value, what: str) -> list[np.ndarray]:
+    """The host arrays of one example input: itself, or a BYTES input's
+    bytes and lengths."""
+    if not isinstance(value, Strings):
+        array = _host(value, what)
+        if array.ndim == 0:
+            raise ValueError(f"{what} is a scalar: its first dimension must be the batch")
+        return [array]
+    data, lengths = np.asarray(value.data), np.asarray(value.lengths)
+    if data.dtype != DATA or lengths.dtype != LENGTHS or data.ndim < 2 or (
+            data.shape[:-1] != lengths.shape) or not 1 <= data.shape[-1] <= MAX_LENGTH:
+        raise ValueError(f"{what}: a BYTES input's example is a Strings of uint8 bytes, of its "
+                         f"shape (the batch first) and its max_length (1 to {MAX_LENGTH}), and "
+                         f"int32 lengths of its shape; given {data.dtype}{list(data.shape)} and "
+                         f"{lengths.dtype}{list(lengths.shape)}")
+    return [data, lengths]
+
+
+def _grouped(arrays: Sequence, strings: Sequence[bool]) -> tuple:
+    """The arguments of a model's function from the arrays its program
+    takes, the inputs' last (two for a BYTES input, given as a L{Strings}):
+    the arrays before the inputs', then each input."""
+    count = len(strings) + sum(strings)
+    head, given = arrays[:len(arrays) - count], iter(arrays[len(arrays) - count:])
+    return (*head, *(Strings(next(given), next(given)) if is_strings else next(given)
+                     for is_strings in strings))
+
+
+def _returned(results, returned: list[bool]) -> tuple:
+    """The arrays a program returns for a model's function's C{results}
+    (two for each L{Strings}, a BYTES output's), noting in C{returned}
+    which outputs are BYTES."""
+    import jax
+
+    leaves = jax.tree.leaves(results, is_leaf=lambda x: isinstance(x, Strings))
+    returned[:] = [isinstance(leaf, Strings) for leaf in leaves]
+    return tuple(array for leaf in leaves
+                 for array in ((leaf.data, leaf.lengths) if isinstance(leaf, Strings) else (leaf,)))
 
 
 def _host(value, what: str) -> np.ndarray:
@@ -213,17 +258,31 @@ def _check_batched(program, size: int, first) -> None:
                              "only its first dimension, the batch, may change with the batch")
 
 
-def _specs(avals, names: Sequence[str] | None, kind: str) -> tuple[TensorSpec, ...]:
+def _specs(avals, names: Sequence[str] | None, kind: str,
+           strings: Sequence[bool] | None = None) -> tuple[TensorSpec, ...]:
+    """The specs of the program's C{avals}, in which a BYTES tensor (where
+    C{strings} says; None: none is) is two: its bytes, then its lengths."""
+    if strings is None:
+        strings = [False] * len(avals)
     if names is None:
-        names = [kind] if len(avals) == 1 else [f"{kind}{i}" for i in range(len(avals))]
-    elif len(names) != len(avals):
-        raise ValueError(f"{len(names)} {kind} names for {len(avals)} {kind}s")
-    specs = []
-    for i, (name, aval) in enumerate(zip(names, avals)):
-        try:
-            specs.append(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:])))
-        except ValueError as e:
-            raise ValueError(f"{kind} {i}: {e}") from None
+        names = [kind] if len(strings) == 1 else [f"{kind}{i}" for i in range(len(strings))]
+    elif len(names) != len(strings):
+        raise ValueError(f"{len(names)} {kind} names for {len(strings)} {kind}s")
+    specs, given = [], iter(avals)
+    for i, (name, is_strings) in enumerate(zip(names, strings)):
+        aval = next(given)
+        if not is_strings:
+            try:
+                specs.append(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:])))
+            except ValueError as e:
+                raise ValueError(f"{kind} {i}: {e}") from None
+            continue
+        lengths = next(given)
+        if aval.dtype != DATA or lengths.dtype != LENGTHS or len(aval.shape) < 2 or (
+                aval.shape[:-1] != lengths.shape):
+            raise ValueError(f"{kind} {i}: a BYTES {kind} is a Strings of uint8 bytes, of its "
+                             "shape and its max_length, and int32 lengths of its shape")
+        specs.append(TensorSpec(name, BYTES, (-1, *lengths.shape[1:]), aval.shape[-1]))
     return tuple(specs)
 
 

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
-from kcoral.protocol.tensors import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of
+from kcoral.protocol.strings import DATA, LENGTHS, MAX_LENGTH, OBJECT, longest, pack, unpack
+from kcoral.protocol.tensors import BYTES, DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of
 
 #: A model's or a tensor's name, and a bundle's file names: never a path.
 NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}\Z")
@@ -39,18 +40,46 @@ class InvalidManifest(ValueError):
 @attrs.frozen
 class TensorSpec:
     """One input or output: its name, datatype and shape (-1: the batch
-    dimension, and only there)."""
+    dimension, and only there); a BYTES one, the most bytes of one of its
+    elements, C{max_length}, by which its program holds it
+    (L{kcoral.protocol.strings})."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    max_length: int | None = None
 
     @property
     def dtype(self) -> np.dtype:
-        return DATATYPES[self.datatype]
+        return OBJECT if self.datatype == BYTES else DATATYPES[self.datatype]
+
+    @property
+    def program_tensors(self) -> tuple[tuple[np.dtype, tuple[int, ...]], ...]:
+        """The dtype and shape of each array its program takes or returns
+        for it: one, or a BYTES tensor's bytes and lengths."""
+        if self.max_length is None:
+            return ((self.dtype, self.shape),)
+        return ((DATA, (*self.shape, self.max_length)), (LENGTHS, self.shape))
+
+    def to_program(self, array: np.ndarray) -> list[np.ndarray]:
+        """The arrays its program takes for C{array}, an input checked by
+        L{ModelManifest.check}."""
+        if self.max_length is None:
+            return [array]
+        return list(pack(array, self.max_length))
+
+    def from_program(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The output of the arrays its program returned for it; ValueError
+        when they are not what it declares."""
+        if self.max_length is None:
+            return arrays[0]
+        return unpack(*arrays)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        value = {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        if self.max_length is not None:
+            value["max_length"] = self.max_length
+        return value
 
     @classmethod
     def from_json(cls, value: object, batched: bool) -> TensorSpec:
@@ -59,7 +88,7 @@ class TensorSpec:
         name, datatype, shape = value.get("name"), value.get("datatype"), value.get("shape")
         if not isinstance(name, str) or not NAME.match(name):
             raise InvalidManifest(f"tensor name {str(name)[:64]!r} is not 1-64 of [A-Za-z0-9_.-]")
-        if datatype not in DATATYPES:
+        if datatype not in DATATYPES and datatype != BYTES:
             raise InvalidManifest(f"tensor {name}: datatype {str(datatype)[:32]!r} is not served")
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
                 type(d) is int and d >= -1 for d in shape):
@@ -69,7 +98,13 @@ class TensorSpec:
                                   "the batch dimension, and have no other")
         if not batched and -1 in shape:
             raise InvalidManifest(f"tensor {name}: -1 is the batch dimension of a batched model")
-        return cls(name, datatype, tuple(shape))
+        most = value.get("max_length")
+        if datatype == BYTES and (type(most) is not int or not 1 <= most <= MAX_LENGTH):
+            raise InvalidManifest(f"tensor {name}: a BYTES tensor's max_length must be the "
+                                  f"most bytes of one element, 1 to {MAX_LENGTH}")
+        if datatype != BYTES and most is not None:
+            raise InvalidManifest(f"tensor {name}: max_length is for BYTES tensors alone")
+        return cls(name, datatype, tuple(shape), most)
 
 
 @attrs.frozen
@@ -222,6 +257,12 @@ class ModelManifest:
                     d != -1 and d != s for d, s in zip(spec.shape, shape)):
                 raise InvalidInput(f"input {spec.name!r} has shape {list(shape)}, the model "
                                    f"takes {list(spec.shape)}")
+            if spec.max_length is not None:
+                length = longest(array)
+                if length > spec.max_length:
+                    raise InvalidInput(f"input {spec.name!r} has an element of {length} bytes, "
+                                       f"over the {spec.max_length} of model {self.name}'s "
+                                       "max_length")
             if self.max_batch_size:
                 if rows is not None and shape[0] != rows:
                     raise InvalidInput(f"input {spec.name!r} has {shape[0]} rows, another "
@@ -237,6 +278,8 @@ class ModelManifest:
 
 
 def _datatype_or_dtype(dtype: np.dtype) -> str:
+    if dtype == OBJECT:
+        return BYTES
     try:
         return datatype_of(dtype)
     except ValueError:

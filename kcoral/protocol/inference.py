@@ -21,7 +21,16 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.protocol.tensors import DATATYPES, MAX_RANK, MAX_TENSORS, InvalidInput, datatype_of, dtype_of
+from kcoral.protocol.strings import OBJECT, InvalidStrings, deserialize, serialize
+from kcoral.protocol.tensors import (
+    BYTES,
+    DATATYPES,
+    MAX_RANK,
+    MAX_TENSORS,
+    InvalidInput,
+    datatype_of,
+    dtype_of,
+)
 
 #: The most elements of one dimension, and of all of them together (zeros
 #: counted as one): numpy cannot shape more, even an empty array.
@@ -197,11 +206,18 @@ def _input(entry: object, view: memoryview, offset: int) -> tuple[str, np.ndarra
         raise BadRequest(f"input {name!r} has both data and binary_data_size")
     if type(size) is not int or size < 0:
         raise BadRequest(f"input {name!r}: binary_data_size must be a count of bytes")
+    if offset + size > len(view):
+        raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the body's end")
+    if dtype == OBJECT:
+        try:
+            elements = deserialize(view[offset:offset + size], count)
+        except InvalidStrings as e:
+            raise BadRequest(f"input {name!r}: its BYTES data does not hold its shape {shape}: "
+                             f"{e}") from None
+        return name, elements.reshape(shape), offset + size
     if size != count * dtype.itemsize:
         raise BadRequest(f"input {name!r}: binary_data_size is {size} bytes, its shape "
                          f"{shape} of {entry['datatype']} takes {count * dtype.itemsize}")
-    if offset + size > len(view):
-        raise BadRequest(f"input {name!r}: binary_data_size {size} runs past the body's end")
     array = np.frombuffer(view, dtype=dtype, count=count, offset=offset).reshape(shape)
     # A view where the body's alignment allows; else a copy, as devices and
     # numpy's fast paths want aligned arrays.
@@ -216,6 +232,8 @@ def _json_array(name: str, data: object, dtype: np.dtype, shape: list[int], coun
     if len(flat) != count:
         raise BadRequest(f"input {name!r}: data holds {len(flat)} elements, its shape {shape} "
                          f"takes {count}")
+    if dtype == OBJECT:
+        return _json_strings(name, flat).reshape(shape)
     if dtype == np.bool_ and not all(isinstance(v, bool) for v in flat):
         raise BadRequest(f"input {name!r}: BOOL data must be true or false")
     if dtype != np.bool_ and not all(type(v) in (int, float) for v in flat):
@@ -233,6 +251,18 @@ def _json_array(name: str, data: object, dtype: np.dtype, shape: list[int], coun
         raise BadRequest(f"input {name!r}: a number is past the finite range of "
                          f"{datatype_of(dtype)}: send non-finite floats as binary data")
     return array
+
+
+def _json_strings(name: str, flat: list) -> np.ndarray:
+    """The elements of a BYTES input that JSON holds, each a string (its
+    UTF-8 bytes are the element's)."""
+    elements = np.empty(len(flat), OBJECT)
+    try:
+        elements[:] = [value.encode() for value in flat]
+    except (AttributeError, UnicodeEncodeError):
+        raise BadRequest(f"input {name!r}: BYTES data must be strings (of UTF-8: send other "
+                         "bytes as binary data)") from None
+    return elements
 
 
 def _flatten(name: str, data: list, depth: int, into: list) -> None:
@@ -273,9 +303,9 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
         array = outputs[name]
         tensor: dict = {"name": name, "datatype": _datatype(name, array), "shape": list(array.shape)}
         if binary:
-            data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-            tensor["parameters"] = {"binary_data_size": data.nbytes}
-            buffers.append(data.reshape(-1).view(np.uint8).data)
+            data = _binary(array)
+            tensor["parameters"] = {"binary_data_size": len(data)}
+            buffers.append(data)
         else:
             tensor["data"] = _json_values(name, array)
         tensors.append(tensor)
@@ -302,7 +332,19 @@ def _chosen(model_name: str, request: InferRequest, outputs: Mapping[str, np.nda
     return [(name, request.binary_output_default) for name in outputs]
 
 
+def _binary(array: np.ndarray) -> bytes | memoryview:
+    """A tensor's bytes in the binary tensor data extension (and gRPC's
+    raw contents): its values little-endian, or a BYTES tensor's
+    length-prefixed elements."""
+    if array.dtype == OBJECT:
+        return serialize(array)
+    data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return data.reshape(-1).view(np.uint8).data
+
+
 def _datatype(name: str, array: np.ndarray) -> str:
+    if array.dtype == OBJECT:
+        return BYTES
     try:
         return datatype_of(array.dtype)
     except ValueError as e:
@@ -319,10 +361,10 @@ def merge_infer(requests: list[InferRequest], outputs: tuple[str, ...]) -> tuple
     entries, buffers = [], []
     for name, array in requests[0].inputs.items():
         joined = np.concatenate([request.inputs[name] for request in requests])
-        data = np.ascontiguousarray(joined, dtype=joined.dtype.newbyteorder("<"))
-        entries.append({"name": name, "datatype": datatype_of(array.dtype),
-                        "shape": list(joined.shape), "parameters": {"binary_data_size": data.nbytes}})
-        buffers.append(data.reshape(-1).view(np.uint8).data)
+        data = _binary(joined)
+        entries.append({"name": name, "datatype": _datatype(name, array),
+                        "shape": list(joined.shape), "parameters": {"binary_data_size": len(data)}})
+        buffers.append(data)
     header: dict = {"inputs": entries, "parameters": {"binary_data_output": True}}
     if outputs:
         header["outputs"] = [{"name": name} for name in outputs]
@@ -341,8 +383,13 @@ def parse_answer(body: bytes | memoryview, header_length: int | None
         for output in header["outputs"]:
             dtype, shape = dtype_of(output["datatype"]), output["shape"]
             size = _parameters(output.get("parameters"), "an output").get("binary_data_size")
-            if size is None:
+            if size is None and dtype == OBJECT:
+                array = _json_strings(output["name"], output["data"]).reshape(shape)
+            elif size is None:
                 array = np.array(output["data"], dtype=dtype).reshape(shape)
+            elif dtype == OBJECT:
+                array = deserialize(view[offset:offset + size], math.prod(shape)).reshape(shape)
+                offset += size
             else:
                 array = np.frombuffer(view, dtype=dtype, count=math.prod(shape),
                                       offset=offset).reshape(shape)
@@ -358,6 +405,13 @@ def _json_values(name: str, array: np.ndarray) -> list:
     NaN or an infinity, which JSON has no value for (the binary form carries
     them as they are)."""
     flat = array.reshape(-1)
+    if flat.dtype == OBJECT:
+        try:
+            return [element.decode() for element in flat]
+        except UnicodeDecodeError:
+            raise BadRequest(f"output {name!r} holds bytes that are not UTF-8, which JSON "
+                             "cannot carry: ask for it as binary data (parameters.binary_data "
+                             "true)") from None
     if flat.dtype in _HALF_FLOATS:
         # FP16 and BF16 have no Python type of their own: JSON holds their floats.
         flat = flat.astype(np.float32)
@@ -396,8 +450,7 @@ def grpc_infer_answer(model_name: str, model_version: str, request: InferRequest
     for name, _ in _chosen(model_name, request, outputs):
         array = outputs[name]
         response.outputs.add(name=name, datatype=_datatype(name, array), shape=list(array.shape))
-        response.raw_output_contents.append(
-            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+        response.raw_output_contents.append(bytes(_binary(array)))
     return response.SerializeToString()
 
 
@@ -437,6 +490,13 @@ def _typed_contents(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> b
         dtype = dtype_of(tensor.datatype)
     except InvalidInput as e:
         raise BadRequest(f"input {tensor.name[:64]!r}: {e}") from None
+    if dtype == OBJECT:
+        values = tensor.contents.bytes_contents
+        if len(values) > MAX_TYPED_VALUES:
+            raise BadRequest(f"input {tensor.name[:64]!r}: {len(values)} values in bytes_contents, "
+                             f"over {MAX_TYPED_VALUES}: send large tensors in raw_input_contents")
+        # Triton's binary form, which the REST form of the request carries.
+        return serialize(np.array(list(values), OBJECT))
     field = _CONTENTS_FIELD.get(tensor.datatype)
     if field is None:
         raise BadRequest(f"input {tensor.name[:64]!r}: {tensor.datatype} travels only in "
@@ -499,6 +559,8 @@ def grpc_of_rest_answer(body: bytes | memoryview, header_length: int | None
                 # Written into the client's region: an empty placeholder
                 # keeps the later outputs at their places.
                 data = b""
+            elif size is None and datatype == BYTES:
+                data = serialize(_json_strings(name, output["data"]))
             elif size is None:
                 data = np.array(output["data"], dtype=dtype_of(datatype).newbyteorder("<")).tobytes()
             else:

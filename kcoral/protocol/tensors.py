@@ -10,8 +10,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-#: The inference protocol's datatypes KCoral serves, and their arrays'
-#: dtypes. BYTES (strings) has no JAX type.
+from kcoral.protocol.strings import OBJECT
+
+#: The inference protocol's datatypes of numbers KCoral serves, and their
+#: arrays' dtypes. BYTES (strings) has no JAX type: a model declares it and
+#: its program holds it in arrays of these (L{kcoral.protocol.strings}).
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
@@ -22,6 +25,7 @@ DATATYPES: dict[str, np.dtype] = {
     "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
 }
 _DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+BYTES = "BYTES"
 
 #: The most inputs (and outputs) a model or an inference has, and the most
 #: dimensions of one tensor.
@@ -42,14 +46,16 @@ def datatype_of(dtype) -> str:
 
 
 def dtype_of(datatype: object) -> np.dtype:
-    """The dtype of the protocol's C{datatype}; InvalidInput for BYTES or an unknown name."""
-    if datatype == "BYTES":
-        raise InvalidInput("datatype BYTES is not served: JAX has no strings")
+    """The dtype of the protocol's C{datatype} (BYTES: object, an array of
+    C{bytes}); InvalidInput for an unknown name."""
+    if datatype == BYTES:
+        return OBJECT
     if not isinstance(datatype, str) or datatype not in DATATYPES:
         raise InvalidInput(f"unknown datatype {str(datatype)[:32]!r}")
     return DATATYPES[datatype]
 
 
 def config_type(datatype: str) -> str:
-    """Triton's model-configuration name of C{datatype} (C{TYPE_FP32} ...)."""
-    return "TYPE_" + datatype
+    """Triton's model-configuration name of C{datatype} (C{TYPE_FP32} ...;
+    BYTES is C{TYPE_STRING})."""
+    return "TYPE_STRING" if datatype == BYTES else "TYPE_" + datatype

@@ -21,7 +21,7 @@ import numpy as np
 from twisted.logger import Logger
 
 from kcoral.common.report import MAX_REASON, REPORTED_MODELS
-from kcoral.errors import ProgramRejected
+from kcoral.errors import ProgramFailed, ProgramRejected
 from kcoral.models.bundle import Bundle, BundleError, read_bundle
 from kcoral.models.config import NO_CONFIG, ConfigError, ModelConfig, read_config
 from kcoral.models.manifest import MANIFEST, NAME, ModelManifest, ProgramFile
@@ -113,20 +113,30 @@ class LoadedModel:
         beyond the model's rounding, as long as the model is row-wise; batch
         invariant, not at all.
         """
+        arrays = [array for spec in self.manifest.inputs for array in spec.to_program(inputs[spec.name])]
         if not self.manifest.max_batch_size:
             # Not batched: one program, of the manifest's shapes, known as size 0.
-            outputs = self._executables[0](*self._params,
-                                           *[inputs[spec.name] for spec in self.manifest.inputs])
-            return {spec.name: np.asarray(output)
-                    for spec, output in zip(self.manifest.outputs, outputs)}
+            return self._outputs(self._executables[0](*self._params, *arrays), None)
         if self.batch_invariant:
             size, count = self.manifest.max_batch_size, [COUNT_DTYPE(rows)]
         else:
             size, count = self.manifest.batch_size_for(rows), []
-        arrays = [_padded(inputs[spec.name], size) for spec in self.manifest.inputs]
-        outputs = self._executables[size](*self._params, *arrays, *count)
-        return {spec.name: np.asarray(output)[:rows]
-                for spec, output in zip(self.manifest.outputs, outputs)}
+        arrays = [_padded(array, size) for array in arrays]
+        return self._outputs(self._executables[size](*self._params, *arrays, *count), rows)
+
+    def _outputs(self, returned, rows: int | None) -> dict[str, np.ndarray]:
+        """The outputs, by name, of the arrays its program C{returned}
+        (their first C{rows} rows; None: all), a BYTES one's two arrays
+        made one tensor again."""
+        arrays = iter(returned)
+        outputs = {}
+        for spec in self.manifest.outputs:
+            own = [np.asarray(next(arrays))[slice(rows)] for _ in spec.program_tensors]
+            try:
+                outputs[spec.name] = spec.from_program(own)
+            except ValueError as e:
+                raise ProgramFailed(f"output {spec.name!r}: {e}") from None
+        return outputs
 
 
 def _padded(array: np.ndarray, size: int) -> np.ndarray:
@@ -442,8 +452,8 @@ def _inputs(manifest: ModelManifest, size: int) -> list:
     """The model's inputs at batch size C{size} (0: its fixed shapes)."""
     import jax
 
-    return [jax.ShapeDtypeStruct((size, *spec.shape[1:]) if size else spec.shape, spec.dtype)
-            for spec in manifest.inputs]
+    return [jax.ShapeDtypeStruct((size, *shape[1:]) if size else shape, dtype)
+            for spec in manifest.inputs for dtype, shape in spec.program_tensors]
 
 
 def _check_signature(file: str, exported, manifest: ModelManifest, params: list) -> None:
@@ -451,8 +461,9 @@ def _check_signature(file: str, exported, manifest: ModelManifest, params: list)
     that the manifest describes, and returns its outputs."""
     if exported.nr_devices != 1:
         raise _Unavailable(f"{file}: exported for {exported.nr_devices} devices; a model runs on one")
-    takes = [(p.dtype, p.shape) for p in params] + [(s.dtype, s.shape) for s in manifest.inputs]
-    returns = [(s.dtype, s.shape) for s in manifest.outputs]
+    takes = [(p.dtype, p.shape) for p in params] + [
+        tensor for s in manifest.inputs for tensor in s.program_tensors]
+    returns = [tensor for s in manifest.outputs for tensor in s.program_tensors]
     for what, avals, described in (("takes", exported.in_avals, takes),
                                    ("returns", exported.out_avals, returns)):
         actual = [(aval.dtype, tuple(d if isinstance(d, int) else -1 for d in aval.shape))
