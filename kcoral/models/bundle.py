@@ -21,12 +21,16 @@ import numpy as np
 
 from kcoral.errors import ProgramExportError
 from kcoral.models.manifest import (
+    CONTROLS,
+    DIRECT,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    STRATEGIES,
     InvalidManifest,
     ModelManifest,
     ParamsFile,
     ProgramFile,
+    SequenceSpec,
     TensorSpec,
 )
 from kcoral.program import DEFAULT_PLATFORMS
@@ -34,6 +38,8 @@ from kcoral.protocol.strings import DATA, LENGTHS, MAX_LENGTH, Strings
 from kcoral.protocol.tensors import BYTES, DATATYPES, datatype_of
 
 PARAMS = "params.safetensors"
+#: A sequence model's initial state, tensors named as the params'.
+INITIAL_STATE = "state.safetensors"
 #: The program exported with a symbolic batch dimension, serving every size.
 PROGRAM = "program.jax"
 #: The program for one batch size, when the symbolic export is not possible.
@@ -59,21 +65,36 @@ class BundleError(ValueError):
 @attrs.frozen
 class Bundle:
     """A bundle read whole and checked: its manifest, its programs' bytes by
-    file name, and its params in C{param_0} ... order."""
+    file name, its params in C{param_0} ... order, and a sequence model's
+    initial state in its state's order."""
 
     manifest: ModelManifest
     programs: dict[str, bytes] = attrs.field(repr=False)
     params: list[np.ndarray] = attrs.field(repr=False)
+    initial: list[np.ndarray] = attrs.field(repr=False, factory=list)
 
 
 def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike, name: str,
                   batch_sizes: Sequence[int] = (1,), input_names: Sequence[str] | None = None,
                   output_names: Sequence[str] | None = None,
-                  platforms: Sequence[str] = DEFAULT_PLATFORMS) -> ModelManifest:
+                  platforms: Sequence[str] = DEFAULT_PLATFORMS, state=None,
+                  controls: Sequence[str] = (), sequence_batching: str = DIRECT,
+                  max_sequence_idle_seconds: float = 1.0) -> ModelManifest:
     """
     Write the model C{fn(params, *inputs)} (C{fn(*inputs)} when C{params} is
     None) to the bundle folder C{dir}, created if missing, and return its
     manifest.
+
+    With C{state} (a pytree of arrays, one sequence's initial state, each
+    with a batch dimension of 1), it is a sequence model:
+    C{fn([params,] state, *controls, *inputs) -> (new_state, *outputs)},
+    where C{controls} names any of START, END, READY (int32 0/1) and CORRID
+    (uint64 with JAX's 64-bit types, else uint32), each of shape (batch, 1),
+    in the order given. A worker keeps each live sequence's state on its
+    device between requests; C{sequence_batching} C{"direct"} runs one step
+    an execution, C{"oldest"} the steps of different waiting sequences in
+    one execution, each row with its own state; a sequence idle
+    C{max_sequence_idle_seconds} is freed.
 
     C{params} is any pytree of arrays; the first dimension of every example
     input and of every output is the batch dimension, and only the example
@@ -99,15 +120,34 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
     examples = [array for i, x in enumerate(example_inputs) for array in _example(x, f"input {i}")]
     #: Which outputs are BYTES, as the last trace of fn returned them.
     returned: list[bool] = []
+    stateful = state is not None
+    initial, state_tree = jax.tree.flatten(state)
+    initial = [_host(leaf, f"state {i}") for i, leaf in enumerate(initial)]
+    if stateful:
+        _check_sequence(initial, controls, sequence_batching)
+    elif controls:
+        raise ValueError("controls are a sequence model's: export it with its state")
+    # The program takes the state and controls as it takes inputs, each
+    # with the batch as its first dimension: one row a sequence.
+    examples = [*initial, *(_control(name) for name in controls), *examples]
+    carried = len(initial) + len(controls)
     bound = params is not None
 
     def flat(*arrays):
         # The program takes and returns flat arrays, so that the server (and
         # a writer in another language) needs no pytree of the caller's.
         args = _grouped(arrays[len(leaves):], strings)
+        if stateful:
+            args = (jax.tree.unflatten(state_tree, args[:len(initial)]), *args[len(initial):])
         if bound:
             args = (jax.tree.unflatten(tree, arrays[:len(leaves)]), *args)
-        return _returned(fn(*args), returned)
+        if not stateful:
+            return _returned(fn(*args), returned)
+        new_state, *outputs = fn(*args)
+        if str(jax.tree.structure(new_state)) != str(state_tree):
+            raise ValueError(f"the new state is {jax.tree.structure(new_state)}, the state "
+                             f"{state_tree}: a step returns a state of the state's structure")
+        return (*jax.tree.leaves(new_state), *_returned(outputs, returned))
 
     jitted = jax.jit(flat)
     fixed = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
@@ -126,8 +166,21 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         exported = {SIZED_PROGRAM.format(size=size): (program, (size,))
                     for program, size in zip(sized, sizes)}
     first = next(iter(exported.values()))[0]
-    inputs = _specs(first.in_avals[len(fixed):], input_names, "input", strings)
-    outputs = _specs(first.out_avals, output_names, "output", returned)
+    inputs = _specs(first.in_avals[len(fixed) + carried:], input_names, "input", strings)
+    outputs = _specs(first.out_avals[len(initial):], output_names, "output", returned)
+    sequence = None
+    if stateful:
+        state_specs = _specs(first.in_avals[len(fixed):len(fixed) + len(initial)],
+                             [f"state{i}" for i in range(len(initial))], "state")
+        stepped = _specs(first.out_avals[:len(initial)],
+                         [f"state{i}" for i in range(len(initial))], "state")
+        if stepped != state_specs:
+            raise ValueError("the new state does not round-trip: a step returns "
+                             + ", ".join(f"{t.datatype}{list(t.shape)}" for t in stepped)
+                             + " for the state's "
+                             + ", ".join(f"{t.datatype}{list(t.shape)}" for t in state_specs))
+        control_specs = _specs(first.in_avals[len(fixed) + len(initial):len(fixed) + carried],
+                               list(controls), "control")
 
     files = {file: bytes(program.serialize()) for file, (program, _) in exported.items()}
     programs = tuple(ProgramFile(file, _sha256(files[file]), covered)
@@ -138,9 +191,17 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
 
         files[PARAMS] = safetensors.numpy.save({f"param_{i}": leaf for i, leaf in enumerate(leaves)})
         params_file = ParamsFile(PARAMS, _sha256(files[PARAMS]), len(leaves))
+    if stateful:
+        import safetensors.numpy
+
+        files[INITIAL_STATE] = safetensors.numpy.save(
+            {f"param_{i}": leaf for i, leaf in enumerate(initial)})
+        sequence = SequenceSpec(
+            sequence_batching, float(max_sequence_idle_seconds), control_specs, state_specs,
+            ParamsFile(INITIAL_STATE, _sha256(files[INITIAL_STATE]), len(initial)))
     manifest = ModelManifest(name=name, inputs=inputs, outputs=outputs, max_batch_size=sizes[-1],
                              batch_sizes=sizes, programs=programs, params=params_file,
-                             platforms=tuple(platforms))
+                             platforms=tuple(platforms), sequence=sequence)
     # What is written is what a worker will accept.
     try:
         ModelManifest.loads(manifest.dumps())
@@ -151,6 +212,30 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         _write(dir, file, data)
     _write(dir, MANIFEST, manifest.dumps())
     return manifest
+
+
+def _check_sequence(initial: list[np.ndarray], controls: Sequence[str], batching: str) -> None:
+    """Refuse, before any tracing, a sequence model's state and controls
+    that no worker could serve."""
+    if not initial:
+        raise ValueError("a sequence model's state holds one or more arrays")
+    for i, leaf in enumerate(initial):
+        if leaf.shape[:1] != (1,):
+            raise ValueError(f"state {i} has shape {list(leaf.shape)}: the initial state is one "
+                             "sequence's, with a batch dimension of 1")
+    unknown = [name for name in controls if name not in CONTROLS]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a control: they are {', '.join(CONTROLS)}")
+    if len(set(controls)) != len(controls):
+        raise ValueError("controls name a control twice")
+    if batching not in STRATEGIES:
+        raise ValueError(f"sequence_batching {batching!r} is not one of {', '.join(STRATEGIES)}")
+
+
+def _control(name: str) -> np.ndarray:
+    """An example of control C{name}: int32 flags, and CORRID as uint64,
+    narrowed to uint32 unless JAX runs 64-bit."""
+    return _host(np.zeros((1, 1), np.uint64 if name == "CORRID" else np.int32), name)
 
 
 def _example(value, what: str) -> list[np.ndarray]:
@@ -337,9 +422,19 @@ def read_bundle(path: str | os.PathLike, within: str | os.PathLike | None = None
         if manifest.params is not None:
             params = _params(_verified(folder, manifest.params.file, manifest.params.sha256,
                                        MAX_PARAMS_BYTES), manifest.params)
+        initial: list[np.ndarray] = []
+        if manifest.sequence is not None:
+            described = manifest.sequence.initial
+            initial = _params(_verified(folder, described.file, described.sha256,
+                                        MAX_PARAMS_BYTES), described)
+            for spec, leaf in zip(manifest.sequence.state, initial):
+                if leaf.dtype != spec.dtype or leaf.shape != (1, *spec.shape[1:]):
+                    raise BundleError(f"{described.file}: {spec.name} is {leaf.dtype}"
+                                      f"{list(leaf.shape)}, one row of {spec.datatype}"
+                                      f"{list(spec.shape)} in {MANIFEST}")
     finally:
         os.close(folder)
-    return Bundle(manifest, programs, params)
+    return Bundle(manifest, programs, params, initial)
 
 
 def _inside(path: str | os.PathLike, folder: int, root: str | os.PathLike) -> None:

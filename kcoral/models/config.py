@@ -2,7 +2,9 @@
 A model's configuration given with its load, as Triton takes it: its
 C{ModelConfig} message in JSON form (integers quoted or not), which replaces
 what the model's folder says. KCoral honours C{max_batch_size},
-C{version_policy} and C{dynamic_batching}'s C{max_queue_delay_microseconds};
+C{version_policy}, C{dynamic_batching}'s C{max_queue_delay_microseconds}
+and, for a sequence model, C{sequence_batching}'s strategy (C{direct} or
+C{oldest}) and C{max_sequence_idle_microseconds};
 C{name}, C{platform} (or C{backend}), C{input} and C{output} may be given
 when they are the model's own, as C{GET .../config} shows them, so that a
 configuration read, changed and sent back loads. Any other field is refused,
@@ -18,7 +20,14 @@ import attrs
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
-from kcoral.models.manifest import MAX_BATCH_SIZE, ModelManifest, TensorSpec
+from kcoral.models.manifest import (
+    MAX_BATCH_SIZE,
+    MAX_IDLE_SECONDS,
+    STRATEGIES,
+    ModelManifest,
+    SequenceSpec,
+    TensorSpec,
+)
 from kcoral.models.versions import (
     CONFIG,
     VersionError,
@@ -34,7 +43,11 @@ PLATFORM = "jax"
 MAX_CONFIG_BYTES = 64 * 1024
 #: The fields KCoral reads of a configuration; the others are refused.
 _HONOURED = frozenset({"name", "platform", "backend", "max_batch_size", "version_policy",
-                       "dynamic_batching", "input", "output"})
+                       "dynamic_batching", "sequence_batching", "input", "output"})
+_IDLE = "max_sequence_idle_microseconds"
+#: Triton's kind of each control.
+_CONTROL_KINDS = {"START": "CONTROL_SEQUENCE_START", "END": "CONTROL_SEQUENCE_END",
+                  "READY": "CONTROL_SEQUENCE_READY", "CORRID": "CONTROL_SEQUENCE_CORRID"}
 _DELAY = "max_queue_delay_microseconds"
 #: The most a batch waits for more rows (an hour: past it, a typo).
 MAX_DELAY_MICROSECONDS = 3600 * 10**6
@@ -59,6 +72,11 @@ class ModelConfig:
     inputs: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
     outputs: tuple[tuple[str, str, tuple[int, ...]], ...] | None = None
     name: str = ""
+    #: A sequence model's strategy (C{direct}, C{oldest}) and idle bound.
+    sequence_batching: str | None = None
+    sequence_idle_microseconds: int | None = None
+    #: Each control as C{(name, Triton's kind)}, when given: the model's own.
+    sequence_controls: tuple[tuple[str, str], ...] | None = None
 
     def check(self, manifest: ModelManifest) -> None:
         """ConfigError unless the model of C{manifest}, configured so, is
@@ -68,6 +86,19 @@ class ModelConfig:
         batched = manifest.max_batch_size > 0
         if self.batch_delay_microseconds is not None and not batched:
             raise ConfigError("dynamic_batching needs a max_batch_size of 1 or more")
+        sequenced = (self.sequence_batching, self.sequence_idle_microseconds,
+                     self.sequence_controls) != (None, None, None)
+        if sequenced and manifest.sequence is None:
+            raise ConfigError("sequence_batching is a sequence model's: export the model with "
+                              "its state (kcoral.export_bundle(..., state=...))")
+        if self.batch_delay_microseconds is not None and manifest.sequence is not None:
+            raise ConfigError("dynamic_batching: a sequence model's steps are batched by its "
+                              "sequence_batching")
+        if manifest.sequence is not None and self.sequence_controls is not None:
+            controls = _controls(manifest.sequence)
+            if self.sequence_controls != controls:
+                raise ConfigError("sequence_batching.control_input must be the model's own: "
+                                  + ", ".join(f"{n} {k}" for n, k in controls))
         for what, given, specs in (("input", self.inputs, manifest.inputs),
                                    ("output", self.outputs, manifest.outputs)):
             own = tuple(_tensor(spec, batched) for spec in specs)
@@ -97,6 +128,24 @@ def tensor_config(spec: TensorSpec, batched: bool) -> dict:
     return {"name": name, "data_type": data_type, "dims": list(dims)}
 
 
+def _controls(sequence: SequenceSpec) -> tuple[tuple[str, str], ...]:
+    return tuple((spec.name, _CONTROL_KINDS[spec.name]) for spec in sequence.controls)
+
+
+def sequence_config(sequence: SequenceSpec) -> dict:
+    """A sequence model's C{sequence_batching}, as Triton's configuration has it."""
+    controls = []
+    for spec in sequence.controls:
+        control: dict = {"kind": _CONTROL_KINDS[spec.name]}
+        if spec.name == "CORRID":
+            control["data_type"] = config_type(spec.datatype)
+        else:
+            control["int32_false_true"] = [0, 1]
+        controls.append({"name": spec.name, "control": [control]})
+    return {_IDLE: round(sequence.max_idle_seconds * 1e6), "control_input": controls,
+            sequence.batching: {}}
+
+
 def config_of(manifest: ModelManifest, config: ModelConfig = NO_CONFIG) -> dict:
     """
     A model's configuration as Triton's tools read it (perf_analyzer needs
@@ -111,7 +160,9 @@ def config_of(manifest: ModelManifest, config: ModelConfig = NO_CONFIG) -> dict:
                    "output": [tensor_config(t, batched) for t in manifest.outputs]}
     if config.policy is not None:
         value["version_policy"] = config.policy.to_json()
-    if batched:
+    if manifest.sequence is not None:
+        value["sequence_batching"] = sequence_config(manifest.sequence)
+    elif batched:
         # Workers batch concurrent inferences of a batched model.
         value["dynamic_batching"] = {} if config.batch_delay_microseconds is None else {
             _DELAY: config.batch_delay_microseconds}
@@ -129,6 +180,9 @@ def parse_config(text: str) -> ModelConfig:
         raise ConfigError(f"the configuration is not JSON: {str(e)[:200]}") from None
     if not isinstance(value, dict):
         raise ConfigError("the configuration must be a JSON object, Triton's ModelConfig")
+    if {"dynamic_batching", "dynamicBatching"} & set(value) and {
+            "sequence_batching", "sequenceBatching"} & set(value):
+        raise ConfigError("dynamic_batching and sequence_batching exclude each other")
     try:
         message = json_format.ParseDict(value, model_config_pb2.ModelConfig())
     except (json_format.ParseError, RecursionError) as e:
@@ -146,7 +200,10 @@ def parse_config(text: str) -> ModelConfig:
     given = "max_batch_size" in value or "maxBatchSize" in value
     if not 0 <= message.max_batch_size <= MAX_BATCH_SIZE:
         raise ConfigError(f"max_batch_size must be from 0 to {MAX_BATCH_SIZE}")
+    strategy, idle, controls = (_sequence(message, value) if "sequence_batching" in present
+                                else (None, None, None))
     return ModelConfig(
+        sequence_batching=strategy, sequence_idle_microseconds=idle, sequence_controls=controls,
         max_batch_size=message.max_batch_size if given else None,
         policy=_policy(message) if "version_policy" in present else None,
         batch_delay_microseconds=_delay(message, value) if "dynamic_batching" in present else None,
@@ -200,6 +257,47 @@ def _delay(message: model_config_pb2.ModelConfig, value: dict) -> int | None:
     if batching.max_queue_delay_microseconds > MAX_DELAY_MICROSECONDS:
         raise ConfigError(f"dynamic_batching.{_DELAY} is over {MAX_DELAY_MICROSECONDS}")
     return batching.max_queue_delay_microseconds
+
+
+def _sequence(message: model_config_pb2.ModelConfig, value: dict
+              ) -> tuple[str | None, int | None, tuple[tuple[str, str], ...] | None]:
+    """The strategy, idle bound and controls that C{sequence_batching} sets
+    (each None: it sets none)."""
+    batching = message.sequence_batching
+    fields = {field.name for field, _ in batching.ListFields()}
+    given = value.get("sequence_batching", value.get("sequenceBatching"))
+    if isinstance(given, dict):
+        # An empty strategy ({"oldest": {}}) is no field of the message.
+        fields |= {name for name in STRATEGIES if name in given}
+    refused = sorted(fields - {_IDLE, "control_input", *STRATEGIES})
+    if refused:
+        raise ConfigError(f"sequence_batching.{refused[0]} is not served: KCoral's sequence "
+                          f"batching takes {', '.join(STRATEGIES)}, {_IDLE} and control_input")
+    strategy = None
+    for name in STRATEGIES:
+        if name in fields:
+            inner = sorted(field.name for field, _ in getattr(batching, name).ListFields())
+            if inner:
+                raise ConfigError(f"sequence_batching.{name}.{inner[0]} is not served")
+            strategy = name
+    idle = None
+    if _IDLE in fields:
+        idle = batching.max_sequence_idle_microseconds
+        if not 0 < idle <= MAX_IDLE_SECONDS * 1e6:
+            raise ConfigError(f"sequence_batching.{_IDLE} must be over 0, at most "
+                              f"{MAX_IDLE_SECONDS * 1e6:.0f}")
+    controls = None
+    if "control_input" in fields:
+        listed = []
+        for control in batching.control_input:
+            kinds = [model_config_pb2.ModelSequenceBatching.Control.Kind.Name(c.kind)
+                     for c in control.control]
+            if len(kinds) != 1:
+                raise ConfigError(f"sequence_batching.control_input {control.name[:64]!r}: one "
+                                  f"control an input")
+            listed.append((control.name, kinds[0]))
+        controls = tuple(listed)
+    return strategy, idle, controls
 
 
 def _tensors(tensors) -> tuple[tuple[str, str, tuple[int, ...]], ...]:

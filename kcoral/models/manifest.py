@@ -32,6 +32,22 @@ MANIFEST = "model.json"
 FORMAT = 1
 _DIGEST = re.compile(r"\A[0-9a-f]{64}\Z")
 
+#: A sequence model's controls, each a tensor of shape (batch, 1): whether
+#: the row starts its sequence, ends it, holds a real step (a padding row
+#: does not), and the sequence's correlation id.
+CONTROLS = ("START", "END", "READY", "CORRID")
+#: The datatypes each control may have: CORRID's is UINT64 where the model
+#: was exported with JAX's 64-bit types, else UINT32 (the id's low bits).
+_CONTROL_DATATYPES = {"START": ("INT32",), "END": ("INT32",), "READY": ("INT32",),
+                      "CORRID": ("UINT64", "UINT32")}
+#: How a worker runs a sequence model's steps: one step an execution, or
+#: the steps of different waiting sequences together, each row its own state.
+DIRECT, OLDEST = "direct", "oldest"
+STRATEGIES = (DIRECT, OLDEST)
+#: The longest a sequence may stay idle before its state is freed (a day:
+#: past it, a typo).
+MAX_IDLE_SECONDS = 86400.0
+
 
 class InvalidManifest(ValueError):
     """A manifest that cannot be served; the message says why."""
@@ -134,6 +150,62 @@ class ParamsFile:
 
 
 @attrs.frozen
+class SequenceSpec:
+    """
+    What makes a model a sequence (stateful) model: its program takes, after
+    its params, each state tensor (one row a sequence), then its C{controls}
+    in order, then its inputs; and returns each new state tensor, then its
+    outputs. C{initial} holds one sequence's starting state (tensors
+    C{param_0} ... in the state's order, each of one row); C{batching} is
+    L{DIRECT} or L{OLDEST}; a sequence idle C{max_idle_seconds} is freed.
+    """
+
+    batching: str
+    max_idle_seconds: float
+    controls: tuple[TensorSpec, ...]
+    state: tuple[TensorSpec, ...]
+    initial: ParamsFile
+
+    def to_json(self) -> dict:
+        return {"batching": self.batching, "max_idle_seconds": self.max_idle_seconds,
+                "controls": [t.to_json() for t in self.controls],
+                "state": [t.to_json() for t in self.state], "initial": self.initial.to_json()}
+
+    @classmethod
+    def from_json(cls, value: object) -> SequenceSpec:
+        if not isinstance(value, dict):
+            raise InvalidManifest("sequence must be an object or null")
+        batching, idle = value.get("batching"), value.get("max_idle_seconds")
+        if batching not in STRATEGIES:
+            raise InvalidManifest(f"sequence: batching {str(batching)[:32]!r} is not one of "
+                                  + ", ".join(STRATEGIES))
+        if not isinstance(idle, (int, float)) or isinstance(idle, bool) or not (
+                0 < idle <= MAX_IDLE_SECONDS):
+            raise InvalidManifest(f"sequence: max_idle_seconds must be a number of seconds "
+                                  f"over 0, at most {MAX_IDLE_SECONDS:g}")
+        controls = value.get("controls")
+        if not isinstance(controls, list) or len(controls) > len(CONTROLS):
+            raise InvalidManifest(f"sequence: controls must list at most {len(CONTROLS)} controls")
+        specs = tuple(TensorSpec.from_json(t, batched=True) for t in controls)
+        for spec in specs:
+            if spec.name not in CONTROLS:
+                raise InvalidManifest(f"sequence: {spec.name!r} is not a control: they are "
+                                      + ", ".join(CONTROLS))
+            if spec.datatype not in _CONTROL_DATATYPES[spec.name] or spec.shape != (-1, 1):
+                raise InvalidManifest(f"sequence: control {spec.name} must be "
+                                      f"{' or '.join(_CONTROL_DATATYPES[spec.name])} [-1, 1]")
+        named = [spec.name for spec in specs]
+        if len(set(named)) != len(named):
+            raise InvalidManifest("sequence: controls name a control twice")
+        state = _tensors(value.get("state"), "sequence: state", batched=True)
+        initial = _params(value.get("initial"))
+        if initial is None or initial.count != len(state):
+            raise InvalidManifest("sequence: initial must be the file of one tensor for each "
+                                  "state tensor")
+        return cls(batching, float(idle), specs, state, initial)
+
+
+@attrs.frozen
 class ModelManifest:
     """
     What C{model.json} says. C{max_batch_size} 0: the model is not batched
@@ -151,6 +223,16 @@ class ModelManifest:
     params: ParamsFile | None
     platforms: tuple[str, ...]
     version: int = 1
+    #: None: a model whose every request stands alone.
+    sequence: SequenceSpec | None = None
+
+    def as_program(self) -> ModelManifest:
+        """The manifest of its program alone: a sequence model's state and
+        controls before its inputs, and its new state before its outputs."""
+        if self.sequence is None:
+            return self
+        return attrs.evolve(self, inputs=self.sequence.state + self.sequence.controls + self.inputs,
+                            outputs=self.sequence.state + self.outputs, sequence=None)
 
     def to_json(self) -> dict:
         return {
@@ -161,6 +243,7 @@ class ModelManifest:
             "outputs": [t.to_json() for t in self.outputs],
             "programs": [p.to_json() for p in self.programs],
             "params": None if self.params is None else self.params.to_json(),
+            "sequence": None if self.sequence is None else self.sequence.to_json(),
         }
 
     @property
@@ -215,16 +298,22 @@ class ModelManifest:
         outputs = _tensors(value.get("outputs"), "outputs", batched)
         programs = _programs(value.get("programs"), tuple(sorted(sizes)))
         params = _params(value.get("params"))
-        files = [p.file for p in programs] + ([] if params is None else [params.file])
+        sequence = None if value.get("sequence") is None else SequenceSpec.from_json(
+            value["sequence"])
+        if sequence is not None and not batched:
+            raise InvalidManifest("a sequence model is batched: its controls are (batch, 1)")
+        files = ([p.file for p in programs] + ([] if params is None else [params.file])
+                 + ([] if sequence is None else [sequence.initial.file]))
         if len(set(files)) != len(files):
-            raise InvalidManifest("programs and params must each have a file of their own")
+            raise InvalidManifest("programs, params and a sequence's initial state must each "
+                                  "have a file of their own")
         platforms = value.get("platforms", [])
         if not isinstance(platforms, list) or not platforms or len(platforms) > 8 or not all(
                 isinstance(p, str) and NAME.match(p) for p in platforms):
             raise InvalidManifest("platforms must list the platforms the program was exported for")
         return cls(name=name, version=version, inputs=inputs, outputs=outputs,
                    max_batch_size=most, batch_sizes=tuple(sorted(sizes)), programs=programs,
-                   params=params, platforms=tuple(platforms))
+                   params=params, platforms=tuple(platforms), sequence=sequence)
 
     def batch_size_for(self, rows: int) -> int:
         """The smallest compiled batch size that holds C{rows} rows."""
@@ -237,7 +326,8 @@ class ModelManifest:
         """
         The batch's rows (1 for a model that is not batched) when C{inputs}
         are exactly this model's inputs, by name, with their datatypes and
-        shapes; else InvalidInput, saying which input is wrong and how.
+        shapes (a BYTES input's elements within its max_length); else
+        InvalidInput, saying which input is wrong and how.
         """
         wanted = {t.name for t in self.inputs}
         unknown = sorted(set(inputs) - wanted)
@@ -261,8 +351,7 @@ class ModelManifest:
                 length = longest(array)
                 if length > spec.max_length:
                     raise InvalidInput(f"input {spec.name!r} has an element of {length} bytes, "
-                                       f"over the {spec.max_length} of model {self.name}'s "
-                                       "max_length")
+                                       f"over its max_length of {spec.max_length}")
             if self.max_batch_size:
                 if rows is not None and shape[0] != rows:
                     raise InvalidInput(f"input {spec.name!r} has {shape[0]} rows, another "

@@ -35,6 +35,7 @@ from kcoral.models.versions import (
 )
 from kcoral.server.invariant import COUNT_DTYPE, row_by_row, row_size
 from kcoral.server.programcheck import ProgramCheck
+from kcoral.server.statetable import StateTable
 
 log = Logger()
 
@@ -97,6 +98,8 @@ class LoadedModel:
     batch_invariant: bool = False
     #: What its load's configuration set (its manifest has its batch sizes).
     config: ModelConfig = NO_CONFIG
+    #: A sequence model's live sequences' states (it runs by them alone).
+    states: StateTable | None = attrs.field(default=None, repr=False)
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The outputs, by name in the manifest's order, of one request's
@@ -326,12 +329,16 @@ class ModelRepository:
                                                                  program.file)
             except ProgramRejected as e:
                 raise _Unavailable(str(e)) from None
-            _check_signature(program.file, programs[program.file], manifest, params)
+            _check_signature(program.file, programs[program.file], manifest.as_program(), params)
         manifest = _configured(manifest, config, programs, len(params))
         sharding = SingleDeviceSharding(device)
         invariant = self._batch_invariant and manifest.max_batch_size > 0
         executables = {}
         placed = tuple(jax.device_put(bundle.params, device))
+        if manifest.sequence is not None:
+            return LoadedModel(manifest, placed, {}, batch_invariant=invariant, config=config,
+                               states=self._table(manifest, programs, placed, bundle.initial,
+                                                  device, invariant))
         for program in manifest.programs:
             exported = programs[program.file]
             if not invariant:
@@ -347,6 +354,23 @@ class ModelRepository:
                      jax.ShapeDtypeStruct((), COUNT_DTYPE)])
         return LoadedModel(manifest, placed, executables, batch_invariant=self._batch_invariant,
                            config=config)
+
+    def _table(self, manifest: ModelManifest, programs: Mapping[str, Any], params: tuple,
+               initial: list[np.ndarray], device, invariant: bool) -> StateTable:
+        """The state table of a sequence model, its step compiled for each
+        batch size (batch invariant: for C{max_batch_size}, a row at a time)."""
+        calls = {size: programs[program.file].call
+                 for program in manifest.programs for size in program.batch_sizes}
+        if invariant:
+            smallest = next(p for p in manifest.programs if manifest.batch_sizes[0] in p.batch_sizes)
+            exported = programs[smallest.file]
+            calls = {manifest.max_batch_size: row_by_row(
+                exported.call, len(params), row_size(exported, len(params), manifest.batch_sizes[0]))}
+        table = StateTable(manifest, calls, params, initial, device, counted=invariant)
+        started = time.perf_counter()
+        table.warm()
+        self._observe_compile(time.perf_counter() - started)
+        return table
 
     def _compiled(self, function: Callable, sharding, params: list, inputs: list):
         import jax
@@ -445,6 +469,11 @@ def _configured(manifest: ModelManifest, config: ModelConfig, programs: Mapping[
                               f"batch dimension): export it for {most}")
         manifest = attrs.evolve(manifest, max_batch_size=most, batch_sizes=sizes, programs=served)
     config.check(manifest)
+    if manifest.sequence is not None:
+        idle = config.sequence_idle_microseconds
+        manifest = attrs.evolve(manifest, sequence=attrs.evolve(
+            manifest.sequence, batching=config.sequence_batching or manifest.sequence.batching,
+            max_idle_seconds=manifest.sequence.max_idle_seconds if idle is None else idle / 1e6))
     return manifest
 
 
