@@ -128,8 +128,8 @@ def deserialize(data: bytes | memoryview, count: int) -> np.ndarray:
     at = 0
     for i in range(count):
         if at + _PREFIX.size > len(view):
-            raise InvalidStrings(f"element {i} of {count}: its length runs past the data's "
-                                 f"{len(view)} bytes")
+            raise InvalidStrings(f"element {i} of {count}: its length prefix runs past the "
+                                 f"data's {len(view)} bytes")
         (length,) = _PREFIX.unpack_from(view, at)
         at += _PREFIX.size
         if length > len(view) - at:
