@@ -92,7 +92,7 @@ class TensorSpec:
         return unpack(*arrays)
 
     def to_json(self) -> dict:
-        value = {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+        value: dict = {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
         if self.max_length is not None:
             value["max_length"] = self.max_length
         return value
