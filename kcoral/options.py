@@ -85,6 +85,15 @@ def port(text: str) -> int:
     return value
 
 
+#: TCP keepalive of a service's connections between hosts (kcoral.common.keepalive).
+KEEPALIVE: list[tuple[Any, ...]] = [
+    ("keepalive_idle_seconds", "Silence on a connection before the kernel probes its peer.",
+     positive(int)),
+    ("keepalive_interval_seconds", "Seconds between keepalive probes.", positive(int)),
+    ("keepalive_count", "Unanswered keepalive probes that end a connection.", positive(int)),
+]
+
+
 #: Listening on a Twisted server endpoint string (the Router, a standalone
 #: server, a node's gateway). Twisted parses it, TLS files included.
 LISTEN = ("A Twisted server endpoint string to listen on instead of --host, --port, --tls-cert "

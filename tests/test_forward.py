@@ -235,3 +235,67 @@ def test_tries_after_409s_are_bounded():
     assert kind == "ok" and answer.code == 409
     assert sum(len(w.runs) for w in workers.values()) == 1 + MAX_HOLDER_TRIES
     assert routed.pool.active() == 0
+
+
+def _silent_routed(**client) -> tuple[Routed, FakeWorker, FakeWorker]:
+    """Two nodes whose workers hold every run, the pool ending runs on a
+    node silent for 20 s; returns it and the workers of 10.0.0.1 and 10.0.0.2."""
+    routed = Routed("10.0.0.1", "10.0.0.2", **client)
+    routed.pool.silent_node_seconds = 20.0
+    return routed, FakeWorker(hold=True), FakeWorker(hold=True)
+
+
+def _report(routed: Routed, host: str) -> None:
+    routed.pool.report(host, parse_report(node_report(host=host, capacities=(1,))))
+
+
+def test_a_run_on_a_node_whose_reports_stopped_ends_with_a_502():
+    """A run on a node silent for silent_node_seconds is a 502 then, not before; its request closes."""
+    routed, first, second = _silent_routed()
+    d, done = routed.forward(routed.serve(**{"10.0.0.1": first, "10.0.0.2": second}))
+    held, other = ("10.0.0.1", "10.0.0.2") if first.runs else ("10.0.0.2", "10.0.0.1")
+    worker = first if first.runs else second
+    for _ in range(19):
+        routed.clock.advance(1)
+        _report(routed, other)
+        routed.pool.observe()
+    assert not done and routed.pool.nodes[held].runs
+    routed.clock.advance(1)
+    routed.pool.observe()
+    routed.client.flush()
+    kind, error = done[0]
+    assert kind == "failed" and isinstance(error, NodeFailure)
+    assert f"node {held} sent no report for 20 s" in error.message
+    assert worker.lost == worker.runs  # the request to the worker was closed
+    assert routed.pool.active() == 0 and not routed.pool.nodes[held].runs
+
+
+def test_a_long_run_on_a_node_that_reports_is_never_ended():
+    """A run on a node that keeps reporting waits for its answer however long it runs."""
+    routed, first, second = _silent_routed()
+    d, done = routed.forward(routed.serve(**{"10.0.0.1": first, "10.0.0.2": second}))
+    for _ in range(3600):
+        routed.clock.advance(1)
+        for host in ("10.0.0.1", "10.0.0.2"):
+            _report(routed, host)
+        routed.pool.observe()
+    assert not done and routed.pool.active() == 1
+    d.cancel()
+    routed.client.flush()
+
+
+def test_a_run_that_allows_it_goes_elsewhere_when_its_node_falls_silent():
+    """A re-dispatchable run on a node that falls silent is sent to another node, and answered there."""
+    routed, first, second = _silent_routed()
+    forwarder = routed.serve(**{"10.0.0.1": first, "10.0.0.2": second})
+    d, done = routed.forward(forwarder, request=attrs.evolve(RUN_CALL, redispatch=True))
+    held, other = ("10.0.0.1", "10.0.0.2") if first.runs else ("10.0.0.2", "10.0.0.1")
+    answering = second if first.runs else first
+    answering.hold = False
+    for _ in range(20):
+        routed.clock.advance(1)
+        _report(routed, other)
+        routed.pool.observe()
+    routed.client.flush()
+    assert done and done[0][0] == "ok" and done[0][1].body == b"ran"
+    assert len(answering.runs) == 1

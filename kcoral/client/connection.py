@@ -20,6 +20,8 @@ import socket
 import ssl
 from collections.abc import Callable, Sequence
 
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE
+
 #: The longest status or header line accepted, and the most header lines.
 MAX_LINE = 65536
 MAX_HEADERS = 100
@@ -70,6 +72,10 @@ class Connection:
         try:
             # Requests and answers are small and latency-bound: no Nagle.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # A run may be silent for as long as its program runs: a Router
+            # whose link went silent meanwhile is found by the kernel's
+            # probes (a lost connection: the next Router, or a re-dispatch).
+            DEFAULT_KEEPALIVE.apply(sock)
             if ssl_context is not None:
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
         except BaseException:

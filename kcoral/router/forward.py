@@ -113,8 +113,8 @@ class Forwarder:
                           node_id=member.node.node_id, worker=member.name)
             forwarding = span.child("kcoral.forward", node_id=member.node.node_id, worker=member.name)
             try:
-                answer = yield self._proxy.forward(member.url, call, body,
-                                                   traceparent=forwarding.traceparent())
+                answer = yield member.node.running(self._proxy.forward(
+                    member.url, call, body, traceparent=forwarding.traceparent()))
             except NotSent as e:
                 forwarding.failed(e)
                 member.suspect = True

@@ -7,8 +7,11 @@ pool's state machine moves them; placement and the ring read them.
 from __future__ import annotations
 
 import attrs
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
 
 from kcoral.common.report import ModelState, NodeReport, Sandbox
+from kcoral.errors import NodeFailure
 from kcoral.router.residency import Demand, Holdings
 
 JOINING, READY, UNHEALTHY, DRAINING, INCOMPATIBLE, GONE = (
@@ -83,6 +86,37 @@ class Node:
     last_seen: float = 0.0
     gpu_target: str | None = None
     runtime: dict = attrs.Factory(dict)
+    #: Forwards in flight on its members (L{running}): each one's answer,
+    #: and the request to the member it waits for.
+    runs: dict[Deferred, Deferred] = attrs.Factory(dict)
+
+    def running(self, attempt: Deferred) -> Deferred:
+        """
+        C{attempt}, a forward in flight on one of its members, as the node
+        lets it go on: it fails with L{NodeFailure} once L{abandon} gives
+        the node up (the request to the member closed). Cancelling it
+        cancels C{attempt}.
+        """
+        answer: Deferred = Deferred(lambda _: attempt.cancel())
+        self.runs[answer] = attempt
+
+        def settle(result):
+            self.runs.pop(answer, None)
+            # Once abandoned or cancelled, whatever the request ends with goes nowhere.
+            if not answer.called:
+                answer.callback(result)  # a Failure errbacks
+
+        attempt.addBoth(settle)
+        return answer
+
+    def abandon(self, why: str) -> int:
+        """Every run in flight here fails with L{NodeFailure} (C{why}), and
+        its request to the member closes; returns how many there were."""
+        runs, self.runs = self.runs, {}
+        for answer, attempt in runs.items():
+            answer.errback(Failure(NodeFailure(why)))
+            attempt.cancel()
+        return len(runs)
 
     @property
     def static(self) -> bool:

@@ -42,17 +42,22 @@ class PoolFull(Exception):
 #: without a node token anyone who reaches the Router can register ids.
 MAX_NODES = 10_000
 
+#: Default of C{--silent-node-seconds}: runs in flight on a node whose
+#: reports stopped this long ago end with a 502.
+SILENT_NODE_SECONDS = 30.0
+
 
 class Pool:
     def __init__(self, clock, *, max_status_age_seconds: float = 5.0, unhealthy_threshold: int = 3,
                  recovery_threshold: int = 2, node_retention_seconds: float = 600.0,
                  on_change: Callable[[], None] = lambda: None, max_nodes: int = MAX_NODES,
-                 routing: str = "affinity"):
+                 routing: str = "affinity", silent_node_seconds: float = SILENT_NODE_SECONDS):
         self._clock = clock
         self.max_status_age = max_status_age_seconds
         self.unhealthy_threshold = unhealthy_threshold
         self.recovery_threshold = recovery_threshold
         self.retention = node_retention_seconds
+        self.silent_node_seconds = silent_node_seconds
         self.on_change = on_change
         self.max_nodes = max_nodes
         self.nodes: dict[str, Node] = {}
@@ -201,6 +206,8 @@ class Pool:
                     log.info("node {node_id} forgotten", node_id=node.node_id)
                 continue
             fresh = self._fresh(node)
+            if not fresh and node.runs:
+                self._end_silent_runs(node, now)
             if not fresh and node.active == 0 and node.reported_at is not None \
                     and now - node.reported_at >= self.retention:
                 self._forget(node)
@@ -228,6 +235,25 @@ class Pool:
                 n.state == READY or n.active for n in self.nodes.values()):
             self.target = None
         self.on_change()
+
+    def _end_silent_runs(self, node: Node, now: float) -> None:
+        """
+        End the runs in flight on C{node} once its reports have stopped for
+        C{silent_node_seconds}. A peer that stopped answering TCP is found by
+        the connection's keepalive, but a frozen host (its processes
+        stopped, or a machine hung above its network stack) still
+        acknowledges every probe: only the silence of its supervisor shows
+        it, and without this its runs would wait for their clients' own
+        timeouts, which a long program may not have.
+        """
+        if node.reported_at is None:
+            return
+        silent = now - node.reported_at
+        if silent >= self.silent_node_seconds:
+            count = node.abandon(f"node {node.node_id} sent no report for {silent:.0f} s "
+                                 f"while the run was in flight; it may have run")
+            log.warn("node {node_id}: no report for {seconds:.0f} s: {count} run(s) in flight "
+                     "there end with 502", node_id=node.node_id, seconds=silent, count=count)
 
     def _forget(self, node: Node) -> None:
         del self.nodes[node.node_id]

@@ -13,6 +13,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
 from kcoral.common.announce import announce
+from kcoral.common.keepalive import COUNT, IDLE_SECONDS, INTERVAL_SECONDS, Keepalive
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
 from kcoral.inference.h2front import GrpcFront
@@ -20,7 +21,7 @@ from kcoral.inference.sharedmemory import SharedMemory
 from kcoral.metrics import HttpMetrics
 from kcoral.router.app import RouterApp
 from kcoral.router.forward import MAX_REDISPATCHES
-from kcoral.router.pool import Pool
+from kcoral.router.pool import SILENT_NODE_SECONDS, Pool
 from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import tracing_for
 from kcoral.web.auth import client_guard, watch
@@ -79,6 +80,17 @@ class RouterConfig:
     #: Whether /health lists each member (a gateway's own workers; a
     #: Router's pool is listed by /v1/nodes instead).
     health_lists_workers: bool = False
+    #: TCP keepalive of its connections, to clients and to workers.
+    keepalive_idle_seconds: int = IDLE_SECONDS
+    keepalive_interval_seconds: int = INTERVAL_SECONDS
+    keepalive_count: int = COUNT
+    #: Runs in flight on a node whose reports stopped this long ago end with 502.
+    silent_node_seconds: float = SILENT_NODE_SECONDS
+
+    @property
+    def keepalive(self) -> Keepalive:
+        return Keepalive(self.keepalive_idle_seconds, self.keepalive_interval_seconds,
+                         self.keepalive_count)
 
 
 def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | None = None):
@@ -87,11 +99,13 @@ def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | No
     pool = Pool(reactor, max_status_age_seconds=config.max_status_age_seconds,
                 unhealthy_threshold=config.unhealthy_threshold,
                 recovery_threshold=config.recovery_threshold,
-                node_retention_seconds=config.node_retention_seconds, routing=config.routing)
+                node_retention_seconds=config.node_retention_seconds, routing=config.routing,
+                silent_node_seconds=config.silent_node_seconds)
     scheduler = Scheduler(pool, WaitQueue(reactor, config.max_queued_requests,
                                           config.queue_wait_timeout_seconds))
     registry = CollectorRegistry()
-    app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca),
+    app = RouterApp(pool=pool, scheduler=scheduler, outgoing=Outgoing(reactor, ca_path=config.tls_ca,
+                                                                     keepalive=config.keepalive),
                     reactor=reactor, registry=registry, node_token=config.node_token,
                     client_guard=client_guard(config, reactor),
                     shared_memory=shared_memory,
@@ -103,7 +117,8 @@ def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | No
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
                       max_connections=_client_connections(connection_limit(), pool),
                       # It only forwards bodies: a large one need not stay in memory.
-                      spool=Spool(reactor), client_guard=app.client_guard, streams=streamed)
+                      spool=Spool(reactor), client_guard=app.client_guard, streams=streamed,
+                      keepalive=config.keepalive)
     return app, site
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from kcoral.options import (
     CLIENT_TOKEN,
     CLIENT_TOKENS_FILE,
+    KEEPALIVE,
     LISTEN,
     OBSERVING,
     ROUTING,
@@ -56,6 +57,9 @@ _OPTIONS: list[tuple[Any, ...]] = [
     ("client_tokens_file", CLIENT_TOKENS_FILE),
     ("tls_client_ca", TLS_CLIENT_CA),
     ("grpc_port", "Port of the inference protocol over gRPC (default: gRPC off).", port),
+    *KEEPALIVE,
+    ("silent_node_seconds", ("Runs in flight on a node whose reports stopped this long ago "
+                             "end with 502 (its host may be frozen)."), positive(float)),
     *OBSERVING,
     # A node's front processes serve its gateway's gRPC port with it, each
     # started with the count (L{kcoral.node.front}); nothing else sets it.

@@ -42,6 +42,10 @@ class KCoralChannel(http.HTTPChannel):
     def connectionMade(self):
         super().connectionMade()
         self.site.connections.add(self)
+        # A client whose link went silent while its run was in flight
+        # (Twisted's idle timeout sleeps meanwhile) is then noticed, and its
+        # run cancelled, as one that closed its connection.
+        self.site.keepalive.apply_to(self.transport)
         self._armHeaderDeadline()
 
     def close_when_idle(self) -> None:

@@ -21,5 +21,7 @@ class IKCoralSite(Interface):
     logger = Attribute("The service's twisted.logger Logger.")
     metrics = Attribute("The service's HTTP metrics (kcoral.metrics.HttpMetrics).")
     header_timeout = Attribute("Seconds each request head may take.")
+    keepalive = Attribute("How the kernel probes each connection for a silent peer "
+                          "(kcoral.common.keepalive.Keepalive).")
     connections = Attribute("The open connections (kcoral.web.connections.Connections).")
     closing = Attribute("True once every answer closes its connection.")

@@ -11,12 +11,14 @@ from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.ssl import optionsForClientTLS, platformTrust, trustRootFromCertificates
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.error import SchemeNotSupported
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS
 from zope.interface import implementer
 
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from kcoral.web.endpoint import pem_certificates
 from kcoral.web.sendnow import SendNowEndpoint
 
@@ -143,11 +145,28 @@ def tls_policy(ca_path: str | None, cert: str | None = None,
     return BrowserLikePolicyForHTTPS(trustRoot=trust_root)
 
 
+@implementer(IStreamClientEndpoint)
+class KeepaliveEndpoint:
+    """Connects as C{endpoint} does, each connection probed by C{keepalive}."""
+
+    def __init__(self, endpoint: IStreamClientEndpoint, keepalive: Keepalive):
+        self._endpoint = endpoint
+        self._keepalive = keepalive
+
+    def connect(self, protocolFactory):
+        return self._endpoint.connect(protocolFactory).addCallback(self._probed)
+
+    def _probed(self, protocol):
+        self._keepalive.apply_to(protocol.transport)
+        return protocol
+
+
 @implementer(IAgentEndpointFactory)
 class Endpoints:
     """
     The Agent's endpoints, one per (scheme, host, port), made once as Twisted
-    makes them: TCP (its writes sent at once, L{kcoral.web.sendnow}), wrapped
+    makes them: TCP (its writes sent at once, L{kcoral.web.sendnow}, and its
+    peer probed by C{keepalive}, L{kcoral.common.keepalive}), wrapped
     in TLS for https with the policy's connection creator for that host and
     port. Twisted's own factory makes a new endpoint (and, for https, new
     TLS options) for every request, even when the pool already has a
@@ -155,9 +174,10 @@ class Endpoints:
     of treq's time per forwarded run in a profile.
     """
 
-    def __init__(self, reactor, policy):
+    def __init__(self, reactor, policy, keepalive: Keepalive = DEFAULT_KEEPALIVE):
         self._reactor = reactor
         self._policy = policy
+        self._keepalive = keepalive
         self._endpoints: LRUCache = LRUCache(MAX_ENDPOINTS)
 
     def endpointForURI(self, uri):
@@ -170,7 +190,8 @@ class Endpoints:
                 host = uri.host.decode("ascii")
             except UnicodeDecodeError:
                 raise ValueError(f"the host of {uri.toBytes()!r} is not ASCII") from None
-            endpoint = SendNowEndpoint(HostnameEndpoint(self._reactor, host, uri.port))
+            endpoint = SendNowEndpoint(KeepaliveEndpoint(
+                HostnameEndpoint(self._reactor, host, uri.port), self._keepalive))
             if uri.scheme == b"https":
                 endpoint = wrapClientTLS(self._policy.creatorForNetloc(uri.host, uri.port), endpoint)
             self._endpoints[key] = endpoint
@@ -200,11 +221,13 @@ class Outgoing:
     """
     The outgoing HTTP of a service: https peers verified against C{ca_path}
     (default: the platform's roots); with C{cert} (and C{key}), the service
-    presents that certificate to a peer that asks for one.
+    presents that certificate to a peer that asks for one. Every connection
+    is probed by C{keepalive}, so that one whose peer went silent ends.
     """
 
     def __init__(self, reactor, *, ca_path: str | None = None, cert: str | None = None,
-                 key: str | None = None, max_per_host: int = MAX_PER_HOST, idle_seconds: int = 30):
+                 key: str | None = None, max_per_host: int = MAX_PER_HOST, idle_seconds: int = 30,
+                 keepalive: Keepalive = DEFAULT_KEEPALIVE):
         self.pool = HTTPConnectionPool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         # Below the servers' 60 s idle timeout, so a pooled connection is
@@ -212,8 +235,8 @@ class Outgoing:
         self.pool.cachedConnectionTimeout = idle_seconds
         # Requests here are not all idempotent: never let the pool resend one.
         self.pool.retryAutomatically = False
-        agent = Agent.usingEndpointFactory(reactor, Endpoints(reactor, tls_policy(ca_path, cert, key)),
-                                           pool=self.pool)
+        endpoints = Endpoints(reactor, tls_policy(ca_path, cert, key), keepalive)
+        agent = Agent.usingEndpointFactory(reactor, endpoints, pool=self.pool)
         self.client = HTTPClient(agent, cookiejar=_NoCookies(), data_to_body_producer=body_producer)
 
     def close(self):

@@ -24,6 +24,7 @@ from twisted.protocols import policies
 from twisted.web import server
 from zope.interface import implementer
 
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from kcoral.web.auth import IGuard
 from kcoral.web.badrequest import JSONBadRequest
 from kcoral.web.bounds import BodyBounds
@@ -45,7 +46,8 @@ class KCoralSite(server.Site):
                  idle_timeout: float = 60.0, header_timeout: float = 30.0, clock=None,
                  max_connections: int | Callable[[], int] | None = None,
                  spool: Spool | None = None, client_guard: IGuard | None = None,
-                 streams: Callable[[bytes, bytes], bool] = lambda method, path: False):
+                 streams: Callable[[bytes, bytes], bool] = lambda method, path: False,
+                 keepalive: Keepalive = DEFAULT_KEEPALIVE):
         try:
             # KCoral reads no HTML form posts; Twisted's form parsing would
             # parse every POST's Content-Type with the email package, which
@@ -67,6 +69,7 @@ class KCoralSite(server.Site):
         #: (its resource, L{kcoral.web.front.Front}, checks it again).
         self.client_guard = client_guard
         self.header_timeout = header_timeout
+        self.keepalive = keepalive
         self.logger = log
         self.clock = clock if clock is not None else _globalReactor
         self.displayTracebacks = False

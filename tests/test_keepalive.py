@@ -1,0 +1,128 @@
+"""
+TCP keepalive (L{kcoral.common.keepalive}) on every connection between
+hosts: the services' listening sites, their outgoing pool, and the blocking
+client's connection; each read back from the real socket's options.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest_twisted
+from twisted.internet import reactor
+from twisted.internet.defer import succeed
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import Clock
+from twisted.web import server
+
+from kcoral.client.connection import Connection
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
+from kcoral.web.outgoing import KeepaliveEndpoint, Outgoing
+from tests.httputil import Hello, fake_site
+
+SHORT = Keepalive(idle_seconds=3, interval_seconds=1, count=2)
+
+
+def probes(sock: socket.socket) -> tuple[int, int, int, int]:
+    """(SO_KEEPALIVE, idle, interval, count) as the kernel holds them for C{sock}."""
+    return (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+
+
+def test_the_bound_is_idle_plus_each_probe():
+    """A silent peer is noticed after the idle time and every unanswered probe: 16 s by default."""
+    assert SHORT.bound == 5
+    assert DEFAULT_KEEPALIVE.bound == 16
+
+
+def test_apply_sets_the_kernels_probes():
+    """apply() turns keepalive on with the idle time, interval and count the kernel then holds."""
+    with socket.socket() as sock:
+        SHORT.apply(sock)
+        assert probes(sock) == (1, 3, 1, 2)
+
+
+class _Layer:
+    """A protocol layer as a transport (a TLS one, say): no socket of its own."""
+
+    def __init__(self, transport, handle=None):
+        self.transport = transport
+        self._handle = handle
+
+    def getHandle(self):
+        return self._handle
+
+
+def test_apply_to_finds_the_socket_under_other_layers():
+    """The TCP socket under layers that hold none (a TLS connection's) is the one probed."""
+    with socket.socket() as sock:
+        class TCP:
+            def getHandle(self):
+                return sock
+
+        assert SHORT.apply_to(_Layer(_Layer(TCP(), handle=object())))
+        assert probes(sock)[0] == 1
+
+
+def test_apply_to_leaves_what_is_not_tcp():
+    """A UNIX socket, or a transport with no socket at all, is left as it is."""
+    with socket.socket(socket.AF_UNIX) as unix:
+        assert not SHORT.apply_to(_Layer(None, handle=unix))
+    assert not SHORT.apply_to(object())
+    assert not SHORT.apply_to(None)
+
+
+def test_the_endpoint_probes_each_connection_it_makes():
+    """KeepaliveEndpoint hands back the protocol its endpoint made, its socket probed."""
+    with socket.socket() as sock:
+        protocol = Protocol()
+        protocol.transport = _Layer(None, handle=sock)
+
+        class Made:
+            def connect(self, factory):
+                return succeed(protocol)
+
+        connected = []
+        KeepaliveEndpoint(Made(), SHORT).connect(Factory()).addCallback(connected.append)
+        assert connected == [protocol]
+        assert probes(sock) == (1, 3, 1, 2)
+
+
+def test_a_sites_connection_is_probed():
+    """Each connection a KCoralSite accepts is probed with the site's keepalive."""
+    site = fake_site(Clock(), keepalive=SHORT)
+    with socket.socket() as sock:
+        channel = site.buildProtocol(None)
+        channel.makeConnection(_Layer(None, handle=sock))
+        assert probes(sock) == (1, 3, 1, 2)
+        channel.connectionLost(None)
+
+
+def test_the_blocking_clients_connection_is_probed():
+    """The blocking client's connection to a Router is probed with the default keepalive."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        conn = Connection("127.0.0.1", listener.getsockname()[1], timeout=5)
+        try:
+            assert probes(conn.sock) == (1, 10, 2, 3)
+        finally:
+            conn.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_outgoing_connections_are_probed():
+    """A real connection of the outgoing pool (a Router's to a worker) carries the kernel's probes."""
+    port = reactor.listenTCP(0, server.Site(Hello()), interface="127.0.0.1")
+    outgoing = Outgoing(reactor, keepalive=SHORT)
+    try:
+        response = await outgoing.client.get(f"http://127.0.0.1:{port.getHost().port}/")
+        assert await response.content() == b"hello"
+        # Answered, the connection waits in the pool for the next request.
+        [connection] = [c for kept in outgoing.pool._connections.values() for c in kept]
+        assert probes(connection.transport.getHandle()) == (1, 3, 1, 2)
+    finally:
+        await outgoing.close()
+        await port.stopListening()
