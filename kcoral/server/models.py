@@ -134,7 +134,9 @@ class LoadedModel:
         arrays = iter(returned)
         outputs = {}
         for spec in self.manifest.outputs:
-            own = [np.asarray(next(arrays))[slice(rows)] for _ in spec.program_tensors]
+            own = [np.asarray(next(arrays)) for _ in spec.program_tensors]
+            if rows is not None:
+                own = [array[:rows] for array in own]
             try:
                 outputs[spec.name] = spec.from_program(own)
             except ValueError as e:
