@@ -7,7 +7,10 @@ client's connection; each read back from the real socket's options.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
+import pytest
 import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.defer import succeed
@@ -15,6 +18,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.web import server
 
+import hosts
 from kcoral.client.connection import Connection
 from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from kcoral.web.outgoing import KeepaliveEndpoint, Outgoing
@@ -126,3 +130,45 @@ async def test_outgoing_connections_are_probed():
     finally:
         await outgoing.close()
         await port.stopListening()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(hosts.unavailable() is not None,
+                    reason=f"no test hosts here: {hosts.unavailable()}")
+def test_a_client_whose_router_went_silent_gets_a_node_failure():
+    """A Router whose link goes silent mid-request is a NodeFailure within the keepalive bound, not a hang."""
+    from kcoral import Client
+    from kcoral.errors import NodeFailure
+
+    with hosts.Hosts(["client", "router"]) as h:
+        with h.entered("router"):
+            listener = socket.create_server((h.address("router"), 9000))
+        accepted: list[socket.socket] = []
+        with listener:
+            waiter = threading.Thread(target=lambda: accepted.append(listener.accept()[0]),
+                                      daemon=True)
+            waiter.start()
+            with h.entered("client"):
+                client = Client(f"http://{h.address('router')}:9000", busy_timeout=1.0)
+            outcome: list[BaseException] = []
+
+            def ask():
+                try:
+                    client.health()
+                except BaseException as e:
+                    outcome.append(e)
+
+            asking = threading.Thread(target=ask, daemon=True)
+            with h.entered("client"):
+                asking.start()
+            waiter.join(10)
+            assert accepted, "the request never arrived"
+            h.cut("router")
+            started = time.monotonic()
+            asking.join(DEFAULT_KEEPALIVE.bound + 15)
+            took = time.monotonic() - started
+            client.close()
+            accepted[0].close()
+    assert outcome and isinstance(outcome[0], NodeFailure), outcome
+    assert "went silent" in outcome[0].message
+    assert took <= DEFAULT_KEEPALIVE.bound + 2

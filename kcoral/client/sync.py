@@ -10,6 +10,7 @@ for code that already runs a reactor.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import ssl
@@ -215,8 +216,14 @@ class Client:
                 finally:
                     if bar is not None:
                         bar.close()
-        except TimeoutError:
+        except TimeoutError as e:
             self._disconnect()
+            if e.errno == errno.ETIMEDOUT:
+                # The kernel's keepalive probes went unanswered: the Router
+                # (or the link to it) went silent after the request was sent.
+                # Not the idle race below: it may have run.
+                raise NodeFailure(f"the connection to {self.url} went silent: no answer to "
+                                  f"TCP keepalive probes") from None
             raise TimeoutError(f"no answer from {self.url} within the client's timeout") from None
         except (ProtocolError, OSError) as e:
             self._disconnect()
