@@ -11,9 +11,16 @@ src/python/examples) expect, made with kcoral.export_bundle:
   BYTES (the string clients, and grpc_explicit_byte_content_client.py);
 - simple_identity: INPUT0 [-1, 16] BYTES to OUTPUT0 the same, any bytes;
 - filler models (filler0, ...) up to --models folders in all: the model
-  control clients count the repository index (7 for HTTP's, 8 for gRPC's).
+  control clients count the repository index (7 for HTTP's, 8 for gRPC's);
+- with --sequences, the sequence (stateful) models of the sequence clients
+  instead of the fillers, each INPUT [-1, 1] INT32 to OUTPUT [-1, 1] INT32,
+  its steps batched (oldest): simple_sequence answers a step's input, plus
+  one on a sequence's first step (its state counts the steps);
+  simple_dyna_sequence the same, plus the sequence's correlation id on its
+  last step; simple_string_dyna_sequence the running sum of the inputs (its
+  state), plus the correlation id on the last step.
 
-Usage: python examples/triton_models.py DIR [--models N]
+Usage: python examples/triton_models.py DIR [--models N | --sequences]
 """
 
 from __future__ import annotations
@@ -79,11 +86,43 @@ def doubled(x):
     return x * 2
 
 
+def counted_step(count, start, ready, x):
+    """simple_sequence: its input, plus one on its sequence's first step."""
+    count = jnp.where(start == 1, 0, count) + ready
+    return count, x + (count == 1).astype(x.dtype)
+
+
+def dyna_step(count, start, end, ready, corrid, x):
+    """simple_dyna_sequence: simple_sequence's, plus the id on the last step."""
+    count, output = counted_step(count, start, ready, x)
+    return count, output + end * corrid.astype(x.dtype)
+
+
+def summed_step(total, start, end, ready, corrid, x):
+    """simple_string_dyna_sequence: the sum so far, plus the id on the last step."""
+    total = jnp.where(start == 1, 0, total) + x * ready
+    return total, total + end * corrid.astype(x.dtype)
+
+
+def sequence_models(folder: str) -> None:
+    """The sequence models of Triton's sequence clients, in C{folder}."""
+    one = np.zeros((1, 1), np.int32)
+    for name, step, controls in (
+            ("simple_sequence", counted_step, ("START", "READY")),
+            ("simple_dyna_sequence", dyna_step, ("START", "END", "READY", "CORRID")),
+            ("simple_string_dyna_sequence", summed_step, ("START", "END", "READY", "CORRID"))):
+        kcoral.export_bundle(step, None, one, dir=os.path.join(folder, name, "1"), name=name,
+                             batch_sizes=[1, 8], input_names=["INPUT"], output_names=["OUTPUT"],
+                             state=one, controls=controls, sequence_batching="oldest")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", help="the model repository to write")
     parser.add_argument("--models", type=int, default=7,
                         help="model folders in all, fillers included (default 7)")
+    parser.add_argument("--sequences", action="store_true",
+                        help="write the sequence clients' models in place of the fillers")
     args = parser.parse_args()
     for name, dtype in (("simple", np.int32), ("simple_int8", np.int8)):
         x = np.zeros((1, 16), dtype)
@@ -103,6 +142,9 @@ def main() -> None:
                          dir=os.path.join(args.dir, "simple_identity", "1"),
                          name="simple_identity", batch_sizes=[1, 8],
                          input_names=["INPUT0"], output_names=["OUTPUT0"])
+    if args.sequences:
+        sequence_models(args.dir)
+        return
     for i in range(max(args.models - 5, 0)):
         kcoral.export_bundle(doubled, None, np.zeros((1, 4), np.float32),
                              dir=os.path.join(args.dir, f"filler{i}"), name=f"filler{i}",

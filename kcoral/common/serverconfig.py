@@ -63,6 +63,8 @@ class ServerConfig:
     #: How long a short batch of a batched model waits for more rows (0: it
     #: takes what is queued and never waits).
     max_batch_delay_microseconds: int = 0
+    #: The live sequences each worker holds of each sequence model.
+    max_sequences: int = 1024
     #: Whether a batched model's row has the same output bytes whatever else
     #: is in its batch (a flag: its option gives 0 or 1).
     batch_invariant: bool = attrs.field(default=False, converter=bool)

@@ -49,13 +49,15 @@ class InferCall:
     An inference as a front receives it: its C{message} (in the form it
     came in), the request id, and the headers to forward with it
     (C{traceparent} and the like); C{formed}: a front batcher formed it, and
-    it runs without waiting for more rows.
+    it runs without waiting for more rows; C{token}: the client token it
+    came with (None: none), whose sequences it may step.
     """
 
     message: IInferMessage
     request_id: str
     headers: dict[bytes, bytes] = attrs.field(factory=dict)
     formed: bool = False
+    token: bytes | None = None
 
 
 class IInferenceFront(Interface):

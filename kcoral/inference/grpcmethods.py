@@ -245,12 +245,14 @@ class GrpcMethods:
             resolved = self._shared_memory.resolve(_caller(metadata), call)
             if resolved is None:
                 return self._front.infer(pb.model_name, pb.model_version or None,
-                                         InferCall(call, rid, headers))
+                                         InferCall(call, rid, headers,
+                                                   token=_caller(metadata).token))
 
             def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred:
                 message, placement = resolution
                 return self._front.infer(pb.model_name, pb.model_version or None, InferCall(
-                    message, rid, headers)).addCallback(placement.place)
+                    message, rid, headers, token=_caller(metadata).token)).addCallback(
+                    placement.place)
 
             return resolved.addCallback(placed)
 

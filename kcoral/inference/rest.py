@@ -332,12 +332,13 @@ class InferenceRoutes:
                 resolved = self._shared_memory.resolve(_caller(request), message)
                 if resolved is None:
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed))
+                        message, request.request_id, headers, formed, _caller(request).token))
 
                 def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred[InferAnswer]:
                     message, placement = resolution
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed)).addCallback(placement.place)
+                        message, request.request_id, headers, formed, _caller(request).token)
+                    ).addCallback(placement.place)
 
                 return resolved.addCallback(placed)
 

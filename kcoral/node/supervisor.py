@@ -46,7 +46,7 @@ WORKER_SETTINGS = ("devices_per_worker", "capacity", "max_queued_requests", "que
                    "compile_cache_entries", "device_cache_bytes", "kept_bytes",
                    "kept_idle_seconds", "compilation_cache_dir",
                    "model_repository", "model_control_mode", "repository_poll_seconds",
-                   "max_batch_delay_microseconds", "batch_invariant",
+                   "max_batch_delay_microseconds", "max_sequences", "batch_invariant",
                    "tls_cert", "tls_key", "log_format", "tracing", "max_run_seconds",
                    "sandbox")
 

@@ -21,6 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
+from kcoral.protocol.sequence import controls_of_grpc
 from kcoral.protocol.strings import OBJECT, InvalidStrings, deserialize, serialize
 from kcoral.protocol.tensors import (
     BYTES,
@@ -476,7 +477,9 @@ def _rest_parts(pb: service_pb2.ModelInferRequest) -> tuple[dict, list[bytes]]:
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                        "parameters": {"binary_data_size": len(data)}})
         buffers.append(data)
-    header: dict = {"inputs": inputs, "parameters": {"binary_data_output": True}}
+    # A sequence's controls travel as the REST form's parameters.
+    header: dict = {"inputs": inputs, "parameters": {
+        "binary_data_output": True, **controls_of_grpc(pb.parameters).rest_parameters()}}
     if pb.id:
         header["id"] = pb.id
     if pb.outputs:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred, succeed
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -36,6 +36,7 @@ from kcoral.inference.front import (
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.statistics import Statistics
 from kcoral.protocol.counts import MOST_VERSION, read_count
+from kcoral.protocol.sequence import controls_of_rest
 from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
 from kcoral.server.control import ModelControl
@@ -48,6 +49,7 @@ from kcoral.server.models import (
     ModelUnavailable,
     UnknownModel,
 )
+from kcoral.server.sequencer import MAX_SEQUENCES, Sequencer
 
 log = Logger()
 
@@ -66,6 +68,9 @@ class InferenceMetrics:
         self.queue_seconds = Histogram("kcoral_inference_queue_seconds",
                                        "Time inferences waited for a slot", ["model"],
                                        buckets=SECONDS_BUCKETS, registry=registry)
+        self.sequences_live = Gauge("kcoral_sequences_live",
+                                    "Sequences whose state a sequence model holds", ["model"],
+                                    registry=registry)
 
 
 @attrs.frozen
@@ -91,13 +96,14 @@ class ServerInference:
     arrival and says why the server takes none now. A batched model's
     inferences go through its L{Batcher}, whose short batches wait up to
     C{batch_delay} seconds for more rows, and where up to C{most_waiting}
-    batches' worth of them wait.
+    batches' worth of them wait. A sequence model's steps go through its
+    L{Sequencer}, which holds up to C{max_sequences} live sequences.
     """
 
     def __init__(self, repository: ModelRepository | None, *, is_ready: Callable[[], bool],
                  busy: Callable[[], ServerBusy | None], slots: Slots, clock,
                  metrics: InferenceMetrics, batch_delay: float = 0.0, most_waiting: int = 1024,
-                 control: ModelControl | None = None):
+                 control: ModelControl | None = None, max_sequences: int = MAX_SEQUENCES):
         self._repository = repository
         self._control = control
         self._is_ready = is_ready
@@ -110,6 +116,9 @@ class ServerInference:
         #: The batcher of each model version's current load (one loaded
         #: again gets a new one; the old one finishes what it holds).
         self._batchers: dict[tuple[str, int], Batcher] = {}
+        #: The sequencer of each sequence model version's current load.
+        self._sequencers: dict[tuple[str, int], Sequencer] = {}
+        self._max_sequences = max_sequences
         #: Each model's counts, in the form of Triton's statistics extension.
         self.statistics = Statistics(clock)
 
@@ -236,7 +245,11 @@ class ServerInference:
                 rows = manifest.check(request.inputs)
             except InvalidInput as e:
                 raise BadRequest(str(e)) from None
-            if manifest.max_batch_size:
+            if model.states is not None:
+                outputs = yield self._sequencer(model).step(
+                    call.token, controls_of_rest(request.parameters), request.inputs, rows,
+                    call.request_id)
+            elif manifest.max_batch_size:
                 outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id,
                                                            formed=call.formed)
             else:
@@ -290,6 +303,26 @@ class ServerInference:
                 observe=observe, executed=executed,
                 most_waiting=self._most_waiting * model.manifest.max_batch_size)
         return batcher
+
+    def _sequencer(self, model: LoadedModel) -> Sequencer:
+        name, number = model.manifest.name, model.manifest.version
+        sequencer = self._sequencers.get((name, number))
+        if sequencer is None or sequencer.model is not model:
+            if sequencer is not None:
+                # Loaded again: the old load's states went with it.
+                sequencer.close()
+            version = str(number)
+            gauge = self._metrics.sequences_live.labels(name)
+
+            def executed(rows: int, seconds: float) -> None:
+                self._metrics.batch_size.labels(name).observe(rows)
+                self.statistics.executed(name, version, size=rows, requests=rows, seconds=seconds)
+
+            sequencer = self._sequencers[(name, number)] = Sequencer(
+                model, admitted=lambda: self._slots.admitted(f"a step of {name}"),
+                release=self._slots.release, in_thread=self._slots.in_thread, clock=self._clock,
+                most_live=self._max_sequences, live=gauge.inc, executed=executed)
+        return sequencer
 
     def _drop_unserved_batchers(self, name: str) -> None:
         """Forget the batchers of C{name}'s loads no longer served (a batcher

@@ -115,7 +115,8 @@ class ServerService(service.MultiService):
                 clock=reactor, metrics=inference_metrics,
                 batch_delay=config.max_batch_delay_microseconds / 1e6,
                 # As many batches as runs may hold or wait for its slots.
-                most_waiting=config.capacity + config.max_queued_requests, control=self.control)
+                most_waiting=config.capacity + config.max_queued_requests, control=self.control,
+                max_sequences=config.max_sequences)
 
         # Made once confined: otlp's exporter starts a thread.
         self._tracing = tracing_maker(config.tracing, "kcoral-server")

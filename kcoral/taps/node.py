@@ -114,6 +114,8 @@ class NodeOptions(KCoralOptions):
                 "again.", positive(float)),
         _server("max_batch_delay_microseconds", "Longest wait of a batched model's short batch "
                 "for more requests (0: run what is queued at once).", non_negative(int)),
+        _server("max_sequences", "Live sequences each worker holds of each sequence model; a "
+                "new one past them is refused (503 sequences_full).", positive(int)),
         _server("grpc_port", "Port of the inference protocol over gRPC (the gateway's, with several "
                 "workers; default: gRPC off).", port),
         _node("front_processes", "Processes serving --grpc-port, the gateway among them, each "
