@@ -211,7 +211,8 @@ async def test_http_client(served):
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"] == {"name": "kcoral", "version": "9.9",
                                  "extensions": ["binary_tensor_data", "model_configuration",
-                                                "model_repository", "statistics", "system_shared_memory"]}
+                                                "model_repository", "sequence", "statistics",
+                                                "system_shared_memory"]}
     assert results["metadata"] == results["versioned"] == model_metadata_of(MANIFEST)
     assert results["metadata"]["inputs"][0]["shape"] == [-1, 4]
     assert results["config"]["max_batch_size"] == 8
@@ -323,8 +324,8 @@ async def test_grpc_client(served):
     assert results["live"] and results["ready"] and results["model_ready"]
     assert results["server"]["name"] == "kcoral"
     assert results["server"]["extensions"] == [
-        "binary_tensor_data", "model_configuration", "model_repository", "statistics",
-        "system_shared_memory"]
+        "binary_tensor_data", "model_configuration", "model_repository", "sequence",
+        "statistics", "system_shared_memory"]
     assert results["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
     config = results["config"]["config"]
     assert config["max_batch_size"] == 8

@@ -39,8 +39,8 @@ MAX_PATH_DEPTH = 8
 MAX_LOAD_FILES = 1024
 #: The protocol's extensions served, and only those: a client such as
 #: perf_analyzer calls the routes of every extension it is told of.
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics",
-              "system_shared_memory")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "sequence",
+              "statistics", "system_shared_memory")
 
 
 @attrs.frozen
