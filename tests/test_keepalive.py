@@ -1,11 +1,15 @@
 """
-TCP keepalive (L{kcoral.common.keepalive}) on every connection between
-hosts: the services' listening sites, their outgoing pool, and the blocking
-client's connection; each read back from the real socket's options.
+Silent peers: TCP keepalive (L{kcoral.common.keepalive}) on every
+connection between hosts (the services' listening sites, their outgoing
+pool, and the blocking client's connection; each read back from the real
+socket's options), and the blocking client facing a Router host gone silent
+(test hosts of C{bench/hosts.py}).
 """
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import threading
 import time
@@ -172,3 +176,44 @@ def test_a_client_whose_router_went_silent_gets_a_node_failure():
     assert outcome and isinstance(outcome[0], NodeFailure), outcome
     assert "went silent" in outcome[0].message
     assert took <= DEFAULT_KEEPALIVE.bound + 2
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """A Router's /health, as far as a client's health() reads it."""
+
+    def do_GET(self):
+        body = json.dumps({"status": "ok"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.skipif(hosts.unavailable() is not None,
+                    reason=f"no test hosts here: {hosts.unavailable()}")
+def test_a_client_goes_on_past_a_router_that_answers_no_connection():
+    """A Router host that is cut off costs a client its connect_timeout, then the next Router answers."""
+    from kcoral import Client
+
+    with hosts.Hosts(["client", "silent", "live"]) as h:
+        with h.entered("live"):
+            live = http.server.HTTPServer((h.address("live"), 9000), _Health)
+        serving = threading.Thread(target=live.serve_forever, daemon=True)
+        serving.start()
+        try:
+            h.cut("silent")
+            with h.entered("client"):
+                client = Client([f"http://{h.address('silent')}:9000",
+                                 f"http://{h.address('live')}:9000"], connect_timeout=1.0)
+                started = time.monotonic()
+                assert client.health() == {"status": "ok"}
+                took = time.monotonic() - started
+            client.close()
+        finally:
+            live.shutdown()
+            live.server_close()
+    assert 1.0 <= took < 3.0

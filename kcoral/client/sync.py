@@ -48,6 +48,9 @@ from kcoral.web.family import INFERENCE_HEADER_LENGTH, REPOSITORY_INDEX
 
 log = Logger()
 
+#: Default of C{Client(connect_timeout=...)}: seconds to make a connection.
+CONNECT_TIMEOUT = 5.0
+
 
 def _retry_after(value: str | None) -> float | None:
     try:
@@ -104,16 +107,20 @@ class Client:
     asks for one (C{--tls-client-ca}). With C{progress}, request bodies of
     64 MiB or more show a progress bar as they are sent. The arrays it keeps
     are freed once nothing refers to them, and when it closes, unless
-    C{keep_on_close}.
+    C{keep_on_close}. A URL whose connection (with its TLS handshake) is not
+    made within C{connect_timeout} seconds counts as one that cannot be
+    reached: a silent host answers no connection attempt, and the kernel
+    would try for two minutes.
     """
 
     def __init__(self, url: str | Sequence[str], *, busy_timeout: float = 60.0,
                  timeout: float | None = None, ssl_context=None, progress: bool = False,
                  token: str | None = None, redispatch: bool = False,
-                 keep_on_close: bool = False):
+                 keep_on_close: bool = False, connect_timeout: float = CONNECT_TIMEOUT):
         self._failover = Failover([Endpoint.parse(u, ssl_context) for u in urls_of(url)])
         self.busy_timeout = busy_timeout
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.progress = progress
         self.redispatch = redispatch
         self._auth = client_headers(token)
@@ -162,7 +169,7 @@ class Client:
             self._conn.close()
             self._conn = None
 
-    def _connection(self, timeout: float | None) -> Connection:
+    def _connection(self, timeout: float | None, connect_timeout: float) -> Connection:
         conn = self._conn
         if conn is not None and conn.dropped():
             # The server closed this idle keep-alive connection (its idle
@@ -172,7 +179,8 @@ class Client:
         if conn is None:
             endpoint = self._failover.current
             conn = self._conn = Connection(endpoint.host, endpoint.port,
-                                           ssl_context=endpoint.ssl_context, timeout=timeout)
+                                           ssl_context=endpoint.ssl_context,
+                                           timeout=connect_timeout)
         conn.settimeout(timeout)
         return conn
 
@@ -194,10 +202,17 @@ class Client:
     def _request_at(self, endpoint: Endpoint, method: str, path: str, send: Send | None,
                     deadline: float | None, retried: bool = False) -> Response:
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        connect_timeout = self.connect_timeout if remaining is None else \
+            min(remaining, self.connect_timeout)
         try:
-            conn = self._connection(remaining)
+            conn = self._connection(remaining, connect_timeout)
         except TimeoutError:
-            raise TimeoutError(f"could not connect to {self.url} within the client's timeout") from None
+            if connect_timeout == remaining:
+                raise TimeoutError(f"could not connect to {self.url} within the client's "
+                                   f"timeout") from None
+            # Nothing was sent: the next URL, or a retry within busy_timeout.
+            return Response(None, problem=f"no connection to {self.url} within "
+                                          f"{self.connect_timeout:g} s")
         except ssl.SSLError as e:
             raise NodeFailure(f"TLS with {self.url} failed: {e}") from None
         except OSError as e:
