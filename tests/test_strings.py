@@ -23,9 +23,11 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from kcoral.errors import BadRequest, ProgramFailed
 from kcoral.models.manifest import InvalidManifest, ModelManifest, TensorSpec
 from kcoral.protocol.inference import (
+    ON_REACTOR_BYTES,
     InferRequest,
     RequestedOutput,
     encode_infer,
+    encoded_size,
     grpc_infer_answer,
     grpc_of_rest_answer,
     merge_infer,
@@ -188,6 +190,17 @@ def test_answers_read_by_tritonclient(binary):
     assert grpcclient.InferResult(pb).as_numpy("y").reshape(-1).tolist() == VALUES
     assert grpcclient.InferResult(grpc_of_rest_answer(answer.body, answer.header_length)).as_numpy(
         "y").reshape(-1).tolist() == VALUES
+
+
+def test_a_bytes_answers_size_is_its_elements():
+    """Where an answer is encoded is chosen by its elements' bytes (an
+    object array's nbytes counts pointers): a few large elements, or very
+    many small ones, are large."""
+    large = objects([b"x" * ON_REACTOR_BYTES] * 2)
+    assert encoded_size(large) == 2 * (4 + ON_REACTOR_BYTES) > large.nbytes
+    assert encoded_size(objects([b"ab"] * 3)) == 18
+    assert encoded_size(objects([b""] * 5000)) > ON_REACTOR_BYTES
+    assert encoded_size(np.zeros(4, np.float32)) == 16
 
 
 def test_bytes_json_cannot_carry_are_refused_in_json():

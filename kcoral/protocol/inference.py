@@ -48,6 +48,9 @@ MAX_ID_CHARS = 256
 #: thread (a JSON header and views of the tensors: microseconds); larger ones,
 #: which may be long JSON lists of numbers, are not.
 ON_REACTOR_BYTES = 64 * 1024
+#: The most elements of a BYTES answer whose size is counted on the
+#: reactor's thread: one of more is encoded off it, uncounted.
+_COUNTED_ELEMENTS = 1024
 
 _HALF_FLOATS = (DATATYPES["FP16"], DATATYPES["BF16"])
 
@@ -331,6 +334,17 @@ def _chosen(model_name: str, request: InferRequest, outputs: Mapping[str, np.nda
         return [(r.name, request.binary_output_default if r.binary is None else r.binary)
                 for r in request.outputs]
     return [(name, request.binary_output_default) for name in outputs]
+
+
+def encoded_size(array: np.ndarray) -> int:
+    """About the bytes C{array} takes in an answer, to choose where it is
+    encoded: a BYTES tensor's are its elements' (an array of them holds
+    only pointers), and one of many elements is taken as large unread."""
+    if array.dtype != OBJECT:
+        return array.nbytes
+    if array.size > _COUNTED_ELEMENTS:
+        return ON_REACTOR_BYTES + 1
+    return 4 * array.size + sum(map(len, array.reshape(-1)))
 
 
 def _binary(array: np.ndarray) -> bytes | memoryview:

@@ -36,6 +36,7 @@ from kcoral.inference.front import (
 from kcoral.metrics import SECONDS_BUCKETS
 from kcoral.models.statistics import Statistics
 from kcoral.protocol.counts import MOST_VERSION, read_count
+from kcoral.protocol.inference import encoded_size
 from kcoral.protocol.sequence import controls_of_rest
 from kcoral.protocol.tensors import InvalidInput
 from kcoral.server.batcher import Batcher
@@ -255,7 +256,8 @@ class ServerInference:
             else:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
             computed = clock.seconds()
-            answer = yield off_reactor(sum(o.nbytes for o in outputs.values()), call.message.answer,
+            answer = yield off_reactor(sum(encoded_size(o) for o in outputs.values()),
+                                       call.message.answer,
                                        manifest.name, str(manifest.version), request, outputs)
             # Counted with its output, not as it was read: the batch's
             # execution is counted in the same turn of the reactor when the
