@@ -18,6 +18,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import pytest_twisted
@@ -335,6 +336,46 @@ async def test_hostile_bytes_bodies_are_400s_with_request_ids(front):
     400 with a request id (an element over the bound naming it), and the
     front serves a good request afterwards."""
     await threads.deferToThread(_hostile, front[0])
+
+
+def _hostile_grpc(address: str) -> None:
+    client = grpcclient.InferenceServerClient(address)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(client._channel)
+
+    @settings(max_examples=80, deadline=None)
+    @given(data=HOSTILE, explicit=st.booleans())
+    def check(data, explicit):
+        request = service_pb2.ModelInferRequest(model_name="simple_identity")
+        tensor = request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 16])
+        if explicit:
+            # Elements in bytes_contents: too few or too many, or too long.
+            count = len(data) % 33
+            tensor.contents.bytes_contents.extend([data[:IDENTITY_LENGTH + 1]] * count)
+            fits = count == 16 and len(data[:IDENTITY_LENGTH + 1]) <= IDENTITY_LENGTH
+        else:
+            request.raw_input_contents.append(data)
+            fits = _fits(data)
+        try:
+            stub.ModelInfer(request, timeout=30)
+        except grpc.RpcError as e:
+            assert not fits and e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+            assert e.details()
+            return
+        assert fits
+
+    try:
+        check()
+        assert client.is_server_ready() and client.is_model_ready("simple_identity")
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hostile_grpc_bytes_are_invalid_argument(front):
+    """Over gRPC, raw contents of any bytes and bytes_contents of the wrong
+    count or over max_length are each INVALID_ARGUMENT with a message, and
+    the front is ready afterwards."""
+    await threads.deferToThread(_hostile_grpc, front[1])
 
 
 def _numbers_refuse_bytes(address: str) -> None:
