@@ -33,7 +33,9 @@ from twisted.internet import threads
 
 from kcoral.protocol.strings import Strings
 from tests.conftest import server_args
-from tests.test_models import start_grpc_front
+from tests.test_models import START_TIMEOUT, grpc_address, start_grpc_front
+from tests.test_routed import start_node as start_routed_node
+from tests.test_routed import start_router, until_ready
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "triton_models.py"
 #: simple_identity's max_length, as examples/triton_models.py exports it.
@@ -73,16 +75,22 @@ def test_rows_of_several_requests_run_as_one_execution(tmp_path):
     assert outputs["output2"].tolist() == [[97, sum(b"12345678")], [0, 0], [sum(b"xyz"), 255]]
 
 
-@pytest_twisted.async_fixture(scope="module", params=[
-    "server", pytest.param("gateway", marks=pytest.mark.slow)])
-async def front(request: pytest.FixtureRequest, module_processes, tmp_path_factory):
-    """A standalone server, or a node's gateway before two CPU workers, of the
-    repository examples/triton_models.py writes (no fillers), serving REST,
-    gRPC and shared memory: its host:port for REST, and for gRPC."""
+@pytest_twisted.async_fixture(scope="module")
+async def repository(tmp_path_factory) -> str:
+    """The repository examples/triton_models.py writes (no fillers)."""
     root = tmp_path_factory.mktemp("bytes") / "repo"
     await threads.deferToThread(subprocess.run, [sys.executable, str(EXAMPLES), str(root),
                                                  "--models", "5"], check=True, timeout=300)
-    args = server_args("--model-repository", str(root), "--grpc-port", "0", "--allow-client-shm")
+    return str(root)
+
+
+@pytest_twisted.async_fixture(scope="module", params=[
+    "server", pytest.param("gateway", marks=pytest.mark.slow)])
+async def front(request: pytest.FixtureRequest, module_processes, repository):
+    """A standalone server, or a node's gateway before two CPU workers, of
+    the repository, serving REST, gRPC and shared memory: its host:port for
+    REST, and for gRPC."""
+    args = server_args("--model-repository", repository, "--grpc-port", "0", "--allow-client-shm")
     address, url, _ = await start_grpc_front(module_processes, request.param, args)
     return url.removeprefix("http://"), address
 
@@ -395,3 +403,18 @@ async def test_a_model_of_numbers_refuses_bytes(front):
     """A BYTES tensor sent to a model that declares none is a 400 naming
     both datatypes."""
     await threads.deferToThread(_numbers_refuse_bytes, front[0])
+
+
+@pytest.mark.slow
+@pytest_twisted.ensureDeferred
+async def test_a_router_serves_strings(module_processes, repository):
+    """A Router before a node of the repository answers simple_string and
+    simple_identity over REST and gRPC as a server does."""
+    router = await start_router(module_processes, "--grpc-port", "0")
+    await start_routed_node(module_processes, router.url, "n0", "--model-repository", repository)
+    await until_ready(router, "n0", timeout=START_TIMEOUT)
+    address = await grpc_address(router.process)
+    url = router.url.removeprefix("http://")
+    await threads.deferToThread(_sums, httpclient, url, True)
+    await threads.deferToThread(_sums, grpcclient, address, True)
+    await threads.deferToThread(_identity, (url, address))
