@@ -346,6 +346,30 @@ async def test_hostile_bytes_bodies_are_400s_with_request_ids(front):
     await threads.deferToThread(_hostile, front[0])
 
 
+def _kcoral_client(address: str) -> None:
+    import kcoral
+
+    client = kcoral.Client(f"http://{address}")
+    try:
+        values = np.array([[b"he\x00llo", b"", b"\xff" * IDENTITY_LENGTH, b"x"] * 4], dtype=object)
+        assert client.infer("simple_identity", {"INPUT0": values})["OUTPUT0"].tolist() == values.tolist()
+        a, b = decimal(np.arange(16).reshape(1, 16)), decimal(np.full((1, 16), -5))
+        outputs = client.infer("simple_string", {"INPUT0": a, "INPUT1": b})
+        assert outputs["OUTPUT0"].tolist() == decimal(np.arange(16).reshape(1, 16) - 5).tolist()
+        with pytest.raises(kcoral.BadRequest, match="every element bytes"):
+            client.infer("simple_identity", {"INPUT0": np.array([["text"] * 16], dtype=object)})
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_kcoral_client_sends_and_reads_bytes(front):
+    """KCoral's own client sends an array of bytes objects as a BYTES input
+    and reads BYTES outputs back as one; an array of other objects is
+    refused before it is sent."""
+    await threads.deferToThread(_kcoral_client, front[0])
+
+
 def _hostile_grpc(address: str) -> None:
     client = grpcclient.InferenceServerClient(address)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(client._channel)

@@ -1,7 +1,8 @@
 """
 The clients' side of an inference: a model's inputs by name, sent as the
 inference protocol's binary tensors (no JSON lists of numbers), its outputs
-read back the same way. The exchange (L{kcoral.client.exchange}) retries it
+read back the same way; a BYTES tensor is a numpy array of C{bytes}
+(dtype object). The exchange (L{kcoral.client.exchange}) retries it
 after 503s like a run.
 """
 
@@ -18,7 +19,8 @@ from zope.interface import implementer
 from kcoral.client.exchange import ICall, Response, Send
 from kcoral.errors import BadRequest, ProgramFailed
 from kcoral.models.manifest import NAME
-from kcoral.protocol.tensors import DATATYPES, InvalidInput, datatype_of
+from kcoral.protocol.strings import OBJECT, deserialize, serialize
+from kcoral.protocol.tensors import BYTES, InvalidInput, datatype_of, dtype_of
 from kcoral.protocol.wire import byte_view
 from kcoral.tracing import current_traceparent
 from kcoral.web.family import (
@@ -54,10 +56,15 @@ class InferCall:
             array = np.require(value, requirements="C")
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
-            try:
-                datatype_of(array.dtype)
-            except ValueError as e:
-                raise BadRequest(f"input {name!r}: {e}") from None
+            if array.dtype == OBJECT:
+                if not all(isinstance(v, bytes) for v in array.reshape(-1)):
+                    raise BadRequest(f"input {name!r}: an array of objects is a BYTES input, "
+                                     "its every element bytes")
+            else:
+                try:
+                    datatype_of(array.dtype)
+                except ValueError as e:
+                    raise BadRequest(f"input {name!r}: {e}") from None
             arrays[str(name)] = array
         return cls(model, arrays)
 
@@ -66,13 +73,14 @@ class InferCall:
         return MODEL_INFER.path(model=self.model)
 
     def send(self, referenced: set[str], request_id: str | None, redispatch: bool = False) -> Send:
+        data = [serialize(a) if a.dtype == OBJECT else byte_view(a) for a in self.inputs.values()]
         header = json.dumps({
-            "inputs": [{"name": name, "datatype": datatype_of(a.dtype), "shape": list(a.shape),
-                        "parameters": {"binary_data_size": a.nbytes}}
-                       for name, a in self.inputs.items()],
+            "inputs": [{"name": name, "datatype": BYTES if a.dtype == OBJECT else datatype_of(a.dtype),
+                        "shape": list(a.shape), "parameters": {"binary_data_size": len(d)}}
+                       for (name, a), d in zip(self.inputs.items(), data)],
             "parameters": {"binary_data_output": True},
         }).encode()
-        parts = [header, *(byte_view(a) for a in self.inputs.values())]
+        parts = [header, *data]
         headers = {"Content-Type": _CONTENT_TYPE, _HEADER_LENGTH: str(len(header))}
         if request_id:
             headers["X-Request-ID"] = request_id
@@ -118,14 +126,20 @@ def outputs_of(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
         offset = len(body) if header_length is None else header_length
         outputs = {}
         for output in header["outputs"]:
-            dtype, shape = DATATYPES[output["datatype"]], tuple(output["shape"])
+            dtype, shape = dtype_of(output["datatype"]), tuple(output["shape"])
             size = (output.get("parameters") or {}).get("binary_data_size")
             if size is None:
-                outputs[output["name"]] = np.asarray(output["data"], dtype).reshape(shape)
+                data = output["data"]
+                if dtype == OBJECT:
+                    data = [value.encode() for value in data]
+                outputs[output["name"]] = np.asarray(data, dtype).reshape(shape)
                 continue
-            outputs[output["name"]] = np.frombuffer(body, dtype, int(np.prod(shape)),
-                                                    offset).reshape(shape)
+            if dtype == OBJECT:
+                array = deserialize(memoryview(body)[offset:offset + size], int(np.prod(shape)))
+            else:
+                array = np.frombuffer(body, dtype, int(np.prod(shape)), offset)
+            outputs[output["name"]] = array.reshape(shape)
             offset += size
-    except (ValueError, KeyError, TypeError, InvalidInput) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, InvalidInput) as e:
         raise ProgramFailed(f"the server's inference answer could not be read: {e}") from None
     return outputs
