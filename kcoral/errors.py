@@ -158,6 +158,21 @@ class ArrayLost(KCoralError):
         return list(self.details.get("lost", []))
 
 
+class SequenceLost(KCoralError):
+    """410: a step of a sequence whose START this front placed on a worker
+    that no longer holds it (gone, restarted, or no longer the sequence's
+    worker since the members changed): its state is lost, and the client
+    starts the sequence again."""
+
+    status = 410
+    type = "sequence_lost"
+
+    def __init__(self, message: str, **kwargs):
+        # The inference protocol's errors are their message alone: the
+        # reason is in it, where clients look for it.
+        super().__init__(f"sequence_lost: {message}", reason="sequence_lost", **kwargs)
+
+
 class KeptMemoryFull(KCoralError):
     """507, reason C{kept_memory_full}: the outputs a run would keep pass the
     worker's C{--kept-bytes}; it did not run."""
@@ -246,6 +261,7 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     NodeConflict,
     NotEnoughDevices,
     ArraysApart,
+    SequenceLost,
     InternalError,
 )
 

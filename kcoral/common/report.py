@@ -67,6 +67,9 @@ class ModelState:
     #: The digest of its inputs' and outputs' names, datatypes and shapes
     #: (L{kcoral.models.manifest.ModelManifest.signature}); "" when not said.
     signature: str = ""
+    #: It keeps a state per sequence (sequence batching): a front sends each
+    #: sequence's steps to one worker.
+    sequence: bool = False
 
     @property
     def ready(self) -> bool:
@@ -96,7 +99,10 @@ def parse_models(value: object, what: str) -> tuple[ModelState, ...]:
         signature = entry.get("signature", "")
         if not (isinstance(signature, str) and (signature == "" or _SIGNATURE.match(signature))):
             raise InvalidReport(f"{what}: model {entry['name']} has a malformed signature")
-        models.append(ModelState(entry["name"], version, state, reason, most, signature))
+        sequence = entry.get("sequence", False)
+        if not isinstance(sequence, bool):
+            raise InvalidReport(f"{what}: model {entry['name']}'s sequence must be true or false")
+        models.append(ModelState(entry["name"], version, state, reason, most, signature, sequence))
     return tuple(models)
 
 

@@ -44,6 +44,8 @@ _CODES = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    # State the client built step by step is gone: not to be retried as it is.
+    410: grpc.StatusCode.ABORTED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 from tritonclient.grpc import service_pb2
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from zope.interface import Attribute, Interface, implementer
 
 from kcoral.common.offreactor import off_reactor
@@ -26,7 +26,9 @@ from kcoral.protocol.inference import (
     parse_infer,
     request_of_grpc_infer,
     rest_of_grpc_infer,
+    sequence_of_infer,
 )
+from kcoral.protocol.sequence import SequenceControls, controls_of_grpc
 
 __all__ = ["GrpcAnswer", "GrpcMessage", "IInferMessage", "RestMessage"]
 
@@ -44,6 +46,10 @@ class IInferMessage(Interface):
 
     def rest_formed() -> Deferred[RestMessage]:
         """Its REST form, made off the reactor when it is large."""
+
+    def sequence() -> Deferred[SequenceControls]:
+        """The sequence it names, read off the reactor when it is large
+        (L{BadRequest}: what is wrong with its controls)."""
 
     def answer(model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> InferAnswer | GrpcAnswer:
@@ -71,6 +77,12 @@ class RestMessage:
 
     def rest_formed(self) -> Deferred[RestMessage]:
         return succeed(self)
+
+    def sequence(self) -> Deferred[SequenceControls]:
+        # Only the JSON header is read, which holds every tensor where the
+        # body has no binary part.
+        size = len(self.body) if self.header_length is None else self.header_length
+        return off_reactor(size, sequence_of_infer, self.body, self.header_length)
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> InferAnswer:
@@ -101,6 +113,12 @@ class GrpcMessage:
 
     def rest_formed(self) -> Deferred[RestMessage]:
         return off_reactor(self.size, self.rest)
+
+    def sequence(self) -> Deferred[SequenceControls]:
+        try:
+            return succeed(controls_of_grpc(self.message.parameters))
+        except Exception:
+            return fail()
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
                outputs: Mapping[str, np.ndarray]) -> GrpcAnswer:

@@ -29,6 +29,7 @@ from kcoral.inference.front import (
 from kcoral.inference.message import IInferMessage, RestMessage
 from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.counts import MOST_BYTES, read_count
+from kcoral.protocol.sequence import OWNER_HEADER
 from kcoral.web.auth import request_authorization
 from kcoral.web.body import SpooledBody, body_of
 from kcoral.web.errors import internal_error
@@ -326,18 +327,21 @@ class InferenceRoutes:
             headers = {name: value for name in TRACE_HEADERS
                        if (value := request.getHeader(name)) is not None}
             formed = request.getHeader(FORMED_BATCH_HEADER) == b"true"
+            # Whose sequences it may step: the client a front names (a
+            # digest of the client's token), else the token it presents.
+            owner = request.getHeader(OWNER_HEADER) or _caller(request).token
 
             def ask(body: memoryview) -> Deferred:
                 message = RestMessage(body, header_length)
                 resolved = self._shared_memory.resolve(_caller(request), message)
                 if resolved is None:
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed, _caller(request).token))
+                        message, request.request_id, headers, formed, owner))
 
                 def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred[InferAnswer]:
                     message, placement = resolution
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed, _caller(request).token)
+                        message, request.request_id, headers, formed, owner)
                     ).addCallback(placement.place)
 
                 return resolved.addCallback(placed)

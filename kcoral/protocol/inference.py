@@ -21,7 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.protocol.sequence import controls_of_grpc
+from kcoral.protocol.sequence import SequenceControls, controls_of_grpc, controls_of_rest
 from kcoral.protocol.strings import OBJECT, InvalidStrings, deserialize, serialize
 from kcoral.protocol.tensors import (
     BYTES,
@@ -151,6 +151,13 @@ def parse_infer(body: bytes | memoryview, header_length: int | None) -> InferReq
     view = memoryview(body).cast("B")
     header, offset = _header(view, header_length)
     return _request_of(header, view, offset, header_length or 0)
+
+
+def sequence_of_infer(body: bytes | memoryview, header_length: int | None) -> SequenceControls:
+    """The sequence controls of the inference request in C{body}, read from
+    its JSON header alone; a L{BadRequest} says what is wrong with them."""
+    header, _ = _header(memoryview(body).cast("B"), header_length)
+    return controls_of_rest(_parameters(header.get("parameters"), "the request"))
 
 
 def _request_of(header: dict, view: memoryview, offset: int, header_length: int) -> InferRequest:

@@ -13,6 +13,7 @@ as Triton does.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 
@@ -26,6 +27,11 @@ MAX_ID_CHARS = 256
 #: The largest integer sequence id: Triton's correlation ids are uint64.
 MAX_ID = (1 << 64) - 1
 
+#: The header in which a gateway or a Router names, to the worker it
+#: forwards a step to, the client whose sequence it is (L{owner_of}): the
+#: worker never sees a client's token, and keys its sequences by this.
+OWNER_HEADER = b"X-KCoral-Sequence-Owner"
+
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
 _DECIMAL = re.compile(r"[0-9]{1,20}")
@@ -37,6 +43,12 @@ def fnv1a64(data: bytes) -> int:
     for byte in data:
         value = ((value ^ byte) * _FNV_PRIME) & MAX_ID
     return value
+
+
+def owner_of(token: bytes | None) -> bytes | None:
+    """How a front names the client that presented C{token} (None: none)
+    to a worker: a digest, from which the token cannot be read back."""
+    return None if token is None else hashlib.sha256(token).hexdigest().encode()
 
 
 @attrs.frozen

@@ -227,6 +227,18 @@ class FrontBatcher:
         self._ask(queue)
         return waiting.answer
 
+    def alone(self, request: Call, message: RestMessage, demand: Demand,
+              span: ISpan) -> Deferred[InferAnswer]:
+        """
+        The answer to one inference that no batch of its model's takes and
+        no queue of theirs holds up: a sequence's step, whose C{demand}
+        pins it to the worker that holds the sequence. Forwarded as
+        C{request} with C{message} once that worker has a free slot.
+        """
+        request, body = _with_body(request, message)
+        return self._forwarder.forward(request, MemoryBody(bytes(body)), demand, 1,
+                                       span).addCallback(_answer_of)
+
     def _ask(self, queue: _Queue) -> None:
         """Ask for a lease for the queue's next batch, once at a time, while
         the model has a lane free."""

@@ -17,8 +17,11 @@ A run that may have started on a node is sent again only when its client
 asked for it (C{X-KCoral-Redispatch: true}: an exported program is a pure
 function of its inputs, so a second run is safe), up to C{max_redispatches}
 times, with the same request id; otherwise, and past that, its loss is a
-502. A cancelled forward (the client went away) leaves the queue or closes
-its request to the member, releases its lease, and is tried nowhere else.
+502. A run of state kept on one worker (kept arrays, a sequence's state) is
+never run again, and a sequence's step that its worker turns away with a
+503 is answered that 503. A cancelled forward (the client went away) leaves
+the queue or closes its request to the member, releases its lease, and is
+tried nowhere else.
 """
 
 from __future__ import annotations
@@ -117,6 +120,11 @@ class Forwarder:
                     member.url, call, body, traceparent=forwarding.traceparent()))
             except NotSent as e:
                 forwarding.failed(e)
+                if e.busy is not None and demand is not None and demand.sequence is not None:
+                    # No other worker holds the sequence: its worker's refusal
+                    # (sequences_full, its queue full) is the client's answer,
+                    # and says nothing against the worker.
+                    raise e.busy from None
                 member.suspect = True
                 not_sent += 1
                 log.info("{request_id} not taken by {node_id}/{worker}: {why}", request_id=rid,

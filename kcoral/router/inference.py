@@ -2,7 +2,8 @@
 The inference protocol on a Router and on a gateway: each inference placed
 like a run (the same queue, leases, placement, forwarder and 503s), only on
 members that report its model ready, and forwarded in the protocol's own
-REST form; a model's metadata and configuration asked of one such member;
+REST form; a sequence's steps each to the worker that holds the sequence
+(L{kcoral.router.sequences}), in turn; a model's metadata and configuration asked of one such member;
 the repository index the union of the members' own, asked of each when a
 client asks for it.
 """
@@ -24,6 +25,7 @@ from twisted.internet.defer import (
 )
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
@@ -35,6 +37,7 @@ from kcoral.errors import (
     LoadFailed,
     ModelNotReady,
     ProgramFailed,
+    SequenceLost,
     ServerBusy,
     error_from_answer,
     unknown_model,
@@ -50,11 +53,14 @@ from kcoral.inference.front import (
 from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import ON_REACTOR_BYTES
+from kcoral.protocol.sequence import OWNER_HEADER, SequenceControls, owner_of
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
 from kcoral.router.pool import Pool
-from kcoral.tracing import NO_TRACING, ITracing
+from kcoral.router.residency import Demand
+from kcoral.router.sequences import SequenceKey, Sequences, candidates
+from kcoral.tracing import NO_TRACING, ISpan, ITracing
 from kcoral.web.family import (
     MODEL_CONFIG,
     MODEL_INFER,
@@ -103,6 +109,7 @@ class RouterInference:
         self._pool = pool
         self._clock = clock
         self._batcher = FrontBatcher(forwarder, clock, most_waiting)
+        self._sequences = Sequences()
         self._get = get
         self._post = post
         self._is_ready = is_ready
@@ -322,11 +329,12 @@ class RouterInference:
         # A model no member lists is unknown (404), one every member failed
         # to load is refused (400), one no member has ready yet is busy (503).
         ready = self._serving_members(name, version)
+        if any(name in member.sequence_models for member in ready):
+            return call.message.sequence().addCallback(
+                lambda controls: self._step(name, version, call, controls))
         most_rows = min((m.ready_models.get(name, 0) for m in ready), default=0)
         request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
-        span = self._tracing.start("kcoral.router.infer",
-                                   Headers({name: [value] for name, value in call.headers.items()}),
-                                   request_id=call.request_id)
+        span = self._span(call)
         if most_rows == 0 or call.message.size > ON_REACTOR_BYTES:
             # It goes alone (the batcher merges only what it parses on the
             # reactor), in its REST form: made now, off the reactor if large.
@@ -336,6 +344,52 @@ class RouterInference:
             d = self._batcher.infer(request, call, name, most_rows, span)
         d.addBoth(span.ended)
         return d
+
+
+    def _span(self, call: InferCall) -> ISpan:
+        """The span of C{call}'s forward, within its client's trace."""
+        return self._tracing.start("kcoral.router.infer",
+                                   Headers({name: [value] for name, value in call.headers.items()}),
+                                   request_id=call.request_id)
+
+    def _step(self, name: str, version: str | None, call: InferCall,
+              controls: SequenceControls) -> Deferred:
+        """The answer to C{call}, a step of a sequence of model C{name}, from
+        the worker that holds the sequence (L{kcoral.router.sequences})."""
+        if controls.id is None:
+            # Refused here, in its worker's words: it belongs to no sequence.
+            controls.require(name, 1)
+        key = SequenceKey.of(call.token, name, controls)
+        return self._sequences.in_turn(key, lambda: self._forward_step(name, version, call, key,
+                                                                       controls))
+
+    def _forward_step(self, name: str, version: str | None, call: InferCall, key: SequenceKey,
+                      controls: SequenceControls, again: bool = False) -> Deferred:
+        member = self._sequences.place(key, controls, candidates(self._pool.ring.members, name,
+                                                                 version))
+        if member is None:
+            raise ServerBusy(f"no member has model {name!r} ready for {key}",
+                             reason="no_ready_node")
+        demand = attrs.evolve(Demand.of_model(name), kept=member.instance, sequence=str(key))
+        request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
+        owner = owner_of(call.token)
+        if owner is not None:
+            # The worker keys its sequences by their client, whose token it never sees.
+            request = attrs.evolve(request, headers=(*request.headers, (OWNER_HEADER, owner)))
+        span = self._span(call)
+        d = call.message.rest_formed().addCallback(
+            lambda rest: self._batcher.alone(request, rest, demand, span))
+        d.addBoth(span.ended)
+        if controls.start and not again:
+            d.addErrback(self._start_again, name, version, call, key, controls)
+        return d
+
+    def _start_again(self, failure: Failure, name: str, version: str | None, call: InferCall,
+                     key: SequenceKey, controls: SequenceControls) -> Deferred:
+        """A START whose worker went while it waited for a slot ran nowhere:
+        placed again, once, it starts the sequence where it now belongs."""
+        failure.trap(SequenceLost)
+        return self._forward_step(name, version, call, key, controls, again=True)
 
 
 @inlineCallbacks

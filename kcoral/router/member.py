@@ -45,6 +45,8 @@ class Member:
     #: Those it reports ready, by name, each with its max_batch_size (the
     #: most rows the front merges): an inference of another model never goes there.
     ready_models: dict[str, int] = attrs.Factory(dict)
+    #: Those of them that keep a state per sequence (sequence batching).
+    sequence_models: frozenset[str] = frozenset()
     #: The instance id it reports: runs of the arrays it keeps go only here.
     instance: str | None = None
     #: How it confined itself, as last reported.
@@ -63,6 +65,7 @@ class Member:
         """Its models are C{models} now (reported, or answered to a load)."""
         self.models = models
         self.ready_models = {m.name: m.max_batch_size for m in models if m.ready}
+        self.sequence_models = frozenset(m.name for m in models if m.ready and m.sequence)
 
     @property
     def usable(self) -> bool:

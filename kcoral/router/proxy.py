@@ -24,7 +24,7 @@ from twisted.logger import Logger
 from twisted.web.client import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.http_headers import Headers
 
-from kcoral.errors import NodeFailure, error_from_answer
+from kcoral.errors import KCoralError, NodeFailure, error_from_answer
 from kcoral.protocol.wire import REQUEST_CONTENT_TYPE
 from kcoral.router.call import Call
 from kcoral.tracing import TRACEPARENT
@@ -66,7 +66,12 @@ _MAX_URLS = 1024
 
 
 class NotSent(Exception):
-    """The member did not take the request; another member may."""
+    """The member did not take the request; another member may. C{busy}:
+    the member's own 503, where it answered one."""
+
+    def __init__(self, why: str, busy: KCoralError | None = None):
+        super().__init__(why)
+        self.busy = busy
 
 
 class Answer:
@@ -133,7 +138,7 @@ class Proxy:
             raise problem from e
         if response.code == 503:
             busy = error_from_answer(response.code, content)
-            raise NotSent(f"{url} turned it away with 503 {busy.reason or busy.message}")
+            raise NotSent(f"{url} turned it away with 503 {busy.reason or busy.message}", busy)
         returned = {name: response.headers.getRawHeaders(name)[0]
                     for name in family.returned if response.headers.hasHeader(name)}
         return Answer(response.code, returned, content)

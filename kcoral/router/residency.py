@@ -46,10 +46,12 @@ class Demand:
     inputs: tuple[tuple[str, int], ...] = ()
     #: The model an inference runs: only members that report it ready take it.
     model: str | None = None
-    #: The instance id of the worker that holds the kept arrays the run
-    #: uses (C{arrays}, their ids): only that member takes it.
+    #: The instance id of the worker that holds the state the run uses:
+    #: kept arrays (C{arrays}, their ids) or a sequence's (C{sequence}, how
+    #: logs and errors name it). Only that member takes it, and never twice.
     kept: str | None = None
     arrays: tuple[str, ...] = ()
+    sequence: str | None = None
     #: Content a member believed to hold it said it lacks (a 409): only a
     #: member believed to hold all of it takes the run again.
     required: tuple[str, ...] = ()

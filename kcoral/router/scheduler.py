@@ -14,7 +14,14 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred, fail, succeed
 
 from kcoral.common.queue import QueueFull, QueueTimeout, WaitQueue
-from kcoral.errors import ArrayLost, KCoralError, MissingContent, NotEnoughDevices, ServerBusy
+from kcoral.errors import (
+    ArrayLost,
+    KCoralError,
+    MissingContent,
+    NotEnoughDevices,
+    SequenceLost,
+    ServerBusy,
+)
 from kcoral.router.placement import Wait
 from kcoral.router.pool import Member, Pool
 from kcoral.router.residency import Demand
@@ -111,12 +118,15 @@ class Scheduler:
         return NotEnoughDevices(f"the program was exported for {devices} devices; no ready "
                                 f"member owns more than {most}")
 
-    def _lost(self, demand: Demand | None) -> ArrayLost | None:
-        """Why a run of C{demand} will never find its kept arrays (no member
-        reports the instance that holds them: it restarted, or this Router
-        never heard of it), or None."""
+    def _lost(self, demand: Demand | None) -> ArrayLost | SequenceLost | None:
+        """Why a run of C{demand} will never find its kept arrays or its
+        sequence's state (no member reports the instance that holds them: it
+        restarted, or this Router never heard of it), or None."""
         if demand is None or demand.kept is None or self.pool.holder(demand.kept) is not None:
             return None
+        if demand.sequence is not None:
+            return SequenceLost(f"{demand.sequence} was placed on worker instance {demand.kept}, "
+                                f"which is gone")
         return ArrayLost(f"no worker of this pool holds the kept arrays of instance "
                          f"{demand.kept} (it restarted, or is gone)",
                          details={"lost": list(demand.arrays)})

@@ -217,8 +217,10 @@ class ServerInference:
     def health(self) -> list[dict]:
         """The index as /health lists it, with what a Router needs of a ready
         model: its max_batch_size, to keep its batches full, and its
-        signature, to refuse another model of the same name elsewhere; and
-        whether its rows' outputs are the same bytes whatever their batch."""
+        signature, to refuse another model of the same name elsewhere;
+        whether its rows' outputs are the same bytes whatever their batch;
+        and whether it keeps sequences' states, whose steps a front sends
+        to the worker that holds them."""
         listed = self.index()
         for model in listed:
             if model["state"] == READY:
@@ -227,6 +229,7 @@ class ServerInference:
                 model["max_batch_size"] = loaded.manifest.max_batch_size
                 model["signature"] = loaded.manifest.signature
                 model["batch_invariant"] = loaded.batch_invariant
+                model["sequence"] = loaded.manifest.sequence is not None
         return listed
 
     @inlineCallbacks
