@@ -46,11 +46,13 @@ def decimal(values) -> np.ndarray:
     return np.array([str(v).encode() for v in np.ravel(values)], dtype=object).reshape(np.shape(values))
 
 
-def test_rows_of_several_requests_run_as_one_execution(tmp_path):
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "batch-invariant"])
+def test_rows_of_several_requests_run_as_one_execution(tmp_path, invariant):
     """A model's BYTES rows of several requests, their elements of different
-    lengths, run as one execution padded to a compiled batch size: the
-    program sees each element zero padded to max_length with its length,
-    and each row's outputs are its own."""
+    lengths, run as one execution padded to a compiled batch size (or,
+    batch invariant, row by row in one of max_batch_size): the program sees
+    each element zero padded to max_length with its length, and each row's
+    outputs are its own."""
     import jax
 
     import kcoral
@@ -64,9 +66,10 @@ def test_rows_of_several_requests_run_as_one_execution(tmp_path):
     assert [t.to_json() for t in manifest.inputs] == [
         {"name": "input", "datatype": "BYTES", "shape": [-1, 2], "max_length": 8}]
     assert [t.datatype for t in manifest.outputs] == ["BYTES", "INT32", "INT32"]
-    repository = ModelRepository(tmp_path)
+    repository = ModelRepository(tmp_path, batch_invariant=invariant)
     repository.load(jax.devices("cpu")[0])
     model = repository.get("echo")
+    assert model.batch_invariant is invariant
     first = np.array([[b"a", b"12345678"]], dtype=object)
     second = np.array([[b"", b"\0\0"], [b"xyz", b"\xff"]], dtype=object)
     outputs = model.run_batch({"input": np.concatenate([first, second])}, 3)
