@@ -167,6 +167,28 @@ def test_a_closing_connection_is_left_to_the_reactor():
     assert transport.sent == b""
 
 
+class Lost(Descriptor):
+    """A descriptor that, as a TCP connection, has no socket once it is lost."""
+
+    def writeSomeData(self, data):
+        if self.disconnected:
+            raise AttributeError("'Client' object has no attribute 'socket'")
+        return super().writeSomeData(data)
+
+
+def test_a_write_after_the_connection_was_lost_is_dropped():
+    """A layer that writes as the connection is lost (TLS: close_notify) writes nothing, fails nothing."""
+    transport = Lost()
+    wrapper = wrapped(transport)
+    wrapper.registerProducer(protocol.Protocol(), True)
+    transport.producerPaused = True
+    wrapper.write(b"a")  # from here on every write goes through the transport's buffer
+    wrapper.unregisterProducer()
+    transport.connectionLost(None)
+    wrapper.write(b"alert")
+    assert transport.sent == b"a"
+
+
 class Registering(MemoryReactor):
     """A MemoryReactor that counts the descriptors registered for writing."""
 

@@ -129,7 +129,9 @@ class SendNow(policies.ProtocolWrapper):
 
     def _send(self) -> None:
         transport = self._descriptor
-        if transport is None or transport.disconnecting:
+        # Once lost, the connection has no socket: a layer above that still
+        # writes as it is told of the loss (TLS, its close_notify) writes nothing.
+        if transport is None or transport.disconnecting or not transport.connected:
             return
         if _held.depth:
             _held.written[self] = None
