@@ -31,6 +31,7 @@ def test_fault_plan_has_every_kind_and_no_late_router_fault():
         assert chaos.fault_plan(count, random.Random(seed)) == plan
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_quick_chaos_run(tmp_path):
     """The quick chaos run loses nothing, answers nothing wrong, has no re-dispatched or unexplained 502."""

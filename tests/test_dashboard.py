@@ -256,6 +256,7 @@ def node_row(dom: str, node_id: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_dashboard_in_chromium_shows_a_node_come_and_go(processes, chromium, tmp_path):

@@ -132,6 +132,7 @@ def _calls(address: str, count: int, token: str = TOKEN, refused: str | None = N
     np.testing.assert_allclose(answers[0], np.tanh(x), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_front_processes_serve_the_gateways_grpc_port(processes, tmp_path):
     """

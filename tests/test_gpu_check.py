@@ -58,6 +58,7 @@ def wheels(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_the_gpu_check_rehearsed_on_the_cpu(wheels, tmp_path):
     """The GPU check, on the CPU with this Python: exit 0, every step ok, the summary last."""
     results = tmp_path / "out"

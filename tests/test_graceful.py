@@ -83,6 +83,7 @@ def outcomes(records) -> collections.Counter:
                                for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_node_sigterm_under_load_loses_nothing(deployment, workload):
     """A node stopped with SIGTERM under load drains and exits 0, and every request gets its 200."""
@@ -144,6 +145,7 @@ def test_router_sigterm_under_load_answers_what_it_was_sent(deployment, workload
     assert router.find(re.compile(r"kcoral router stopped"))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_worker_outlives_no_supervisor_and_finishes_its_runs(deployment, workload):
     """A worker whose supervisor is killed finishes its runs and exits; the node restarts to full capacity."""

@@ -332,6 +332,7 @@ def _fuzz_bodies(target, valid: bytes) -> None:
         poster.close()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_fuzzed_run_bodies(target, program):

@@ -113,6 +113,7 @@ def decode_data():
     return params, np.zeros((16, 8), np.float32), np.int32(1), np.int32(0)
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_the_documented_training_loop_runs_as_written(shape):
     """doc/kept.rst's training loop, as written, equals the loop in process bit for bit."""

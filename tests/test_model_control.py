@@ -266,6 +266,7 @@ async def start_explicit_node(processes, repository: str, *args: str):
     return child, url, grpc
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_node_loads_and_unloads_on_every_worker(processes, models):
     """Through a node's gateway, a load or unload applies to both workers before it answers."""

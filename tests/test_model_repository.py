@@ -440,6 +440,7 @@ def test_batch_invariant_makes_gpu_executions_deterministic(flags, made):
     assert deterministic_flags(flags) == made
 
 
+@pytest.mark.slow
 def test_rows_under_several_xla_configurations(tmp_path):
     """Under XLA CPU configurations that change the kernels and the threads, the default's
     batched rows stay within ROUNDING_ULPS of the same rows alone, and on this CPU some are

@@ -653,6 +653,7 @@ async def invariant_node(module_processes, repository, tmp_path_factory) -> Node
                             "invariant-node")
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_node_serves_models_through_its_gateway(node, repository):
     """A two-worker node (node file key model_repo) is ready on its gateway and each worker,
@@ -743,6 +744,7 @@ async def test_gateway_refuses_a_broken_model_at_once_and_logs_a_refusal_once(no
     assert len(node.process.matching("once-1")) == 2, node.process.matching("once-1")
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_gateway_pays_the_batch_delay_once(module_processes, repository,
                                                    tmp_path_factory):
@@ -802,6 +804,7 @@ async def routed(module_processes, repository, tmp_path_factory) -> Routed:
                   {n.node_id: n for n in nodes})
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_router_serves_models_of_its_nodes(routed, repository):
     """A Router with two nodes lists their models, infers through them over REST and gRPC

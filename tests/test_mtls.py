@@ -67,6 +67,7 @@ def test_a_client_ca_makes_the_handshake_ask_for_a_certificate(pki):
     assert plain.get_verify_mode() == SSL.VERIFY_NONE
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_router_admits_only_clients_with_a_certificate_from_its_ca(processes, pki):

@@ -278,6 +278,7 @@ async def node(module_processes, node_file):
 
 # -- standalone -------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_node_file_and_command_line(node):
     """A node file's settings apply, and the command line beats them."""
@@ -429,6 +430,7 @@ async def test_worker_lines_arrive_whole_with_their_prefix(node, quick):
 
 # -- a worker killed under load -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_sigkill_one_worker_under_load(nodes, spin, quick):
     """A worker killed under load is restarted while the other serves; capacity comes back."""
@@ -490,6 +492,7 @@ async def test_sigkill_one_worker_under_load(nodes, spin, quick):
 
 # -- a run past the limit ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_run_past_the_limit_replaces_its_worker(nodes, spin, quick):
     """With --max-run-seconds 1, a run that would take a minute is a 504 run_timeout through
@@ -525,6 +528,7 @@ async def test_a_run_past_the_limit_replaces_its_worker(nodes, spin, quick):
 
 # -- SIGTERM or Ctrl+C under load -------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl+C"])
 @pytest_twisted.ensureDeferred
 async def test_stop_under_load_loses_nothing(nodes, spin, how):
@@ -561,6 +565,7 @@ async def test_stop_under_load_loses_nothing(nodes, spin, how):
 
 # -- under a Router -------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_node_under_a_router_reports_both_workers(nodes, processes, spin):
     """Under a Router the node reports both workers, which the Router schedules directly."""

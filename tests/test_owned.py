@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -69,6 +70,7 @@ def test_orphans_a_failed_run_took_along_are_freed_later_unless_lost():
     assert sorted(owned.orphans(A)) == ids[1:]
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.sampled_from([A, B]), st.booleans()), max_size=30))
 def test_every_array_is_freed_once_whether_dropped_or_deleted(arrays):
     """Whatever is dropped or deleted, each array is freed once: as an orphan, by delete or at close."""

@@ -427,6 +427,7 @@ SECRET = "s3cret-node-token-4f1d"
 WRONG = "not-the-token-9c2e"
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_node_tokens(processes):
     """Only a node with the right token joins; a wrong or missing token gets 401 and is never logged."""

@@ -40,6 +40,7 @@ def refused(url: str, program) -> ProgramRejected:
     return e.value
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_router_sends_a_two_device_program_to_a_two_device_worker(processes):
     """Through a Router a two-device program runs, as in process bit for bit, only where a worker owns two."""

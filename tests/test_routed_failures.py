@@ -117,6 +117,7 @@ async def both_nodes_serve(deployment, spin, tag: str) -> None:
 
 # -- the queue ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_queue_full_and_queue_timeout(deployment, spin):
     """A full queue answers 503 queue_full, a queued wait ends as queue_timeout, a leaver frees its place."""
@@ -216,6 +217,7 @@ async def _health_at_least(router, what: str, count: int):
 
 # -- supervisor recovery -----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_unresponsive_worker_is_replaced(deployment, spin):
     """A worker stopped with SIGSTOP fails its probes, is killed after the grace and restarted."""

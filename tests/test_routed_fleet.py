@@ -33,6 +33,7 @@ def run_fresh(url: str, program: Program, *args) -> tuple[np.ndarray, int]:
         return client.run(program, *args), client.bytes_sent
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_second_fresh_client_does_not_upload_the_weights_again(processes):
     """Weights one client uploaded through a Router are not uploaded by the

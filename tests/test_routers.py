@@ -137,6 +137,7 @@ async def routers(module_processes):
     return both, dict(zip(NODES, nodes, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_node_reports_to_every_router_and_either_runs_programs(routers):
@@ -185,6 +186,7 @@ async def test_together_the_routers_never_run_more_than_capacity_on_a_worker(rou
         assert (await router_health(router))["active"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_worker_killed_mid_run_is_a_502_unless_the_client_allows_redispatch(routers, spin):
@@ -227,6 +229,7 @@ async def test_a_worker_killed_mid_run_is_a_502_unless_the_client_allows_redispa
         await until_ready(r, *NODES)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_router_killed_under_load_loses_no_run(routers, spin):

@@ -259,6 +259,7 @@ def allowed(family: int, kind: int, protocol: int) -> bool:
         and protocol in seccomp.PROTOCOLS
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(st.lists(registers, min_size=20, max_size=60))
 def test_only_tcp_and_unix_stream_sockets_are_opened(triples):

@@ -99,6 +99,7 @@ def check_spun(result, x):
 
 # -- restarts ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_client_resends_after_a_server_restart(start_server, affine):
     """After a server restart (memory cache gone) the client resends the content once and succeeds."""
@@ -129,6 +130,7 @@ async def test_client_resends_after_a_server_restart(start_server, affine):
     assert sample(samples, "kcoral_http_requests_total", route="/v1/run", code="200") == 1
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_async_client_rides_out_a_server_crash(start_server, affine):
     """The async client retries through a server crash and restart."""
@@ -158,6 +160,7 @@ async def test_async_client_rides_out_a_server_crash(start_server, affine):
     await second.process.wait_for_line(r"after-crash answered 409", 30)
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
     """The disk upload cache still holds the content after a restart."""
@@ -182,6 +185,7 @@ async def test_disk_cache_survives_a_restart(start_server, affine, tmp_path):
 
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_persistent_compilation_cache_is_written_and_reused(start_server, affine, tmp_path):
     """JAX's persistent compilation cache is written, then reused by a new server."""

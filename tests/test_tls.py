@@ -122,6 +122,7 @@ def quick_program():
 
 # -- a deployment on TLS ------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_router_and_node_on_tls(processes, pki):
@@ -246,6 +247,7 @@ async def test_a_wrong_listen_option_is_a_one_line_error(processes, args, says):
 
 # -- wrong certificates ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("certificate,refusal", [
     ("impostor", r"certificate verify failed"),
     ("elsewhere", r"the peer's TLS certificate is not valid for 127\.0\.0\.1"),
@@ -272,6 +274,7 @@ async def test_the_supervisor_refuses_a_router_with_a_wrong_certificate(processe
     assert TOKEN not in "\n".join(node.output.lines + router.process.output.lines)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_worker_certificate_for_another_host_never_becomes_ready(processes, pki):
@@ -294,6 +297,7 @@ async def test_a_worker_certificate_for_another_host_never_becomes_ready(process
     assert len(node.matching(r"not valid for 127\.0\.0\.1")) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("case", ["another CA", "another host"])
 @pytest_twisted.ensureDeferred

@@ -194,6 +194,7 @@ async def start_front(processes, repository, node: bool, health_seconds: float =
     return url
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", [False, True], ids=["server", "node"])
 @pytest_twisted.ensureDeferred
 async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(processes, tmp_path,
@@ -243,6 +244,7 @@ async def test_a_new_version_takes_traffic_once_ready_with_no_failed_request(pro
     shutil.rmtree(repository)
 
 
+@pytest.mark.slow
 @pytest_twisted.ensureDeferred
 async def test_a_gateways_index_is_never_older_than_its_answers(processes, tmp_path):
     """On a node of two workers in poll mode whose workers are probed only every 10 s, as

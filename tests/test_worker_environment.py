@@ -245,6 +245,7 @@ def environ_of(pid: int) -> dict[str, str]:
     return dict(entry.decode().split("=", 1) for entry in raw.split(b"\0") if entry)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest_twisted.ensureDeferred
 async def test_a_real_nodes_workers_hold_none_of_its_secrets(processes):
