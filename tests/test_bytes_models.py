@@ -78,6 +78,27 @@ def test_rows_of_several_requests_run_as_one_execution(tmp_path, invariant):
     assert outputs["output2"].tolist() == [[97, sum(b"12345678")], [0, 0], [sum(b"xyz"), 255]]
 
 
+def test_export_refuses_what_no_bytes_tensor_is(tmp_path):
+    """export_bundle refuses an example Strings of other dtypes or shapes,
+    and a function whose Strings output is not uint8 bytes and int32
+    lengths of its shape, saying which tensor and what it must be."""
+    import jax.numpy as jnp
+
+    import kcoral
+
+    good = Strings.of([[b"a"]], 4)
+    for example in (Strings(good.data.astype(np.int32), good.lengths),
+                    Strings(good.data, good.lengths.astype(np.int64)),
+                    Strings(good.data[..., :0], good.lengths),
+                    Strings(good.data[0, 0], good.lengths[0, 0])):
+        with pytest.raises(ValueError, match="input 0: a BYTES input's example is a Strings"):
+            kcoral.export_bundle(lambda s: s, None, example, dir=tmp_path / "x", name="x")
+    with pytest.raises(ValueError, match="output 0: a BYTES output is a Strings of uint8"):
+        kcoral.export_bundle(lambda s: Strings(s.data.astype(jnp.int32), s.lengths), None, good,
+                             dir=tmp_path / "y", name="y")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 @pytest_twisted.async_fixture(scope="module")
 async def repository(tmp_path_factory) -> str:
     """The repository examples/triton_models.py writes (no fillers)."""
