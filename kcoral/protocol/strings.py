@@ -45,9 +45,9 @@ class InvalidStrings(ValueError):
 class Strings:
     """
     A BYTES tensor as a JAX program takes and returns it: C{data}, uint8
-    of its shape and then its elements' longest length, each element's
-    bytes zero padded; C{lengths}, int32 of its shape. The arrays are
-    numpy's or JAX's, whatever made them.
+    of its shape and then its max_length (the most bytes of one element),
+    each element's bytes first and zeros after them; C{lengths}, int32 of
+    its shape. The arrays are numpy's or JAX's, whatever made them.
     """
 
     data: Any
