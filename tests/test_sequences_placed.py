@@ -10,6 +10,8 @@ through one Router goes on through the other.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import queue
 import re
@@ -22,6 +24,8 @@ import pytest
 import pytest_twisted
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
 from twisted.internet.defer import Deferred, gatherResults
@@ -45,9 +49,13 @@ def _auth(token: str) -> dict:
 
 
 async def _repository(tmp_path_factory) -> str:
+    """The sequence clients' models, SUMS's sequences kept ten minutes idle: a slow shared
+    machine never frees one between two steps."""
     root = tmp_path_factory.mktemp("sequences") / "repo"
     await threads.deferToThread(subprocess.run, [sys.executable, str(EXAMPLES), str(root),
                                                  "--sequences"], check=True, timeout=300)
+    (root / SUMS / "config.json").write_text(json.dumps(
+        {"sequence_batching": {"max_sequence_idle_microseconds": 600_000_000}}))
     return str(root)
 
 
@@ -304,3 +312,50 @@ async def test_routers_spread_sequences_over_the_same_workers(routers):
 
 async def _in_thread(f, *args):
     return await threads.deferToThread(f, *args)
+
+
+#: One request of a schedule: which sequence, through which Router, what it
+#: says (a START, a step, an END, or a START that is also the END), its value.
+requests = st.tuples(st.integers(0, 5), st.integers(0, 1),
+                     st.sampled_from(["start", "step", "end", "once"]), st.integers(0, 100))
+
+
+@pytest_twisted.ensureDeferred
+async def test_interleavings_through_two_routers_equal_each_sequence_alone(routers):
+    """Any interleaving of starts, steps and ends of six sequences, each request through
+    either Router, answers what each sequence alone would: its running sum (plus its id on
+    its END), or Triton's 400 for a step of a sequence not live."""
+    clients = [httpclient.InferenceServerClient(url.removeprefix("http://")) for url in routers]
+    bases = itertools.count(10_000, 10)
+
+    @settings(max_examples=40, deadline=None, database=None)
+    @given(st.lists(requests, min_size=1, max_size=24))
+    def check(schedule):
+        base, live = next(bases), {}
+        got, want = [], []
+
+        def send(id: int, router: int, start: bool, end: bool, value: int) -> None:
+            if not start and id not in live:
+                want.append("400")
+            else:
+                live[id] = value + (0 if start else live[id])
+                want.append(live[id] + (id if end else 0))
+                if end:
+                    del live[id]
+            try:
+                got.append(_step(clients[router], httpclient, id, value, sequence_start=start,
+                                 sequence_end=end))
+            except InferenceServerException as e:
+                got.append(e.status())
+
+        for seq, router, kind, value in schedule:
+            send(base + seq, router, kind in ("start", "once"), kind in ("end", "once"), value)
+        for id in list(live):
+            send(id, 1, False, True, 0)
+        assert got == want
+
+    try:
+        await threads.deferToThread(check)
+    finally:
+        for client in clients:
+            client.close()
