@@ -300,8 +300,9 @@ async def test_a_sequence_goes_on_through_another_router(routers):
 
 
 @pytest_twisted.ensureDeferred
-async def test_routers_spread_sequences_over_the_same_workers(routers):
-    """Both Routers keep eight concurrent sequences each, all correct, at once."""
+async def test_two_clients_use_both_routers_at_once(routers):
+    """Two clients at once, each with eight sequences started through one Router and stepped
+    through the other (in opposite orders): every sum is right."""
     addresses = [url.removeprefix("http://") for url in routers]
     results = await gatherResults([
         Deferred.fromCoroutine(_in_thread(_across, addresses[::step], list(range(base, base + 8))))
