@@ -237,10 +237,9 @@ class Sequencer:
                 f"a step of {self.model.manifest.name} failed, and with it the state of every "
                 "live sequence: they must start again"))
             for sequence in list(self._sequences.values()):
-                if sequence not in batch:
-                    for step in sequence.steps:
-                        _answer(step, result)
-                    sequence.steps.clear()
+                for step in sequence.steps:
+                    _answer(step, result)
+                sequence.steps.clear()
                 self._free_sequence(sequence)
             self._waiting.clear()
         else:

@@ -1,9 +1,12 @@
 """
 The states of a sequence model's live sequences, kept on its device: one
 table a state tensor, one row a slot, and a step that gathers the rows of
-the sequences it runs, runs the model on them, and scatters their new
-states back, all in one execution on the device. A step's state never
-crosses to the host; only its controls, inputs and outputs do.
+the sequences it runs and runs the model on them (one execution), then
+scatters their new states back into the tables, given up to it so that it
+writes them in place (another). A step's state never crosses to the host;
+only its controls, inputs and outputs do. Two executions, not one: XLA
+copies a whole table that one execution both reads and writes in place,
+which costs a step the size of every live sequence's state.
 
 A table has a row more than its slots, a scratch row that a batch's
 padding rows read and write, so that padding needs no slot of its own. It
@@ -50,9 +53,10 @@ class StateTable:
         self._initial = tuple(jax.device_put(list(initial), device))
         self._capacity = capacity
         self._tables = self._empty(capacity)
-        # The tables are given up to a step, which writes their new rows in place.
-        self._steps = {size: jax.jit(_step(call, len(self._sequence.state)), donate_argnums=0)
+        self._steps = {size: jax.jit(_step(call, len(self._sequence.state)))
                        for size, call in calls.items()}
+        # The tables are given up to the write, which puts the new rows in place.
+        self._write = jax.jit(_write, donate_argnums=0)
 
     @property
     def capacity(self) -> int:
@@ -103,9 +107,10 @@ class StateTable:
                         for spec in self._sequence.controls]
         count = [COUNT_DTYPE(rows)] if self._counted else []
         try:
-            self._tables, outputs = self._steps[size](self._tables, slot_rows, start_rows, self._params,
-                                               self._initial, *control_rows,
-                                               *[_padded(x, size) for x in inputs], *count)
+            new, outputs = self._steps[size](self._tables, slot_rows, start_rows, self._params,
+                                             self._initial, *control_rows,
+                                             *[_padded(x, size) for x in inputs], *count)
+            self._tables = self._write(self._tables, slot_rows, new)
         except Exception:
             if any(table.is_deleted() for table in self._tables):
                 # Given up to a step that failed: every slot's state is lost.
@@ -132,7 +137,7 @@ class StateTable:
 def _step(call: Callable, held: int) -> Callable:
     """The step of C{call}, a program whose first C{held} outputs are its
     new state: gather the rows' states (the initial one for a starting
-    row), run, scatter the new states."""
+    row), run; the new states, and the outputs."""
 
     def step(tables, slots, starts, params, initial, *rest):
         import jax.numpy as jnp
@@ -140,10 +145,14 @@ def _step(call: Callable, held: int) -> Callable:
         state = [jnp.where(starts.reshape(-1, *[1] * (table.ndim - 1)), first, table[slots])
                  for table, first in zip(tables, initial)]
         returned = call(*params, *state, *rest)
-        tables = [table.at[slots].set(new) for table, new in zip(tables, returned[:held])]
-        return tables, returned[held:]
+        return returned[:held], returned[held:]
 
     return step
+
+
+def _write(tables, slots, new):
+    """The tables with each of C{new}'s rows at its slot."""
+    return [table.at[slots].set(rows) for table, rows in zip(tables, new)]
 
 
 class StateLost(Exception):
