@@ -53,7 +53,7 @@ from kcoral.inference.front import (
 from kcoral.models.statistics import summed
 from kcoral.protocol.counts import MOST_VERSION, read_count
 from kcoral.protocol.inference import ON_REACTOR_BYTES
-from kcoral.protocol.sequence import OWNER_HEADER, SequenceControls, owner_of
+from kcoral.protocol.sequence import OWNER_HEADER, SequenceControls
 from kcoral.router.batching import FrontBatcher, forwarded
 from kcoral.router.forward import Forwarder
 from kcoral.router.member import Member
@@ -345,7 +345,6 @@ class RouterInference:
         d.addBoth(span.ended)
         return d
 
-
     def _span(self, call: InferCall) -> ISpan:
         """The span of C{call}'s forward, within its client's trace."""
         return self._tracing.start("kcoral.router.infer",
@@ -372,10 +371,9 @@ class RouterInference:
                              reason="no_ready_node")
         demand = attrs.evolve(Demand.of_model(name), kept=member.instance, sequence=str(key))
         request = forwarded(_path((MODEL_INFER, VERSION_INFER), name, version).encode(), call)
-        owner = owner_of(call.token)
-        if owner is not None:
+        if key.owner is not None:
             # The worker keys its sequences by their client, whose token it never sees.
-            request = attrs.evolve(request, headers=(*request.headers, (OWNER_HEADER, owner)))
+            request = attrs.evolve(request, headers=(*request.headers, (OWNER_HEADER, key.owner)))
         span = self._span(call)
         d = call.message.rest_formed().addCallback(
             lambda rest: self._batcher.alone(request, rest, demand, span))
