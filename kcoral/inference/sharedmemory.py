@@ -13,6 +13,13 @@ inference behind it (a confined worker) never opens C{/dev/shm}.
 A region is read and written with C{pread} and C{pwrite} on its file, never
 mapped: a client that shrinks the object after registering it gets short
 reads (refused), where a mapping would fault the server's process.
+
+A region's file stays open while anything holds the region: its registry
+until it is unregistered, and each inference in flight that names it. Its
+descriptor is closed when the last of them lets go, never under a read or
+write in a thread: a closed descriptor's number is the next one the process
+opens, perhaps another client's region, which an inference still holding
+the old number would then read from and write into.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import json
 import os
 import re
 import stat
+import weakref
 
 import attrs
 from tritonclient.grpc import service_pb2
@@ -78,13 +86,16 @@ class Caller:
 @attrs.frozen(eq=False)
 class _Region:
     """A registered region: C{byte_size} bytes from C{offset} of the object
-    C{key}, open as C{fd}."""
+    C{key}, open as C{fd}, which is closed once no one holds the region."""
 
     name: str
     key: str
     offset: int
     byte_size: int
     fd: int
+
+    def __attrs_post_init__(self) -> None:
+        weakref.finalize(self, os.close, self.fd)
 
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset,
@@ -243,13 +254,11 @@ class SharedMemory:
         """Unregister region C{name} of C{caller}'s (None: all of them)."""
         regions = self._regions.get(self._space(caller), {})
         if name is None:
-            for region in regions.values():
-                os.close(region.fd)
             regions.clear()
             return
         if name not in regions:
             raise BadRequest(f"Unable to find system shared memory region: '{name[:64]}'")
-        os.close(regions.pop(name).fd)
+        del regions[name]
 
     def status(self, caller: Caller, name: str | None) -> list[dict]:
         """The status of region C{name} of C{caller}'s (None: all of them)."""
@@ -292,7 +301,8 @@ class SharedMemory:
                 header = json.loads(bytes(message.body[:size]))
             except (ValueError, RecursionError):
                 return None  # refused as the request it is, where it is read
-            if not isinstance(header, dict):
+            if not isinstance(header, dict) or not isinstance(header.get("inputs", []), list) \
+                    or not isinstance(header.get("outputs") or [], list):
                 return None
             return off_reactor(self._bound(header), self._rest, caller, message, header, size)
         pb = getattr(message, "message", None)
@@ -385,9 +395,6 @@ class SharedMemory:
 
     def close(self) -> None:
         """Unregister every region of every client."""
-        for regions in self._regions.values():
-            for region in regions.values():
-                os.close(region.fd)
         self._regions.clear()
 
 
