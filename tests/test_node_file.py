@@ -162,3 +162,17 @@ def test_load_model_needs_explicit_control():
     """--load-model in another model control mode is a usage error naming the mode it needs."""
     with pytest.raises(usage.UsageError, match="--model-control-mode explicit"):
         node_tap.Options().parseOptions(["--load-model", "a"])
+
+
+def test_max_sequences_reaches_every_worker(tmp_path):
+    """max_sequences (node file key, or --max-sequences) bounds each worker's
+    live sequences: every worker is started with it."""
+    from kcoral.node.devices import WorkerSpec
+
+    options = parsed(tmp_path, {"max_sequences": 64, "gpus": "none", "cpu_workers": 2})
+    server = options.server_config()
+    assert server.max_sequences == 64
+    argv = worker_argv(server, WorkerSpec("worker1", 1, None), 0)
+    assert argv[argv.index("--max-sequences") + 1] == "64"
+    with pytest.raises(usage.UsageError):
+        node_tap.Options().parseOptions(["--max-sequences", "0"])
