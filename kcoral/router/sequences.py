@@ -36,6 +36,7 @@ way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -92,15 +93,34 @@ def candidates(members: Iterable[Member], model: str, version: str | None) -> li
 def rendezvous(key: SequenceKey, members: Iterable[Member]) -> Member | None:
     """The member of C{members} of highest weight for C{key} (None: none),
     a member's weight a hash of the key and the member's node id and name."""
-    digest = key.digest
+    point = int.from_bytes(key.digest[:8], "big")
     best: Member | None = None
-    best_weight = b""
+    best_weight = -1
     for member in members:
-        weight = hashlib.blake2b(f"{member.node.node_id}\0{member.name}".encode(), key=digest,
-                                 digest_size=8).digest()
-        if best is None or weight > best_weight:
+        # A member's own hash is worked out once; each step then costs a
+        # few integer operations a member, not a hash of its name.
+        weight = _mix(_member_point(member.node.node_id, member.name) ^ point)
+        if weight > best_weight:
             best, best_weight = member, weight
     return best
+
+
+@functools.lru_cache(maxsize=65536)
+def _member_point(node_id: str, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{node_id}\0{name}".encode(), digest_size=8).digest(),
+                          "big")
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(value: int) -> int:
+    """MurmurHash3's 64-bit finalizer: every bit of C{value} moves about
+    half of the result's, so that a member's weights for different keys are
+    as if drawn at random."""
+    value = ((value ^ (value >> 33)) * 0xFF51AFD7ED558CCD) & _MASK
+    value = ((value ^ (value >> 33)) * 0xC4CEB9FE1A85EC53) & _MASK
+    return value ^ (value >> 33)
 
 
 @attrs.frozen
