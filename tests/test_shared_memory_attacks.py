@@ -15,14 +15,37 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import numpy as np
+import pytest
+import pytest_twisted
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tritonclient.utils import InferenceServerException
+from twisted.internet import threads
 
 from kcoral.errors import BadRequest
 from kcoral.inference.message import RestMessage
-from kcoral.inference.sharedmemory import BYTE_SIZE, OFFSET, REGION, Caller, SharedMemory
+from kcoral.inference.sharedmemory import (
+    BYTE_SIZE,
+    MAX_REGIONS,
+    OFFSET,
+    REGION,
+    SHM_DIR,
+    Caller,
+    SharedMemory,
+)
 from kcoral.protocol.inference import InferAnswer
+from tests.conftest import server_args
+from tests.test_models import start_grpc_front
+from tests.test_shared_memory import TOKENS, _headers, export_simple
 
 A, B = Caller(b"Bearer a", "127.0.0.1"), Caller(b"Bearer b", "127.0.0.1")
 
@@ -104,3 +127,222 @@ def test_any_request_naming_a_region_is_resolved_or_refused_in_words(tmp_path, h
                 assert result.check(BadRequest), result.getTraceback()
     finally:
         registry.close()
+
+
+# -- real fronts ----------------------------------------------------------------------------------
+
+@pytest_twisted.async_fixture(scope="module", params=["server", "gateway"])
+async def front(request: pytest.FixtureRequest, module_processes, tmp_path_factory):
+    """A standalone server, or a node's gateway before two CPU workers, of
+    Triton's C{simple}, serving shared memory to two client tokens over REST
+    and gRPC: its REST host:port, its gRPC address, and its process (the
+    one that opens the regions)."""
+    root = tmp_path_factory.mktemp("shm-attacks")
+    (root / "tokens").write_text("\n".join(TOKENS) + "\n")
+    args = server_args("--model-repository", export_simple(root), "--grpc-port", "0",
+                       "--client-tokens-file", str(root / "tokens"), "--allow-client-shm")
+    address, url, process = await start_grpc_front(module_processes, request.param, args)
+    return url.removeprefix("http://"), address, process
+
+
+def _plain_inputs(module) -> list:
+    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+    inputs[1].set_data_from_numpy(np.ones((1, 16), np.int32))
+    return inputs
+
+
+def _answers_harmlessly(rest: str, grpc_address: str) -> None:
+    """A plain inference is answered correctly, over REST and gRPC."""
+    for module, address in ((httpclient, rest), (grpcclient, grpc_address)):
+        client = module.InferenceServerClient(address)
+        try:
+            result = client.infer("simple", _plain_inputs(module), headers=_headers(TOKENS[1]))
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.arange(1, 17).reshape(1, 16))
+        finally:
+            client.close()
+
+
+class Owned:
+    """An object of this process in /dev/shm, zeroed, C{size} bytes, with
+    a unique key."""
+
+    def __init__(self, size: int = 256):
+        self.key = f"/kc-attack-{uuid.uuid4().hex[:12]}"
+        self.handle = shm.create_shared_memory_region(self.key[1:], self.key, size)
+        self.path = os.path.join(SHM_DIR, self.key[1:])
+
+    def contents(self) -> bytes:
+        with open(self.path, "rb") as f:
+            return f.read()
+
+    def destroy(self) -> None:
+        shm.destroy_shared_memory_region(self.handle)
+
+
+@contextmanager
+def _refused(words: str) -> Iterator[None]:
+    """What runs inside is refused: REST 400 / gRPC INVALID_ARGUMENT, C{words} in its message."""
+    with pytest.raises(InferenceServerException) as raised:
+        yield
+    assert words in raised.value.message(), raised.value.message()
+    assert raised.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), raised.value.status()
+
+
+def _out_of_reach(rest: str, grpc_address: str) -> None:
+    owned = Owned()
+    # Each call its own headers: tritonclient's infer adds to them.
+    def a():
+        return _headers(TOKENS[0])
+
+    def b():
+        return _headers(TOKENS[1])
+
+    clients = [httpclient.InferenceServerClient(rest), grpcclient.InferenceServerClient(grpc_address)]
+    try:
+        clients[0].register_system_shared_memory("mine", owned.key, 256, headers=a())
+        for module, client in zip((httpclient, grpcclient), clients, strict=True):
+            with _refused("Unable to find shared memory region: 'mine'"):
+                client.get_system_shared_memory_status("mine", headers=b())
+            with _refused("Unable to find system shared memory region: 'mine'"):
+                client.unregister_system_shared_memory("mine", headers=b())
+            client.unregister_system_shared_memory(headers=b())  # all of B's: none
+            outputs = [module.InferRequestedOutput("OUTPUT0")]
+            outputs[0].set_shared_memory("mine", 64)
+            with _refused("Unable to find shared memory region: 'mine'"):
+                client.infer("simple", _plain_inputs(module), outputs=outputs, headers=b())
+        _streamed_by_another(grpc_address, b())
+        # A's region is still A's, and nothing was written into it.
+        assert [r["name"] for r in clients[0].get_system_shared_memory_status(headers=a())] == ["mine"]
+        assert owned.contents() == bytes(256)
+        clients[0].unregister_system_shared_memory("mine", headers=a())
+    finally:
+        for client in clients:
+            client.close()
+        owned.destroy()
+
+
+def _streamed_by_another(grpc_address: str, headers: dict) -> None:
+    """On B's stream, an inference naming A's region is answered with its
+    error, and the next (plain) one is answered."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_address)
+    try:
+        client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
+        outputs = [grpcclient.InferRequestedOutput("OUTPUT0")]
+        outputs[0].set_shared_memory("mine", 64)
+        client.async_stream_infer("simple", _plain_inputs(grpcclient), outputs=outputs)
+        client.async_stream_infer("simple", _plain_inputs(grpcclient))
+        result, error = answers.get(timeout=30)
+        assert result is None and "Unable to find shared memory region: 'mine'" in error.message()
+        result, error = answers.get(timeout=30)
+        assert error is None
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.arange(1, 17).reshape(1, 16))
+        client.stop_stream()
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_another_tokens_region_is_out_of_reach(front):
+    """Token B can neither see, unregister (by name or all at once), nor
+    name in an inference (REST, gRPC, the gRPC stream) a region token A
+    registered: each refused in Triton's words, the stream going on; A's
+    region stays registered and its object unwritten."""
+    await threads.deferToThread(_out_of_reach, front[0], front[1])
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+
+
+def _descriptors_on(pid: int, path: str) -> int:
+    """How many descriptors of process C{pid} are open on C{path}."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == path
+        except FileNotFoundError:
+            pass  # closed as it was listed
+    return count
+
+
+def _bounded(rest: str, grpc_address: str, pid: int) -> None:
+    owned = Owned()
+    clients = [httpclient.InferenceServerClient(rest), grpcclient.InferenceServerClient(grpc_address)]
+    try:
+        for client in clients:
+            client.register_system_shared_memory("twice", owned.key, 64, headers=_headers(TOKENS[0]))
+            with _refused("shared memory region 'twice' already in manager"):
+                client.register_system_shared_memory("twice", owned.key, 128, headers=_headers(TOKENS[0]))
+            status = client.get_system_shared_memory_status("twice", headers=_headers(TOKENS[0]))
+            size = status[0]["byte_size"] if client is clients[0] else status.regions["twice"].byte_size
+            assert int(size) == 64  # the first registration, unchanged
+            client.unregister_system_shared_memory(headers=_headers(TOKENS[0]))
+        for i in range(MAX_REGIONS):
+            clients[0].register_system_shared_memory(f"r{i}", owned.key, 64, headers=_headers(TOKENS[0]))
+        assert _descriptors_on(pid, owned.path) == MAX_REGIONS
+        for client in clients:
+            with _refused(f"{MAX_REGIONS} regions are already registered"):
+                client.register_system_shared_memory("one-more", owned.key, 64,
+                                                     headers=_headers(TOKENS[0]))
+        # Another token's bound is its own.
+        clients[1].register_system_shared_memory("r0", owned.key, 64, headers=_headers(TOKENS[1]))
+        for token in TOKENS:
+            clients[0].unregister_system_shared_memory(headers=_headers(token))
+        assert _descriptors_on(pid, owned.path) == 0
+    finally:
+        for client in clients:
+            client.close()
+        owned.destroy()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_name_is_registered_once_and_a_token_holds_a_bounded_number(front):
+    """A name registered again is refused and the first registration kept
+    (REST and gRPC); a token holds at most MAX_REGIONS regions, each an
+    open descriptor of the front's, another token its own as many; once
+    unregistered, the front holds none of them open."""
+    await threads.deferToThread(_bounded, front[0], front[1], front[2].pid)
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+
+
+def _not_shared_memory(rest: str, grpc_address: str) -> None:
+    owned = Owned()
+    tag = uuid.uuid4().hex[:12]
+    made = {"link": f"kc-link-{tag}", "fifo": f"kc-fifo-{tag}", "folder": f"kc-dir-{tag}"}
+    os.symlink(owned.path, os.path.join(SHM_DIR, made["link"]))
+    os.mkfifo(os.path.join(SHM_DIR, made["fifo"]))
+    os.mkdir(os.path.join(SHM_DIR, made["folder"]))
+    keys = {"/" + made["link"]: "Unable to open shared memory region",
+            "/" + made["fifo"]: "not a shared memory object",
+            "/" + made["folder"]: "Unable to open shared memory region",
+            "/..": "Unable to open shared memory region", "/.": "Unable to open shared memory region",
+            "/" + "k" * 255: "Unable to open shared memory region",
+            "/" + "k" * 256: "a key is a POSIX shared memory name",
+            owned.key + "/": "a key is a POSIX shared memory name",
+            "/dev/shm" + owned.key: "a key is a POSIX shared memory name",
+            owned.key[1:]: "a key is a POSIX shared memory name",
+            "/" + owned.key: "a key is a POSIX shared memory name"}
+    clients = [httpclient.InferenceServerClient(rest), grpcclient.InferenceServerClient(grpc_address)]
+    try:
+        for client in clients:
+            for key, words in keys.items():
+                with _refused(words):
+                    client.register_system_shared_memory("r", key, 64, headers=_headers(TOKENS[0]))
+        assert clients[0].get_system_shared_memory_status(headers=_headers(TOKENS[0])) == []
+    finally:
+        for client in clients:
+            client.close()
+        os.unlink(os.path.join(SHM_DIR, made["link"]))
+        os.unlink(os.path.join(SHM_DIR, made["fifo"]))
+        os.rmdir(os.path.join(SHM_DIR, made["folder"]))
+        owned.destroy()
+
+
+@pytest_twisted.ensureDeferred
+async def test_what_is_no_shared_memory_object_is_never_opened(front):
+    """A link in /dev/shm (to an object the client owns), a FIFO (which an
+    open would wait on), a folder, '..', '.', a name of 255 bytes that
+    names nothing, and keys that are no POSIX shared-memory name (256
+    bytes, a trailing or second slash, a path, no slash) are refused over
+    REST and gRPC, nothing registered, the front serving on."""
+    await threads.deferToThread(_not_shared_memory, front[0], front[1])
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
