@@ -13,6 +13,7 @@ token's inference naming a region, sizes over the bound).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -345,4 +346,92 @@ async def test_what_is_no_shared_memory_object_is_never_opened(front):
     bytes, a trailing or second slash, a path, no slash) are refused over
     REST and gRPC, nothing registered, the front serving on."""
     await threads.deferToThread(_not_shared_memory, front[0], front[1])
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+
+
+def _input(parameters: object) -> dict:
+    return {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "parameters": parameters}
+
+
+#: Headers naming region "r" that no front may serve, each a 400.
+HOSTILE_HEADERS = [
+    {"inputs": 5, "x": REGION}, {"inputs": None, "x": REGION}, {"inputs": {REGION: "r"}},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64})], "outputs": "OUTPUT0"},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64})], "outputs": {"name": "x"}},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 1 << 64})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64, OFFSET: (1 << 63) - 1})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64, OFFSET: -64})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: -1})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64.0})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: "64"})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: True})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 10 ** 30})]},
+    {"inputs": [_input({REGION: ["r"], BYTE_SIZE: 64})]},
+    {"inputs": [_input({REGION: "r" * 300, BYTE_SIZE: 64})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 32})]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64, "binary_data_size": 64})]},
+    {"inputs": [{**_input({REGION: "r", BYTE_SIZE: 64}), "data": list(range(16))}]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64})],
+     "outputs": [{"name": "OUTPUT0", "parameters": {REGION: "r", BYTE_SIZE: 8}}]},
+    {"inputs": [_input({REGION: "r", BYTE_SIZE: 64})],
+     "outputs": [{"name": "OUTPUT0", "parameters": {REGION: "r", BYTE_SIZE: 64, OFFSET: 250}}]},
+]
+
+
+def _post(connection: http.client.HTTPConnection, header: object, tail: bytes = b"") -> tuple[int, dict]:
+    encoded = json.dumps(header).encode()
+    connection.request("POST", "/v2/models/simple/infer", encoded + tail, {
+        **_headers(TOKENS[0]), "Inference-Header-Content-Length": str(len(encoded)),
+        "Content-Type": "application/octet-stream"})
+    answer = connection.getresponse()
+    body = answer.read()
+    assert answer.getheader("X-Request-Id"), body
+    return answer.status, json.loads(body[:int(answer.getheader("Inference-Header-Content-Length")
+                                               or len(body))])
+
+
+def _hostile_inferences(rest: str) -> None:
+    owned = Owned()
+    connection = http.client.HTTPConnection(rest, timeout=30)
+    client = httpclient.InferenceServerClient(rest)
+    values = st.one_of(st.integers(), st.integers(-2, 300), st.sampled_from([1 << 63, 1 << 64, -(1 << 63)]),
+                       st.floats(), st.text(max_size=4), st.none(), st.booleans(), st.just("r"))
+    parameters = st.dictionaries(st.sampled_from([REGION, BYTE_SIZE, OFFSET, "binary_data_size"]),
+                                 values, max_size=4).map(lambda p: {REGION: "r", **p})
+
+    @settings(max_examples=80, deadline=None)
+    @given(inputs=st.lists(parameters, min_size=1, max_size=2), output=st.none() | parameters,
+           tail=st.binary(max_size=80))
+    def fuzzed(inputs, output, tail):
+        header = {"inputs": [{**_input(p), "name": f"INPUT{i}"} for i, p in enumerate(inputs)]}
+        if output is not None:
+            header["outputs"] = [{"name": "OUTPUT0", "parameters": output}]
+        status, answer = _post(connection, header, tail)
+        assert status in (200, 400), (status, answer)
+        assert status == 200 or answer["error"]
+
+    try:
+        client.register_system_shared_memory("r", owned.key, 256, headers=_headers(TOKENS[0]))
+        for header in HOSTILE_HEADERS:
+            status, answer = _post(connection, header)
+            assert status == 400 and answer["error"], (header, status, answer)
+        fuzzed()
+        assert client.get_system_shared_memory_status(headers=_headers(TOKENS[0]))[0]["name"] == "r"
+        client.unregister_system_shared_memory(headers=_headers(TOKENS[0]))
+    finally:
+        connection.close()
+        client.close()
+        owned.destroy()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hostile_inferences_naming_a_region_are_json_400s(front):
+    """Inference requests naming a registered region with inputs or outputs
+    that are not lists, sizes and offsets outside the region or past 64
+    bits, of the wrong types, a slice that is not the input's size, data
+    given twice, an output slice too small, and fuzzed parameters over any
+    body: each a 400 with a JSON error and a request id (a fuzzed request
+    that happens to be valid a 200), never a 5xx; the region stays, and a
+    plain inference is answered correctly after."""
+    await threads.deferToThread(_hostile_inferences, front[0])
     await threads.deferToThread(_answers_harmlessly, front[0], front[1])
