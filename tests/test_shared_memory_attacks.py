@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import grpc
 import numpy as np
 import pytest
 import pytest_twisted
@@ -29,10 +30,12 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
 
 from kcoral.errors import BadRequest
+from kcoral.inference.h2front import SERVICE
 from kcoral.inference.message import RestMessage
 from kcoral.inference.sharedmemory import (
     BYTE_SIZE,
@@ -434,4 +437,91 @@ async def test_hostile_inferences_naming_a_region_are_json_400s(front):
     that happens to be valid a 200), never a 5xx; the region stays, and a
     plain inference is answered correctly after."""
     await threads.deferToThread(_hostile_inferences, front[0])
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+
+
+def _parameter(value: object) -> service_pb2.InferParameter:
+    if isinstance(value, bool):
+        return service_pb2.InferParameter(bool_param=value)
+    if isinstance(value, str):
+        return service_pb2.InferParameter(string_param=value)
+    if isinstance(value, float):
+        return service_pb2.InferParameter(double_param=value)
+    if isinstance(value, int) and value >= 1 << 63:
+        return service_pb2.InferParameter(uint64_param=value)
+    return service_pb2.InferParameter(int64_param=value)
+
+
+def _grpc_request(parameters: dict, output: dict | None = None,
+                  raw: bool = True) -> service_pb2.ModelInferRequest:
+    """C{simple}'s INPUT0 from region parameters C{parameters}, INPUT1 in raw contents."""
+    pb = service_pb2.ModelInferRequest(model_name="simple")
+    first = pb.inputs.add(name="INPUT0", datatype="INT32", shape=[1, 16])
+    for key, value in parameters.items():
+        first.parameters[key].CopyFrom(_parameter(value))
+    pb.inputs.add(name="INPUT1", datatype="INT32", shape=[1, 16])
+    if raw:
+        pb.raw_input_contents.append(np.ones(16, np.int32).tobytes())
+    if output is not None:
+        requested = pb.outputs.add(name="OUTPUT0")
+        for key, value in output.items():
+            requested.parameters[key].CopyFrom(_parameter(value))
+    return pb
+
+
+def _hostile_grpc(grpc_address: str, rest: str) -> None:
+    owned = Owned()
+    client = httpclient.InferenceServerClient(rest)
+    channel = grpc.insecure_channel(grpc_address)
+    infer = channel.unary_unary(f"/{SERVICE}/ModelInfer",
+                                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                response_deserializer=service_pb2.ModelInferResponse.FromString)
+    metadata = [("authorization", f"Bearer {TOKENS[0]}")]
+    values = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.integers(-2, 300), st.booleans(),
+                       st.floats(allow_nan=False), st.text(max_size=4), st.just("r"))
+    parameters = st.dictionaries(st.sampled_from([REGION, BYTE_SIZE, OFFSET]), values,
+                                 max_size=3).map(lambda p: {REGION: "r", **p})
+
+    def refused(pb: service_pb2.ModelInferRequest) -> None:
+        with pytest.raises(grpc.RpcError) as raised:
+            infer(pb, metadata=metadata, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+        assert raised.value.details()
+
+    @settings(max_examples=60, deadline=None)
+    @given(first=parameters, output=st.none() | parameters, raw=st.booleans())
+    def fuzzed(first, output, raw):
+        try:
+            answer = infer(_grpc_request(first, output, raw), metadata=metadata, timeout=30)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+        else:
+            assert answer.model_name == "simple"
+
+    try:
+        client.register_system_shared_memory("r", owned.key, 256, headers=_headers(TOKENS[0]))
+        for hostile in ({BYTE_SIZE: 64, OFFSET: -1}, {BYTE_SIZE: (1 << 64) - 1},
+                        {BYTE_SIZE: 64, OFFSET: (1 << 64) - 1}, {BYTE_SIZE: -(1 << 63)},
+                        {BYTE_SIZE: True}, {BYTE_SIZE: "64"}, {BYTE_SIZE: 64.0}, {BYTE_SIZE: 32},
+                        {BYTE_SIZE: 64, OFFSET: 200}):
+            refused(_grpc_request({REGION: "r", **hostile}))
+        refused(_grpc_request({REGION: "r", BYTE_SIZE: 64},
+                              {REGION: "r", BYTE_SIZE: 64, OFFSET: 1 << 63}))
+        fuzzed()
+        assert client.get_system_shared_memory_status(headers=_headers(TOKENS[0]))[0]["name"] == "r"
+        client.unregister_system_shared_memory(headers=_headers(TOKENS[0]))
+    finally:
+        channel.close()
+        client.close()
+        owned.destroy()
+
+
+@pytest_twisted.ensureDeferred
+async def test_hostile_grpc_inferences_naming_a_region_are_invalid_argument(front):
+    """gRPC inferences whose region parameters are negative, past 64 bits of
+    the region, of the wrong type (bool, string, double), not the input's
+    size, or an output slice outside the region, and fuzzed parameters:
+    each INVALID_ARGUMENT with a message (or answered, where valid); the
+    region stays, and a plain inference is answered correctly after."""
+    await threads.deferToThread(_hostile_grpc, front[1], front[0])
     await threads.deferToThread(_answers_harmlessly, front[0], front[1])
