@@ -213,6 +213,30 @@ async def test_ids_are_per_client_token(gateway, module):
     assert second == [100, 300, 600 + 5]
 
 
+def _claimed(address: str) -> str:
+    """The first token's client starts sequence 6 naming the second's as its owner; the
+    second's client then steps its own sequence 6: what it is told."""
+    client = httpclient.InferenceServerClient(address)
+    try:
+        client.infer(SUMS, _input(httpclient, 1), sequence_id=6, sequence_start=True,
+                     headers={**_auth(TOKENS[0]),
+                              "x-kcoral-sequence-owner": f"Bearer {TOKENS[1]}"})
+        with pytest.raises(InferenceServerException) as refused:
+            _step(client, httpclient, 6, 1, TOKENS[1])
+        _step(client, httpclient, 6, 0, TOKENS[0], sequence_end=True)
+        return refused.value.message()
+    finally:
+        client.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_client_cannot_name_another_as_its_sequences_owner(gateway):
+    """A gateway keys a client's sequences by the token it authenticated with, whatever owner
+    the request names: another client's sequence of the same id is not it."""
+    message = await threads.deferToThread(_claimed, gateway[0])
+    assert "must specify the START flag" in message
+
+
 def _refused(module, address: str, token: str, id) -> InferenceServerException:
     client = module.InferenceServerClient(address)
     try:

@@ -151,12 +151,17 @@ class InferenceRoutes:
     and answers wrong methods. A client that goes away cancels what it waits
     for. Inputs are views of the request body, as a
     L{kcoral.web.request.KCoralRequest} keeps it (a plain C{BytesIO} body
-    cannot be closed while they live).
+    cannot be closed while they live). With C{named_owners} (a server's,
+    which a node's fronts forward to), the client whose sequences a request
+    steps is the one a front names in it (L{OWNER_HEADER}), else its token;
+    a front's own are always its token's.
     """
 
-    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None):
+    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None, *,
+                 named_owners: bool = False):
         self._front = front
         self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
+        self._named_owners = named_owners
 
     def handlers(self) -> dict[Route, Handler]:
         """Each route of the family, and its handler."""
@@ -329,7 +334,8 @@ class InferenceRoutes:
             formed = request.getHeader(FORMED_BATCH_HEADER) == b"true"
             # Whose sequences it may step: the client a front names (a
             # digest of the client's token), else the token it presents.
-            owner = request.getHeader(OWNER_HEADER) or _caller(request).token
+            named = request.getHeader(OWNER_HEADER) if self._named_owners else None
+            owner = named or _caller(request).token
 
             def ask(body: memoryview) -> Deferred:
                 message = RestMessage(body, header_length)

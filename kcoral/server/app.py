@@ -91,7 +91,8 @@ class ServerApp:
         routes: dict[Route, Handler] = {RUN_ROUTE: self.post_run, ARRAY: self.array,
                                         ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
-            routes.update(InferenceRoutes(self.inference, self.shared_memory).handlers())
+            routes.update(InferenceRoutes(self.inference, self.shared_memory,
+                                          named_owners=True).handlers())
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- health -----------------------------------------------------------
