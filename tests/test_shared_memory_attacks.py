@@ -525,3 +525,42 @@ async def test_hostile_grpc_inferences_naming_a_region_are_invalid_argument(fron
     region stays, and a plain inference is answered correctly after."""
     await threads.deferToThread(_hostile_grpc, front[1], front[0])
     await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+
+
+def _forging(rest: str, grpc_address: str) -> None:
+    forged = "\nERROR [kcoral.forged] a line of the client's"
+    owned = Owned()
+    clients = [httpclient.InferenceServerClient(rest), grpcclient.InferenceServerClient(grpc_address)]
+    connection = http.client.HTTPConnection(rest, timeout=30)
+    try:
+        for client in clients:
+            with _refused("Unable to open shared memory region"):
+                client.register_system_shared_memory("r", "/kc" + forged, 64, headers=_headers(TOKENS[0]))
+        # A REST path holding a newline is refused before any route; gRPC's names are any text.
+        with _refused("Unable to find system shared memory region"):
+            clients[1].unregister_system_shared_memory("r" + forged, headers=_headers(TOKENS[0]))
+        with _refused("Unable to find shared memory region"):
+            clients[1].get_system_shared_memory_status("r" + forged, headers=_headers(TOKENS[0]))
+        clients[0].register_system_shared_memory("r", owned.key, 256, headers=_headers(TOKENS[0]))
+        status, answer = _post(connection, {"inputs": [{**_input({REGION: "r", BYTE_SIZE: 64, OFFSET: 250}),
+                                                        "name": "INPUT0" + forged}]})
+        assert status == 400 and "Invalid offset + byte size" in answer["error"]
+        status, answer = _post(connection, {"inputs": [_input({REGION: "r" + forged, BYTE_SIZE: 64})]})
+        assert status == 400 and "Unable to find shared memory region" in answer["error"]
+        clients[0].unregister_system_shared_memory(headers=_headers(TOKENS[0]))
+    finally:
+        connection.close()
+        for client in clients:
+            client.close()
+        owned.destroy()
+
+
+@pytest_twisted.ensureDeferred
+async def test_keys_and_names_forge_no_log_line(front):
+    """A key, a region's name or an input's name holding a newline, in a
+    registration, an unregistration, a status or an inference, is refused,
+    and the front's log has no line that the client wrote."""
+    since = front[2].mark()
+    await threads.deferToThread(_forging, front[0], front[1])
+    await threads.deferToThread(_answers_harmlessly, front[0], front[1])
+    assert not front[2].matching(r"^\S*\s*ERROR \[kcoral\.forged\]", since)

@@ -116,7 +116,7 @@ class _Slice:
         while done < self.size:
             count = os.preadv(self.region.fd, [view[done:]], start + done)
             if count == 0:
-                raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter "
+                raise BadRequest(f"shared memory region {self.region.name[:64]!r} is shorter "
                                  "than it was when registered")
             done += count
 
@@ -124,7 +124,7 @@ class _Slice:
         # The object may have shrunk since it was registered: a write past
         # its end would grow it again, which its owner did not ask for.
         if os.fstat(self.region.fd).st_size < self.region.offset + self.offset + self.size:
-            raise BadRequest(f"shared memory region '{self.region.name[:64]}' is shorter than it "
+            raise BadRequest(f"shared memory region {self.region.name[:64]!r} is shorter than it "
                              "was when registered")
         written = 0
         while written < len(data):
@@ -164,7 +164,7 @@ class Placement:
                     kept.append(data)
                 continue
             if data is None or len(data) > where.size:
-                raise BadRequest(f"output '{output['name'][:64]}' is {len(data or b'')} bytes, "
+                raise BadRequest(f"output {output['name'][:64]!r} is {len(data or b'')} bytes, "
                                  f"its shared memory slice {where.size}")
             where.write(data)
             parameters.pop("binary_data_size", None)
@@ -212,25 +212,25 @@ class SharedMemory:
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_CHARS:
             raise BadRequest(f"a region's name must be 1 to {MAX_NAME_CHARS} characters")
         if not isinstance(key, str) or not _KEY.match(key):
-            raise BadRequest(f"Unable to open shared memory region: '{str(key)[:64]}': a key is a "
+            raise BadRequest(f"Unable to open shared memory region: {str(key)[:64]!r}: a key is a "
                              "POSIX shared memory name, '/' then up to 255 bytes with no '/'")
         if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 1:
-            raise BadRequest(f"failed to register shared memory region '{name[:64]}': offset and "
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: offset and "
                              "byte_size must be counts of bytes, byte_size at least 1")
         if byte_size > self._max_bytes:
-            raise BadRequest(f"failed to register shared memory region '{name[:64]}': byte_size "
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: byte_size "
                              f"{byte_size} is over the {self._max_bytes} bytes a request may hold")
         regions = self._regions.setdefault(self._space(caller), {})
         if name in regions:
-            raise BadRequest(f"shared memory region '{name[:64]}' already in manager")
+            raise BadRequest(f"shared memory region {name[:64]!r} already in manager")
         if len(regions) >= MAX_REGIONS:
-            raise BadRequest(f"failed to register shared memory region '{name[:64]}': "
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: "
                              f"{MAX_REGIONS} regions are already registered")
         fd = self._open(key)
         size = os.fstat(fd).st_size
         if offset + byte_size > size:
             os.close(fd)
-            raise BadRequest(f"failed to register shared memory region '{name[:64]}': offset "
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: offset "
                              f"{offset} and byte_size {byte_size} run past the object's "
                              f"{size} bytes")
         regions[name] = _Region(name, key, offset, byte_size, fd)
@@ -242,11 +242,11 @@ class SharedMemory:
             fd = os.open(os.path.join(self._directory, key[1:]),
                          os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
-            raise BadRequest(f"Unable to open shared memory region: '{key[:64]}': "
+            raise BadRequest(f"Unable to open shared memory region: {key[:64]!r}: "
                              f"{os.strerror(e.errno or 0)}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise BadRequest(f"Unable to open shared memory region: '{key[:64]}': "
+            raise BadRequest(f"Unable to open shared memory region: {key[:64]!r}: "
                              "not a shared memory object")
         return fd
 
@@ -257,7 +257,7 @@ class SharedMemory:
             regions.clear()
             return
         if name not in regions:
-            raise BadRequest(f"Unable to find system shared memory region: '{name[:64]}'")
+            raise BadRequest(f"Unable to find system shared memory region: {name[:64]!r}")
         del regions[name]
 
     def status(self, caller: Caller, name: str | None) -> list[dict]:
@@ -271,7 +271,7 @@ class SharedMemory:
     def _region(regions: dict[str, _Region], name: object) -> _Region:
         region = regions.get(name) if isinstance(name, str) else None
         if region is None:
-            raise BadRequest(f"Unable to find shared memory region: '{str(name)[:64]}'")
+            raise BadRequest(f"Unable to find shared memory region: {str(name)[:64]!r}")
         return region
 
     def _slice(self, caller: Caller, what: str, parameters: dict) -> _Slice:
@@ -281,7 +281,7 @@ class SharedMemory:
         if type(size) is not int or type(offset) is not int or size < 0 or offset < 0 \
                 or offset + size > region.byte_size:
             raise BadRequest(f"{what}: Invalid offset + byte size for shared memory region: "
-                             f"'{region.name[:64]}'")
+                             f"{region.name[:64]!r}")
         return _Slice(region, offset, size)
 
     # -- inferences -------------------------------------------------------------------------
@@ -333,7 +333,7 @@ class SharedMemory:
                 continue
             length = parameters.get("binary_data_size")
             if REGION in parameters:
-                where = self._slice(caller, f"input '{str(entry.get('name'))[:64]}'", parameters)
+                where = self._slice(caller, f"input {str(entry.get('name'))[:64]!r}", parameters)
                 entry["parameters"] = {"binary_data_size": where.size}
                 parts.append(where)
             elif type(length) is int and length >= 0:
@@ -363,7 +363,7 @@ class SharedMemory:
             parameters = entry.get("parameters") if isinstance(entry, dict) else None
             if isinstance(parameters, dict) and REGION in parameters:
                 outputs[str(entry.get("name"))] = self._slice(
-                    caller, f"output '{str(entry.get('name'))[:64]}'", parameters)
+                    caller, f"output {str(entry.get('name'))[:64]!r}", parameters)
                 entry["parameters"] = {"binary_data": True}
         return Placement(outputs)
 
