@@ -8,10 +8,17 @@ L{tests.test_hostile}.
 
 from __future__ import annotations
 
+import select
+import socket
+import ssl
+
+import pytest_twisted
+from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.internet.threads import deferToThread
 from twisted.logger import Logger, formatEvent
 from twisted.python.failure import Failure
 
@@ -20,8 +27,10 @@ from kcoral.web.badrequest import TWISTED_BAD_REQUEST, JSONBadRequest
 from kcoral.web.bounds import BODY_GRACE_SECONDS, MIN_BODY_BYTES_PER_SECOND, BodyBounds
 from kcoral.web.channel import LINGER_SECONDS, KCoralChannel
 from kcoral.web.connections import Connections, Refused
+from kcoral.web.endpoint import tls_options
 from kcoral.web.request import KCoralRequest
 from tests.httputil import connect, fake_site, parse_raw
+from tests.tlsutil import TestCA
 
 
 class Lines:
@@ -331,3 +340,28 @@ def test_a_client_gone_mid_body_is_told_to_the_request():
     channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nabc")
     channel.connectionLost(Failure(ConnectionDone()))
     assert [c[0] for c in calls] == ["gotLength", "handleContentChunk", "connectionLost"]
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_tls_connection_closed_for_its_header_deadline_says_so_at_once(tmp_path):
+    """Over TLS, an idle connection past its head deadline gets its close alert at once."""
+    issued = TestCA(tmp_path).issue("site")
+    port = reactor.listenSSL(0, fake_site(reactor, header_timeout=0.5),
+                             tls_options(issued.cert, issued.key), interface="127.0.0.1")
+    context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+
+    def ask_then_wait() -> bytes | None:
+        """Answered once, then what the idle connection gets within 5 s (None: nothing)."""
+        with socket.create_connection(("127.0.0.1", port.getHost().port), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname="localhost") as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"hello"):
+                answer += conn.recv(4096)
+            readable, _, _ = select.select([conn], [], [], 5.0)
+            return conn.recv(4096) if readable else None
+
+    try:
+        assert await deferToThread(ask_then_wait) == b""  # the close alert: the end of the stream
+    finally:
+        await port.stopListening()

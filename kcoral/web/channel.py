@@ -54,7 +54,7 @@ class KCoralChannel(http.HTTPChannel):
         if self.requests:
             self.persistent = False  # requestDone then loses the connection
         elif self.transport is not None:
-            self.transport.loseConnection()  # flushes what is still buffered
+            self._close()
 
     def _armHeaderDeadline(self):
         timeout = self.site.header_timeout
@@ -69,7 +69,19 @@ class KCoralChannel(http.HTTPChannel):
         # large result must get all of it. Nothing is read after this; a peer
         # that never reads is aborted by Twisted's own idle timeout.
         assert self.transport is not None  # connectionLost cancels the deadline
-        self.transport.loseConnection()
+        self._close()
+
+    def _close(self) -> None:
+        """
+        Close gracefully (what is buffered is sent first), as Twisted's own
+        close does: the transport no longer drives this channel first. A TLS
+        transport sends its close alert only once no producer is registered
+        on it: closed while this channel still was one, it sent nothing and
+        read nothing more, and a client that sent its next request on the
+        connection meanwhile waited for the idle timeout (60 s) to learn it
+        was closed.
+        """
+        super().loseConnection()
 
     def lineReceived(self, line):
         # Kept so that a request can be refused from its head alone, before
