@@ -407,10 +407,14 @@ def test_a_step_of_a_sequence_whose_worker_restarted_is_lost_through_the_front()
     assert error_body(lost, "r1")["error"]["type"] == "sequence_lost"
 
 
+ONE_ROW = {"name": "seq", "version": "1", "state": "READY", "max_batch_size": 1,
+           "sequence": True}
+
+
 def waiting_behind_a_restart():
-    """A front of two workers where sequence 7 started on one, a second sequence's START
-    (C{other}) waits for that worker's one slot, and the worker restarts (a new instance)."""
-    inference, pool, proxy = front(workers=2)
+    """A front of two one-slot workers of a sequence model of one row a batch (a slot a
+    step) where sequence 7 started on one: its worker, and another sequence's id there."""
+    inference, pool, proxy = front(workers=2, model=ONE_ROW)
     started = inference.infer("seq", None, rest_step(7, start=True))
     proxy.forwards[0][3].callback(ok())
     assert started.called
@@ -456,6 +460,36 @@ def test_a_start_waiting_for_a_worker_that_restarts_starts_where_it_now_belongs(
     assert dict(proxy.forwards[2][1].headers)[OWNER_HEADER]
     proxy.forwards[2][3].callback(ok())
     assert waiting.result.body == busy.result.body == b'{"outputs": []}'
+
+
+def test_the_steps_on_one_worker_share_its_slot_up_to_a_batch():
+    """Steps of different sequences on one worker ride one slot of it, as many as a batch of
+    the model's holds, all forwarded at once (the worker runs them as one execution); one more
+    waits for a slot; once they are answered the slot is free."""
+    inference, pool, proxy = front(workers=1, model={**ONE_ROW, "max_batch_size": 3})
+    [member] = pool.ring.members
+    answers = [inference.infer("seq", None, rest_step(id, start=True)) for id in range(1, 5)]
+    assert len(proxy.forwards) == 3 and member.active == 1
+    for forward in proxy.forwards[:3]:
+        forward[3].callback(ok())
+    assert len(proxy.forwards) == 4 and member.active == 1
+    proxy.forwards[3][3].callback(ok())
+    assert member.active == 0 and all(a.result.body == b'{"outputs": []}' for a in answers)
+    assert inference._batcher._lanes == {}
+
+
+def test_a_step_that_goes_away_while_its_lane_waits_frees_its_place():
+    """The client of a step waiting for its lane's slot went away: never sent, and the slot,
+    once granted to no one, is let go."""
+    inference, pool, proxy = front(workers=1, model=ONE_ROW)
+    [member] = pool.ring.members
+    first = inference.infer("seq", None, rest_step(1, start=True))
+    gone = inference.infer("seq", None, rest_step(2, start=True))
+    gone.cancel()
+    assert gone.result.check(CancelledError)
+    gone.addErrback(lambda _: None)
+    proxy.forwards[0][3].callback(ok())
+    assert first.called and len(proxy.forwards) == 1 and member.active == 0
 
 
 def test_a_request_that_names_no_sequence_is_refused_in_tritons_words():

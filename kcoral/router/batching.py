@@ -61,7 +61,7 @@ from collections.abc import Callable
 
 import attrs
 from twisted.internet.base import DelayedCall
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -165,6 +165,44 @@ class _Queue:
     in_flight: int = 0
 
 
+@attrs.define(eq=False)
+class _Lane:
+    """
+    Steps of one sequence model on one worker that share one slot there:
+    the slot's C{lease} once granted, the steps that ride it or wait for
+    it (C{riders}), and what each waiting one is told when it is granted
+    or refused.
+    """
+
+    demand: Demand
+    lease: Lease | None = None
+    riders: int = 0
+    failure: Failure | None = None
+    waiting: list[Deferred] = attrs.Factory(list)
+
+    def ride(self) -> Deferred[Lease]:
+        """A hold on the lane's slot, once it has one."""
+        if self.lease is not None:
+            return succeed(self.lease.share())
+        if self.failure is not None:
+            return fail(self.failure)
+        d: Deferred[Lease] = Deferred(self.waiting.remove)
+        self.waiting.append(d)
+        return d
+
+    def granted(self, lease: Lease) -> None:
+        self.lease = lease
+        waiting, self.waiting = self.waiting, []
+        for d in waiting:
+            d.callback(lease.share())
+
+    def refused(self, failure: Failure) -> None:
+        self.failure = failure
+        waiting, self.waiting = self.waiting, []
+        for d in waiting:
+            d.errback(failure)
+
+
 def _kind(request: InferRequest, most_rows: int) -> tuple[tuple | None, int]:
     """What a request must share with others to merge (None: it cannot), and its rows."""
     shapes = [array.shape for array in request.inputs.values()]
@@ -189,6 +227,8 @@ class FrontBatcher:
         self._clock = clock
         self._most_waiting = most_waiting
         self._queues: dict[bytes, _Queue] = {}
+        #: The lanes of sequence models' steps, by worker instance and model.
+        self._lanes: dict[tuple[str | None, str | None], list[_Lane]] = {}
 
     def infer(self, request: Call, call: InferCall, model: str, most_rows: int,
               span: ISpan) -> Deferred[InferAnswer | GrpcAnswer]:
@@ -227,17 +267,65 @@ class FrontBatcher:
         self._ask(queue)
         return waiting.answer
 
-    def alone(self, request: Call, message: RestMessage, demand: Demand,
-              span: ISpan) -> Deferred[InferAnswer]:
+    def step(self, request: Call, message: RestMessage, demand: Demand, most: int,
+             span: ISpan) -> Deferred[InferAnswer]:
         """
-        The answer to one inference that no batch of its model's takes and
-        no queue of theirs holds up: a sequence's step, whose C{demand}
-        pins it to the worker that holds the sequence. Forwarded as
-        C{request} with C{message} once that worker has a free slot.
+        The answer to a sequence's step, whose C{demand} pins it to the
+        worker that holds the sequence, forwarded alone as C{request} with
+        C{message}. The steps of one model on one worker share a slot there
+        (a L{_Lane}), up to C{most} at once: the worker runs those that wait
+        as one execution, and a slot each would hold back the steps that
+        make its batches.
         """
         request, body = _with_body(request, message)
-        return self._forwarder.forward(request, MemoryBody(bytes(body)), demand, 1,
-                                       span).addCallback(_answer_of)
+        lane = self._lane(demand, most)
+        d = lane.ride()
+        d.addCallback(lambda lease: self._forwarder.forward(
+            request, MemoryBody(bytes(body)), demand, 1, span, lease=lease, waited=True))
+        d.addBoth(self._alighted, lane)
+        return d.addCallback(_answer_of)
+
+    def _lane(self, demand: Demand, most: int) -> _Lane:
+        """A lane of C{demand}'s model and worker with room for one more
+        step, counted in it: one there is, or a new one that asks for a slot."""
+        lanes = self._lanes.setdefault((demand.kept, demand.model), [])
+        for lane in lanes:
+            if lane.riders < max(most, 1):
+                lane.riders += 1
+                return lane
+        lane = _Lane(demand, riders=1)
+        lanes.append(lane)
+        arrived = self._clock.seconds()
+
+        def granted(lease: Lease) -> None:
+            self._forwarder.observe_wait(self._clock.seconds() - arrived)
+            lane.granted(lease)
+            if not lane.riders:  # every step waiting for it went away
+                self._close(lane)
+
+        def refused(failure: Failure) -> None:
+            self._close(lane)
+            lane.refused(failure)
+
+        self._scheduler.acquire(demand).addCallbacks(granted, refused)
+        return lane
+
+    def _alighted(self, result, lane: _Lane):
+        """A step of C{lane} is answered (or went away): a lane with no step
+        left lets its slot go."""
+        lane.riders -= 1
+        if not lane.riders and lane.lease is not None:
+            self._close(lane)
+        return result
+
+    def _close(self, lane: _Lane) -> None:
+        lanes = self._lanes.get((lane.demand.kept, lane.demand.model), [])
+        if lane in lanes:
+            lanes.remove(lane)
+            if not lanes:
+                del self._lanes[(lane.demand.kept, lane.demand.model)]
+        if lane.lease is not None:
+            lane.lease.release()
 
     def _ask(self, queue: _Queue) -> None:
         """Ask for a lease for the queue's next batch, once at a time, while

@@ -376,7 +376,8 @@ class RouterInference:
             request = attrs.evolve(request, headers=(*request.headers, (OWNER_HEADER, key.owner)))
         span = self._span(call)
         d = call.message.rest_formed().addCallback(
-            lambda rest: self._batcher.alone(request, rest, demand, span))
+            lambda rest: self._batcher.step(request, rest, demand,
+                                            member.ready_models.get(name, 1), span))
         d.addBoth(span.ended)
         if controls.start and not again:
             d.addErrback(self._start_again, name, version, call, key, controls)

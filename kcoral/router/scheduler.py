@@ -33,21 +33,35 @@ DISPATCH_WINDOW = 16
 
 class Lease:
     """One request's hold on one member's capacity; release it exactly once.
-    C{warm}: the member was believed to hold all the run needs."""
+    C{warm}: the member was believed to hold all the run needs. Several
+    requests may hold one slot (L{share}): it is free once each has let go."""
 
-    __slots__ = ("_scheduler", "member", "warm")
+    __slots__ = ("_holds", "_scheduler", "member", "warm")
 
-    def __init__(self, member: Member, scheduler: Scheduler, warm: bool = False):
+    def __init__(self, member: Member, scheduler: Scheduler, warm: bool = False,
+                 holds: list[int] | None = None):
         self.member = member
         self.warm = warm
         self._scheduler: Scheduler | None = scheduler
-        member.active += 1
+        if holds is None:
+            holds = [0]
+            member.active += 1
+        holds[0] += 1
+        #: The holds on its slot, this one's among them (shared with its shares).
+        self._holds = holds
+
+    def share(self) -> Lease:
+        """Another hold on this one's slot, released on its own."""
+        assert self._scheduler is not None, "a released lease has no slot to share"
+        return Lease(self.member, self._scheduler, self.warm, self._holds)
 
     def release(self) -> None:
         if self._scheduler is not None:
             scheduler, self._scheduler = self._scheduler, None
-            self.member.active -= 1
-            scheduler.dispatch()
+            self._holds[0] -= 1
+            if not self._holds[0]:
+                self.member.active -= 1
+                scheduler.dispatch()
 
 
 class Scheduler:
