@@ -49,10 +49,17 @@ def debug_enabled() -> bool:
 
 
 def _format(event: dict) -> str:
-    text = eventAsText(event, includeTraceback=True, includeTimestamp=True, includeSystem=False)
+    text = eventAsText(event, includeTraceback=False, includeTimestamp=True, includeSystem=False)
     namespace = event.get("log_namespace", "-")
     level = event.get("log_level", LogLevel.info).name
     stamp, _, message = text.partition(" ")
+    # What a client chose (a model's name in a gRPC message, a key) may
+    # hold a line break: escaped, it stays in its event's line instead of
+    # making one of its own that reads as the service's.
+    message = message.replace("\r", "\\r").replace("\n", "\\n")
+    failure = event.get("log_failure")
+    if failure is not None:
+        message = f"{message}\n{failure.getTraceback().rstrip()}"
     if os.environ.get(CHILD_ENV):
         return f"{level:<5} [{namespace}] {message}\n"
     return f"{stamp} {level:<5} [{namespace}] {message}\n"

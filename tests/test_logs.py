@@ -76,6 +76,24 @@ def test_a_failure_is_one_line_with_its_traceback():
     assert "ZeroDivisionError" in record["message"] and record["level"] == "critical"
 
 
+def test_a_line_break_a_client_chose_stays_in_its_events_line():
+    """A text line's message holding CR or LF (a name a client chose) is one
+    line, its breaks escaped; a failure's traceback still follows it."""
+    stream = io.StringIO()
+    log = Logger(namespace="kcoral.test", observer=log_observer(stream))
+    log.info("{request_id} answered 400: {message}", request_id="r-4",
+             message="no model 'x\nERROR [kcoral.forged] mine\r'")
+    line, = stream.getvalue().splitlines()
+    assert line.endswith("info  [kcoral.test] r-4 answered 400: no model 'x\\nERROR [kcoral.forged] mine\\r'")
+    try:
+        raise ZeroDivisionError("no capacity")
+    except ZeroDivisionError:
+        log.failure("{request_id} internal error\n", request_id="r-5")
+    lines = stream.getvalue().splitlines()[1:]
+    assert lines[0].endswith("[kcoral.test] r-5 internal error\\n")
+    assert lines[1].startswith("Traceback") and "ZeroDivisionError: no capacity" in lines[-1]
+
+
 def test_text_stays_the_default():
     """Without --log-format, lines are text, as before."""
     stream = io.StringIO()
