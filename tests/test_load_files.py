@@ -50,10 +50,13 @@ def as_is(value: object) -> bytes:
     ("1/./model.json", "a file's path must name a file"),
     ("1/model.json/", "a file's path must name a file"),
     ("a\0b", "a file's path must name a file"),
+    ("1/\ud800", "a file's path must be UTF-8 text"),
+    ("1/\udcff", "a file's path must be UTF-8 text"),
 ])
 def test_a_path_that_could_leave_the_model_folder_fails_in_tritons_words(path, reason):
-    """A file's path that is absolute, climbs, has an over-long or empty component or a NUL:
-    'failed to poll from model repository', the parameter and why."""
+    """A file's path that is absolute, climbs, has an over-long or empty component, a NUL or
+    a lone surrogate (JSON escapes one; no file name holds it): 'failed to poll from model
+    repository', the parameter and why."""
     with pytest.raises(LoadFailed) as refused:
         load_files("sent", {"config": "{}", "file:" + path: b"a"}, as_is)
     assert refused.value.message.startswith(f"{POLL}{('file:' + path)[:64]!r}: {reason}")

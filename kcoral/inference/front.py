@@ -166,7 +166,13 @@ def unsafe_path(path: str) -> str:
         return "a file's path must be relative to the model's folder"
     if ".." in parts:
         return "a file's path must not hold '..'"
-    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_PATH_COMPONENT for part in parts):
+    if not path.isascii():
+        try:
+            # JSON can carry a lone surrogate, which no file name holds.
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a file's path must be UTF-8 text"
+    if any(len(part.encode("utf-8")) > MAX_PATH_COMPONENT for part in parts):
         return f"a component of a file's path is over {MAX_PATH_COMPONENT} bytes"
     if len(parts) > MAX_PATH_DEPTH:
         return f"a file's path is over {MAX_PATH_DEPTH} folders deep"
