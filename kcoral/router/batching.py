@@ -50,6 +50,13 @@ gets it. A client that leaves while its request waits is dropped
 from the queue; one that leaves while its batch runs has its rows
 dropped, and the batch is cancelled once all of its clients left.
 
+A sequence model's steps (each pinned to the worker that holds its
+sequence, L{kcoral.router.sequences}) are never merged: the worker batches
+them itself, each row with its own sequence's state. The steps of one such
+model on one worker share one slot of it instead (a lane), up to a batch of
+them at once, so that the worker has the waiting steps of many sequences to
+run as one execution.
+
 Each request waits at most the scheduler's queue wait timeout from its own
 arrival. When the queue's lease times out, only those whose own time is up
 fail; the lease is asked for again for those that arrived since.
