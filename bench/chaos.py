@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -526,6 +527,10 @@ class Load:
         for thread in self.threads:
             thread.start()
 
+    def client_options(self) -> dict:
+        """What each Client is made with besides its URLs and timeouts."""
+        return {}
+
     def join(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self.threads:
@@ -538,7 +543,8 @@ class Load:
         # Every client knows both Routers; half of them start with each.
         urls = self.deployment.urls[index % 2:] + self.deployment.urls[:index % 2]
         clients = [Client(urls, busy_timeout=self.settings.busy_timeout,
-                          timeout=self.settings.client_timeout, redispatch=redispatch)
+                          timeout=self.settings.client_timeout, redispatch=redispatch,
+                          **self.client_options())
                    for redispatch in (False, True)]
         try:
             while (i := self.pacer.take()) is not None:
@@ -610,13 +616,16 @@ class Fault:
         return None if self.back is None else self.back - self.start
 
 
-def fault_plan(count: int, rng: random.Random) -> list[str]:
-    """Every kind once (in a seeded order) when there are at least as many
-    faults as kinds, the rest drawn by L{WEIGHTS}; no Router restart or kill in the
-    last third, so the Routers measured at the end have lived through other faults."""
-    kinds = list(KINDS) if count >= len(KINDS) else []
+def fault_plan(count: int, rng: random.Random, every: tuple = KINDS,
+               weights: dict | None = None) -> list[str]:
+    """Every kind of C{every} once (in a seeded order) when there are at least as many
+    faults as kinds, the rest drawn by C{weights} (default L{WEIGHTS}); no Router restart
+    or kill in the last third, so the Routers measured at the end have lived through
+    other faults."""
+    weights = WEIGHTS if weights is None else weights
+    kinds = list(every) if count >= len(every) else []
     rng.shuffle(kinds)
-    kinds += rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()), k=count - len(kinds))
+    kinds += rng.choices(list(weights), weights=list(weights.values()), k=count - len(kinds))
     kinds = kinds[:count]
     last_third = count - count // 3
     for i in range(last_third, count):
@@ -903,19 +912,24 @@ class Result:
     problems: list[str] = dataclasses.field(default_factory=list)
     #: Runs a Router sent again after the loss of their node.
     redispatched: int = 0
+    #: (start, end, node) of each fault that cut a node off, or froze it,
+    #: without killing anything: a 502 in flight meanwhile is explained too.
+    outages: list[tuple[float, float, str]] = dataclasses.field(default_factory=list)
 
     def by_outcome(self, outcome: str) -> list[Record]:
         return [r for r in self.records if r.outcome == outcome]
 
     def unexplained_502(self) -> list[Record]:
         """502s with no death of a worker of the node that failed them (or
-        of a Router) while they were in flight (1 s of slack for log lines
-        to arrive)."""
+        of a Router), nor an outage of that node, while they were in flight
+        (1 s of slack for log lines to arrive)."""
         bad = []
         for r in self.by_outcome("502"):
             node = self.failed_on.get(r.request_id)
             if not any((node is None or n == node) and r.start - 1.0 <= t <= r.end + 1.0
-                       for t, n, _ in self.deaths):
+                       for t, n, _ in self.deaths) and \
+                    not any((node is None or n == node) and start <= r.end + 1.0
+                            and r.start - 1.0 <= end for start, end, n in self.outages):
                 bad.append(r)
         return bad
 
@@ -942,13 +956,17 @@ class Result:
                     or self.problems)
 
 
-def run(settings: Settings) -> Result:
+def run(settings: Settings, deployment_class: Callable[..., Deployment] = Deployment,
+        injector_class: Callable[..., Injector] = Injector,
+        load_class: Callable[..., Load] = Load, workload: Workload | None = None) -> Result:
+    """The run of C{settings}; C{bench/netfaults.py} gives its own
+    deployment, injector, load and workload (default: this module's)."""
     log_dir = Path(settings.log_dir) if settings.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    workload = Workload(settings.long_seconds)
-    d = Deployment(settings, log_dir)
+    workload = workload or Workload(settings.long_seconds)
+    d = deployment_class(settings, log_dir)
     problems: list[str] = []
     monitor = ResourceMonitor(d)
     injector = None
@@ -959,9 +977,9 @@ def run(settings: Settings) -> Result:
     try:
         first = d.start()
         monitor.thread.start()
-        injector = Injector(d, settings)
+        injector = injector_class(d, settings)
         injector.router_starts.extend(first)
-        load = Load(d, workload, settings, Pacer(settings.requests, injector))
+        load = load_class(d, workload, settings, Pacer(settings.requests, injector))
         injector.thread.start()
         load.start()
         injector.thread.join()
