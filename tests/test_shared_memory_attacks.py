@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import queue
+import resource
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +40,9 @@ from kcoral.inference.h2front import SERVICE
 from kcoral.inference.message import RestMessage
 from kcoral.inference.sharedmemory import (
     BYTE_SIZE,
+    MAX_OPEN_REGIONS,
     MAX_REGIONS,
+    OFF,
     OFFSET,
     REGION,
     SHM_DIR,
@@ -47,6 +50,7 @@ from kcoral.inference.sharedmemory import (
     SharedMemory,
 )
 from kcoral.protocol.inference import InferAnswer
+from kcoral.web.fdlimit import connection_limit
 from tests.conftest import server_args
 from tests.test_models import start_grpc_front
 from tests.test_shared_memory import TOKENS, _headers, export_simple
@@ -100,6 +104,34 @@ def test_an_inference_in_flight_never_writes_another_tokens_region(tmp_path):
     assert _open_on(path) == 0
     registry.close()
     assert _open_on(str(tmp_path / "b")) == 0
+
+
+def test_a_fronts_regions_are_bounded_in_all_and_left_out_of_its_connections(tmp_path):
+    """Clients of many tokens together hold at most MAX_OPEN_REGIONS
+    regions (each a descriptor), the next refused in words until one goes;
+    a front serving shared memory leaves that many descriptors out of its
+    client connections' share, one that does not serve it none."""
+    (tmp_path / "obj").write_bytes(bytes(64))
+    registry = SharedMemory(refused=None, max_bytes=1024, namespaced=True, directory=str(tmp_path))
+    callers = [Caller(b"Bearer %d" % i, "127.0.0.1") for i in range(MAX_OPEN_REGIONS // MAX_REGIONS + 1)]
+    try:
+        for caller in callers[:-1]:
+            for i in range(MAX_REGIONS):
+                registry.register(caller, f"r{i}", "/obj", 0, 64)
+        with pytest.raises(BadRequest, match=f"{MAX_OPEN_REGIONS} regions of all clients are registered"):
+            registry.register(callers[-1], "r0", "/obj", 0, 64)
+        assert _open_on(str(tmp_path / "obj")) == MAX_OPEN_REGIONS
+        registry.unregister(callers[0], "r0")
+        registry.register(callers[-1], "r0", "/obj", 0, 64)
+    finally:
+        registry.close()
+    assert _open_on(str(tmp_path / "obj")) == 0
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        assert connection_limit(registry.descriptors) == connection_limit() - MAX_OPEN_REGIONS
+        assert SharedMemory(refused=OFF, max_bytes=1024).descriptors == 0
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
 json_values = st.recursive(

@@ -51,6 +51,10 @@ SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"\A/[^/\x00]{1,255}\Z")
 #: The most regions one client token may hold registered at once.
 MAX_REGIONS = 256
+#: The most a front holds, all clients together: each keeps a descriptor
+#: open, which the front leaves out of its client connections' share of
+#: its descriptors (L{kcoral.web.fdlimit}), as it does its caches'.
+MAX_OPEN_REGIONS = 1024
 #: The parameters that name a region, in an input or an output.
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 #: The names of a region, as of a model.
@@ -195,6 +199,11 @@ class SharedMemory:
         self._directory = directory
         self._regions: dict[bytes, dict[str, _Region]] = {}
 
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors its regions may hold open at most."""
+        return 0 if self.refused is not None else MAX_OPEN_REGIONS
+
     def _space(self, caller: Caller) -> bytes:
         # A digest: the token itself is never kept.
         if not self._namespaced or caller.token is None:
@@ -226,6 +235,9 @@ class SharedMemory:
         if len(regions) >= MAX_REGIONS:
             raise BadRequest(f"failed to register shared memory region {name[:64]!r}: "
                              f"{MAX_REGIONS} regions are already registered")
+        if sum(map(len, self._regions.values())) >= MAX_OPEN_REGIONS:
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: "
+                             f"{MAX_OPEN_REGIONS} regions of all clients are registered")
         fd = self._open(key)
         size = os.fstat(fd).st_size
         if offset + byte_size > size:

@@ -115,7 +115,8 @@ def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | No
                     max_redispatches=config.max_redispatches)
     site = KCoralSite(app.resource(), metrics=HttpMetrics(registry, ROUTES),
                       max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
-                      max_connections=_client_connections(connection_limit(), pool),
+                      max_connections=_client_connections(connection_limit(
+                          shared_memory.descriptors if shared_memory else 0), pool),
                       # It only forwards bodies: a large one need not stay in memory.
                       spool=Spool(reactor), client_guard=app.client_guard, streams=streamed,
                       keepalive=config.keepalive)

@@ -120,17 +120,18 @@ class ServerService(service.MultiService):
 
         # Made once confined: otlp's exporter starts a thread.
         self._tracing = tracing_maker(config.tracing, "kcoral-server")
+        shared_memory = SharedMemory(refused=None if config.allow_client_shm else OFF,
+                                     max_bytes=config.max_request_bytes, namespaced=guard is not None)
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
                              client_guard=guard, inference=inference,
                              run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long),
-                             shared_memory=SharedMemory(
-                                 refused=None if config.allow_client_shm else OFF,
-                                 max_bytes=config.max_request_bytes, namespaced=guard is not None))
+                             shared_memory=shared_memory)
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
-                          max_connections=connection_limit(), client_guard=guard)
+                          max_connections=connection_limit(shared_memory.descriptors),
+                          client_guard=guard)
         address = ListenAddress.of(config)
         # A worker of a node with a token counts as secured: only its node
         # should reach it (doc/security.rst).

@@ -24,9 +24,11 @@ RESERVED = 256
 WANTED = 65536
 
 
-def connection_limit() -> int:
+def connection_limit(kept: int = 0) -> int:
     """Raise this process's soft limit on open files as far as allowed (up
-    to L{WANTED}), and return how many client connections may be open."""
+    to L{WANTED}), and return how many client connections may be open,
+    leaving out besides the reserve the C{kept} descriptors that clients may
+    have it hold open otherwise (their shared-memory regions)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = WANTED if hard == resource.RLIM_INFINITY else min(hard, WANTED)
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -37,4 +39,4 @@ def connection_limit() -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         soft = WANTED
-    return soft - min(RESERVED, soft // 2)
+    return soft - min(RESERVED + kept, soft // 2)
