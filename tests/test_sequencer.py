@@ -247,3 +247,40 @@ def test_a_cancelled_step_still_runs(repository):
     second = step(s, 5, 1)
     device.run_all()
     assert value(second) == 5
+
+
+def test_batch_invariant_steps_are_the_same_bytes(tmp_path):
+    """With batch invariance, a float sequence's outputs are the same bytes
+    whether its steps ran with other sequences' or alone (at this width,
+    XLA's CPU kernels round a batch of 8 otherwise than a row alone)."""
+    rng = np.random.default_rng(3)
+    weights = rng.standard_normal((256, 256)).astype(np.float32) / 16
+
+    def mix(w, state, x):
+        state = jnp.tanh(state @ w + x)
+        return state, state.sum(axis=1, keepdims=True)
+
+    kcoral.export_bundle(mix, weights, np.zeros((1, 256), np.float32), dir=tmp_path / "mix",
+                         name="mix", batch_sizes=[1, 8], state=np.zeros((1, 256), np.float32),
+                         sequence_batching="oldest")
+    repository = ModelRepository(tmp_path, batch_invariant=True)
+    repository.load(jax.devices()[0])
+    inputs = rng.standard_normal((6, 4, 256)).astype(np.float32)
+
+    def outputs(together: bool) -> list[list[bytes]]:
+        device = Device()
+        s = Sequencer(repository.get("mix"), admitted=lambda: succeed(None),
+                      release=lambda: None, in_thread=device.in_thread, clock=Clock())
+        got: list[list] = [[] for _ in inputs]
+        for i in range(inputs.shape[1]):
+            for id, rows in enumerate(inputs, start=1):
+                s.step(None, SequenceControls(id, i == 0), {"input": rows[i:i + 1]}, 1,
+                       "r").addCallback(lambda out, id=id: got[id - 1].append(
+                           out["output"].tobytes()))
+                if not together:
+                    device.run_all()
+            device.run_all()
+        assert (max(device.rows) > 1) == together
+        return got
+
+    assert outputs(together=True) == outputs(together=False)
