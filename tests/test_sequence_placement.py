@@ -10,6 +10,7 @@ and a worker's 503 its answer.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 import attrs
@@ -210,6 +211,44 @@ def test_the_memory_is_bounded_least_recently_stepped_first():
         sequences.place(key(1), SequenceControls(1), members)
     # Forgotten: this front no longer knows it started it.
     assert sequences.place(key(2), SequenceControls(2), members) is rendezvous(key(2), members)
+
+
+operations = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["start", "step", "end"]), st.integers(1, 6)),
+    st.tuples(st.sampled_from(["leave", "join", "restart"]), st.integers(0, 7))), max_size=60)
+
+
+@given(operations)
+def test_no_step_of_a_sequence_it_started_goes_to_another_worker(schedule):
+    """Whatever the starts, steps and ends of several sequences, and members leaving, joining
+    and restarting between them: a step of a sequence this front started goes to the worker
+    instance its START went to, or is refused 410; a START goes where the hash says."""
+    members, sequences, started = fleet(4), Sequences(), {}
+    joined = itertools.count()
+    for action, n in schedule:
+        if action == "leave" and len(members) > 1:
+            members.pop(n % len(members))
+        elif action == "join":
+            members.append(serving("new", f"w{next(joined)}", "d" * 16))
+        elif action == "restart" and members:
+            members[n % len(members)].instance = f"{next(joined):016x}"
+        elif action in ("start", "step", "end"):
+            controls = SequenceControls(n, start=action == "start", end=action == "end")
+            try:
+                member = sequences.place(key(n), controls, members)
+            except SequenceLost:
+                assert n in started and started[n] != (rendezvous(key(n), members),
+                                                        rendezvous(key(n), members).instance)
+                if action == "end":
+                    del started[n]
+                continue
+            assert member is rendezvous(key(n), members)
+            if action == "start":
+                started[n] = (member, member.instance)
+            elif n in started:
+                assert started[n] == (member, member.instance)
+                if action == "end":
+                    del started[n]
 
 
 def test_a_sequence_with_no_member_now_is_placed_nowhere_or_lost():
