@@ -134,6 +134,38 @@ def test_a_fronts_regions_are_bounded_in_all_and_left_out_of_its_connections(tmp
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_region_named_many_times_is_bounded_as_a_body(tmp_path):
+    """A request of a few bytes naming one region's slice many times, or a
+    region's slice and binary data in its body, adds up to no more than a
+    request may hold: past it, refused before anything is read or allocated;
+    up to it, read."""
+    (tmp_path / "obj").write_bytes(bytes(range(256)) * 4)
+    registry = SharedMemory(refused=None, max_bytes=1024, directory=str(tmp_path))
+    registry.register(A, "r", "/obj", 0, 1024)
+
+    def request(count: int, size: int, tail: bytes = b"") -> RestMessage:
+        inputs = [_input_entry(f"x{i}", {REGION: "r", BYTE_SIZE: size}) for i in range(count)]
+        if tail:
+            inputs.append(_input_entry("y", {"binary_data_size": len(tail)}))
+        header = json.dumps({"inputs": inputs}).encode()
+        return RestMessage(memoryview(header + tail), len(header))
+
+    try:
+        for hostile in (request(10_000, 1024), request(2, 513), request(1, 1024, b"t")):
+            with pytest.raises(BadRequest, match="over the 1024 bytes a request may hold"):
+                await registry.resolve(A, hostile)
+        message, _ = await registry.resolve(A, request(2, 512))
+        assert bytes(message.body[message.header_length:]) == bytes(range(256)) * 4
+    finally:
+        registry.close()
+
+
+def _input_entry(name: str, parameters: dict) -> dict:
+    return {"name": name, "datatype": "UINT8", "shape": [parameters.get(BYTE_SIZE, 1)],
+            "parameters": parameters}
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.integers(-(1 << 70), 1 << 70)
     | st.floats() | st.text(max_size=6) | st.sampled_from(["r", REGION, BYTE_SIZE, OFFSET]),

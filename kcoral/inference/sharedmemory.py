@@ -351,11 +351,17 @@ class SharedMemory:
             elif type(length) is int and length >= 0:
                 parts.append(view[offset:offset + length])
                 offset += length
+        # A few bytes of request may name one large region many times: what
+        # they add up to is bounded as a request's body is, before any of
+        # it is allocated.
+        data = sum(len(p) if isinstance(p, memoryview) else p.size for p in parts)
+        if data > self._max_bytes:
+            raise BadRequest(f"the inputs are {data} bytes with those in shared memory, over the "
+                             f"{self._max_bytes} bytes a request may hold")
         placed = self._outputs(caller, header)
         encoded = json.dumps(header).encode()
         # One buffer, each region's bytes read straight into their place.
-        body = bytearray(len(encoded) + sum(len(p) if isinstance(p, memoryview) else p.size
-                                            for p in parts))
+        body = bytearray(len(encoded) + data)
         body[:len(encoded)] = encoded
         at = len(encoded)
         for part in parts:
