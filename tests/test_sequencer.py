@@ -22,7 +22,7 @@ from kcoral.errors import BadRequest, ServerBusy
 from kcoral.models.config import ModelConfig
 from kcoral.protocol.sequence import SequenceControls
 from kcoral.server.models import ModelRepository
-from kcoral.server.sequencer import Sequencer
+from kcoral.server.sequencer import Arrivals, Sequencer
 
 IDLE = 1.0
 
@@ -284,3 +284,22 @@ def test_batch_invariant_steps_are_the_same_bytes(tmp_path):
         return got
 
     assert outputs(together=True) == outputs(together=False)
+
+
+def test_arrivals_keep_their_order(repository):
+    """A request's turn comes once every earlier one of its model is done
+    (handed on, failed or cancelled), whatever order they are read in."""
+    arrivals = Arrivals()
+    model = repository["oldest"]
+    first, second, third = (arrivals.arrive(model) for _ in range(3))
+    assert arrivals.arrive(repository["direct"]).turn.called
+    assert first.turn.called and not second.turn.called and not third.turn.called
+    third.done()  # failed as it was read: it gives up its place, not its turn
+    fourth = arrivals.arrive(model)
+    first.done()
+    assert second.turn.called and not third.turn.called and not fourth.turn.called
+    second.done()
+    second.done()
+    assert third.turn.called and fourth.turn.called
+    fourth.done()
+    assert arrivals.arrive(model).turn.called

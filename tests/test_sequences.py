@@ -37,12 +37,30 @@ async def front(module_processes, tmp_path_factory):
     root = tmp_path_factory.mktemp("sequences") / "repo"
     await threads.deferToThread(subprocess.run, [sys.executable, str(EXAMPLES), str(root),
                                                  "--sequences"], check=True, timeout=300)
-    loads = [arg for name in (*SEQUENCE_MODELS, "custom_identity_int32")
+    await threads.deferToThread(_export_large, root)
+    loads = [arg for name in (*SEQUENCE_MODELS, "custom_identity_int32", "large_sum")
              for arg in ("--load-model", name)]
     args = server_args("--model-repository", str(root), "--grpc-port", "0",
                        "--model-control-mode", "explicit", *loads, "--max-sequences", str(MOST))
     address, url, _ = await start_grpc_front(module_processes, "server", args)
     return url.removeprefix("http://"), address
+
+
+#: large_sum's input: 128 KiB, a request the server reads in a thread.
+LARGE = 32768
+
+
+def _export_large(root: Path) -> None:
+    """large_sum: the running sum of its sequence's inputs' sums."""
+    import kcoral
+
+    def step(total, x):
+        total = total + x.sum(axis=1, keepdims=True)
+        return total, total
+
+    kcoral.export_bundle(step, None, np.zeros((1, LARGE), np.float32), dir=root / "large_sum",
+                         name="large_sum", state=np.zeros((1, 1), np.float32),
+                         input_names=["INPUT"], output_names=["OUTPUT"])
 
 
 def _input(module, value: int, rows: int = 1):
@@ -97,6 +115,33 @@ def _stream(address: str) -> list:
         client.stop_stream()
         client.close()
     return [(r.get_response().id.split("_")[0], int(r.as_numpy("OUTPUT")[0, 0])) for r in got]
+
+
+def _large_stream(address: str, steps: int) -> list:
+    """One sequence of large_sum sent on a gRPC stream, its steps not
+    waiting for each other's answers: each answer's output, in order."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        for i in range(steps):
+            tensor = grpcclient.InferInput("INPUT", [1, LARGE], "FP32")
+            tensor.set_data_from_numpy(np.full((1, LARGE), i + 1, np.float32))
+            client.async_stream_infer("large_sum", [tensor], sequence_id="large",
+                                      sequence_start=i == 0, sequence_end=i == steps - 1)
+        got = [answers.get(timeout=60) for _ in range(steps)]
+    finally:
+        client.stop_stream()
+        client.close()
+    return [float(r.as_numpy("OUTPUT")[0, 0]) for r in got]
+
+
+@pytest_twisted.ensureDeferred
+async def test_large_steps_keep_their_order(front):
+    """Steps large enough to be read in threads still run in the order the
+    stream sent them: each answer is the running sum up to it."""
+    got = await threads.deferToThread(_large_stream, front[1], 8)
+    assert got == [LARGE * sum(range(1, i + 2)) for i in range(8)]
 
 
 @pytest_twisted.ensureDeferred

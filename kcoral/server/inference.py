@@ -50,7 +50,7 @@ from kcoral.server.models import (
     ModelUnavailable,
     UnknownModel,
 )
-from kcoral.server.sequencer import MAX_SEQUENCES, Sequencer
+from kcoral.server.sequencer import MAX_SEQUENCES, Arrivals, Sequencer
 
 log = Logger()
 
@@ -119,6 +119,7 @@ class ServerInference:
         self._batchers: dict[tuple[str, int], Batcher] = {}
         #: The sequencer of each sequence model version's current load.
         self._sequencers: dict[tuple[str, int], Sequencer] = {}
+        self._arrivals = Arrivals()
         self._max_sequences = max_sequences
         #: Each model's counts, in the form of Triton's statistics extension.
         self.statistics = Statistics(clock)
@@ -234,7 +235,7 @@ class ServerInference:
 
     @inlineCallbacks
     def infer(self, name, version, call: InferCall):
-        clock, counted = self._clock, None
+        clock, counted, arrived = self._clock, None, None
         started = clock.seconds()
         try:
             model = self._model(name, version)
@@ -243,6 +244,8 @@ class ServerInference:
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
+            if model.states is not None:
+                arrived = self._arrivals.arrive(model)
             request = yield off_reactor(call.message.size, call.message.request)
             parsed = clock.seconds()
             try:
@@ -252,9 +255,16 @@ class ServerInference:
             except InvalidInput as e:
                 raise BadRequest(str(e)) from None
             if model.states is not None:
-                outputs = yield self._sequencer(model).step(
+                # A large request is read in a thread: its step waits for
+                # the steps that arrived before it, so that a sequence's
+                # steps (on a stream, say) run in the order they were sent.
+                assert arrived is not None  # taken as it arrived
+                yield arrived.turn
+                stepped = self._sequencer(model).step(
                     call.token, controls_of_rest(request.parameters), request.inputs, rows,
                     call.request_id)
+                arrived.done()
+                outputs = yield stepped
             elif manifest.max_batch_size:
                 outputs = yield self._batcher(model).infer(request.inputs, rows, call.request_id,
                                                            formed=call.formed)
@@ -278,6 +288,10 @@ class ServerInference:
                 self.statistics.answered(counted.name, counted.version, ok=False,
                                          seconds=clock.seconds() - started, rows=0)
             raise
+        finally:
+            if arrived is not None:
+                # Failed or cancelled before its step: the next may go.
+                arrived.done()
         self._metrics.requests.labels(name, "200").inc()
         self.statistics.answered(counted.name, counted.version, ok=True,
                                  seconds=clock.seconds() - started, rows=rows)

@@ -267,6 +267,65 @@ class Sequencer:
                                                         self._idled, sequence)
 
 
+class Arrivals:
+    """
+    The order in which requests of each sequence model arrived, kept until
+    each is handed to its L{Sequencer}: a request read in a thread (a large
+    one) may be read after one that came later, and a sequence's steps
+    must run in the order they were sent (a stream's, say).
+    """
+
+    def __init__(self):
+        #: Each model's last arrival not yet handed on.
+        self._last: dict[int, _Arrival] = {}
+
+    def arrive(self, model: LoadedModel) -> _Arrival:
+        """A request of C{model} arrived: its turn comes once every earlier
+        one is L{_Arrival.done}."""
+        key = id(model)
+
+        def forget() -> None:
+            if self._last.get(key) is arrival:
+                del self._last[key]
+
+        arrival = _Arrival(self._last.get(key), forget)
+        self._last[key] = arrival
+        return arrival
+
+
+class _Arrival:
+    def __init__(self, before: _Arrival | None, forget: Callable[[], None]):
+        self._forget = forget
+        self._done = self._started = False
+        #: Fires once it is done after its turn: the next arrival's turn.
+        self._finished: Deferred = Deferred()
+        #: Fires once every request of its model that arrived before it is done.
+        self.turn: Deferred = Deferred()
+        if before is None:
+            self._start()
+        else:
+            before._finished.addCallback(lambda _: self._start())
+
+    def _start(self) -> None:
+        self._started = True
+        self.turn.callback(None)
+        if self._done:
+            self._finish()
+
+    def done(self) -> None:
+        """Handed on, or failed (then perhaps before its turn): the next
+        arrival's turn, once this one's has come."""
+        if self._done:
+            return
+        self._done = True
+        if self._started:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._finished.callback(None)
+        self._forget()
+
+
 def _answer(step: _Step, result) -> None:
     """Answer C{step} with C{result} (outputs, or a Failure), unless its
     client went away (its answer was cancelled)."""
