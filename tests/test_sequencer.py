@@ -303,3 +303,15 @@ def test_arrivals_keep_their_order(repository):
     assert third.turn.called and fourth.turn.called
     fourth.done()
     assert arrivals.arrive(model).turn.called
+
+
+def test_an_arrival_cancelled_before_its_turn(repository):
+    """A request whose client went away while it waited for its turn gives
+    up its place when done, and the order goes on."""
+    arrivals = Arrivals()
+    first, second, third = (arrivals.arrive(repository["oldest"]) for _ in range(3))
+    second.turn.addErrback(lambda failure: None)
+    second.turn.cancel()
+    second.done()
+    first.done()
+    assert third.turn.called

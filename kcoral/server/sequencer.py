@@ -308,7 +308,8 @@ class _Arrival:
 
     def _start(self) -> None:
         self._started = True
-        self.turn.callback(None)
+        if not self.turn.called:  # else cancelled: its client went away
+            self.turn.callback(None)
         if self._done:
             self._finish()
 
