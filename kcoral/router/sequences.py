@@ -68,12 +68,13 @@ class SequenceKey:
         return cls(owner_of(token), model, controls.id)
 
     @property
-    def digest(self) -> bytes:
-        """What the rendezvous hash weighs members by: an integer id and the
-        string of its digits are different sequences."""
+    def point(self) -> int:
+        """The 64-bit hash the rendezvous weighs members by: an integer id
+        and the string of its digits are different sequences."""
         kind = b"i" if isinstance(self.id, int) else b"s"
-        return hashlib.blake2b(b"\0".join((self.owner or b"", self.model.encode(), kind,
-                                           str(self.id).encode())), digest_size=16).digest()
+        return int.from_bytes(hashlib.blake2b(b"\0".join((
+            self.owner or b"", self.model.encode(), kind, str(self.id).encode())),
+            digest_size=8).digest(), "big")
 
     def __str__(self) -> str:
         return f"sequence {str(self.id)[:64]} of model {self.model!r}"
@@ -93,7 +94,7 @@ def candidates(members: Iterable[Member], model: str, version: str | None) -> li
 def rendezvous(key: SequenceKey, members: Iterable[Member]) -> Member | None:
     """The member of C{members} of highest weight for C{key} (None: none),
     a member's weight a hash of the key and the member's node id and name."""
-    point = int.from_bytes(key.digest[:8], "big")
+    point = key.point
     best: Member | None = None
     best_weight = -1
     for member in members:
