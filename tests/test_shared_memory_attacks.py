@@ -166,6 +166,35 @@ def _input_entry(name: str, parameters: dict) -> dict:
             "parameters": parameters}
 
 
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("owner, mode, granted", [
+    (os.geteuid(), 0o600, True), (os.geteuid(), 0o400, False), (NOBODY, 0o600, False),
+    (NOBODY, 0o666, True), (NOBODY, 0o660, False),
+])
+def test_an_object_is_opened_only_as_its_mode_grants_the_services_user(tmp_path, owner, mode, granted):
+    """An object is registered only where its mode lets the service's user
+    read and write it without privilege: root (a node's gateway is not
+    confined) opens no other user's private object, and none it may only
+    read."""
+    path = tmp_path / "obj"
+    path.write_bytes(bytes(64))
+    os.chown(path, owner, -1 if owner == os.geteuid() else NOBODY)
+    os.chmod(path, mode)
+    registry = SharedMemory(refused=None, max_bytes=1024, directory=str(tmp_path))
+    try:
+        if granted:
+            registry.register(A, "r", "/obj", 0, 64)
+        else:
+            with pytest.raises(BadRequest, match="Unable to open shared memory region: '/obj': "
+                                                 "Permission denied"):
+                registry.register(A, "r", "/obj", 0, 64)
+            assert _open_on(str(path)) == 0
+    finally:
+        registry.close()
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.integers(-(1 << 70), 1 << 70)
     | st.floats() | st.text(max_size=6) | st.sampled_from(["r", REGION, BYTE_SIZE, OFFSET]),
@@ -379,9 +408,16 @@ def _not_shared_memory(rest: str, grpc_address: str) -> None:
     os.symlink(owned.path, os.path.join(SHM_DIR, made["link"]))
     os.mkfifo(os.path.join(SHM_DIR, made["fifo"]))
     os.mkdir(os.path.join(SHM_DIR, made["folder"]))
+    made["other"] = f"kc-other-{tag}"
+    other = os.path.join(SHM_DIR, made["other"])
+    with open(other, "wb") as f:
+        f.write(bytes(64))
+    os.chown(other, NOBODY, NOBODY)
+    os.chmod(other, 0o600)
     keys = {"/" + made["link"]: "Unable to open shared memory region",
             "/" + made["fifo"]: "not a shared memory object",
             "/" + made["folder"]: "Unable to open shared memory region",
+            "/" + made["other"]: "Permission denied",
             "/..": "Unable to open shared memory region", "/.": "Unable to open shared memory region",
             "/" + "k" * 255: "Unable to open shared memory region",
             "/" + "k" * 256: "a key is a POSIX shared memory name",
@@ -402,13 +438,14 @@ def _not_shared_memory(rest: str, grpc_address: str) -> None:
         os.unlink(os.path.join(SHM_DIR, made["link"]))
         os.unlink(os.path.join(SHM_DIR, made["fifo"]))
         os.rmdir(os.path.join(SHM_DIR, made["folder"]))
+        os.unlink(other)
         owned.destroy()
 
 
 @pytest_twisted.ensureDeferred
 async def test_what_is_no_shared_memory_object_is_never_opened(front):
     """A link in /dev/shm (to an object the client owns), a FIFO (which an
-    open would wait on), a folder, '..', '.', a name of 255 bytes that
+    open would wait on), a folder, another user's private object, '..', '.', a name of 255 bytes that
     names nothing, and keys that are no POSIX shared-memory name (256
     bytes, a trailing or second slash, a path, no slash) are refused over
     REST and gRPC, nothing registered, the front serving on."""

@@ -24,6 +24,7 @@ the old number would then read from and write into.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import json
@@ -256,10 +257,12 @@ class SharedMemory:
         except OSError as e:
             raise BadRequest(f"Unable to open shared memory region: {key[:64]!r}: "
                              f"{os.strerror(e.errno or 0)}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        status = os.fstat(fd)
+        why = ("not a shared memory object" if not stat.S_ISREG(status.st_mode)
+               else None if _granted(status) else os.strerror(errno.EACCES))
+        if why is not None:
             os.close(fd)
-            raise BadRequest(f"Unable to open shared memory region: {key[:64]!r}: "
-                             "not a shared memory object")
+            raise BadRequest(f"Unable to open shared memory region: {key[:64]!r}: {why}")
         return fd
 
     def unregister(self, caller: Caller, name: str | None) -> None:
@@ -414,6 +417,20 @@ class SharedMemory:
     def close(self) -> None:
         """Unregister every region of every client."""
         self._regions.clear()
+
+
+def _granted(status: os.stat_result) -> bool:
+    """
+    Whether an object's mode lets this process's user read and write it as
+    any process of that user, without privilege. A node's gateway is not
+    confined, and as root it would open every user's objects: a client with
+    the token would reach the shared memory of programs of users it is not.
+    """
+    if status.st_uid == os.geteuid():
+        return status.st_mode & 0o600 == 0o600
+    if status.st_gid == os.getegid() or status.st_gid in os.getgroups():
+        return status.st_mode & 0o060 == 0o060
+    return status.st_mode & 0o006 == 0o006
 
 
 def _value(parameter: service_pb2.InferParameter) -> object:
