@@ -31,7 +31,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.errors import ProgramFailed, ServerBusy
+from kcoral.errors import BadRequest, ProgramFailed, ServerBusy
 from kcoral.models.manifest import OLDEST
 from kcoral.protocol.sequence import SequenceControls
 from kcoral.server.models import LoadedModel
@@ -126,7 +126,7 @@ class Sequencer:
         name = self.model.manifest.name
         try:
             controls.require(name, rows)
-        except Exception:
+        except BadRequest:
             return fail()
         key = (token, controls.id)
         sequence = self._sequences.get(key)
@@ -181,7 +181,8 @@ class Sequencer:
 
     def _idled(self, sequence: _Sequence) -> None:
         sequence.idle_timer = None
-        log.info("sequence {id} of {name} was idle {seconds}s: its state is freed",
+        # The id quoted: a client's string may hold a line break.
+        log.info("sequence {id!r} of {name} was idle {seconds}s: its state is freed",
                  id=sequence.key[1], name=self.model.manifest.name,
                  seconds=self._spec.max_idle_seconds)
         self._free_sequence(sequence)
