@@ -424,13 +424,25 @@ def _not_shared_memory(rest: str, grpc_address: str) -> None:
             owned.key + "/": "a key is a POSIX shared memory name",
             "/dev/shm" + owned.key: "a key is a POSIX shared memory name",
             owned.key[1:]: "a key is a POSIX shared memory name",
+            "/kc-\ud800": "a key is a POSIX shared memory name",
+            "/\udcff-kc": "a key is a POSIX shared memory name",
             "/" + owned.key: "a key is a POSIX shared memory name"}
     clients = [httpclient.InferenceServerClient(rest), grpcclient.InferenceServerClient(grpc_address)]
     try:
         for client in clients:
             for key, words in keys.items():
+                if not key.isascii():
+                    continue  # tritonclient sends UTF-8, which holds no lone surrogate: below
                 with _refused(words):
                     client.register_system_shared_memory("r", key, 64, headers=_headers(TOKENS[0]))
+        connection = http.client.HTTPConnection(rest, timeout=30)
+        for key in filter(lambda key: not key.isascii(), keys):
+            connection.request("POST", "/v2/systemsharedmemory/region/r/register",
+                               json.dumps({"key": key, "offset": 0, "byte_size": 64}),
+                               {**_headers(TOKENS[0]), "Content-Type": "application/json"})
+            answer = connection.getresponse()
+            assert answer.status == 400 and keys[key] in json.loads(answer.read())["error"], key
+        connection.close()
         assert clients[0].get_system_shared_memory_status(headers=_headers(TOKENS[0])) == []
     finally:
         for client in clients:
@@ -447,7 +459,8 @@ async def test_what_is_no_shared_memory_object_is_never_opened(front):
     """A link in /dev/shm (to an object the client owns), a FIFO (which an
     open would wait on), a folder, another user's private object, '..', '.', a name of 255 bytes that
     names nothing, and keys that are no POSIX shared-memory name (256
-    bytes, a trailing or second slash, a path, no slash) are refused over
+    bytes, a trailing or second slash, a path, no slash, a lone surrogate,
+    which JSON may escape) are refused over
     REST and gRPC, nothing registered, the front serving on."""
     await threads.deferToThread(_not_shared_memory, front[0], front[1])
     await threads.deferToThread(_answers_harmlessly, front[0], front[1])

@@ -48,8 +48,9 @@ __all__ = ["SHM_DIR", "Caller", "Placement", "SharedMemory"]
 #: the file C{/dev/shm/x}.
 SHM_DIR = "/dev/shm"
 #: A POSIX shared-memory name: one leading slash, no other, at most
-#: NAME_MAX bytes after it.
-_KEY = re.compile(r"\A/[^/\x00]{1,255}\Z")
+#: NAME_MAX bytes after it; text (JSON may carry a lone surrogate, which
+#: names no file).
+_KEY = re.compile(r"\A/[^/\x00\ud800-\udfff]{1,255}\Z")
 #: The most regions one client token may hold registered at once.
 MAX_REGIONS = 256
 #: The most a front holds, all clients together: each keeps a descriptor
@@ -223,7 +224,7 @@ class SharedMemory:
             raise BadRequest(f"a region's name must be 1 to {MAX_NAME_CHARS} characters")
         if not isinstance(key, str) or not _KEY.match(key):
             raise BadRequest(f"Unable to open shared memory region: {str(key)[:64]!r}: a key is a "
-                             "POSIX shared memory name, '/' then up to 255 bytes with no '/'")
+                             "POSIX shared memory name, '/' then up to 255 bytes of text with no '/'")
         if type(offset) is not int or type(byte_size) is not int or offset < 0 or byte_size < 1:
             raise BadRequest(f"failed to register shared memory region {name[:64]!r}: offset and "
                              "byte_size must be counts of bytes, byte_size at least 1")
