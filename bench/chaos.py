@@ -596,6 +596,9 @@ class Fault:
     start: float = 0.0
     #: When the target was back (full capacity again).
     back: float | None = None
+    #: When its target alone was back, whatever other faults in progress
+    #: did (C{bench/netfaults.py}'s faults between hosts).
+    target_back: float | None = None
     #: Worker pid for kill/freeze; exit status for node_stop/router_restart.
     pid: int | None = None
     exit_code: int | None = None

@@ -33,9 +33,11 @@ Routers' memory and descriptors back near their level) and:
    ``doc/operations.rst`` states as a formula of the options (queue wait,
    running time, and the longest a silent peer goes unnoticed: the
    keepalive's bound, or C{--silent-node-seconds} for a frozen host);
- - after each network fault heals, both Routers have every node at full
-   capacity again within L{NetSettings.recovery_bound} (the node's next
-   report after its retry backoff, and the Routers' recovery checks);
+ - after each network fault heals, both Routers have the node it struck
+   ready at its full capacity again (a Router cut off: answering again)
+   within L{NetSettings.recovery_bound} (the node's next report after its
+   retry backoff, and the Routers' recovery checks), whatever other faults
+   in progress do;
  - one long run, sent first on a node and Router that no fault touches
    while it runs, is answered 200 however long its program runs with
    nothing crossing its connections (L{NetSettings.long_hold}).
@@ -327,7 +329,8 @@ class NetInjector(chaos.Injector):
         return fault.rng.choice(names or list(self.deployment.names))
 
     def _outage(self, fault: Fault, seconds: float, start, end) -> None:
-        """Start the fault, hold it C{seconds}, end it; then wait for full capacity."""
+        """Start the fault, hold it C{seconds}, end it; then wait for its
+        target back, and for the pool at full capacity."""
         fault.start = time.monotonic()
         fault.seconds = seconds
         start()
@@ -335,7 +338,25 @@ class NetInjector(chaos.Injector):
             time.sleep(seconds)
         finally:
             end()
+        fault.target_back = self._await_target(fault)
         self._await_full_capacity(fault)
+
+    def _await_target(self, fault: Fault) -> float | None:
+        """When the fault's node was ready at its full capacity on both
+        Routers again (a Router: when it answered its clients' host again),
+        whatever other faults in progress do; None if not within the
+        recovery timeout."""
+        d = self.deployment
+        deadline = time.monotonic() + self.settings.recovery_timeout
+        while time.monotonic() < deadline:
+            if fault.target in d.names:
+                if d.health().get(fault.target):
+                    return time.monotonic()
+            elif all(n.get("state") == "ready" and n.get("capacity") == self.settings.capacity
+                     for n in (d.pool_nodes(name).get(fault.target, {}) for name in d.names)):
+                return time.monotonic()
+            time.sleep(0.1)
+        return None
 
     def _cut_one(self, fault: Fault) -> None:
         hosts, router = self.deployment.hosts, self._router_for(fault)
@@ -424,13 +445,36 @@ def hold_long_run(deployment: NetDeployment, found: threading.Event) -> None:
 
 
 class LongWorkload(chaos.Workload):
-    """The chaos run's programs, and the long run: the long program looped
-    for C{hold} seconds, its counter and integer output checked exactly
-    (its floating-point output would take as long again to compute here)."""
+    """The chaos run's programs, and the long run: an outer loop of
+    L{INNER} steps of the long program's body each, run C{hold} seconds
+    (one loop of int32 steps would overflow past a few minutes); its
+    counter and integer output are checked exactly."""
+
+    #: Steps of the long program's body in each outer step.
+    INNER = 1000
 
     def __init__(self, long_seconds: tuple, hold: float):
+        import jax.numpy as jnp
+        import numpy as np
+        from jax import lax
+
+        from kcoral import Program
+
         super().__init__(long_seconds)
-        self.hold_n = int(self.long_n[-1] * hold / long_seconds[-1])
+        self.hold_n = max(int(self.long_n[-1] * hold / long_seconds[-1]) // self.INNER, 1)
+        inner = self.INNER
+
+        def hold_loop(n, x, v0):
+            def outer(carry):
+                k, v = carry
+                v = lax.fori_loop(0, inner, lambda _, w: jnp.sin(w) * 0.5 + w * 0.5, v)
+                return k + 1, v
+
+            k, v = lax.while_loop(lambda c: c[0] < n, outer, (jnp.int32(0), v0))
+            return {"x": x * 3 + 1, "v": v, "k": k}
+
+        self.hold = Program.from_function(hold_loop, np.int32(1), np.zeros(self.x_shape, np.int32),
+                                          self.v0)
 
     def long_run(self):
         import numpy as np
@@ -438,12 +482,12 @@ class LongWorkload(chaos.Workload):
         x = np.arange(8, dtype=np.int32)
 
         def check(out) -> str | None:
-            if not isinstance(out, dict) or set(out) != {"x", "v", "i"}:
+            if not isinstance(out, dict) or set(out) != {"x", "v", "k"}:
                 return f"outputs {out!r:.80}"
-            return chaos._diff({"x": out["x"], "i": out["i"]},
-                               {"x": x * 3 + 1, "i": np.int32(self.hold_n)})
+            return chaos._diff({"x": out["x"], "k": out["k"]},
+                               {"x": x * 3 + 1, "k": np.int32(self.hold_n)})
 
-        return self.long, (np.int32(self.hold_n), x, self.v0), check
+        return self.hold, (np.int32(self.hold_n), x, self.v0), check
 
 
 @dataclasses.dataclass
@@ -452,7 +496,8 @@ class NetResult:
     long_run: LongRun
     #: Requests that took longer than the hang bound.
     over_bound: list
-    #: (fault, seconds from heal to full capacity) past the recovery bound.
+    #: (fault, seconds from its heal to its target back, or None: never)
+    #: past the recovery bound.
     slow_recoveries: list
 
     @property
@@ -470,9 +515,10 @@ def run(settings: NetSettings) -> NetResult:
     over = [r for r in result.records if r.end and r.end - r.start > settings.hang_bound]
     slow = []
     for fault in result.faults:
-        if fault.kind in NETWORK_KINDS and fault.back is not None:
-            after_heal = fault.back - (fault.start + fault.seconds)
-            if after_heal > settings.recovery_bound:
+        if fault.kind in NETWORK_KINDS:
+            after_heal = None if fault.target_back is None else \
+                fault.target_back - (fault.start + fault.seconds)
+            if after_heal is None or after_heal > settings.recovery_bound:
                 slow.append((fault, after_heal))
     return NetResult(result, long_run, over, slow)
 
@@ -497,9 +543,9 @@ def table(net: NetResult) -> str:
     lines = chaos.table(result).splitlines()[:-1]  # its verdict is not the whole one
     rows = []
     for kind in NETWORK_KINDS:
-        faults = [f for f in result.faults if f.kind == kind and f.back is not None]
-        heals = [f.back - (f.start + f.seconds) for f in faults]
-        rows.append((f"after heal: {kind}", chaos._seconds(heals)))
+        faults = [f for f in result.faults if f.kind == kind and f.target_back is not None]
+        heals = [f.target_back - (f.start + f.seconds) for f in faults]
+        rows.append((f"{kind} target back after heal", chaos._seconds(heals)))
     latency = sorted(r.end - r.start for r in result.records if r.end)
     rows.append(("longest request", f"{latency[-1]:.1f} s (bound {s.hang_bound:.1f} s)"
                  if latency else "-"))
@@ -524,7 +570,7 @@ def table(net: NetResult) -> str:
                          f"{(f.back or 0) - result.t0:.1f} s")
     for fault, seconds in net.slow_recoveries[:10]:
         lines.append(f"  slow recovery: fault {fault.index} {fault.kind} {fault.target} "
-                     f"{seconds:.1f} s after the heal")
+                     + ("never back" if seconds is None else f"{seconds:.1f} s after the heal"))
     lines.append("verdict: " + ("OK" if net.ok else "FAILED"))
     return "\n".join(lines)
 
