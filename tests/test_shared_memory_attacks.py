@@ -35,12 +35,11 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
 
-from kcoral.errors import BadRequest, ServerBusy
+from kcoral.errors import BadRequest
 from kcoral.inference.h2front import SERVICE
 from kcoral.inference.message import RestMessage
 from kcoral.inference.sharedmemory import (
     BYTE_SIZE,
-    HELD_REQUESTS,
     MAX_OPEN_REGIONS,
     MAX_REGIONS,
     OFF,
@@ -165,31 +164,6 @@ async def test_a_region_named_many_times_is_bounded_as_a_body(tmp_path):
 def _input_entry(name: str, parameters: dict) -> dict:
     return {"name": name, "datatype": "UINT8", "shape": [parameters.get(BYTE_SIZE, 1)],
             "parameters": parameters}
-
-
-@pytest_twisted.ensureDeferred
-async def test_bytes_read_out_of_regions_are_bounded_while_held(tmp_path):
-    """Inferences hold what they read out of regions until their bodies go:
-    past HELD_REQUESTS requests' worth, all clients together, the next is
-    refused as busy (503) without reading; once one body goes, its bytes
-    may be read again."""
-    (tmp_path / "obj").write_bytes(bytes(1024))
-    registry = SharedMemory(refused=None, max_bytes=1024, directory=str(tmp_path))
-    registry.register(A, "r", "/obj", 0, 1024)
-    header = json.dumps({"inputs": [_input_entry("x", {REGION: "r", BYTE_SIZE: 1024})]}).encode()
-    try:
-        held = [(await registry.resolve(A, RestMessage(memoryview(header), None)))[0]
-                for _ in range(HELD_REQUESTS)]
-        assert registry.held.bytes == HELD_REQUESTS * 1024
-        with pytest.raises(ServerBusy, match="read out of shared memory") as busy:
-            await registry.resolve(A, RestMessage(memoryview(header), None))
-        assert busy.value.status == 503
-        held.pop()
-        message, _ = await registry.resolve(A, RestMessage(memoryview(header), None))
-        del held, message
-        assert registry.held.bytes == 0
-    finally:
-        registry.close()
 
 
 NOBODY = 65534

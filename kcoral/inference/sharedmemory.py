@@ -31,7 +31,6 @@ import json
 import os
 import re
 import stat
-import threading
 import weakref
 
 import attrs
@@ -39,7 +38,7 @@ from tritonclient.grpc import service_pb2
 from twisted.internet.defer import Deferred, succeed
 
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, ServerBusy
+from kcoral.errors import BadRequest
 from kcoral.inference.message import GrpcAnswer, IInferMessage, RestMessage
 from kcoral.protocol.inference import MAX_HEADER_BYTES, InferAnswer, rest_of_grpc_infer
 
@@ -58,10 +57,6 @@ MAX_REGIONS = 256
 #: open, which the front leaves out of its client connections' share of
 #: its descriptors (L{kcoral.web.fdlimit}), as it does its caches'.
 MAX_OPEN_REGIONS = 1024
-#: The bytes read out of regions that a front's inferences may hold at once,
-#: all clients together, in requests' worth: a request of a few bytes reads
-#: up to a whole request's out of a region, held until it is answered.
-HELD_REQUESTS = 4
 #: The parameters that name a region, in an input or an output.
 REGION, BYTE_SIZE, OFFSET = "shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"
 #: The names of a region, as of a model.
@@ -111,38 +106,6 @@ class _Region:
     def status(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}
-
-
-class _Gathered(bytearray):
-    """An inference's body gathered from its regions (a bytearray that can
-    be referred to weakly: its bytes are let go when it is)."""
-
-
-class _Held:
-    """The bytes read out of regions that inferences in flight hold, bounded
-    by C{most}: each is let go once its body is, whoever held it last (a
-    worker's answer, a thread)."""
-
-    def __init__(self, most: int):
-        self.most = most
-        self.bytes = 0
-        self._lock = threading.Lock()
-
-    def body(self, size: int, read: int) -> bytearray:
-        """A body of C{size} bytes, C{read} of them out of regions: held
-        until it goes; L{ServerBusy} past the bound."""
-        with self._lock:
-            if self.bytes + read > self.most:
-                raise ServerBusy(f"inferences hold {self.bytes} bytes read out of shared memory, "
-                                 f"and {read} more would pass the {self.most} a front holds")
-            self.bytes += read
-        body = _Gathered(size)
-        weakref.finalize(body, self._release, read)
-        return body
-
-    def _release(self, read: int) -> None:
-        with self._lock:
-            self.bytes -= read
 
 
 @attrs.frozen
@@ -237,7 +200,6 @@ class SharedMemory:
         self._namespaced = namespaced
         self._directory = directory
         self._regions: dict[bytes, dict[str, _Region]] = {}
-        self.held = _Held(HELD_REQUESTS * max_bytes)
 
     @property
     def descriptors(self) -> int:
@@ -403,7 +365,7 @@ class SharedMemory:
         placed = self._outputs(caller, header)
         encoded = json.dumps(header).encode()
         # One buffer, each region's bytes read straight into their place.
-        body = self.held.body(len(encoded) + data, sum(p.size for p in parts if isinstance(p, _Slice)))
+        body = bytearray(len(encoded) + data)
         body[:len(encoded)] = encoded
         at = len(encoded)
         for part in parts:
