@@ -144,6 +144,42 @@ async def test_large_steps_keep_their_order(front):
     assert got == [LARGE * sum(range(1, i + 2)) for i in range(8)]
 
 
+#: A request parameter that makes a message large enough to be read in a thread.
+PADDING = {"padding": "x" * 96 * 1024}
+
+
+def _mixed_stream(address: str, values: list[int]) -> list:
+    """One sequence of simple_string_dyna_sequence sent on a gRPC stream,
+    its steps not waiting for each other's answers, every other one (the
+    first among them) padded past 64 KiB: each answer's output, or its
+    error, in order."""
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        for i, value in enumerate(values):
+            client.async_stream_infer("simple_string_dyna_sequence", _input(grpcclient, value),
+                                      sequence_id=21, sequence_start=i == 0,
+                                      sequence_end=i == len(values) - 1,
+                                      parameters=PADDING if i % 2 == 0 else None)
+        got = [answers.get(timeout=60) for _ in values]
+    finally:
+        client.stop_stream()
+        client.close()
+    return [r if isinstance(r, InferenceServerException) else int(r.as_numpy("OUTPUT")[0, 0])
+            for r in got]
+
+
+@pytest_twisted.ensureDeferred
+async def test_large_and_small_steps_keep_their_order(front):
+    """A stream's small step sent after a large one (read in a thread)
+    does not overtake it: every step is answered, in order, with the
+    running sum up to it (the last one plus the sequence's id)."""
+    values = list(range(1, 11))
+    got = await threads.deferToThread(_mixed_stream, front[1], values)
+    assert got == [sum(values[:i + 1]) for i in range(len(values) - 1)] + [sum(values) + 21]
+
+
 @pytest_twisted.ensureDeferred
 async def test_stream_carries_the_controls(front):
     """gRPC's stream carries each request's sequence controls: a first step

@@ -82,19 +82,28 @@ class Streamed:
     failed: Callable[[str], bytes]
 
 
+def _as_sent(message: bytes, metadata: Mapping[bytes, bytes]) -> bytes:
+    return message
+
+
 @attrs.frozen
 class Method:
     """
-    One method: C{answer(message, request_id, metadata)} fires with the
+    One method: C{read(message, metadata)} gives (or fires with) what its
+    message says, then C{answer(read, request_id, metadata)} fires with the
     serialized answer. An C{open} method needs no client token and never
     reads its message (it is empty): no number of slow calls keeps a probe
     waiting. A C{streamed} one's call carries any number of messages, each
-    answered so.
+    answered so, each read handed to C{answer} in the order the messages
+    came: a large message is read in a thread, and a later one read sooner
+    must not overtake it (a sequence's steps run in the order they reach
+    its model).
     """
 
-    answer: Callable[[bytes, str, Mapping[bytes, bytes]], Deferred[bytes]]
+    answer: Callable[[Any, str, Mapping[bytes, bytes]], Deferred[bytes]]
     open: bool = False
     streamed: Streamed | None = None
+    read: Callable[[bytes, Mapping[bytes, bytes]], Any] = _as_sent
 
 
 def _parsed(message_type, raw: bytes):
@@ -193,9 +202,10 @@ class GrpcMethods:
                 lambda shm, caller, request: service_pb2.CudaSharedMemoryUnregisterResponse()),
             "CudaSharedMemoryRegister": self._shm_method(
                 service_pb2.CudaSharedMemoryRegisterRequest, _no_cuda),
-            "ModelInfer": Method(self._infer),
+            "ModelInfer": Method(self._infer, read=self._read_infer),
             # Each message of the stream is one ModelInfer, answered as one.
-            "ModelStreamInfer": Method(self._infer, streamed=Streamed(_stream_answer, _stream_error)),
+            "ModelStreamInfer": Method(self._infer, read=self._read_infer,
+                                       streamed=Streamed(_stream_answer, _stream_error)),
         }
 
     def items(self) -> ItemsView[str, Method]:
@@ -239,28 +249,31 @@ class GrpcMethods:
                 name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
                 for m in models if not request.ready or m["state"] == "READY"]).SerializeToString())
 
-    def _infer(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
-        headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
-
-        def ask(pb: service_pb2.ModelInferRequest) -> Deferred:
+    def _read_infer(self, message: bytes, metadata: Mapping[bytes, bytes]
+                    ) -> Deferred[tuple[service_pb2.ModelInferRequest, IInferMessage,
+                                        Placement | None]]:
+        """An inference's message parsed, with its inputs read out of the
+        caller's shared-memory regions and where its outputs go (None: in
+        the answer); a large one in a thread."""
+        def resolve(pb: service_pb2.ModelInferRequest):
             call = GrpcMessage(pb, len(message))
             resolved = self._shared_memory.resolve(_caller(metadata), call)
             if resolved is None:
-                return self._front.infer(pb.model_name, pb.model_version or None,
-                                         InferCall(call, rid, headers,
-                                                   token=_caller(metadata).token))
+                return pb, call, None
+            return resolved.addCallback(lambda placed: (pb, *placed))
 
-            def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred:
-                message, placement = resolution
-                return self._front.infer(pb.model_name, pb.model_version or None, InferCall(
-                    message, rid, headers, token=_caller(metadata).token)).addCallback(
-                    placement.place)
+        return off_reactor(len(message), _parsed, service_pb2.ModelInferRequest, message
+                           ).addCallback(resolve)
 
-            return resolved.addCallback(placed)
-
-        # A large message is parsed, and a large answer converted, in a thread.
-        return off_reactor(len(message), _parsed, service_pb2.ModelInferRequest, message).addCallback(
-            ask).addCallback(_grpc_form)
+    def _infer(self, read: tuple[service_pb2.ModelInferRequest, IInferMessage, Placement | None],
+               rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
+        pb, message, placement = read
+        headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
+        answered = self._front.infer(pb.model_name, pb.model_version or None, InferCall(
+            message, rid, headers, token=_caller(metadata).token))
+        if placement is not None:
+            answered.addCallback(placement.place)
+        return answered.addCallback(_grpc_form)
 
 
 def _caller(metadata: Mapping[bytes, bytes]) -> Caller:

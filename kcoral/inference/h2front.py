@@ -61,7 +61,7 @@ from h2.settings import SettingCodes, Settings
 from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import GoAwayFrame
 from twisted.application import service
-from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, maybeDeferred, succeed
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IPushProducer, ITCPTransport
 from twisted.internet.protocol import Factory, Protocol, connectionDone
@@ -299,7 +299,8 @@ class _Unary(_Call):
             self.answering.cancel()
 
     def run(self, message: bytes) -> None:
-        self.answering = d = maybeDeferred(self.method.answer, message, self.request_id, self.metadata)
+        self.answering = d = maybeDeferred(self.method.read, message, self.metadata).addCallback(
+            self.method.answer, self.request_id, self.metadata)
         d.addCallbacks(self._answered, self._failed)
 
     def _answered(self, answer: bytes) -> None:
@@ -310,16 +311,23 @@ class _Unary(_Call):
             self.connection.end(self, self.connection.why(self.request_id, failure), logged=True)
 
 
-class _Answer:
-    """One message of a stream being answered: its request id, then its
-    answer, serialized, once it has one."""
+#: What a message of a stream not yet read holds as its read.
+_UNREAD = object()
 
-    __slots__ = ("answer", "deferred", "request_id")
+
+class _Answer:
+    """One message of a stream being answered: its request id, what it
+    says once read (or how its reading failed) until it is handed on to be
+    answered, then its answer, serialized, once it has one."""
+
+    __slots__ = ("answer", "deferred", "read", "request_id")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
+        self.read: object = _UNREAD
         self.answer: bytes | None = None
-        self.deferred: Deferred[bytes] | None = None
+        #: Its reading, then its answering.
+        self.deferred: Deferred | None = None
 
 
 @implementer(_ICall)
@@ -340,12 +348,14 @@ class _Streamed(_Call):
     a stream, from its first byte to its last (not between messages).
     """
 
-    __slots__ = ("answers", "closing", "count", "held", "pumping", "stopping")
+    __slots__ = ("answers", "closing", "count", "held", "pumping", "reading", "stopping")
 
     def __init__(self, *args):
         super().__init__(*args)
         # The messages started and not yet sent, in order.
         self.answers: deque[_Answer] = deque()
+        # The messages started and not yet handed on to be answered, in order.
+        self.reading: deque[_Answer] = deque()
         self.count = 0
         # The window the client has used for DATA held unacknowledged.
         self.held = 0
@@ -381,6 +391,7 @@ class _Streamed(_Call):
 
     def cancel(self) -> None:
         answers, self.answers = self.answers, deque()
+        self.reading.clear()
         for answer in answers:
             if answer.deferred is not None:
                 answer.deferred.cancel()
@@ -422,9 +433,30 @@ class _Streamed(_Call):
         self.count += 1
         answer = _Answer(numbered(self.request_id, self.count))
         self.answers.append(answer)
-        answer.deferred = d = maybeDeferred(self.method.answer, message, answer.request_id,
-                                            self.metadata)
-        d.addCallbacks(self._answered, self._failed, callbackArgs=(answer,), errbackArgs=(answer,))
+        self.reading.append(answer)
+        answer.deferred = d = maybeDeferred(self.method.read, message, self.metadata)
+        d.addBoth(self._read, answer)
+
+    def _read(self, read: object, answer: _Answer) -> None:
+        answer.read = read
+        self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Hands each message read on to be answered in the order the
+        messages came, whatever order their reads end in: a large message
+        is read in a thread, and a small one after it, read at once, must
+        not reach the model first (a sequence's steps run in the order
+        they reach it)."""
+        while self.reading and self.reading[0].read is not _UNREAD:
+            answer = self.reading.popleft()
+            read, answer.read = answer.read, None
+            if isinstance(read, Failure):
+                answer.deferred = d = fail(read)
+            else:
+                answer.deferred = d = maybeDeferred(self.method.answer, read, answer.request_id,
+                                                    self.metadata)
+            d.addCallbacks(self._answered, self._failed, callbackArgs=(answer,),
+                           errbackArgs=(answer,))
 
     def _answered(self, result: bytes, answer: _Answer) -> None:
         streamed = self.method.streamed
