@@ -33,8 +33,11 @@ connection (request bodies, the client's ``bytes_sent``; and the wire,
 heads included, as the kernel counts it). The generated tokens must equal the floor's: otherwise the exit
 status is 1 (0 whatever the speed).
 
-Targets: at most 1 KiB of request bodies a token, and at least 0.8x the
-floor's tokens per second (0.75x through the Router). ``doc/benchmarks.rst`` ("Kept arrays: training
+Targets: at most 1 KiB of request bodies a token, and at least 0.9x the
+floor's tokens per second (0.85x through the Router): about 1.1 ms (1.8 ms)
+a token beside a 10 ms step. The time each way spends a token beyond the
+floor's is printed too: the service's own share, which the ratio hides
+when the floor itself moves with the machine's load. ``doc/benchmarks.rst`` ("Kept arrays: training
 and decoding") records a run.
 """
 
@@ -75,7 +78,7 @@ WAYS = ("floor", "kept", "router")
 TARGET_BYTES = 1024
 #: The least tokens/s of each way, as a share of the floor's: through a
 #: Router, a hop more.
-TARGET_FLOOR_RATIO = {"kept": 0.8, "router": 0.75}
+TARGET_FLOOR_RATIO = {"kept": 0.9, "router": 0.85}
 
 
 # -- the model ----------------------------------------------------------------------
@@ -326,6 +329,8 @@ def judge(results: dict) -> bool:
             ratio = way["tokens_per_second"] / base["tokens_per_second"]
             least = TARGET_FLOOR_RATIO[name]
             checks.append((f">= {least}x the floor's tokens/s", ratio >= least, f"{ratio:.2f}x"))
+            way["beyond_floor_seconds"] = beyond = way["median_seconds"] - base["median_seconds"]
+            print(f"{name}: {1000 * beyond:.2f} ms a token beyond the floor's")
         for what, met, value in checks:
             print(f"{name}: {what}: {value} ({'met' if met else 'NOT met'})")
             results["targets"].append({"way": name, "target": what, "value": value, "met": met})

@@ -14,8 +14,10 @@ loop does, the parameters and the cache are put once, then each request is
 free=cache)``: the new cache stays, the old one is freed, the token comes
 back. After a warm-up, the timed requests' wall time (mean and median) and,
 for this process and each service process (the server; or the Router, the
-node's supervisor and its worker), the CPU time per request read from
-``/proc`` before and after the loop. ``doc/benchmarks.rst`` ("Decoding:
+node's supervisor and its worker), the CPU time and the context switches
+per request read from ``/proc`` before and after the loop: each voluntary
+switch is a thread that blocked and was woken again, which on a busy
+machine waits for a core. ``doc/benchmarks.rst`` ("Decoding:
 the request's own cost") records runs.
 """
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from kept_loops import clients, descendants  # noqa: E402
-from procstat import cpu_seconds  # noqa: E402
+from procstat import cpu_seconds, wake_ups  # noqa: E402
 
 WARM_UP = 50
 
@@ -81,6 +83,7 @@ def main() -> int:
             if i == WARM_UP:
                 pids = [os.getpid(), *descendants()]
                 before = {pid: cpu_seconds(pid) for pid in pids}
+                woken = {pid: wake_ups(pid) for pid in pids}
                 started, times = time.perf_counter(), []
             began = time.perf_counter()
             kept_cache, token = client.run(program, kept_params, kept_cache, token, np.int32(i % 4),
@@ -89,12 +92,15 @@ def main() -> int:
                 times.append(time.perf_counter() - began)
         wall = time.perf_counter() - started
         after = {pid: cpu_seconds(pid) for pid in pids}
+        switched = {pid: [b - a for a, b in zip(woken[pid], wake_ups(pid))] for pid in pids}
         names = {pid: "client (this process)" if pid == os.getpid() else command_of(pid)
                  for pid in pids}
     print(f"{args.way}: {args.requests} requests, wall {1000 * wall / args.requests:.3f} ms mean, "
           f"{1000 * float(np.median(times)):.3f} ms median; load average {os.getloadavg()[0]:.2f}")
     for pid in pids:
-        print(f"  {names[pid]}: {1000 * (after[pid] - before[pid]) / args.requests:.3f} ms CPU a request")
+        voluntary, involuntary = (n / args.requests for n in switched[pid])
+        print(f"  {names[pid]}: {1000 * (after[pid] - before[pid]) / args.requests:.3f} ms CPU, "
+              f"{voluntary:.2f} wake-ups and {involuntary:.2f} preemptions a request")
     return 0
 
 

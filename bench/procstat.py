@@ -14,6 +14,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wake_ups(pid: int) -> tuple[int, int]:
+    """The context switches of process C{pid}, all its threads together:
+    voluntary (a thread blocked and had to be woken again: each one a wait
+    for a core on a busy machine) and involuntary (preempted)."""
+    voluntary = involuntary = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name == "voluntary_ctxt_switches":
+                voluntary += int(value)
+            elif name == "nonvoluntary_ctxt_switches":
+                involuntary += int(value)
+    return voluntary, involuntary
+
+
 def machine_busy_seconds() -> float:
     """Busy CPU time of the whole machine (all cores) since boot."""
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
