@@ -250,6 +250,10 @@ class InferenceRoutes:
             (log.debug if error.relayed else log.info)(
                 "{request_id} answered {status}: {message}", request_id=request.request_id,
                 status=error.status, message=error.message)
+            # Its frames hold the request (its body) in a cycle only the
+            # collector frees, which in a process of JAX's many objects runs
+            # seldom: refused large requests piled up in memory.
+            failure.cleanFailure()
             return error_response(request, error)
         return internal_error(request, failure)
 
