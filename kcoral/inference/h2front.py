@@ -798,6 +798,9 @@ class _Connection(Protocol):
                 status=error.status, message=error.message)
             message = (f"{error.message} ({error.reason})" if isinstance(error, ServerBusy) and error.reason
                        else error.message)
+            # Its frames hold the call's message in a cycle only the
+            # collector frees, seldom in a process of JAX's many objects.
+            failure.cleanFailure()
             return _Ended(status_code_of(error), message)
         if isinstance(error, CancelledError):
             return _Ended(grpc.StatusCode.CANCELLED, "the call was cancelled")
