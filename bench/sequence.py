@@ -19,14 +19,20 @@ program: ``decode_oldest`` (batches of 1 to 64 rows) and ``decode_direct``
 For each count of live sequences (``--live``), each sequence is a client
 coroutine of tritonclient's gRPC asyncio client that steps its sequence
 ``--steps`` times, one request after the other's answer (START on the
-first, END on the last), all sequences at once; steps per second over the
-whole run, each model in turn (``--rounds`` times, the best kept), and
-the mean steps in each of ``oldest``'s executions (the server's
-statistics). Beside them, the model's own CPU time for one step in this
-process (``jax.jit``, at batch 1 and at each count of live sequences): the
-floor no server beats, and how much a batch of that many rows can gain.
-Every sequence's tokens must be the same both ways: the count of those that
-differ is printed (a batched step may round differently from a step alone).
+first, END on the last), all sequences at once, shared among ``--clients``
+client processes (one process's event loop, on a small machine, is slow
+enough to issue a batch's next steps that executions take half of them):
+steps per second over the whole run, each model in turn, ``--rounds``
+times (the median and the spread printed), and the mean steps in each of
+``oldest``'s executions (the server's statistics). The same clients call a
+bare ``grpc.aio`` server that answers at once (``bench/grpc_echo.py``):
+gRPC's own round trip on this host, side by side. Beside them, the model's
+own time for one step in this process (``jax.jit``, at batch 1 and at each
+count of live sequences), alone and as a server takes it (the rows' states
+gathered out of tables and scattered back): the floor no server beats,
+and how much a batch of that many rows can gain. Every sequence's tokens
+must be the same both ways: the count of those that differ is printed (a
+batched step may round differently from a step alone).
 ``doc/benchmarks.rst`` ("Sequence models") records a run.
 """
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import re
 import statistics
 import sys
@@ -48,10 +55,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from child import SERVER_READY, KCoralChild, write_results  # noqa: E402
+from grpc_echo import READY as ECHO_READY  # noqa: E402
 
 LAYERS, WIDTH, HEADS, CONTEXT, VOCAB = 4, 256, 4, 128, 256
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GRPC = re.compile(r"serving the inference protocol over gRPC on (\S+)")
+#: What the bare gRPC server (bench/grpc_echo.py) is asked for: its one method answers any model.
+ECHO = "echo"
+MODELS = ("decode_oldest", "decode_direct", ECHO)
 
 
 def init_params(seed: int = 0) -> dict:
@@ -117,34 +128,105 @@ def export(repository: Path, params: dict) -> None:
                              max_sequence_idle_seconds=60.0)
 
 
-def model_ms(params: dict, rows: int, repeats: int = 30) -> float:
-    """The median milliseconds of CPU one step of C{rows} rows takes in this
-    process (CPU time, not wall time: on a machine shared with other work,
-    wall time measures the others too)."""
+def model_ms(params: dict, rows: int, repeats: int = 30) -> tuple[float, float]:
+    """The median milliseconds one step of C{rows} rows takes in this
+    process: of wall time, and of CPU (on a machine shared with other work,
+    wall time measures the others too; CPU time counts every thread of
+    XLA's)."""
     import jax
 
     step = jax.jit(decode_step)
     state = jax.tree.map(lambda a: np.repeat(a, rows, axis=0), initial_state())
     token = np.ones((rows, 1), np.int32)
-    jax.block_until_ready(step(params, state, token))
-    times = []
+    return _timed(lambda: jax.block_until_ready(step(params, state, token)), repeats)
+
+
+def table_ms(params: dict, rows: int, repeats: int = 30) -> tuple[float, float]:
+    """As L{model_ms}, a step taken as a server takes it: the rows' states
+    gathered out of tables of every slot's (and one of initial states
+    for the rows that start), the step run, its new states scattered back
+    into the tables given up to that write, its output brought to the host.
+    Moving the states costs each row its whole KV cache, read and written
+    twice; the step's own arithmetic is shared by the rows."""
+    import jax
+    import jax.numpy as jnp
+
+    initial = jax.tree.map(jnp.asarray, initial_state())
+    tables = jax.tree.map(lambda a: jnp.zeros((rows + 1, *a.shape[1:]), a.dtype), initial)
+    slots, starts = jnp.arange(rows, dtype=jnp.int32), jnp.zeros(rows, bool)
+    token = jnp.ones((rows, 1), jnp.int32)
+
+    @jax.jit
+    def step(tables, params):
+        state = jax.tree.map(lambda table, first: jnp.where(
+            starts.reshape(-1, *[1] * (table.ndim - 1)), first, table[slots]), tables, initial)
+        return decode_step(params, state, token)
+
+    write = jax.jit(lambda tables, new: jax.tree.map(
+        lambda table, rows: table.at[slots].set(rows), tables, new), donate_argnums=0)
+
+    def once() -> None:
+        nonlocal tables
+        new, outputs = step(tables, params)
+        tables = write(tables, new)
+        np.asarray(outputs)
+
+    return _timed(once, repeats)
+
+
+def _timed(run, repeats: int) -> tuple[float, float]:
+    """The median milliseconds of wall time and of CPU C{run()} takes,
+    after a first run (its compile)."""
+    run()
+    wall, cpu = [], []
     for _ in range(repeats):
-        started = time.process_time()
-        jax.block_until_ready(step(params, state, token))
-        times.append(time.process_time() - started)
-    return statistics.median(times) * 1e3
+        started, used = time.perf_counter(), time.process_time()
+        run()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - used)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-async def executions(client, model: str) -> int:
-    """How many executions of C{model} the server ran so far."""
-    stats = await client.get_inference_statistics(model)
-    return int(stats.model_stats[0].execution_count)
+def executions(address: str, model: str) -> int:
+    """How many executions of C{model} the server ran so far (0 of the echo,
+    which counts none)."""
+    import tritonclient.grpc as grpcclient
+
+    if model == ECHO:
+        return 0
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        return int(client.get_inference_statistics(model).model_stats[0].execution_count)
+    finally:
+        client.close()
 
 
-async def decode(address: str, model: str, live: int, steps: int, first_id: int
-                 ) -> tuple[float, float, list[list[int]]]:
-    """C{live} sequences of C{model}, each stepped C{steps} times: steps per
-    second, the mean steps an execution, and each sequence's tokens."""
+def decode(pool, clients: int, address: str, model: str, live: int, steps: int, first_id: int
+           ) -> tuple[float, float, list[list[int]]]:
+    """C{live} sequences of C{model}, each stepped C{steps} times, shared
+    among the C{clients} processes of C{pool}, all starting at once: steps per
+    second, the mean steps an execution (0 of the echo), and each
+    sequence's tokens."""
+    before = executions(address, model)
+    started = time.time() + 0.5
+    shares = pool.map(_share, [(address, model, range(live)[n::clients], steps, first_id, started)
+                               for n in range(clients)], chunksize=1)
+    elapsed = max(finished for _, finished in shares) - started
+    ran = executions(address, model) - before
+    tokens = [[] for _ in range(live)]
+    for n, (share, _) in enumerate(shares):
+        tokens[n::clients] = share
+    return live * steps / elapsed, live * steps / ran if ran else 0.0, tokens
+
+
+def _share(task) -> tuple[list[list[int]], float]:
+    """One client process's share of a run: its sequences' tokens, and when
+    the last ended (wall clock)."""
+    return asyncio.run(_sequences(*task))
+
+
+async def _sequences(address: str, model: str, indexes: range, steps: int, first_id: int,
+                     started: float) -> tuple[list[list[int]], float]:
     import tritonclient.grpc.aio as aioclient
 
     client = aioclient.InferenceServerClient(address)
@@ -161,12 +243,10 @@ async def decode(address: str, model: str, live: int, steps: int, first_id: int
         return tokens
 
     try:
-        before = await executions(client, model)
-        started = time.perf_counter()
-        tokens = await asyncio.gather(*(one(i) for i in range(live)))
-        elapsed = time.perf_counter() - started
-        ran = await executions(client, model) - before
-        return live * steps / elapsed, live * steps / ran, list(tokens)
+        # Every process's sequences start together, whenever each process got its share.
+        await asyncio.sleep(max(0.0, started - time.time()))
+        tokens = await asyncio.gather(*(one(i) for i in indexes))
+        return list(tokens), time.time()
     finally:
         await client.close()
 
@@ -175,52 +255,81 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--live", default="1,16,64", help="counts of live sequences")
     parser.add_argument("--steps", type=int, default=32, help="steps of each sequence")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each, the best kept")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, the median kept")
+    parser.add_argument("--clients", type=int, default=2,
+                        help="client processes the live sequences are shared among")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     counts = [int(n) for n in args.live.split(",")]
     params = init_params()
     floor = {rows: model_ms(params, rows) for rows in sorted({1, *counts})}
-    results: dict = {"model_ms": floor, "live": {}}
+    tabled = {rows: table_ms(params, rows) for rows in sorted({1, *counts})}
+    results: dict = {"model_ms": floor, "table_ms": tabled, "live": {}}
     with tempfile.TemporaryDirectory() as folder:
         repository = Path(folder) / "repo"
         export(repository, params)
         server = KCoralChild(["server", "--port", "0", "--grpc-port", "0", "--gpus", "none",
                               "--model-repository", str(repository)],
                              {"grpc": GRPC, "ready": SERVER_READY}, name="server", timeout=600)
+        echo = KCoralChild([], {"grpc": ECHO_READY}, name="echo",
+                           program=(str(ROOT / "bench" / "grpc_echo.py"),))
+        # Started fresh (spawned), not forked from a process that runs JAX.
+        pool = multiprocessing.get_context("spawn").Pool(args.clients)
         try:
-            address = server.found["grpc"]
-            asyncio.run(decode(address, "decode_oldest", 2, 2, 1))  # connections warm
+            address = dict.fromkeys(MODELS, server.found["grpc"])
+            address[ECHO] = echo.found["grpc"]
+            for model in MODELS:
+                decode(pool, args.clients, address[model], model, 2 * args.clients, 2, 1)  # clients warm
             next_id = 1000
             for live in counts:
-                best: dict = {}
+                rates: dict = {model: [] for model in MODELS}
                 tokens: dict = {}
-                rows = 0.0
+                batched: list[float] = []
                 for _ in range(args.rounds):
-                    for model in ("decode_oldest", "decode_direct"):
-                        rate, per_execution, tokens[model] = asyncio.run(
-                            decode(address, model, live, args.steps, next_id))
+                    for model in MODELS:
+                        rate, per_execution, tokens[model] = decode(
+                            pool, args.clients, address[model], model, live, args.steps, next_id)
                         next_id += live
-                        if rate > best.get(model, 0.0):
-                            best[model] = rate
-                            if model == "decode_oldest":
-                                rows = per_execution
+                        rates[model].append(rate)
+                        if model == "decode_oldest":
+                            batched.append(per_execution)
                 differ = sum(a != b for a, b in zip(tokens["decode_oldest"],
                                                     tokens["decode_direct"]))
-                results["live"][live] = {**best, "differ": differ, "oldest_rows": rows}
-                print(f"{live:3d} live: oldest {best['decode_oldest']:8.1f} steps/s "
-                      f"({rows:4.1f} an execution), "
-                      f"alone {best['decode_direct']:8.1f} steps/s, "
-                      f"{best['decode_oldest'] / best['decode_direct']:5.2f}x; "
+                median = {model: statistics.median(rates[model]) for model in MODELS}
+                results["live"][live] = {"rates": rates, "median": median, "differ": differ,
+                                         "oldest_rows": batched}
+                print(f"{live:3d} live: oldest {median['decode_oldest']:8.1f} steps/s "
+                      f"({_spread(rates['decode_oldest'])}; {statistics.median(batched):4.1f} an "
+                      f"execution), alone {median['decode_direct']:8.1f} steps/s "
+                      f"({_spread(rates['decode_direct'])}), "
+                      f"{median['decode_oldest'] / median['decode_direct']:5.2f}x; "
+                      f"bare gRPC echo {median[ECHO]:8.1f} calls/s ({_spread(rates[ECHO])}); "
                       f"{differ} of {live} sequences' tokens differ", flush=True)
         finally:
+            pool.terminate()
+            echo.stop()
             server.stop()
-    for rows, ms in floor.items():
+    for rows, (wall, cpu) in floor.items():
         # The most batching can give: the model's own steps per second at
-        # this batch against one row at a time.
-        print(f"the model's own step in process at batch {rows:3d}: {ms:7.2f} ms of CPU, "
-              f"{rows * floor[1] / ms:5.2f}x the steps per second of batch 1")
+        # this batch against one row at a time (by CPU time); then as a
+        # server takes the step, its states moved in and out of their tables.
+        print(f"in process at batch {rows:3d}: the step {wall:7.2f} ms ({cpu:7.2f} of CPU), "
+              f"{rows * floor[1][1] / cpu:5.2f}x the steps per second of batch 1; with its "
+              f"states gathered and scattered {tabled[rows][0]:7.2f} ms "
+              f"({tabled[rows][1]:7.2f} of CPU), {rows * tabled[1][1] / tabled[rows][1]:5.2f}x",
+              flush=True)
+    if 1 in results["live"]:
+        # A step alone, less the model's own time, beside a call that does nothing.
+        alone = results["live"][1]["median"]
+        step, call, own = 1e3 / alone["decode_direct"], 1e3 / alone[ECHO], tabled[1][0]
+        print(f"one sequence alone: a step {step:.2f} ms, of which the model's as a server "
+              f"takes it {own:.2f} ms; the rest {step - own:.2f} ms against a bare gRPC round "
+              f"trip of {call:.2f} ms ({(step - own) / call:.2f}x)")
     write_results(results, args.json)
+
+
+def _spread(rates: list[float]) -> str:
+    return f"{min(rates):.0f} to {max(rates):.0f}"
 
 
 if __name__ == "__main__":
