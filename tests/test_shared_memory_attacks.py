@@ -65,10 +65,15 @@ def _settled(d):
     return out[0]
 
 
-def _open_on(path: str) -> int:
-    """How many of this process's descriptors are open on C{path}."""
-    return sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in os.listdir("/proc/self/fd")
-               if os.path.exists(f"/proc/self/fd/{fd}"))
+def _descriptors_on(pid: int, path: str) -> int:
+    """How many descriptors of process C{pid} are open on C{path}."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == path
+        except FileNotFoundError:
+            pass  # closed as it was listed
+    return count
 
 
 def _output_request(region: str, size: int) -> RestMessage:
@@ -99,11 +104,11 @@ def test_an_inference_in_flight_never_writes_another_tokens_region(tmp_path):
     assert (tmp_path / "b").read_bytes() == b"b" * 64
     assert (tmp_path / "a").read_bytes() == b"ANSWER!!" + b"a" * 56
     path = str(tmp_path / "a")
-    assert _open_on(path) == 1
+    assert _descriptors_on(os.getpid(), path) == 1
     del placement
-    assert _open_on(path) == 0
+    assert _descriptors_on(os.getpid(), path) == 0
     registry.close()
-    assert _open_on(str(tmp_path / "b")) == 0
+    assert _descriptors_on(os.getpid(), str(tmp_path / "b")) == 0
 
 
 def test_a_fronts_regions_are_bounded_in_all_and_left_out_of_its_connections(tmp_path):
@@ -120,12 +125,12 @@ def test_a_fronts_regions_are_bounded_in_all_and_left_out_of_its_connections(tmp
                 registry.register(caller, f"r{i}", "/obj", 0, 64)
         with pytest.raises(BadRequest, match=f"{MAX_OPEN_REGIONS} regions of all clients are registered"):
             registry.register(callers[-1], "r0", "/obj", 0, 64)
-        assert _open_on(str(tmp_path / "obj")) == MAX_OPEN_REGIONS
+        assert _descriptors_on(os.getpid(), str(tmp_path / "obj")) == MAX_OPEN_REGIONS
         registry.unregister(callers[0], "r0")
         registry.register(callers[-1], "r0", "/obj", 0, 64)
     finally:
         registry.close()
-    assert _open_on(str(tmp_path / "obj")) == 0
+    assert _descriptors_on(os.getpid(), str(tmp_path / "obj")) == 0
     before = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         assert connection_limit(registry.descriptors) == connection_limit() - MAX_OPEN_REGIONS
@@ -190,7 +195,7 @@ def test_an_object_is_opened_only_as_its_mode_grants_the_services_user(tmp_path,
             with pytest.raises(BadRequest, match="Unable to open shared memory region: '/obj': "
                                                  "Permission denied"):
                 registry.register(A, "r", "/obj", 0, 64)
-            assert _open_on(str(path)) == 0
+            assert _descriptors_on(os.getpid(), str(path)) == 0
     finally:
         registry.close()
 
@@ -348,17 +353,6 @@ async def test_another_tokens_region_is_out_of_reach(front):
     region stays registered and its object unwritten."""
     await threads.deferToThread(_out_of_reach, front[0], front[1])
     await threads.deferToThread(_answers_harmlessly, front[0], front[1])
-
-
-def _descriptors_on(pid: int, path: str) -> int:
-    """How many descriptors of process C{pid} are open on C{path}."""
-    count = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}") == path
-        except FileNotFoundError:
-            pass  # closed as it was listed
-    return count
 
 
 def _bounded(rest: str, grpc_address: str, pid: int) -> None:
