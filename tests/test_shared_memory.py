@@ -7,6 +7,7 @@ shared-memory utilities; and the registry's bounds against hostile input.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -305,7 +306,9 @@ def _hostile(address: str) -> None:
         assert client.get_cuda_shared_memory_status(headers=headers) == []
         client.unregister_cuda_shared_memory(headers=headers)
         with pytest.raises(InferenceServerException, match="CUDA shared memory is not served"):
-            client.register_cuda_shared_memory("c", b"\0" * 64, 0, 64, headers=headers)
+            # A handle as Triton's client library gives it: base64.
+            client.register_cuda_shared_memory("c", base64.b64encode(b"\0" * 64), 0, 64,
+                                               headers=headers)
         assert "system_shared_memory" in client.get_server_metadata()["extensions"]
         assert client.is_server_live()
     finally:

@@ -23,9 +23,10 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config, load_files
 from kcoral.inference.message import GrpcAnswer, GrpcMessage, IInferMessage
-from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
+from kcoral.inference.sharedmemory import OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.inference import grpc_of_rest_answer
 from kcoral.web.family import TRACE_HEADERS
 
@@ -149,9 +150,11 @@ def _serialized(respond: Callable[[Any], Any]) -> Callable[[Any], bytes]:
 class GrpcMethods:
     """The service's methods, each one call of C{front}, on raw bytes."""
 
-    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None):
+    def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None, *,
+                 cuda_memory: CudaSharedMemory | None = None):
         self._front = front
         self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
+        self._cuda_memory = cuda_memory or CudaSharedMemory()
         self._methods: dict[str, Method] = {
             "ServerLive": Method(lambda message, rid, metadata: succeed(_LIVE), open=True),
             "ServerReady": self._server_method(
@@ -193,15 +196,12 @@ class GrpcMethods:
             "SystemSharedMemoryUnregister": self._shm_method(
                 service_pb2.SystemSharedMemoryUnregisterRequest,
                 _unregister),
-            # No front holds a GPU of its own: there is never a CUDA region.
-            "CudaSharedMemoryStatus": self._shm_method(
-                service_pb2.CudaSharedMemoryStatusRequest,
-                lambda shm, caller, request: service_pb2.CudaSharedMemoryStatusResponse()),
-            "CudaSharedMemoryUnregister": self._shm_method(
-                service_pb2.CudaSharedMemoryUnregisterRequest,
-                lambda shm, caller, request: service_pb2.CudaSharedMemoryUnregisterResponse()),
-            "CudaSharedMemoryRegister": self._shm_method(
-                service_pb2.CudaSharedMemoryRegisterRequest, _no_cuda),
+            "CudaSharedMemoryStatus": self._cuda_method(
+                service_pb2.CudaSharedMemoryStatusRequest, _cuda_regions),
+            "CudaSharedMemoryUnregister": self._cuda_method(
+                service_pb2.CudaSharedMemoryUnregisterRequest, _cuda_unregister),
+            "CudaSharedMemoryRegister": self._cuda_method(
+                service_pb2.CudaSharedMemoryRegisterRequest, _cuda_register),
             "ModelInfer": Method(self._infer, read=self._read_infer),
             # Each message of the stream is one ModelInfer, answered as one.
             "ModelStreamInfer": Method(self._infer, read=self._read_infer,
@@ -239,6 +239,13 @@ class GrpcMethods:
         """A guarded method on the caller's shared-memory regions."""
         return Method(lambda message, rid, metadata: maybeDeferred(
             act, self._shared_memory, _caller(metadata), _parsed(message_type, message)
+        ).addCallback(lambda response: response.SerializeToString()))
+
+    def _cuda_method(self, message_type, act: Callable[[CudaSharedMemory, Caller, Any], Any]
+                     ) -> Method:
+        """A guarded method on the caller's CUDA shared-memory regions."""
+        return Method(lambda message, rid, metadata: maybeDeferred(
+            act, self._cuda_memory, _caller(metadata), _parsed(message_type, message)
         ).addCallback(lambda response: response.SerializeToString()))
 
     def _repository_index(self, message: bytes, rid: str, metadata: Mapping[bytes, bytes]
@@ -303,8 +310,29 @@ def _unregister(shm: SharedMemory, caller: Caller,
     return service_pb2.SystemSharedMemoryUnregisterResponse()
 
 
-def _no_cuda(shm: SharedMemory, caller: Caller, request: Any) -> Any:
-    raise BadRequest(NO_CUDA)
+def _cuda_regions(cuda: CudaSharedMemory, caller: Caller,
+                  request: service_pb2.CudaSharedMemoryStatusRequest
+                  ) -> service_pb2.CudaSharedMemoryStatusResponse:
+    response = service_pb2.CudaSharedMemoryStatusResponse()
+    for region in cuda.status(caller, request.name or None):
+        response.regions[region["name"]].CopyFrom(
+            service_pb2.CudaSharedMemoryStatusResponse.RegionStatus(**region))
+    return response
+
+
+def _cuda_register(cuda: CudaSharedMemory, caller: Caller,
+                   request: service_pb2.CudaSharedMemoryRegisterRequest
+                   ) -> service_pb2.CudaSharedMemoryRegisterResponse:
+    cuda.register(caller, cuda.checked(request.name, request.raw_handle, request.device_id,
+                                       request.byte_size))
+    return service_pb2.CudaSharedMemoryRegisterResponse()
+
+
+def _cuda_unregister(cuda: CudaSharedMemory, caller: Caller,
+                     request: service_pb2.CudaSharedMemoryUnregisterRequest
+                     ) -> service_pb2.CudaSharedMemoryUnregisterResponse:
+    cuda.unregister(caller, request.name or None)
+    return service_pb2.CudaSharedMemoryUnregisterResponse()
 
 
 def _grpc_form(answered: InferAnswer | GrpcAnswer) -> bytes | Deferred[bytes]:

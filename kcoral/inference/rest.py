@@ -19,6 +19,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.errors import BadRequest, KCoralError, LoadFailed
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.front import (
     IInferenceFront,
     InferAnswer,
@@ -27,7 +28,7 @@ from kcoral.inference.front import (
     load_files,
 )
 from kcoral.inference.message import IInferMessage, RestMessage
-from kcoral.inference.sharedmemory import NO_CUDA, OFF, Caller, Placement, SharedMemory
+from kcoral.inference.sharedmemory import OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.protocol.sequence import OWNER_HEADER
 from kcoral.web.auth import request_authorization
@@ -143,6 +144,17 @@ def _body(request) -> Deferred[memoryview]:
     return succeed(view)
 
 
+def _registration(request) -> object:
+    """The JSON value of a registration's (small) body."""
+    data = request.content.getvalue()
+    if len(data) > MAX_REGISTER_BODY:
+        raise BadRequest(f"a registration is over {MAX_REGISTER_BODY} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadRequest("the registration is not JSON") from None
+
+
 class InferenceRoutes:
     """
     The inference protocol's routes of C{front}, one handler each (by the
@@ -158,9 +170,10 @@ class InferenceRoutes:
     """
 
     def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None, *,
-                 named_owners: bool = False):
+                 named_owners: bool = False, cuda_memory: CudaSharedMemory | None = None):
         self._front = front
         self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
+        self._cuda_memory = cuda_memory or CudaSharedMemory()
         self._named_owners = named_owners
 
     def handlers(self) -> dict[Route, Handler]:
@@ -188,12 +201,11 @@ class InferenceRoutes:
             SHM_UNREGISTER: lambda request: self._unregister(request, None),
             SHM_REGION_UNREGISTER: self._unregister,
             SHM_REGISTER: self.register,
-            # No front holds a GPU of its own: there is never a CUDA region.
-            CUDA_STATUS: lambda request: _json(request, 200, []),
-            CUDA_REGION_STATUS: lambda request, region: _json(request, 200, []),
-            CUDA_UNREGISTER: lambda request: _status(request, True),
-            CUDA_REGION_UNREGISTER: lambda request, region: _status(request, True),
-            CUDA_REGISTER: lambda request, region: error_response(request, BadRequest(NO_CUDA)),
+            CUDA_STATUS: lambda request: self._cuda_regions(request, None),
+            CUDA_REGION_STATUS: self._cuda_regions,
+            CUDA_UNREGISTER: lambda request: self._cuda_unregister(request, None),
+            CUDA_REGION_UNREGISTER: self._cuda_unregister,
+            CUDA_REGISTER: self.cuda_register,
         }
 
     def model_route(self, ask: Callable[[str, str | None], Deferred],
@@ -310,13 +322,7 @@ class InferenceRoutes:
     def register(self, request, region: str) -> Deferred[bytes]:
         """A region's registration: C{{"key", "offset", "byte_size"}}."""
         def call() -> Deferred[None]:
-            data = request.content.getvalue()
-            if len(data) > MAX_REGISTER_BODY:
-                raise BadRequest(f"a registration is over {MAX_REGISTER_BODY} bytes")
-            try:
-                value = json.loads(data)
-            except (ValueError, RecursionError):
-                raise BadRequest("the registration is not JSON") from None
+            value = _registration(request)
             if not isinstance(value, dict):
                 raise BadRequest('a registration is {"key": "/name", "offset": 0, "byte_size": N}')
             self._shared_memory.register(_caller(request), region, value.get("key"),
@@ -324,6 +330,25 @@ class InferenceRoutes:
             return succeed(None)
 
         return self._answer(request, call, lambda _: _status(request, True))
+
+    def _cuda_regions(self, request, region: str | None) -> Deferred[bytes]:
+        return self._answer(
+            request, lambda: maybeDeferred(self._cuda_memory.status, _caller(request), region),
+            lambda value: _json(request, 200, value))
+
+    def _cuda_unregister(self, request, region: str | None) -> Deferred[bytes]:
+        return self._answer(
+            request, lambda: maybeDeferred(self._cuda_memory.unregister, _caller(request), region),
+            lambda _: _status(request, True))
+
+    def cuda_register(self, request, region: str) -> Deferred[bytes]:
+        """A CUDA region's registration: C{{"raw_handle": {"b64": ...},
+        "device_id", "byte_size"}}, checked before it is refused where no
+        worker holds a GPU."""
+        return self._answer(request, lambda: maybeDeferred(
+            lambda: self._cuda_memory.register(
+                _caller(request), self._cuda_memory.registration(region, _registration(request)))),
+            lambda _: _status(request, True))
 
     # -- inferences -----------------------------------------------------------------------------
 

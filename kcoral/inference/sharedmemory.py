@@ -68,8 +68,6 @@ ROUTER = ("a Router serves no shared memory: its clients' regions are on another
           "register them with the server or node gateway on the client's host")
 #: Why a client on another host is refused.
 NOT_LOOPBACK = "shared memory is served only to clients on this host (loopback)"
-#: Why CUDA shared memory is refused by a front with no GPU of its own.
-NO_CUDA = "CUDA shared memory is not served: this front holds no GPU"
 
 
 @attrs.frozen
