@@ -143,7 +143,7 @@ class _CudaRegion:
         device = jax.devices("gpu")[self._registration.device_id]
         # A fresh array of the size, which nothing else holds: the copy
         # overwrites it in place before it is handed out.
-        out = jax.device_put(jnp.zeros((size,), jnp.uint8), device).block_until_ready()
+        out = jnp.zeros((size,), jnp.uint8, device=device).block_until_ready()
         self._copy(out.unsafe_buffer_pointer(), self._pointer + offset, size)
         return out
 
@@ -155,6 +155,9 @@ class _CudaRegion:
         _checked(self._runtime, self._runtime.cudaMemcpy(
             to, source, size, self._runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice),
             self._registration)
+        # A copy between device buffers may still run when cudaMemcpy
+        # returns, and JAX's streams do not wait for the default one.
+        _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
 
     def close(self) -> None:
         self._runtime.cudaIpcCloseMemHandle(self._pointer)
