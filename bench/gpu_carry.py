@@ -51,7 +51,8 @@ PROVIDED = frozenset("""
 """.split())
 #: What a server, a node and the test suite import, once the requirements hold.
 MODULES = ("twisted.internet.ssl", "klein", "treq", "service_identity", "zope.interface", "cachetools",
-           "tritonclient.grpc", "pytest_twisted", "kcoral.cli", "kcoral.server", "kcoral.client")
+           "tritonclient.grpc", "pytest_twisted", "kcoral.cli", "kcoral.server", "kcoral.client",
+           "cuda.bindings.runtime")
 
 
 def canonical(name: str) -> str:
@@ -59,13 +60,13 @@ def canonical(name: str) -> str:
 
 
 def root_requirements() -> list[str]:
-    """The project's dependencies, its JAX extra and the tests' own needs, from pyproject.toml."""
+    """The project's dependencies, its JAX and CUDA extras and the tests' own needs, from pyproject.toml."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     test = [r for r in extras["test"] if canonical(re.split(r"[\[<>=!~ ;]", r)[0]) in TEST_NEEDS]
-    return [*project["dependencies"], *extras["jax"], *test]
+    return [*project["dependencies"], *extras["jax"], *extras["cuda"], *test]
 
 
 def target_options(args) -> list[str]:

@@ -13,7 +13,10 @@
 # 1. install: the carried wheels, with no index and nothing resolved, into a
 #    throwaway folder put first on PYTHONPATH; then every requirement of the
 #    project followed through what that Python finds (bench/gpu_carry.py check);
-# 2. devices: nvidia-smi and the devices JAX sees, which must be GPUs;
+# 2. devices: nvidia-smi and the devices JAX sees, which must be GPUs; then
+#    CUDA shared memory as Triton's clients share it: a region exported by
+#    this process, opened by KCoral's opener in another, read into JAX and
+#    written back (bench/cudashm_check.py);
 # 3. node: a node of one worker on GPU 0 (a supervisor, its gateway and the
 #    worker, confined as by default), its /health (the gpu_target, and the
 #    sandbox the worker says it runs in, the same as the worker's own), no
@@ -140,7 +143,8 @@ step install 60 bash -c '[ -f "$2/requirements.txt" ] || { echo "no wheels in $2
 
 if [ "$MODE" = gpu ]; then
     step devices 45 bash -c 'nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv \
-        && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"gpu\""' "$PY"
+        && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"gpu\"" \
+        && "$0" bench/cudashm_check.py --gpus 0' "$PY"
 else
     step devices 45 bash -c 'echo "$(nproc) cores, no GPU: the CPU rehearsal" \
         && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"cpu\""' "$PY"
