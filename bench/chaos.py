@@ -953,10 +953,15 @@ class Result:
         """502s of requests that allowed re-dispatch: there should be none."""
         return [r for r in self.by_outcome("502") if r.redispatch]
 
+    def failures(self) -> list[str]:
+        """The name of each check the run failed, none when it passed."""
+        checks = {"lost": self.lost, "wrong": self.wrong, "unexplained 502": self.unexplained_502(),
+                  "re-dispatched 502": self.redispatch_502, "problems": self.problems}
+        return [name for name, failed in checks.items() if failed]
+
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.wrong or self.unexplained_502() or self.redispatch_502
-                    or self.problems)
+        return not self.failures()
 
 
 def run(settings: Settings, deployment_class: Callable[..., Deployment] = Deployment,
@@ -1131,35 +1136,49 @@ def table(result: Result) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a run of faults beside its sizes: its seed, the quick
+    run, where the children's logs go and whether their output is shown."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, help="requests to send (default 5000, quick 150)")
-    parser.add_argument("--faults", type=int, help="faults to inject (default 60, quick 7)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and inputs")
-    parser.add_argument("--clients", type=int, help="client threads (default 8)")
-    parser.add_argument("--quick", action="store_true", help="the short run of `make test`")
+    parser.add_argument("--quick", action="store_true", help="the short run the test suite makes")
     parser.add_argument("--log-dir", help="keep every child's log here")
     parser.add_argument("--echo", action="store_true", help="print the children's output")
-    args = parser.parse_args(argv)
-    changes = {k: v for k, v in (("requests", args.requests), ("faults", args.faults),
-                                 ("clients", args.clients)) if v is not None}
+    return parser
+
+
+def report(args: argparse.Namespace, settings_type: type[Settings], sizes: dict,
+           run: Callable, table: Callable, prefix: str) -> int:
+    """Run C{settings_type} with the C{sizes} given (those not None) and
+    C{args}, print its C{table}, keep its logs when it failed, and return
+    the exit status: 0 when every check passed."""
+    changes = {k: v for k, v in sizes.items() if v is not None}
     changes.update(seed=args.seed, echo=args.echo)
     if args.log_dir:
         changes["log_dir"] = args.log_dir
-    settings = Settings.quick(**changes) if args.quick else Settings(**changes)
-    with tempfile.TemporaryDirectory(prefix="kcoral-chaos-") as tmp:
+    settings = settings_type.quick(**changes) if args.quick else settings_type(**changes)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         if not settings.log_dir:
             settings.log_dir = tmp
-        result = run(settings)
-        print(table(result))
-        if not result.ok and settings.log_dir == tmp:
-            keep = Path(tempfile.mkdtemp(prefix="kcoral-chaos-logs-"))
+        outcome = run(settings)
+        print(table(outcome))
+        if not outcome.ok and settings.log_dir == tmp:
+            keep = Path(tempfile.mkdtemp(prefix=prefix + "logs-"))
             for path in Path(tmp).iterdir():
                 (keep / path.name).write_bytes(path.read_bytes())
             print(f"logs kept in {keep}")
-    return 0 if result.ok else 1
+    return 0 if outcome.ok else 1
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, help="requests to send (default 5000, quick 150)")
+    parser.add_argument("--faults", type=int, help="faults to inject (default 60, quick 7)")
+    parser.add_argument("--clients", type=int, help="client threads (default 8)")
+    args = parser.parse_args(argv)
+    return report(args, Settings, {"requests": args.requests, "faults": args.faults,
+                                   "clients": args.clients}, run, table, "kcoral-chaos-")
 
 if __name__ == "__main__":
     sys.exit(main())

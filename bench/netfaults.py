@@ -52,7 +52,6 @@ otherwise. C{tests/test_netfaults.py} runs the quick one.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import http.client
 import json
@@ -576,34 +575,14 @@ def table(net: NetResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = chaos.arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, help="requests to send (default 3000, quick 150)")
     parser.add_argument("--faults", type=int, help=f"faults to inject (default 40, quick {len(KINDS)})")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and inputs")
     parser.add_argument("--long-hold", type=float, help="seconds of the long run (default 300, quick 60)")
-    parser.add_argument("--quick", action="store_true", help="the short run of `make test`")
-    parser.add_argument("--log-dir", help="keep every child's log here")
-    parser.add_argument("--echo", action="store_true", help="print the children's output")
     args = parser.parse_args(argv)
-    changes = {k: v for k, v in (("requests", args.requests), ("faults", args.faults),
-                                 ("long_hold", args.long_hold)) if v is not None}
-    changes.update(seed=args.seed, echo=args.echo)
-    if args.log_dir:
-        changes["log_dir"] = args.log_dir
-    settings = NetSettings.quick(**changes) if args.quick else NetSettings(**changes)
-    with tempfile.TemporaryDirectory(prefix="kcoral-netfaults-") as tmp:
-        if not settings.log_dir:
-            settings.log_dir = tmp
-        net = run(settings)
-        print(table(net))
-        if not net.ok and settings.log_dir == tmp:
-            keep = Path(tempfile.mkdtemp(prefix="kcoral-netfaults-logs-"))
-            for path in Path(tmp).iterdir():
-                (keep / path.name).write_bytes(path.read_bytes())
-            print(f"logs kept in {keep}")
-    return 0 if net.ok else 1
-
+    return chaos.report(args, NetSettings, {"requests": args.requests, "faults": args.faults,
+                                            "long_hold": args.long_hold}, run, table,
+                        "kcoral-netfaults-")
 
 if __name__ == "__main__":
     sys.exit(main())

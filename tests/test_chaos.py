@@ -40,9 +40,5 @@ def test_quick_chaos_run(tmp_path):
     print(report)
     assert {f.kind for f in result.faults} == set(chaos.KINDS), report
     assert len(result.records) == 150, report
-    assert not result.lost, report
-    assert not result.wrong, report
-    assert not result.unexplained_502(), report
-    assert not result.redispatch_502, report
-    assert not result.problems, report
+    assert result.failures() == [], report
     assert result.ok

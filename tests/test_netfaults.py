@@ -52,11 +52,7 @@ def test_quick_run_of_faults_between_hosts(tmp_path):
     result = net.result
     assert {f.kind for f in result.faults} == set(netfaults.KINDS), report
     assert len(result.records) == 150, report
-    assert not result.lost, report
-    assert not result.wrong, report
-    assert not result.unexplained_502(), report
-    assert not result.redispatch_502, report
-    assert not result.problems, report
+    assert result.failures() == [], report
     assert not net.over_bound, report
     assert not net.slow_recoveries, report
     assert net.long_run.outcome == "200", report
