@@ -6,6 +6,7 @@ C{--devices-per-worker}), one HTTP port.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 from twisted.application import service
@@ -36,6 +37,7 @@ from kcoral.server.kept import KeptStore, kept_metrics
 from kcoral.server.models import ModelRepository, RepositoryError
 from kcoral.server.programcheck import ProgramCheck
 from kcoral.server.runlimit import RunLimit
+from kcoral.server.runthreads import RunThreads
 from kcoral.server.upload_cache import UploadCache
 from kcoral.tracing import tracing_maker
 from kcoral.web.auth import client_guard, watch
@@ -73,7 +75,7 @@ class ServerService(service.MultiService):
         if config.allow_custom_calls:
             log.warn("programs may also call the custom-call targets {targets} "
                      "(--allow-custom-call)", targets=", ".join(config.allow_custom_calls))
-        self._threadpool = ThreadPool(minthreads=1, maxthreads=config.capacity, name="kcoral-run")
+        self._threadpool = RunThreads(config.capacity, "kcoral-run")
         self._timed_out = metrics.executions.labels("timeout")
         #: Whether a run passed the limit: the process is ending.
         self._ending = False
@@ -174,11 +176,13 @@ class ServerService(service.MultiService):
 
     @inlineCallbacks
     def _load(self):
+        # deferToThreadPool calls no more of a pool than RunThreads has.
+        threads = cast(ThreadPool, self._threadpool)
         try:
-            info = yield deferToThreadPool(self._reactor, self._threadpool, self.executor.load)
+            info = yield deferToThreadPool(self._reactor, threads, self.executor.load)
             if self.control is not None:
                 # Every model compiled before the server says it is ready.
-                yield deferToThreadPool(self._reactor, self._threadpool,
+                yield deferToThreadPool(self._reactor, threads,
                                         self.control.load_at_start, self.executor.device)
                 self.control.started()
         except RepositoryError as e:
