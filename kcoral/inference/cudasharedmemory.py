@@ -120,13 +120,23 @@ class CudaIpcOpener:
     """
 
     def open(self, registration: CudaRegistration) -> IDeviceRegion:
-        runtime = _runtime()
+        runtime = importlib.import_module("cuda.bindings.runtime")
+        driver = importlib.import_module("cuda.bindings.driver")
         _checked(runtime, runtime.cudaSetDevice(registration.device_id), registration)
         handle = runtime.cudaIpcMemHandle_t()
         handle.reserved = registration.handle
-        pointer = _checked(runtime, runtime.cudaIpcOpenMemHandle(
-            handle, runtime.cudaIpcMemLazyEnablePeerAccess), registration)
-        return _CudaRegion(runtime, int(pointer), registration)
+        pointer = int(_checked(runtime, runtime.cudaIpcOpenMemHandle(
+            handle, runtime.cudaIpcMemLazyEnablePeerAccess), registration))
+        # The client says how large its region is; what the handle exports
+        # says how large it is: a copy past its end would fault the
+        # worker's device context, and every model on it.
+        error, base, size = driver.cuMemGetAddressRange(pointer)
+        if error != driver.CUresult.CUDA_SUCCESS or int(base) + int(size) < pointer + registration.byte_size:
+            runtime.cudaIpcCloseMemHandle(pointer)
+            raise BadRequest(f"failed to register CUDA shared memory region {registration.name[:64]!r}: "
+                             f"byte_size {registration.byte_size} runs past the memory its handle "
+                             "exports")
+        return _CudaRegion(runtime, pointer, registration)
 
 
 @implementer(IDeviceRegion)
@@ -140,6 +150,7 @@ class _CudaRegion:
         import jax
         import jax.numpy as jnp
 
+        self._within(offset, size)
         device = jax.devices("gpu")[self._registration.device_id]
         # A fresh array of the size, which nothing else holds: the copy
         # overwrites it in place before it is handed out.
@@ -148,8 +159,14 @@ class _CudaRegion:
         return out
 
     def write(self, offset: int, data: Any) -> None:
+        self._within(offset, data.nbytes)
         data.block_until_ready()
         self._copy(self._pointer + offset, data.unsafe_buffer_pointer(), data.nbytes)
+
+    def _within(self, offset: int, size: int) -> None:
+        if not 0 <= offset <= offset + size <= self._registration.byte_size:
+            raise BadRequest(f"Invalid offset + byte size for shared memory region: "
+                             f"{self._registration.name[:64]!r}")
 
     def _copy(self, to: int, source: int, size: int) -> None:
         _checked(self._runtime, self._runtime.cudaMemcpy(
@@ -161,14 +178,6 @@ class _CudaRegion:
 
     def close(self) -> None:
         self._runtime.cudaIpcCloseMemHandle(self._pointer)
-
-
-def _runtime() -> Any:
-    """cuda-python's runtime bindings (imported only where a region is opened)."""
-    try:
-        return importlib.import_module("cuda.bindings.runtime")
-    except ImportError:
-        return importlib.import_module("cuda.cudart")  # cuda-python before 12.6
 
 
 def _checked(runtime: Any, result: tuple, registration: CudaRegistration) -> Any:
