@@ -5,7 +5,9 @@ allocates device memory, fills it and exports it as a CUDA IPC handle (as
 ``cudaIpcGetMemHandle``, the handle's 64 bytes in base64); a second process
 registers the handle from the JSON body Triton's HTTP client sends, opens it
 with KCoral's opener (kcoral.inference.cudasharedmemory.CudaIpcOpener),
-reads it into a JAX array, checks it, and writes its bytes plus one back.
+reads it into a JAX array, checks it, and writes its bytes plus one back;
+it also checks that a size past the exported memory, and a read past the
+region, are refused.
 This process then checks what it finds in its memory.
 
     python3 bench/cudashm_check.py --gpus 0
@@ -66,13 +68,27 @@ def owner(device: int) -> int:
 
 def opener(body: str) -> int:
     """Open the region a registration body names, as a worker on its device would."""
+    import attrs
     import jax
 
+    from kcoral.errors import BadRequest
     from kcoral.inference.cudasharedmemory import CudaIpcOpener, CudaRegistration
 
     registration = CudaRegistration.of_rest("check", json.loads(body), max_bytes=SIZE)
+    try:
+        CudaIpcOpener().open(attrs.evolve(registration, byte_size=SIZE * 64))
+    except BadRequest as e:
+        print(f"a size past the exported memory refused: {e}")
+    else:
+        raise AssertionError("a region larger than the memory its handle exports was opened")
     region = CudaIpcOpener().open(registration)
     try:
+        try:
+            region.read(SIZE - 8, 16)
+        except BadRequest as e:
+            print(f"a read past the region refused: {e}")
+        else:
+            raise AssertionError("a read past the region was made")
         read = region.read(0, SIZE)
         print(f"read {read.nbytes} bytes into a JAX array on {read.devices()}")
         expected = jax.device_put((np.arange(SIZE) % 251).astype(np.uint8), read.devices().pop())
