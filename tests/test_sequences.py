@@ -148,15 +148,16 @@ async def test_large_steps_keep_their_order(front):
 PADDING = {"padding": "x" * 96 * 1024}
 
 
-def _mixed_stream(address: str, values: list[int]) -> list:
+def _mixed_stream(address: str, values: list[int], headers: dict | None = None) -> list:
     """One sequence of simple_string_dyna_sequence sent on a gRPC stream,
     its steps not waiting for each other's answers, every other one (the
-    first among them) padded past 64 KiB: each answer's output, or its
-    error, in order."""
+    first among them) padded past 64 KiB, with C{headers}: each answer's
+    output, or its error, in order."""
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(address)
     try:
-        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        client.start_stream(callback=lambda result, error: answers.put(error or result),
+                            headers=headers)
         for i, value in enumerate(values):
             client.async_stream_infer("simple_string_dyna_sequence", _input(grpcclient, value),
                                       sequence_id=21, sequence_start=i == 0,

@@ -35,7 +35,7 @@ from tests.harness import until
 from tests.httputil import request
 from tests.test_models import start_grpc_front
 from tests.test_routed import start_node, start_router, until_ready
-from tests.test_sequences import EXAMPLES, SEQUENCE_MODELS
+from tests.test_sequences import EXAMPLES, SEQUENCE_MODELS, _mixed_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -187,6 +187,16 @@ async def test_a_streams_steps_reach_their_workers_in_order(gateway):
             want.append((f"{id}_{i}", sums[id] + (id if i == 4 and isinstance(id, int) else 0)))
     assert [g for g in got if not g[0].startswith("s23_4")] == \
         [w for w in want if not w[0].startswith("s23_4")]
+
+
+@pytest_twisted.ensureDeferred
+async def test_large_and_small_steps_keep_their_order_through_a_gateway(gateway):
+    """Through a node's gateway, a stream's small step sent after a large
+    one (over 64 KiB, read in a thread) does not overtake it: every step is
+    answered, in order, with the running sum up to it."""
+    values = list(range(1, 11))
+    got = await threads.deferToThread(_mixed_stream, gateway[1], values, _auth(TOKENS[0]))
+    assert got == [sum(values[:i + 1]) for i in range(len(values) - 1)] + [sum(values) + 21]
 
 
 def _two_clients(address: str, module) -> tuple[list[int], list[int]]:
