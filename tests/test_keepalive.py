@@ -20,11 +20,13 @@ from twisted.internet import reactor
 from twisted.internet.defer import succeed
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.web import server
 
 import hosts
 from kcoral.client.connection import Connection
 from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
+from kcoral.inference.h2front import GrpcFront
 from kcoral.web.outgoing import KeepaliveEndpoint, Outgoing
 from tests.httputil import Hello, fake_site
 
@@ -106,6 +108,18 @@ def test_a_sites_connection_is_probed():
         channel.makeConnection(_Layer(None, handle=sock))
         assert probes(sock) == (1, 3, 1, 2)
         channel.connectionLost(None)
+
+
+def test_a_grpc_fronts_connection_is_probed():
+    """Each connection a gRPC front accepts is probed with the default keepalive."""
+    grpc_front = GrpcFront(None, reactor=Clock())
+    with socket.socket() as sock:
+        transport = StringTransport()
+        transport.getHandle = lambda: sock  # type: ignore[attr-defined]
+        connection = grpc_front.factory().buildProtocol(None)
+        connection.makeConnection(transport)
+        assert probes(sock) == (1, 10, 2, 3)
+        connection.connectionLost(None)
 
 
 def test_the_blocking_clients_connection_is_probed():

@@ -70,6 +70,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE
 from kcoral.errors import KCoralError, ServerBusy
 from kcoral.inference.front import IInferenceFront
 from kcoral.inference.grpcmethods import (
@@ -535,6 +536,9 @@ class _Connection(Protocol):
     def connectionMade(self) -> None:
         self.served.connections.add(self)
         cast(IConsumer, self.transport).registerProducer(self, True)
+        # A stream may wait hours for its answer with nothing crossing: only
+        # the kernel's probes tell a silent client's host from a patient one.
+        DEFAULT_KEEPALIVE.apply_to(self.transport)
         # An answer is often written just after a window update: Nagle's
         # algorithm would hold it until the client's delayed ACK (40 ms).
         no_delay = getattr(self.transport, "setTcpNoDelay", None)
