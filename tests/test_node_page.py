@@ -159,8 +159,13 @@ async def test_the_node_page_runs_as_written(processes, page, tmp_path_factory):
     y = await deferToThread(grpc_infer, f"127.0.0.1:{gateway_grpc}", x)
     np.testing.assert_allclose(y, np.asarray(mlp(params, x)), rtol=1e-5, atol=1e-5)
 
-    text, _ = await scrape(f"http://127.0.0.1:{gateway_http}")
-    assert 'worker="worker1"' in text and 'worker="worker0"' in text
+    async def both_workers():
+        text, _ = await scrape(f"http://127.0.0.1:{gateway_http}")
+        return 'worker="worker1"' in text and 'worker="worker0"' in text
+
+    # The gateway's series of a worker come with its first status poll of
+    # it, which may follow the worker's own readiness by a poll interval.
+    assert await until(both_workers, "both workers' series on the gateway's /metrics")
 
     node.signal("TERM")
     assert await node.exited(60) == 0, node.tail()
