@@ -163,8 +163,9 @@ async def test_the_node_page_runs_as_written(processes, page, tmp_path_factory):
         text, _ = await scrape(f"http://127.0.0.1:{gateway_http}")
         return 'worker="worker1"' in text and 'worker="worker0"' in text
 
-    # The gateway's series of a worker come with its first status poll of
-    # it, which may follow the worker's own readiness by a poll interval.
+    # A gateway's /metrics holds a worker's series only when that worker
+    # answered its scrape in time (2 s), which a worker just ready and a
+    # loaded machine may miss once.
     assert await until(both_workers, "both workers' series on the gateway's /metrics")
 
     node.signal("TERM")
