@@ -16,9 +16,6 @@ import pytest
 
 import hosts
 
-pytestmark = pytest.mark.skipif(hosts.unavailable() is not None,
-                                reason=f"no test hosts here: {hosts.unavailable()}")
-
 #: Run on a host: listen on its address, echo one line per connection.
 ECHO = """
 import socket, sys
