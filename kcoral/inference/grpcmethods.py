@@ -189,7 +189,9 @@ class GrpcMethods:
             "RepositoryIndex": Method(self._repository_index),
             "SystemSharedMemoryStatus": self._shm_method(
                 service_pb2.SystemSharedMemoryStatusRequest,
-                lambda shm, caller, request: _regions(shm.status(caller, request.name or None))),
+                lambda shm, caller, request: _regions(
+                    service_pb2.SystemSharedMemoryStatusResponse,
+                    shm.status(caller, request.name or None))),
             "SystemSharedMemoryRegister": self._shm_method(
                 service_pb2.SystemSharedMemoryRegisterRequest,
                 _register),
@@ -197,7 +199,10 @@ class GrpcMethods:
                 service_pb2.SystemSharedMemoryUnregisterRequest,
                 _unregister),
             "CudaSharedMemoryStatus": self._cuda_method(
-                service_pb2.CudaSharedMemoryStatusRequest, _cuda_regions),
+                service_pb2.CudaSharedMemoryStatusRequest,
+                lambda cuda, caller, request: _regions(
+                    service_pb2.CudaSharedMemoryStatusResponse,
+                    cuda.status(caller, request.name or None))),
             "CudaSharedMemoryUnregister": self._cuda_method(
                 service_pb2.CudaSharedMemoryUnregisterRequest, _cuda_unregister),
             "CudaSharedMemoryRegister": self._cuda_method(
@@ -288,11 +293,11 @@ def _caller(metadata: Mapping[bytes, bytes]) -> Caller:
     return Caller(metadata.get(CALLER_TOKEN) or None, metadata.get(CALLER_HOST, b"").decode())
 
 
-def _regions(regions: list[dict]) -> service_pb2.SystemSharedMemoryStatusResponse:
-    response = service_pb2.SystemSharedMemoryStatusResponse()
+def _regions(response_type, regions: list[dict]):
+    """A status answer (system or CUDA shared memory's) of C{regions}."""
+    response = response_type()
     for region in regions:
-        response.regions[region["name"]].CopyFrom(
-            service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        response.regions[region["name"]].CopyFrom(response_type.RegionStatus(**region))
     return response
 
 
@@ -308,16 +313,6 @@ def _unregister(shm: SharedMemory, caller: Caller,
                 ) -> service_pb2.SystemSharedMemoryUnregisterResponse:
     shm.unregister(caller, request.name or None)
     return service_pb2.SystemSharedMemoryUnregisterResponse()
-
-
-def _cuda_regions(cuda: CudaSharedMemory, caller: Caller,
-                  request: service_pb2.CudaSharedMemoryStatusRequest
-                  ) -> service_pb2.CudaSharedMemoryStatusResponse:
-    response = service_pb2.CudaSharedMemoryStatusResponse()
-    for region in cuda.status(caller, request.name or None):
-        response.regions[region["name"]].CopyFrom(
-            service_pb2.CudaSharedMemoryStatusResponse.RegionStatus(**region))
-    return response
 
 
 def _cuda_register(cuda: CudaSharedMemory, caller: Caller,
