@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 import attrs
 from twisted.python import usage
 
+from kcoral.common import keepalive
 from kcoral.logs import LOG_FORMATS, log_under_twistd
 from kcoral.tracing import TRACING_MODES
 
@@ -30,10 +31,13 @@ class Bounded:
 
     kind: type
     zero: bool
+    #: The largest value taken, if any (a kernel's limit, say).
+    most: Any = None
 
     @property
     def coerceDoc(self) -> str:
-        return f"A {'non-negative' if self.zero else 'positive'} {self.kind.__name__}."
+        most = "" if self.most is None else f", at most {self.most}"
+        return f"A {'non-negative' if self.zero else 'positive'} {self.kind.__name__}{most}."
 
     def __call__(self, text: str) -> Any:
         value = self.kind(text)
@@ -42,6 +46,8 @@ class Bounded:
             raise ValueError(f"must not be negative, got {text}")
         if not self.zero and not value > 0:
             raise ValueError(f"must be positive, got {text}")
+        if self.most is not None and not value <= self.most:
+            raise ValueError(f"must be at most {self.most}, got {text}")
         return value
 
 
@@ -88,9 +94,11 @@ def port(text: str) -> int:
 #: TCP keepalive of a service's connections between hosts (kcoral.common.keepalive).
 KEEPALIVE: list[tuple[Any, ...]] = [
     ("keepalive_idle_seconds", "Silence on a connection before the kernel probes its peer.",
-     positive(int)),
-    ("keepalive_interval_seconds", "Seconds between keepalive probes.", positive(int)),
-    ("keepalive_count", "Unanswered keepalive probes that end a connection.", positive(int)),
+     Bounded(int, zero=False, most=keepalive.MOST_SECONDS)),
+    ("keepalive_interval_seconds", "Seconds between keepalive probes.",
+     Bounded(int, zero=False, most=keepalive.MOST_SECONDS)),
+    ("keepalive_count", "Unanswered keepalive probes that end a connection.",
+     Bounded(int, zero=False, most=keepalive.MOST_COUNT)),
 ]
 
 

@@ -21,12 +21,14 @@ from twisted.internet.defer import succeed
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python import usage
 from twisted.web import server
 
 import hosts
 from kcoral.client.connection import Connection
-from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
+from kcoral.common.keepalive import DEFAULT_KEEPALIVE, MOST_COUNT, MOST_SECONDS, Keepalive
 from kcoral.inference.h2front import GrpcFront
+from kcoral.taps import router as router_tap
 from kcoral.web.outgoing import KeepaliveEndpoint, Outgoing
 from tests.httputil import Hello, fake_site
 
@@ -227,3 +229,26 @@ def test_a_client_goes_on_past_a_router_that_answers_no_connection():
             live.shutdown()
             live.server_close()
     assert 1.0 <= took < 3.0
+
+
+def test_the_limits_are_the_kernels():
+    """The options' largest values are the kernel's: each is taken by a socket, one more is not."""
+    with socket.socket() as sock:
+        Keepalive(MOST_SECONDS, MOST_SECONDS, MOST_COUNT).apply(sock)
+        assert probes(sock) == (1, MOST_SECONDS, MOST_SECONDS, MOST_COUNT)
+        for past in (Keepalive(idle_seconds=MOST_SECONDS + 1), Keepalive(interval_seconds=MOST_SECONDS + 1),
+                     Keepalive(count=MOST_COUNT + 1)):
+            with pytest.raises(OSError):
+                past.apply(sock)
+
+
+@pytest.mark.parametrize("option, most", [("--keepalive-idle-seconds", MOST_SECONDS),
+                                          ("--keepalive-interval-seconds", MOST_SECONDS),
+                                          ("--keepalive-count", MOST_COUNT)])
+def test_the_router_refuses_keepalive_past_the_kernels_limit(option, most):
+    """A Router's keepalive option past the kernel's limit is refused as it starts, naming it,
+    rather than failing every connection it accepts."""
+    options = router_tap.Options()
+    options.parseOptions([option, str(most)])
+    with pytest.raises(usage.UsageError, match=f"{option}: must be at most {most}"):
+        router_tap.Options().parseOptions([option, str(most + 1)])

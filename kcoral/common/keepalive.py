@@ -33,6 +33,11 @@ IDLE_SECONDS = 10
 INTERVAL_SECONDS = 2
 COUNT = 3
 
+#: Linux's limits on each socket's probes (TCP_KEEPIDLE and TCP_KEEPINTVL in
+#: seconds, TCP_KEEPCNT): past them setsockopt fails, on every connection.
+MOST_SECONDS = 32767
+MOST_COUNT = 127
+
 
 @attrs.frozen
 class Keepalive:
