@@ -10,11 +10,9 @@ from kcoral.web.channel import KCoralChannel
 from kcoral.web.request import KCoralRequest
 from kcoral.web.requestid import request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.seams import BAD_REQUEST as TWISTED_BAD_REQUEST
+from kcoral.web.seams import requests_of
 from kcoral.web.sendnow import SendNow
-
-#: What Twisted's channel answers to HTTP it cannot parse (request line,
-#: header count or size, chunk framing), just before it closes the connection.
-TWISTED_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\n\r\n"
 
 
 class JSONBadRequest(SendNow):
@@ -30,7 +28,7 @@ class JSONBadRequest(SendNow):
     def write(self, data):
         if data == TWISTED_BAD_REQUEST:
             channel = self.wrappedProtocol
-            requests = channel.requests
+            requests = requests_of(channel)
             request = requests[-1] if requests else None
             rid = request.request_id if isinstance(request, KCoralRequest) else request_id_from(None)
             channel.site.metrics.observe(b"other", 400, 0.0)

@@ -16,6 +16,7 @@ from kcoral.errors import BadRequest
 from kcoral.web.isite import IKCoralSite
 from kcoral.web.requestid import request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.seams import close_after_requests, drop_input, requests_of
 
 #: After refusing a body, how long to keep reading (and discarding) it so the
 #: client sees our answer instead of a connection reset.
@@ -51,8 +52,8 @@ class KCoralChannel(http.HTTPChannel):
     def close_when_idle(self) -> None:
         """Close this connection gracefully: now if no request is in progress,
         else once its response has been sent (never cutting it short)."""
-        if self.requests:
-            self.persistent = False  # requestDone then loses the connection
+        if requests_of(self):
+            close_after_requests(self)
         elif self.transport is not None:
             self._close()
 
@@ -119,9 +120,9 @@ class KCoralChannel(http.HTTPChannel):
         """Read and drop whatever else arrives: the request in progress was
         answered before its body ended, and nothing after it can be parsed.
         The connection then closes as L{refuse} closes it."""
-        self.persistent = False
+        close_after_requests(self)
         self._discarding = True
-        self.rawDataReceived = self.dataReceived = lambda data: None  # type: ignore[method-assign]
+        drop_input(self)
 
     def refuse(self, response: bytes) -> None:
         """Answer C{response} now, then discard whatever else arrives."""

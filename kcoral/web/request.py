@@ -23,6 +23,7 @@ from kcoral.web.family import guarded, takes_body
 from kcoral.web.path import canonical, form_of
 from kcoral.web.requestid import HEADER, request_id_from
 from kcoral.web.responses import raw_error_response
+from kcoral.web.seams import close_after_requests, withhold_continue
 from kcoral.web.sendnow import together
 from kcoral.web.spool import UNREAD, Holds
 
@@ -218,7 +219,7 @@ class KCoralRequest(server.Request):
         """Answer C{response} (a whole HTTP response) at once, reading no more."""
         # Read by the channel once gotLength returns: a client told to go on
         # with a body already refused would send it for nothing.
-        self.requestHeaders.removeHeader(b"Expect")
+        withhold_continue(self)
         self._refused = True
         # What arrived is let go at once, and what still arrives is dropped.
         self.content = RequestBody()
@@ -367,7 +368,7 @@ class KCoralRequest(server.Request):
         if not self.startedWriting:
             self.setHeader(b"Connection", b"close")
         if self.channel is not None:
-            self.channel.persistent = False
+            close_after_requests(self.channel)
 
     def finish(self):
         if self._arriving and self.channel is not None:
@@ -377,7 +378,7 @@ class KCoralRequest(server.Request):
             # Twisted's channel answers "Expect: 100-continue" once gotLength
             # returns, and this request may be answered from within it (an
             # error found in its head): a stray 100 would follow the answer.
-            self.requestHeaders.removeHeader(b"Expect")
+            withhold_continue(self)
             self.close_after_response()
             self.channel.discard_input()
             self._read_the_rest()

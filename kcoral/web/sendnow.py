@@ -44,6 +44,8 @@ from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
 from twisted.protocols import policies
 from zope.interface import implementer
 
+from kcoral.web.seams import io_size, send_buffered, send_some, set_io_size, tcp_connection, unhindered
+
 #: Bytes a connection reads, and sends, at once (and buffers for writing
 #: before it pauses its producer).
 READ_BYTES = 1 << 20
@@ -62,8 +64,8 @@ class SendNow(policies.ProtocolWrapper):
     def makeConnection(self, transport):
         # A TCP connection is a descriptor the reactor writes; anything else
         # (a TLS layer, a test's transport) is written as it always was.
-        if isinstance(transport, FileDescriptor):
-            self._descriptor = transport
+        self._descriptor = tcp_connection(transport)
+        if self._descriptor is not None:
             self._unsent = []
         super().makeConnection(transport)
 
@@ -96,7 +98,7 @@ class SendNow(policies.ProtocolWrapper):
         transport = self._descriptor
         if transport is None or self._buffered:
             return False
-        if transport.disconnecting or not _unhindered(transport):
+        if transport.disconnecting or not unhindered(transport):
             self._flush()
             self._buffered = True
             return False
@@ -119,9 +121,9 @@ class SendNow(policies.ProtocolWrapper):
         """C{size} bytes passed at once: as many as a read takes, or more,
         and the connection reads and sends L{READ_BYTES} at a time from now on."""
         transport = self._descriptor
-        if transport is not None and transport.bufferSize <= size and \
-                transport.bufferSize < READ_BYTES:
-            transport.bufferSize = transport.SEND_LIMIT = READ_BYTES
+        if transport is not None and io_size(transport) <= size and \
+                io_size(transport) < READ_BYTES:
+            set_io_size(transport, READ_BYTES)
 
     def unregisterProducer(self):
         super().unregisterProducer()
@@ -139,10 +141,10 @@ class SendNow(policies.ProtocolWrapper):
         if not self._buffered:
             self._flush()
             return
-        if _unhindered(transport):
+        if unhindered(transport):
             # What it returns on failure the reactor gets again on its turn:
             # the connection stays registered for writing until all is sent.
-            transport.doWrite()
+            send_buffered(transport)
 
     def _flush(self) -> None:
         """
@@ -158,22 +160,12 @@ class SendNow(policies.ProtocolWrapper):
         self._unsent = []
         if not data or not transport.connected:
             return
-        sent = transport.writeSomeData(data)
-        if isinstance(sent, BaseException):
-            # The reactor finds the loss again on its turn, and reports it.
-            sent = 0
+        sent = send_some(transport, data)
         if sent < len(data):
             # The socket is full (or failed): the rest waits in the
             # transport's buffer, for the reactor to send as it can.
             self._buffered = True
             transport.write(data[sent:])
-
-
-def _unhindered(transport: FileDescriptor) -> bool:
-    """Whether sending on C{transport} now could reenter no producer: it
-    has none, or a streaming one that is not paused."""
-    producer = transport.producer
-    return producer is None or (transport.streamingProducer and not transport.producerPaused)
 
 
 class _Held:

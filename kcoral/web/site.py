@@ -32,6 +32,7 @@ from kcoral.web.channel import KCoralChannel
 from kcoral.web.connections import Connections, Refused
 from kcoral.web.isite import IKCoralSite
 from kcoral.web.request import KCoralRequest
+from kcoral.web.seams import requests_of
 from kcoral.web.spool import Spool
 
 
@@ -104,7 +105,7 @@ class KCoralSite(server.Site):
         response in progress (or the next one, for an idle connection)."""
         self.closing = True
         for channel in list(self.channels):
-            for request in channel.requests:
+            for request in requests_of(channel):
                 if isinstance(request, KCoralRequest):
                     request.close_after_response()
 
