@@ -31,7 +31,7 @@ test: $(STAMP) hosts-tools
 test-slow: $(STAMP) hosts-tools
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-# The test hosts of the runs of faults between hosts (bench/hosts.py: network
+# The test hosts of the runs of faults between hosts (bench.support.hosts: network
 # namespaces) need iproute2 and nftables, installed here where root lacks them;
 # without root those tests skip, saying so.
 hosts-tools:
@@ -46,7 +46,7 @@ docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -E -W --keep-going -n -b html doc doc/_build/html
 
 bench: $(STAMP)
-	$(PY) bench/server.py
+	$(PY) -m bench.server
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache doc/_build
@@ -122,4 +122,4 @@ test-image: $(STAMP)
 # Python, to rehearse: make gpu-carry GPU_CARRY_ARGS="--python-version 3.11 --glibc 2.36"
 .PHONY: gpu-carry
 gpu-carry:
-	$(PYTHON) bench/gpu_carry.py prepare $(GPU_CARRY_ARGS)
+	$(PYTHON) -m bench.gpu_carry prepare $(GPU_CARRY_ARGS)

@@ -3,9 +3,9 @@ Benchmark of placement by cache residency: what a pool of workers is sent,
 and how fast it answers, when runs are placed by where their program and
 weights already are, against least-loaded placement and against HAProxy.
 
-    .venv/bin/python bench/affinity.py --quick    # under a minute
-    .venv/bin/python bench/affinity.py            # about a minute
-    .venv/bin/python bench/affinity.py --warm-up 4 --runs 64   # warm: no first wave
+    .venv/bin/python -m bench.affinity --quick    # under a minute
+    .venv/bin/python -m bench.affinity            # about a minute
+    .venv/bin/python -m bench.affinity --warm-up 4 --runs 64   # warm: no first wave
 
 Starts real processes on ephemeral loopback ports, afresh for each way of
 routing (so every one starts cold): a ``kcoral router`` and two nodes of two
@@ -16,7 +16,7 @@ in front of the same four workers, with ``balance leastconn`` and with
 ``balance hdr(X-KCoral-Program)`` and ``hash-type consistent`` (the best a
 generic proxy can do: it keeps a program on one worker, but knows nothing of
 its weights), each server's ``maxconn`` its capacity, the rest queued.
-The fifth way is the floor under the Router: ``bench/bare_proxy.py``, the
+The fifth way is the floor under the Router: ``bench.peers.bare_proxy``, the
 Router's HTTP stack (Twisted's server and treq) with nothing else of it,
 hashing the program header as HAProxy does; what it falls short of HAProxy
 is the stack's cost, not KCoral's.
@@ -67,14 +67,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import ChildFailed, KCoralChild, start_jax, until  # noqa: E402
-from procstat import cpu_seconds  # noqa: E402
-from router import start_bare_proxy  # noqa: E402  (bench/router.py)
-from server import percentile  # noqa: E402  (bench/server.py)
+from bench.support.child import ChildFailed, KCoralChild, start_jax, until
+from bench.support.procstat import cpu_seconds
+from bench.support.services import start_bare_proxy
+from bench.support.timing import percentile
 
 MIB = 1 << 20
 WEIGHTS_SHAPE = (2048, 2048)  # float32: 16 MiB

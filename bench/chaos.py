@@ -7,13 +7,13 @@ supervisors (SIGKILL: their worker must drain and go by itself) and starts
 them again, restarts a Router (SIGTERM, then a new Router on the same port),
 kills a Router (SIGKILL, then a new one on the same port), and cuts a node
 off from one Router (the forwarder on the path of its reports to that Router,
-C{bench/forwarder.py}, stopped with SIGSTOP, later SIGCONT). About a third of
+C{bench.peers.forwarder}, stopped with SIGSTOP, later SIGCONT). About a third of
 the faults strike while the previous one is still in progress. A share of
 the requests allow re-dispatch (C{Client(..., redispatch=True)}).
 
-    .venv/bin/python bench/chaos.py                        # 5,000 requests, 60 faults
-    .venv/bin/python bench/chaos.py --quick                # what `make test` runs
-    .venv/bin/python bench/chaos.py --requests 3000 --faults 40 --seed 7
+    .venv/bin/python -m bench.chaos                        # 5,000 requests, 60 faults
+    .venv/bin/python -m bench.chaos --quick                # what `make test` runs
+    .venv/bin/python -m bench.chaos --requests 3000 --faults 40 --seed 7
 
 What it checks:
 
@@ -59,16 +59,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 # The load generator only exports programs and checks results.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from child import ChildFailed, KCoralChild  # noqa: E402  (bench/child.py)
+from bench.support.child import ChildFailed, KCoralChild
 
 KILL, FREEZE, NODE_STOP, ROUTER_RESTART, SUPERVISOR_KILL, ROUTER_KILL, CUT = (
     "kill", "freeze", "node_stop", "router_restart", "supervisor_kill", "router_kill", "cut")
@@ -265,7 +261,7 @@ class Deployment:
             for name in self.names:
                 child = self._child(f"forward-{node_id}-{name}",
                                     ["0", str(self.ports[name])],
-                                    program=(str(ROOT / "bench" / "forwarder.py"),))
+                                    program=("-m", "bench.peers.forwarder"))
                 child.wait_for(FORWARDING, 30)
                 self.forwarders[node_id, name] = child
 
@@ -597,7 +593,7 @@ class Fault:
     #: When the target was back (full capacity again).
     back: float | None = None
     #: When its target alone was back, whatever other faults in progress
-    #: did (C{bench/netfaults.py}'s faults between hosts).
+    #: did (C{bench.netfaults}'s faults between hosts).
     target_back: float | None = None
     #: Worker pid for kill/freeze; exit status for node_stop/router_restart.
     pid: int | None = None
@@ -967,7 +963,7 @@ class Result:
 def run(settings: Settings, deployment_class: Callable[..., Deployment] = Deployment,
         injector_class: Callable[..., Injector] = Injector,
         load_class: Callable[..., Load] = Load, workload: Workload | None = None) -> Result:
-    """The run of C{settings}; C{bench/netfaults.py} gives its own
+    """The run of C{settings}; C{bench.netfaults} gives its own
     deployment, injector, load and workload (default: this module's)."""
     log_dir = Path(settings.log_dir) if settings.log_dir else None
     if log_dir:

@@ -4,13 +4,13 @@ server instead: the same load sent straight to one KCoral worker, through a
 Router, through HAProxy, and to the same program run by Ray Serve, through
 Ray's Python proxy and through its HAProxy ingress.
 
-    .venv/bin/python bench/compare.py              # about eight minutes
-    .venv/bin/python bench/compare.py --quick      # two programs, 1 and 16 connections
-    .venv/bin/python bench/compare.py --proxy-core 1 --programs 5ms
+    .venv/bin/python -m bench.compare              # about eight minutes
+    .venv/bin/python -m bench.compare --quick      # two programs, 1 and 16 connections
+    .venv/bin/python -m bench.compare --proxy-core 1 --programs 5ms
 
-The KCoral side is ``bench/router.py``'s: a ``kcoral router`` and one node
+The KCoral side is ``bench.router``'s: a ``kcoral router`` and one node
 (a supervisor and one CPU worker of capacity 2) on ephemeral loopback
-ports, and with ``--bare`` the floors of ``bench/bare_proxy.py`` (a proxy on
+ports, and with ``--bare`` the floors of ``bench.peers.bare_proxy`` (a proxy on
 the Router's stack with nothing of the Router): ``floor`` sends the worker
 every run at once (its own admission queues them), ``floor-capped`` at most
 its capacity at a time, as the Router and HAProxy do. HAProxy is Debian's
@@ -21,7 +21,7 @@ fall 3``, ``http-reuse always``, no logging.
 
 Ray Serve (``ray[serve]`` from PyPI, installed on first use into
 ``.bench-venv/ray`` with the JAX of this interpreter) runs the same exported
-programs with KCoral's own executor (``bench/ray_serve.py``), one replica
+programs with KCoral's own executor (``bench.peers.ray_serve``), one replica
 with ``max_ongoing_requests`` = the same capacity, tuned as Ray's
 performance guide says (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, a request-path
 log buffer, access logs off, an ``async`` handler that runs the program on a
@@ -34,7 +34,7 @@ is loopback. The sockets each cluster listens on are listed (``ss``) and
 printed; any outside 127.0.0.1 is named. The load generator runs in the
 same namespace.
 
-The load is ``wrk`` (Debian) with ``bench/run.lua``: closed-loop keep-alive
+The load is ``wrk`` (Debian) with ``bench/support/run.lua``: closed-loop keep-alive
 connections (1, 16, 64 and 256), each POSTing the same pre-encoded body,
 the exact bytes ``Client.run`` sends for a repeated call (program and large
 inputs by digest; the 16 MiB program's input inline every time, so that
@@ -74,14 +74,12 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.support.child import KCoralChild, child_environment, start_jax, until, write_results
+from bench.support.procstat import cpu_seconds, machine_busy_seconds
+from bench.support.programs import programs
+from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
 
-from child import KCoralChild, child_environment, start_jax, until, write_results  # noqa: E402
-from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
-from router import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready  # noqa: E402
-from server import programs  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CONNECTIONS = (1, 16, 64, 256)
 QUICK_CONNECTIONS = (1, 16)
@@ -90,7 +88,7 @@ BIG_CONNECTIONS = (1, 16, 64)
 BIG_SHAPE = (4096, 1024)  # float32: 16 MiB
 RAY_VERSION = "2.60.0"
 RAY_VENV = ROOT / ".bench-venv" / "ray"
-LUA = ROOT / "bench" / "run.lua"
+LUA = ROOT / "bench" / "support" / "run.lua"
 WRK_LINE = re.compile(r"kcoral-wrk (\{.*\})")
 
 TARGET_TRIVIAL_HAPROXY = 0.8
@@ -230,7 +228,7 @@ class RayCluster:
         self.ingress = ingress
         temp = Path(tempfile.mkdtemp(prefix="kcray-", dir="/tmp"))  # short: Ray's socket paths
         self._temp = temp
-        env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'bench'}", "JAX_PLATFORMS": "cpu",
+        env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
                "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
                "RAY_SERVE_ENABLE_HA_PROXY": "1" if ingress == "haproxy" else "0",
@@ -254,7 +252,7 @@ class RayCluster:
             answer = directory / f"ray-{ingress}-{body.kind}.answer"
             warm += ["--warm", str(body.first), str(answer)]
         deploy = subprocess.run(
-            self.nsenter(str(python), str(ROOT / "bench" / "ray_serve.py"), "--address",
+            self.nsenter(str(python), "-m", "bench.peers.ray_serve", "--address",
                          "127.0.0.1:6379", "--port", str(self.PORT), "--capacity", str(CAPACITY),
                          *warm),
             env=child_environment(env), capture_output=True, text=True, timeout=600)
@@ -504,7 +502,7 @@ def main() -> int:
                         help="comma list of direct, router, haproxy, floor, floor-capped, "
                              "ray-python, ray-haproxy")
     parser.add_argument("--bare", action="store_true",
-                        help="also the floors: bench/bare_proxy.py with the Router's client, "
+                        help="also the floors: bench.peers.bare_proxy with the Router's client, "
                              "without a bound on what it sends the worker (floor) and with the "
                              "Router's (floor-capped)")
     parser.add_argument("--proxy-core", type=int, metavar="N",

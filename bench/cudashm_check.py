@@ -10,7 +10,7 @@ it also checks that a size past the exported memory, and a read past the
 region, are refused.
 This process then checks what it finds in its memory.
 
-    python3 bench/cudashm_check.py --gpus 0
+    python3 -m bench.cudashm_check --gpus 0
 
 The last line says what was found; the exit status is 0 only if both
 processes saw the right bytes. An IPC handle cannot be opened by the
@@ -49,7 +49,7 @@ def owner(device: int) -> int:
     body = json.dumps({"raw_handle": {"b64": base64.b64encode(bytes(handle.reserved)).decode()},
                        "device_id": device, "byte_size": SIZE})
     try:
-        opened = subprocess.run([sys.executable, __file__, "--open", body], timeout=120)
+        opened = subprocess.run([sys.executable, "-m", "bench.cudashm_check", "--open", body], timeout=120)
         if opened.returncode != 0:
             print(f"the opening process failed (exit {opened.returncode})")
             return 1

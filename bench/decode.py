@@ -2,9 +2,9 @@
 Greedy decoding with the KV cache kept on the worker, side by side with the
 same loop in process.
 
-    .venv/bin/python bench/decode.py                # about a minute on two cores
-    .venv/bin/python bench/decode.py --layers 4 --ways floor,kept
-    .venv/bin/python bench/decode.py --gpus 0       # the worker and the floor on GPU 0
+    .venv/bin/python -m bench.decode                # about a minute on two cores
+    .venv/bin/python -m bench.decode --layers 4 --ways floor,kept
+    .venv/bin/python -m bench.decode --gpus 0       # the worker and the floor on GPU 0
 
 The model: a transformer decoder (d_model 512, 8 heads, an MLP four times
 as wide, RMS norms, a vocabulary of 1024 tied to the output), float32, its
@@ -51,13 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import start_jax, write_results  # noqa: E402
-from kcoral.common.serverconfig import ServerConfig  # noqa: E402
-from kept_loops import (  # noqa: E402
+from bench.support.child import start_jax, write_results
+from bench.support.kept_loops import (
     Traffic,
     Way,
     clients,
@@ -67,6 +62,7 @@ from kept_loops import (  # noqa: E402
     take_turns,
     way_row,
 )
+from kcoral.common.serverconfig import ServerConfig
 
 D_MODEL = 512
 HEADS = 8

@@ -3,10 +3,10 @@ Benchmark of a fleet of fresh clients: what eight new ``kcoral.Client``
 instances, each knowing nothing of what the workers hold, send when they
 share eight programs of 16 MiB weights through one front over four workers.
 
-    .venv/bin/python bench/fleet.py --quick    # about a minute
-    .venv/bin/python bench/fleet.py            # about two minutes
+    .venv/bin/python -m bench.fleet --quick    # about a minute
+    .venv/bin/python -m bench.fleet            # about two minutes
 
-The pool is ``bench/affinity.py``'s (a ``kcoral router`` and two nodes of
+The pool is ``bench.affinity``'s (a ``kcoral router`` and two nodes of
 two CPU workers, capacity 2 a worker), started afresh and cold for each way,
 and so are its programs (``tanh(x @ W) * k``, ``W`` 2048x2048 float32, ``x``
 8 KiB). Each client is a thread with a ``kcoral.Client`` of its own, created
@@ -41,9 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from affinity import (
+from bench.affinity import (
     CAPACITY,
     NODES,
     ROUTER_WAYS,
@@ -55,8 +53,8 @@ from affinity import (
     started_pool,
     worker_counts,
 )
-from child import start_jax
-from server import percentile
+from bench.support.child import start_jax
+from bench.support.timing import percentile
 
 CLIENTS = 8
 WAYS = ("affinity", "least-loaded", "haproxy hdr consistent", "haproxy leastconn")

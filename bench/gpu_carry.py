@@ -6,8 +6,8 @@ reaches no package index, and the check that they are enough there.
 conformance tests need for another Python (3.12 on x86-64 by default), and
 downloads as wheels only what that machine does not already have::
 
-    python3 bench/gpu_carry.py prepare                   # into .whl/
-    python3 bench/gpu_carry.py prepare --python-version 3.11 --glibc 2.36
+    python3 -m bench.gpu_carry prepare                   # into .whl/
+    python3 -m bench.gpu_carry prepare --python-version 3.11 --glibc 2.36
 
 It then installs them with no index into a throwaway folder, as the check
 will, prints their size, and where this Python is the one they were made for,
@@ -16,7 +16,7 @@ the requirements that ``prepare`` wrote beside the wheels and follows every
 one, with its extras, through the installed distributions; then it imports
 what a server and the test suite import::
 
-    PYTHONPATH=/tmp/site:. python3 bench/gpu_carry.py check .whl
+    PYTHONPATH=/tmp/site:. python3 -m bench.gpu_carry check .whl
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
 #: Written beside the wheels: what ``check`` follows on the machine.
 REQUIREMENTS = "requirements.txt"
 #: What travels with the working tree is bounded as a whole; the tree needs some of it.
@@ -126,7 +127,8 @@ def prepare(args) -> int:
             print(f"not checked here: this is Python {here} on {platform.machine()}")
             return 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, str(ROOT)])}
-        return subprocess.run([sys.executable, __file__, "check", str(folder)], env=env).returncode
+        return subprocess.run([sys.executable, "-m", "bench.gpu_carry", "check", str(folder)],
+                              env=env, cwd=ROOT).returncode
 
 
 def check(args) -> int:

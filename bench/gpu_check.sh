@@ -12,11 +12,11 @@
 #
 # 1. install: the carried wheels, with no index and nothing resolved, into a
 #    throwaway folder put first on PYTHONPATH; then every requirement of the
-#    project followed through what that Python finds (bench/gpu_carry.py check);
+#    project followed through what that Python finds (bench.gpu_carry check);
 # 2. devices: nvidia-smi and the devices JAX sees, which must be GPUs; then
 #    CUDA shared memory as Triton's clients share it: a region exported by
 #    this process, opened by KCoral's opener in another, read into JAX and
-#    written back (bench/cudashm_check.py);
+#    written back (bench.cudashm_check);
 # 3. node: a node of one worker on GPU 0 (a supervisor, its gateway and the
 #    worker, confined as by default), its /health (the gpu_target, and the
 #    sandbox the worker says it runs in, the same as the worker's own), no
@@ -30,7 +30,7 @@
 #    and the in-process floor only, concurrency 1, 16, 64 and 256) and the
 #    training loop on kept arrays, each
 #    skipped with a line saying why until the tree holds the feature and its
-#    benchmark script.
+#    benchmark module.
 #
 # A failed step is reported and the next one runs (except after a failed
 # install: nothing else could). The exit status is the number of failed steps;
@@ -110,12 +110,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output kept
     return "$rc"
 }
 
-hook() {  # hook NAME SECONDS PROBE SCRIPT ARGS...: a step for a feature the tree may not hold yet
-    local name=$1 limit=$2 probe=$3 script=$4
+hook() {  # hook NAME SECONDS PROBE MODULE ARGS...: a step for a feature the tree may not hold yet
+    local name=$1 limit=$2 probe=$3 module=$4
     shift 4
     local why=
-    if [ ! -f "$script" ]; then
-        why="no $script in this tree"
+    if [ ! -f "${module//.//}.py" ]; then
+        why="no $module in this tree"
     elif ! "$PY" -c "$probe" > /dev/null 2>&1; then
         why="'$probe' fails: the feature is not in this tree"
     fi
@@ -124,7 +124,7 @@ hook() {  # hook NAME SECONDS PROBE SCRIPT ARGS...: a step for a feature the tre
         record "$name" skipped 0 "$why"
         return 0
     fi
-    TAIL=40 step "$name" "$limit" "$PY" "$script" "$@"
+    TAIL=40 step "$name" "$limit" "$PY" -m "$module" "$@"
 }
 
 summary() {
@@ -136,7 +136,7 @@ summary() {
 
 step install 60 bash -c '[ -f "$2/requirements.txt" ] || { echo "no wheels in $2: make gpu-carry here first"; exit 1; }
     "$0" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$1" "$2"/*.whl && "$0" bench/gpu_carry.py check "$2"' "$PY" "$SITE" "$WHEELS" || {
+        --target "$1" "$2"/*.whl && "$0" -m bench.gpu_carry check "$2"' "$PY" "$SITE" "$WHEELS" || {
     summary
     exit "$failed"
 }
@@ -144,7 +144,7 @@ step install 60 bash -c '[ -f "$2/requirements.txt" ] || { echo "no wheels in $2
 if [ "$MODE" = gpu ]; then
     step devices 45 bash -c 'nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv \
         && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"gpu\"" \
-        && "$0" bench/cudashm_check.py --gpus 0' "$PY"
+        && "$0" -m bench.cudashm_check --gpus 0' "$PY"
 else
     step devices 45 bash -c 'echo "$(nproc) cores, no GPU: the CPU rehearsal" \
         && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"cpu\""' "$PY"
@@ -161,10 +161,9 @@ import urllib.request
 
 # The node's finally below must run when the step's limit is reached.
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-sys.path.insert(0, "bench")
 import numpy as np
 
-from child import KCoralChild, start_jax
+from bench.support.child import KCoralChild, start_jax
 
 gpus = os.environ["GPUS"]
 device = start_jax(gpus)
@@ -233,14 +232,13 @@ import signal
 import sys
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-sys.path.insert(0, "bench")
 from kcoral.node.devices import host_device_flags
 
 # Two host devices to export over, in this process only: the server owns
 # what --gpus gives it, one device a worker.
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = host_device_flags(os.environ.get("XLA_FLAGS", ""), 2)
-from child import SERVER_READY, KCoralChild
+from bench.support.child import SERVER_READY, KCoralChild
 
 from kcoral import Client, ProgramRejected
 from tests import conformance
@@ -280,14 +278,14 @@ EOF
 serving_concurrency=1,16,64,256
 front_processes=8
 [ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && serving_concurrency=1,16 && front_processes=2
-hook serving 150 "import kcoral.models.bundle" bench/serving.py --fronts kcoral,floor --load loop \
+hook serving 150 "import kcoral.models.bundle" bench.serving --fronts kcoral,floor --load loop \
     --quick --concurrency "$serving_concurrency" --protocols grpc --gpus "$GPUS" \
     --front-processes "$front_processes"
 # The floor and the kept loop only: the loop that resends its state moves
 # 400 MB a step. Its CPU rehearsal trains the same 64 MiB model on two cores.
 training_steps=50
 [ -n "${KCORAL_GPU_CHECK_SHORT:-}" ] && training_steps=3
-hook training 30 "from kcoral import RemoteArray" bench/training.py --gpus "$GPUS" --ways floor,kept \
+hook training 30 "from kcoral import RemoteArray" bench.training --gpus "$GPUS" --ways floor,kept \
     --steps "$training_steps"
 
 summary

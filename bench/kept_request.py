@@ -3,11 +3,11 @@ What one kept-array request costs, apart from any model: a loop of a
 trivial program with decoding's arguments, and the CPU each process spent
 on it.
 
-    .venv/bin/python bench/kept_request.py                 # a standalone server
-    .venv/bin/python bench/kept_request.py --way router    # through a Router and one node
+    .venv/bin/python -m bench.kept_request                 # a standalone server
+    .venv/bin/python -m bench.kept_request --way router    # through a Router and one node
 
 The program takes a tree of parameters (ten small arrays, as
-``bench/decode.py``'s model has), a cache, a token and a position, and
+``bench.decode``'s model has), a cache, a token and a position, and
 returns the cache with one row changed and the next token. As the decoding
 loop does, the parameters and the cache are put once, then each request is
 ``client.run(step, params, cache, token, pos, keep=(True, False),
@@ -31,12 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from kept_loops import clients, descendants  # noqa: E402
-from procstat import cpu_seconds, wake_ups  # noqa: E402
+from bench.support.kept_loops import clients, descendants
+from bench.support.procstat import cpu_seconds, wake_ups
 
 WARM_UP = 50
 

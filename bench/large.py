@@ -3,22 +3,22 @@ Large bodies through the Router, side by side with HAProxy in front of the
 same worker: what each proxy costs per MiB it moves, and what the Router
 holds in memory while it moves them.
 
-    .venv/bin/python bench/large.py            # about five minutes
-    .venv/bin/python bench/large.py --quick    # shorter windows, about three
-    .venv/bin/python bench/large.py --bare     # and the floor under the Router
+    .venv/bin/python -m bench.large            # about five minutes
+    .venv/bin/python -m bench.large --quick    # shorter windows, about three
+    .venv/bin/python -m bench.large --bare     # and the floor under the Router
 
-The services are ``bench/compare.py``'s (a ``kcoral router``, one node of
+The services are ``bench.compare``'s (a ``kcoral router``, one node of
 one CPU worker of capacity 2, Debian's ``haproxy`` with that capacity as its
-``maxconn``; with ``--bare`` also ``bench/bare_proxy.py --capacity 2``: the
+``maxconn``; with ``--bare`` also ``bench.peers.bare_proxy --capacity 2``: the
 Router's stack, Twisted's server and treq, with nothing of the Router), all
 with ``--max-request-bytes`` raised to fit a 256 MiB input and its framing.
-The load is ``wrk`` with ``bench/run.lua`` (closed-loop keep-alive
+The load is ``wrk`` with ``bench/support/run.lua`` (closed-loop keep-alive
 connections, 1 and 16), three programs:
 
 - ``16mib`` and ``256mib``: the sum of a 16 MiB or 256 MiB float32 input
   sent inline with every run, so that every run moves that many bytes
   through the proxy (and a few bytes back);
-- ``5ms``: ``bench/compare.py``'s 5 ms program, its inputs by digest, whose
+- ``5ms``: ``bench.compare``'s 5 ms program, its inputs by digest, whose
   answer is 131 KB: what a proxy costs per answer of that size.
 
 Each cell is a warm-up then a timed window, the paths' order alternating
@@ -46,15 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import start_jax, start_py_spy, stop_py_spy, write_results  # noqa: E402
-from compare import Body, measure, post, start_haproxy  # noqa: E402
-from procstat import cpu_seconds  # noqa: E402
-from router import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready  # noqa: E402
-from server import programs  # noqa: E402
+from bench.compare import Body, measure, post, start_haproxy
+from bench.support.child import start_jax, start_py_spy, stop_py_spy, write_results
+from bench.support.procstat import cpu_seconds
+from bench.support.programs import programs
+from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
 
 MIB = 1 << 20
 SHAPES = {"16mib": (4096, 1024), "256mib": (16384, 4096)}  # float32
@@ -148,7 +144,7 @@ def main() -> int:
                         help="comma list of 16mib, 256mib, 5ms (default all)")
     parser.add_argument("--connections", default=",".join(map(str, CONNECTIONS)))
     parser.add_argument("--bare", action="store_true",
-                        help="also the floor: bench/bare_proxy.py with the Router's bound")
+                        help="also the floor: bench.peers.bare_proxy with the Router's bound")
     parser.add_argument("--profile-router", metavar="FILE",
                         help="sample the Router's threads with py-spy (not a dependency: pip "
                              "install py-spy) through the whole load; collapsed stacks to FILE")

@@ -1,8 +1,8 @@
 """
-Faults between hosts: the chaos run (C{bench/chaos.py}) with every process on
+Faults between hosts: the chaos run (C{bench.chaos}) with every process on
 a host of its own. Two Routers, three CPU nodes (each reporting to both) and
 the clients (who know both Routers) sit on six test hosts
-(C{bench/hosts.py}: network namespaces with their own addresses, joined by
+(C{bench.support.hosts}: network namespaces with their own addresses, joined by
 a bridge), speaking TLS between hosts with a node token and a client token,
 as the deployment guide recommends beyond one machine. On a seeded
 schedule, overlapping a third of the time, the injector
@@ -20,9 +20,9 @@ schedule, overlapping a third of the time, the injector
    stopped and started again, a supervisor killed, a Router restarted or
    killed.
 
-    .venv/bin/python bench/netfaults.py                      # 3,000 requests, 40 faults
-    .venv/bin/python bench/netfaults.py --quick              # what `make test` runs
-    .venv/bin/python bench/netfaults.py --requests 3000 --faults 40 --seed 7
+    .venv/bin/python -m bench.netfaults                      # 3,000 requests, 40 faults
+    .venv/bin/python -m bench.netfaults --quick              # what `make test` runs
+    .venv/bin/python -m bench.netfaults --requests 3000 --faults 40 --seed 7
 
 It checks what the chaos run checks (one correct answer, or an explained 502
 or 503, per request; no wrong bytes; no 502 for a request that allowed
@@ -63,11 +63,11 @@ import threading
 import time
 from pathlib import Path
 
-import chaos
-from chaos import KILL, NODE_STOP, ROUTER_FAULTS, SUPERVISOR_KILL, Fault, Result
-from child import KCoralChild
-from hosts import Hosts
-from tests.tlsutil import TestCA  # chaos put the checkout on sys.path
+from bench import chaos
+from bench.chaos import KILL, NODE_STOP, ROUTER_FAULTS, SUPERVISOR_KILL, Fault, Result
+from bench.support.child import KCoralChild
+from bench.support.hosts import Hosts
+from tests.tlsutil import TestCA
 
 CUT_ONE, ISOLATE, CUT_CLIENTS, HALF_OPEN, FREEZE_HOST = (
     "cut_one", "isolate", "cut_clients", "half_open", "freeze_host")

@@ -2,7 +2,7 @@
 Benchmark of a multi-worker node: throughput with one and two CPU workers,
 and the latency the embedded gateway adds.
 
-    .venv/bin/python bench/node.py              # about a minute and a half
+    .venv/bin/python -m bench.node              # about a minute and a half
 
 Starts real processes on ephemeral loopback ports: a ``kcoral server
 --cpu-workers 2`` node (a supervisor, two server children and the embedded
@@ -47,11 +47,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from child import KCoralChild, write_results  # noqa: E402
-from procstat import OutsideLoad, cpu_seconds  # noqa: E402
+from bench.support.child import KCoralChild, write_results
+from bench.support.procstat import OutsideLoad, cpu_seconds
+from bench.support.timing import percentile
 
 TARGET_RUN_SECONDS = 0.05
 
@@ -123,11 +121,6 @@ def _healthy_workers(url: str) -> int:
 def _pids(services) -> list[int]:
     """The processes of C{services}: each one's own and its workers'."""
     return [pid for s in services for pid in (s.process.pid, *s.pids.values())]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 # -- programs ------------------------------------------------------------------

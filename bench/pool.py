@@ -1,8 +1,8 @@
 """
 The Router's cost as its pool grows: 10, 50 and 200 simulated nodes.
 
-    .venv/bin/python bench/pool.py                 # about five minutes
-    .venv/bin/python bench/pool.py --nodes 10,200 --runs 2000 --rounds 1
+    .venv/bin/python -m bench.pool                 # about five minutes
+    .venv/bin/python -m bench.pool --nodes 10,200 --runs 2000 --rounds 1
 
 A real ``kcoral router`` child on a loopback port, and in this process (one
 asyncio loop) that many light fake nodes: each a worker (an HTTP server on
@@ -47,24 +47,21 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from child import write_results  # noqa: E402
-from kcoral._version import __version__  # noqa: E402
-from kcoral.common.report import NodeReport, WorkerReport  # noqa: E402
-from kcoral.protocol.wire import (  # noqa: E402
+from bench.support.answers import read_answer
+from bench.support.child import write_results
+from bench.support.procstat import cpu_seconds
+from bench.support.services import start_router
+from kcoral._version import __version__
+from kcoral.common.report import NodeReport, WorkerReport
+from kcoral.protocol.wire import (
     PROGRAM_HEADER,
     REQUEST_CONTENT_TYPE,
     RESULT_CONTENT_TYPE,
     encode_request,
     encode_result,
 )
-from procstat import cpu_seconds  # noqa: E402
-from router import read_answer, start_router  # noqa: E402
 
 NODES = (10, 50, 200)
 CAPACITY = 2

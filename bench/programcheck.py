@@ -1,7 +1,7 @@
 """
 What the check of a program costs beside its deserialization.
 
-    .venv/bin/python bench/programcheck.py [--repeat N]
+    .venv/bin/python -m bench.programcheck [--repeat N]
 
 A worker reads each program once per digest: C{jax.export.deserialize},
 then (since programs are checked) the check of its module
@@ -24,9 +24,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 TARGET_MS = 20.0

@@ -2,9 +2,9 @@
 Benchmark of the Router: the same load sent straight to one server worker
 and through a Router, side by side.
 
-    .venv/bin/python bench/router.py            # about four minutes
-    .venv/bin/python bench/router.py --router-core 1
-    .venv/bin/python bench/router.py --bare     # and the floor under it
+    .venv/bin/python -m bench.router            # about four minutes
+    .venv/bin/python -m bench.router --router-core 1
+    .venv/bin/python -m bench.router --bare     # and the floor under it
 
 Starts real processes on ephemeral loopback ports: a ``kcoral router`` and
 one node (``kcoral server --router URL --node-id bench --gpus none``, or
@@ -32,7 +32,7 @@ measure of how far to trust the rest). By default nothing is pinned: on a
 small machine the Router then competes with the worker for the same cores.
 ``--router-core N`` gives the Router a core of its own, as it would have on
 its own host. ``--bare`` also sends the load through the two proxies of
-``bench/bare_proxy.py``, which forward runs with the Router's stack
+``bench.peers.bare_proxy``, which forward runs with the Router's stack
 (Twisted's HTTP server and treq) and nothing of the Router: "floor" with
 the Router's own outgoing client, "plain" with treq as documented.
 ``--gpus 0`` runs the node's worker on a GPU (a GPU node's program leaves
@@ -63,49 +63,19 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import KCoralChild, start_jax, start_py_spy, stop_py_spy, write_results  # noqa: E402
-from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
-from server import ms, percentile, programs  # noqa: E402  (bench/server.py)
+from bench.support.answers import BadAnswer, read_answer
+from bench.support.child import KCoralChild, start_jax, start_py_spy, stop_py_spy, write_results
+from bench.support.procstat import cpu_seconds, machine_busy_seconds
+from bench.support.programs import programs
+from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
+from bench.support.timing import ms, percentile
 
 TARGET_ADDED_MS = 1.0
 TARGET_THROUGHPUT_RATIO = 0.97
 CONCURRENCY = (1, 4, 16, 64)
-#: Programs the node's one worker runs at once (the server's default).
-CAPACITY = 2
 
 
 # -- the services ----------------------------------------------------------------
-
-
-def start_router(cores: set[int] | None = None, *options: str) -> KCoralChild:
-    return KCoralChild(["router", "--port", "0", *options],
-                       {"url": r"kcoral router listening on (http://\S+)"}, cores=cores)
-
-
-def start_node(router_url: str, gpus: str, *options: str) -> KCoralChild:
-    node = KCoralChild(["server", "--router", router_url, "--node-id", "bench", "--port", "0",
-                    "--gpus", gpus, "--capacity", str(CAPACITY),
-                    "--health-interval-seconds", "0.5", *options],
-                   {"worker": r"worker0 is ready at (http://\S+)",
-                    "pid": r"worker0 started \(pid (\d+)\)",
-                    "ready": r"(the Router reports node bench ready)"})
-    node.worker_pid = int(node.found["pid"])
-    return node
-
-
-def start_bare_proxy(worker_urls: list[str], plain: bool = False, cores: set[int] | None = None,
-                     capacity: int | None = None) -> KCoralChild:
-    """C{bench/bare_proxy.py} in front of C{worker_urls} (hashing runs over
-    them when there are several), sending each at most C{capacity} runs at
-    a time when given."""
-    options = ["--plain"] * plain + (["--capacity", str(capacity)] if capacity else [])
-    return KCoralChild([",".join(worker_urls), *options],
-                       {"url": r"bare proxy listening on (http://\S+)"}, name="bare proxy",
-                       cores=cores, program=(str(ROOT / "bench" / "bare_proxy.py"),))
 
 
 class BaselineRouter(KCoralChild):
@@ -148,21 +118,6 @@ class BaselineRouter(KCoralChild):
         super().stop(timeout)
 
 
-def wait_ready(router_url: str, timeout: float = 60.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(router_url + "/health", timeout=5) as answer:
-                if json.loads(answer.read())["status"] == "ok":
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the Router never reported a ready node")
-
-
 # -- the load --------------------------------------------------------------------
 
 def request_bytes(url: str, program, inputs) -> bytes:
@@ -179,39 +134,6 @@ def request_bytes(url: str, program, inputs) -> bytes:
     body = b"".join(bytes(memoryview(p).cast("B")) for p in send.parts)
     assert len(body) == send.length
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
-
-
-class BadAnswer(Exception):
-    pass
-
-
-async def read_answer(reader) -> tuple[int, bytes]:
-    status = await reader.readline()
-    if not status:
-        raise BadAnswer("the connection closed")
-    code = int(status.split(None, 2)[1])
-    length, chunked = None, False
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            break
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = b"chunked" in value.lower()
-    if chunked:
-        chunks = []
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                return code, b"".join(chunks)
-            chunks.append(chunk[:-2])
-    if length is None:
-        raise BadAnswer("an answer without Content-Length or chunked framing")
-    return code, await reader.readexactly(length)
 
 
 async def _connection(host: str, port: int, payload: bytes, expected: bytes, start: float,
@@ -396,7 +318,7 @@ def main() -> int:
                              "in DIR (e.g. git archive REV kcoral | tar -x -C DIR), in front "
                              "of the same worker, in the same rounds")
     parser.add_argument("--bare", action="store_true",
-                        help="also measure the two proxies of bench/bare_proxy.py (Twisted's "
+                        help="also measure the two proxies of bench.peers.bare_proxy (Twisted's "
                              "HTTP server and treq, nothing of the Router) in front of the same "
                              "worker, in the same rounds")
     parser.add_argument("--gpus", default="none",
@@ -471,7 +393,7 @@ def main() -> int:
                 services.append(bare)
                 paths[name] = bare.found["url"]
                 pids[name] = bare.process.pid
-                results["others"][name] = f"a bare proxy {what} (bench/bare_proxy.py)"
+                results["others"][name] = f"a bare proxy {what} (bench.peers.bare_proxy)"
 
         for kind, label, program, inputs in chosen:
             # Upload and compile with the real Client, and check its outputs

@@ -2,7 +2,7 @@
 What Klein's routing costs per ``POST /v1/run``, against the bypass that
 KCoral's services put before it (``kcoral.web.front``), in process:
 
-    .venv/bin/python bench/routing.py [--requests 2000] [--rounds 30]
+    .venv/bin/python -m bench.routing [--requests 2000] [--rounds 30]
 
 A Router's and a server's real resource trees, each behind a real
 ``KCoralSite`` over a ``StringTransport`` (one keep-alive connection), with

@@ -4,8 +4,8 @@ worker keeps on its device: the steps of the live sequences batched
 together (``oldest``) against each sequence's step run alone (``direct``),
 side by side on one standalone server.
 
-    .venv/bin/python bench/sequence.py                   # a few minutes on two cores
-    .venv/bin/python bench/sequence.py --live 1,16 --steps 16
+    .venv/bin/python -m bench.sequence                   # a few minutes on two cores
+    .venv/bin/python -m bench.sequence --live 1,16 --steps 16
 
 The model, the decoding toy: a transformer decoder of 4 layers, width 256,
 4 heads, an MLP four times as wide, RMS norms, a vocabulary of 256 tied to
@@ -25,7 +25,7 @@ enough to issue a batch's next steps that executions take half of them):
 steps per second over the whole run, each model in turn, ``--rounds``
 times (the median and the spread printed), and the mean steps in each of
 ``oldest``'s executions (the server's statistics). The same clients call a
-bare ``grpc.aio`` server that answers at once (``bench/grpc_echo.py``):
+bare ``grpc.aio`` server that answers at once (``bench.peers.grpc_echo``):
 gRPC's own round trip on this host, side by side. Beside them, the model's
 own time for one step in this process (``jax.jit``, at batch 1 and at each
 count of live sequences), alone and as a server takes it (the rows' states
@@ -43,24 +43,19 @@ import asyncio
 import multiprocessing
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import SERVER_READY, KCoralChild, write_results  # noqa: E402
-from grpc_echo import READY as ECHO_READY  # noqa: E402
+from bench.peers.grpc_echo import READY as ECHO_READY
+from bench.support.child import SERVER_READY, KCoralChild, write_results
 
 LAYERS, WIDTH, HEADS, CONTEXT, VOCAB = 4, 256, 4, 128, 256
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GRPC = re.compile(r"serving the inference protocol over gRPC on (\S+)")
-#: What the bare gRPC server (bench/grpc_echo.py) is asked for: its one method answers any model.
+#: What the bare gRPC server (bench.peers.grpc_echo) is asked for: its one method answers any model.
 ECHO = "echo"
 MODELS = ("decode_oldest", "decode_direct", ECHO)
 
@@ -329,7 +324,7 @@ def main() -> None:
                               "--model-repository", str(repository)],
                              {"grpc": GRPC, "ready": SERVER_READY}, name="server", timeout=600)
         echo = KCoralChild([], {"grpc": ECHO_READY}, name="echo",
-                           program=(str(ROOT / "bench" / "grpc_echo.py"),))
+                           program=("-m", "bench.peers.grpc_echo"))
         # Started fresh (spawned), not forked from a process that runs JAX.
         pool = multiprocessing.get_context("spawn").Pool(args.clients)
         try:

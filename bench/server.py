@@ -1,8 +1,8 @@
 """
 Benchmark of one standalone KCoral server against calling JAX in-process.
 
-    .venv/bin/python bench/server.py            # or: make bench
-    .venv/bin/python bench/server.py --baseline DIR   # A/B against another version
+    .venv/bin/python -m bench.server            # or: make bench
+    .venv/bin/python -m bench.server --baseline DIR   # A/B against another version
 
 Starts real ``kcoral server`` child processes on ephemeral loopback ports and
 measures, in one run:
@@ -33,16 +33,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from child import KCoralChild, start_jax, write_results  # noqa: E402  (bench/child.py)
-from procstat import cpu_seconds  # noqa: E402
+from bench.support.child import KCoralChild, start_jax, write_results
+from bench.support.procstat import cpu_seconds
+from bench.support.programs import programs
+from bench.support.timing import ms, percentile, timings
 
 TARGET_ADDED_MS = 1.0
 TARGET_BYTES_PERCENT = 1.0
 TARGET_RUNS_PER_SECOND = 1000.0
-WEIGHTS_SHAPE = (4096, 4096)  # float32: 64 MiB
 
 
 # -- the server child process --------------------------------------------------
@@ -68,19 +66,6 @@ class ServerProcess(KCoralChild):
 
 # -- measurements --------------------------------------------------------------
 
-def timings(call, count: int, warmup: int) -> list[float]:
-    """Seconds per call of C{call()}, after C{warmup} untimed calls."""
-    for _ in range(warmup):
-        call()
-    times = []
-    clock = time.perf_counter
-    for _ in range(count):
-        started = clock()
-        call()
-        times.append(clock() - started)
-    return times
-
-
 def interleaved(calls, count: int, warmup: int, rounds: int = 10) -> list[list[float]]:
     """
     Timings of each of C{calls}, taken in alternating rounds so that a
@@ -92,49 +77,6 @@ def interleaved(calls, count: int, warmup: int, rounds: int = 10) -> list[list[f
         for call, kept in zip(calls, times):
             kept += timings(call, per_round, 0)
     return times
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def programs(rng):
-    """(name, function, inputs, fresh inputs for a repeated call) for each
-    benchmarked program; the ~5 ms one is calibrated on this machine."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def trivial(x):
-        return x + 1
-
-    def work(n):
-        def step(x, w):
-            return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y @ w), x)
-        return step
-
-    a = rng.standard_normal((128, 256), dtype=np.float32)
-    w5 = rng.standard_normal((256, 256), dtype=np.float32) / 16
-    # Calibrate the loop count so the in-process call takes about 5 ms:
-    # estimate, then check the estimate once (a busy moment skews a probe).
-    steps = 16
-    for _ in range(2):
-        probe = jax.jit(work(steps))
-        per_step = percentile(timings(lambda: np.asarray(probe(a, w5)), 40, 5), 50) / steps
-        steps = max(1, round(0.005 / per_step))
-
-    def weighted(w, x):
-        return jnp.tanh(x @ w)
-
-    weights = rng.standard_normal(WEIGHTS_SHAPE, dtype=np.float32)
-    x = rng.standard_normal((1, WEIGHTS_SHAPE[0]), dtype=np.float32)
-    x2 = rng.standard_normal((1, WEIGHTS_SHAPE[0]), dtype=np.float32)
-    return [
-        ("trivial (x + 1, scalar)", trivial, (np.float32(1.0),), (np.float32(2.0),)),
-        (f"~5 ms ({steps} x tanh(128x256 @ 256x256))", work(steps), (a, w5), (a * 0.5, w5)),
-        ("64 MiB weights (tanh(x @ W), W 4096x4096 f32)", weighted, (weights, x), (weights, x2)),
-    ]
 
 
 def _throughput_worker(url, serialized, warmup, ready, go, until_box, results):
@@ -204,10 +146,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:.3f}"
 
 
 def main() -> int:

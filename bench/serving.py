@@ -6,17 +6,17 @@ KCoral node's gateway (two CPU workers), the same node behind a Router,
 Triton (through PyTriton, its dynamic batcher on), KServe's model server,
 and the floor: the same JAX function called in this process.
 
-    .venv/bin/python bench/serving.py                  # about ten minutes
-    .venv/bin/python bench/serving.py --quick          # concurrency 1 and 16, short windows
-    .venv/bin/python bench/serving.py --fronts kcoral,floor --load loop --gpus 0
-    .venv/bin/python bench/serving.py --quick --fronts kcoral,floor --load loop --batch-invariant
-    .venv/bin/python bench/serving.py --fronts gateway,triton --protocols grpc \
+    .venv/bin/python -m bench.serving                  # about ten minutes
+    .venv/bin/python -m bench.serving --quick          # concurrency 1 and 16, short windows
+    .venv/bin/python -m bench.serving --fronts kcoral,floor --load loop --gpus 0
+    .venv/bin/python -m bench.serving --quick --fronts kcoral,floor --load loop --batch-invariant
+    .venv/bin/python -m bench.serving --fronts gateway,triton --protocols grpc \
         --grpc-fronts threaded,floor-aio,floor-threaded   # gRPC fronts side by side
-    .venv/bin/python bench/serving.py --quick --fronts gateway,triton --protocols grpc \
+    .venv/bin/python -m bench.serving --quick --fronts gateway,triton --protocols grpc \
         --front-processes 2       # the gateway with 2 processes on its gRPC port, beside 1
 
 Every front serves the programs of the same bundle's batch sizes (1, 2, 4
-... 64): KCoral compiles the bundle's, the peers (``bench/serving_peers.py``)
+... 64): KCoral compiles the bundle's, the peers (``bench.peers.serving_peers``)
 compile ``jax.jit`` of the same function for the same sizes and pad a batch
 to the next, before they say they are ready. The peers run from venvs of
 their own under ``.bench-venv/``, made on first use: ``triton``
@@ -33,7 +33,7 @@ concurrency (every front started first, and each concurrency measured on
 all of them in turn, so that the machine's drift over the run falls on
 all alike): ``--concurrency-range C:C``, windows of ``--seconds``, stable
 within 50 %. KServe serves no model configuration, which perf_analyzer
-reads first: it gets ``bench/serving_load.py`` instead, the same closed
+reads first: it gets ``bench.support.serving_load`` instead, the same closed
 loop from ``tritonclient`` threads (in two processes from 2 concurrent
 requests on, or in a quarter of the cores' count where that is more),
 and so does the gateway once more, so that the KServe ratio compares two
@@ -93,15 +93,13 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
+from bench.support import serving_model as model
+from bench.support.child import ChildFailed, KCoralChild, start_jax, until, write_results
+from bench.support.procstat import cpu_seconds, machine_busy_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import numpy as np  # noqa: E402
-
-import serving_model as model  # noqa: E402
-from child import ChildFailed, KCoralChild, start_jax, until, write_results  # noqa: E402
-from procstat import cpu_seconds, machine_busy_seconds  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 64)
 QUICK_CONCURRENCY = (1, 16)
@@ -111,9 +109,10 @@ FRONTS = ("gateway", "router", "triton", "kserve", "floor")
 OTHER_FRONTS = ("server",)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 VENVS = ROOT / ".bench-venv"
-PEERS = ROOT / "bench" / "serving_peers.py"
-LOADER = ROOT / "bench" / "serving_load.py"
-GRPC_FRONTS = ROOT / "bench" / "grpc_fronts.py"
+# Run with "-m" from the repository root (a child's working directory).
+PEERS = "bench.peers.serving_peers"
+LOADER = "bench.support.serving_load"
+GRPC_FRONTS = "bench.peers.grpc_fronts"
 
 PYTRITON = "0.7.0"
 KSERVE = "0.21.0"
@@ -255,7 +254,7 @@ def start_gateway(started: list[Front], repository: Path, gpus: str, delay: list
                   front_processes: int | None = None) -> Front:
     """The node's gateway in front of its two CPU workers; on one GPU a node
     is one server, with no gateway: that server. C{delay}: its further
-    options; C{grpc_front}: one of C{bench/grpc_fronts.py}'s variants in
+    options; C{grpc_front}: one of C{bench.peers.grpc_fronts}'s variants in
     place of its gRPC front; C{front_processes}: how many processes serve its
     gRPC port (its C{--front-processes}; on one GPU, more than one puts a
     gateway before the server)."""
@@ -287,7 +286,7 @@ def start_kcoral(started: list[Front], name: str, options: list[str], ready: dic
     grpc = free_port()
     if grpc_front is not None:
         name = f"{name}[{grpc_front}]"
-    program = ("-m", "kcoral") if grpc_front is None else (str(GRPC_FRONTS), grpc_front)
+    program = ("-m", "kcoral") if grpc_front is None else ("-m", GRPC_FRONTS, grpc_front)
     child = KCoralChild(["server", "--port", "0", "--grpc-port", str(grpc), *options], ready,
                         name=name, timeout=300, program=program)
     front = Front(name, [child], child.found["url"], f"127.0.0.1:{grpc}",
@@ -301,7 +300,7 @@ def start_grpc_floor(started: list[Front], kind: str) -> Front:
     """A bare grpcio server answering a fixed response (gRPC only)."""
     grpc = free_port()
     floor = KCoralChild([kind, str(grpc)], {"ready": r"(floor ready)"}, name=f"grpc-{kind}",
-                        program=(str(GRPC_FRONTS),))
+                        program=("-m", GRPC_FRONTS))
     front = Front(f"grpc-{kind}", [floor], "", f"127.0.0.1:{grpc}")
     started.append(front)
     return front
@@ -330,7 +329,7 @@ def start_peer(started: list[Front], which: str, python: Path, params: Path, del
         env["LD_LIBRARY_PATH"] = sysconfig.get_config_var("LIBDIR")
     peer = KCoralChild([which, str(params), *ports, "--max-batch-delay", str(delay)],
                        {"ready": r"(peer ready)"}, name=which, executable=str(python),
-                       program=(str(PEERS),), env=env, timeout=300)
+                       program=("-m", PEERS), env=env, timeout=300)
     front = Front(which, [peer], f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
     started.append(front)
     front.wait_ready()
@@ -454,7 +453,7 @@ def loop_load(target: str, protocol: str, concurrency: int, cpu, *, seconds: flo
     start = time.time() + 2.0  # every loader imported and connected by then
     loaders = [KCoralChild([target, protocol, "--threads", str(threads), "--start", str(start),
                             "--warmup", str(warmup), "--seconds", str(seconds)],
-                           name="load", program=(str(LOADER),))
+                           name="load", program=("-m", LOADER))
                for threads in (concurrency // processes + (i < concurrency % processes)
                                for i in range(processes))]
     latencies: list[float] = []
@@ -569,8 +568,8 @@ def export_bundle(params_path: Path, folder: Path) -> None:
     """The model's bundle of the params at C{params_path}, written to C{folder}
     (exported in a child: this process's JAX is the floor's, on the device
     under test)."""
-    code = ("import sys, numpy as np, kcoral; sys.path.insert(0, 'bench'); "
-            "import serving_model as m; "
+    code = ("import numpy as np, kcoral; "
+            "from bench.support import serving_model as m; "
             f"kcoral.export_bundle(m.mlp, m.load_params({str(params_path)!r}), "
             f"np.zeros((1, m.ROWS), np.float32), dir={str(folder)!r}, "
             f"name=m.NAME, batch_sizes={list(BATCH_SIZES)})")
@@ -669,7 +668,7 @@ def main() -> int:
                              "gateway,router")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS))
     parser.add_argument("--grpc-fronts", default="",
-                        help="comma-separated gRPC fronts of bench/grpc_fronts.py to measure too, each "
+                        help="comma-separated gRPC fronts of bench.peers.grpc_fronts to measure too, each "
                              "in a gateway of its own, and a standalone server with --fronts server "
                              "(threaded), and the floors (floor-aio, floor-h2, "
                              "floor-threaded)")

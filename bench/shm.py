@@ -3,7 +3,7 @@ A 64 MiB input through system shared memory against the same input sent as
 a binary tensor, side by side, over REST and gRPC, to one standalone server
 on this host (started here, with ``--allow-client-shm``).
 
-    python bench/shm.py [--requests N] [--megabytes M]
+    python -m bench.shm [--requests N] [--megabytes M]
 
 The model sums its input (one FP32 row of M MiB): the answer is a few
 bytes, so what is measured is the input's way in. Each row is the median
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+
 
 READY = re.compile(r"kcoral server ready")
 LISTENING = re.compile(r"listening on http://(?P<host>[\d.]+):(?P<port>\d+)")

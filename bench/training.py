@@ -2,9 +2,9 @@
 A training loop on kept arrays, side by side with the same loop in process
 and with the loop that sends its state every step.
 
-    .venv/bin/python bench/training.py                  # about three minutes on two cores
-    .venv/bin/python bench/training.py --steps 5 --ways floor,kept
-    .venv/bin/python bench/training.py --gpus 0         # the worker and the floor on GPU 0
+    .venv/bin/python -m bench.training                  # about three minutes on two cores
+    .venv/bin/python -m bench.training --steps 5 --ways floor,kept
+    .venv/bin/python -m bench.training --gpus 0         # the worker and the floor on GPU 0
 
 The model: an MLP of four 2048x2048 float32 dense layers (64 MiB of weights,
 plus 32 KiB of biases), trained with Adam (written here in jax.numpy: its
@@ -55,12 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import start_jax, write_results  # noqa: E402
-from kept_loops import (  # noqa: E402
+from bench.support.child import start_jax, write_results
+from bench.support.kept_loops import (
     Traffic,
     Way,
     clients,

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import pytest_twisted
-
-# Tests drive the chaos run's load generator, read CPU times as the
-# benchmarks do, and start children with the benchmarks' helpers: bench/
-# modules are importable (chaos, procstat, child).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from kcoral.common.hostdevices import HOST_DEVICE_COUNT, host_device_flags
 from tests.harness import SERVER_READY, ProcessGroup

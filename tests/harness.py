@@ -12,7 +12,7 @@ Every child belongs to a L{ProcessGroup}, whose L{ProcessGroup.stop_all}
 stops each one (SIGTERM, then SIGKILL after a grace period), awaiting its
 exit: fixtures call it in their teardown, so no child outlives a test, failed
 or not. The parts that need no reactor (command line, environment, output
-lines, ready lines) are the benchmarks' own, from C{bench/child.py}.
+lines, ready lines) are the benchmarks' own, from C{bench.support.child}.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import deferLater
 
-# bench/child.py (on the path from tests/conftest.py): what the benchmarks'
-# children share with these.
-from child import (
+# What the benchmarks' children share with these.
+from bench.support.child import (
     LISTENING,
     SERVER_READY,
     STOP_GRACE,

@@ -1,5 +1,5 @@
 """
-The chaos run of C{bench/chaos.py} in its quick mode: two Routers, three CPU
+The chaos run of C{bench.chaos} in its quick mode: two Routers, three CPU
 nodes reporting to both, ~150 requests (some allowing re-dispatch) and seven
 faults (each kind once: worker SIGKILL, worker SIGSTOP/SIGCONT, node SIGTERM
 and restart, supervisor SIGKILL and restart, Router SIGTERM and restart,
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-import chaos
+from bench import chaos
 
 pytest.importorskip("jax")
 

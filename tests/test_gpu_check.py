@@ -1,7 +1,7 @@
 """
 The GPU check (bench/gpu_check.sh) rehearsed on this machine's CPU, so that
 its one run on a lent GPU machine is known to work before it is made: the
-wheels made for this Python by bench/gpu_carry.py (from the package index,
+wheels made for this Python by bench.gpu_carry (from the package index,
 as C{make gpu-carry} makes them for the GPU machine's), the script's install
 of them with no index, and each of its steps, shortened, passing; the steps
 of features this tree may not hold yet pass or are skipped. Every process
@@ -48,7 +48,7 @@ def wheels(tmp_path):
     """The carried wheels, made for this Python."""
     folder = tmp_path / "wheels"
     prepared = subprocess.run(
-        [sys.executable, "bench/gpu_carry.py", "prepare", "--dir", str(folder),
+        [sys.executable, "-m", "bench.gpu_carry", "prepare", "--dir", str(folder),
          "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
          "--arch", platform.machine(), "--glibc", platform.libc_ver()[1]],
         cwd=ROOT, capture_output=True, text=True, timeout=240)

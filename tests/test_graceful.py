@@ -1,6 +1,6 @@
 """
 Graceful paths lose nothing, with real processes on
-loopback and the chaos run's load generator (C{bench/chaos.py}): a node
+loopback and the chaos run's load generator (C{bench.chaos}): a node
 stopped with SIGTERM under load, and a Router stopped with SIGTERM under load,
 produce no 5xx and no connection closed without an answer; neither does a
 supervisor killed outright (its worker drains and goes by itself).
@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-import chaos
-from child import until
+from bench import chaos
+from bench.support.child import until
 from tests.httputil import connect, fake_site
 
 pytest.importorskip("jax")

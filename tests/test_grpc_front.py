@@ -44,12 +44,12 @@ from tritonclient.utils import InferenceServerException
 from twisted.internet import defer, threads
 from twisted.internet.task import Clock
 
+from bench.support.procstat import cpu_seconds
 from kcoral.errors import BadRequest
 from kcoral.inference.front import InferCall
 from kcoral.inference.h2front import MESSAGE_SECONDS, SERVICE, SWEEP_SECONDS, GrpcFront
 from kcoral.inference.message import GrpcMessage
 from kcoral.protocol.inference import MAX_TYPED_VALUES, parse_infer, rest_of_grpc_infer
-from procstat import cpu_seconds  # bench/procstat.py (tests/conftest.py)
 from tests.conftest import server_args, server_env
 from tests.harness import SERVER_READY, until
 from tests.test_inference_fronts import TOKEN, DoubleFront, HangingFront

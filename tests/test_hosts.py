@@ -1,5 +1,5 @@
 """
-The test hosts of C{bench/hosts.py}: real network namespaces joined by a
+The test hosts of C{bench.support.hosts}: real network namespaces joined by a
 bridge, real TCP across them, and the faults each silent (no reset, no
 error): a link down, a blocked pair, a half-open pair, a frozen host; and
 nothing left behind.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import hosts
+from bench.support import hosts
 
 #: Run on a host: listen on its address, echo one line per connection.
 ECHO = """

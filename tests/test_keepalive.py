@@ -3,7 +3,7 @@ Silent peers: TCP keepalive (L{kcoral.common.keepalive}) on every
 connection between hosts (the services' listening sites, their outgoing
 pool, and the blocking client's connection; each read back from the real
 socket's options), and the blocking client facing a Router host gone silent
-(test hosts of C{bench/hosts.py}).
+(test hosts of C{bench.support.hosts}).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python import usage
 from twisted.web import server
 
-import hosts
+from bench.support import hosts
 from kcoral.client.connection import Connection
 from kcoral.common.keepalive import DEFAULT_KEEPALIVE, MOST_COUNT, MOST_SECONDS, Keepalive
 from kcoral.inference.h2front import GrpcFront

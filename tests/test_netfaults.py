@@ -1,5 +1,5 @@
 """
-The run of faults between hosts of C{bench/netfaults.py} in its quick mode:
+The run of faults between hosts of C{bench.netfaults} in its quick mode:
 two Routers, three CPU nodes and the clients each on a test host of their
 own (network namespaces), TLS and tokens between them, ~150 requests and
 each kind of fault once (a node cut off from one Router or from everyone,
@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-import netfaults
+from bench import netfaults
 
 
 def test_the_plan_has_every_kind_and_no_late_router_fault():

@@ -39,8 +39,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import DeferredList, ensureDeferred
 
+from bench.support.procstat import OutsideLoad
 from kcoral import AsyncClient, KCoralError, NodeFailure, Program, RunTimeout
-from procstat import OutsideLoad  # bench/procstat.py (tests/conftest.py)
 from tests import programs
 from tests.harness import ChildProcess, ProcessGroup, kcoral_argv, until
 from tests.httputil import request

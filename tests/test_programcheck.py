@@ -348,7 +348,7 @@ def test_a_bundle_with_a_forged_program_is_unavailable(tmp_path):
 
 
 def test_the_check_costs_little_beside_deserialization():
-    """The walk costs well under the 20 ms a program it may take (bench/programcheck.py
+    """The walk costs well under the 20 ms a program it may take (bench.programcheck
     measures it side by side; this bound only catches a walk gone quadratic)."""
     serialized = _jax_exports()[0].serialize()
     check = ProgramCheck()

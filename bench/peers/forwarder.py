@@ -1,9 +1,9 @@
 """
-A TCP forwarder for the chaos run (``bench/chaos.py``): every connection it
+A TCP forwarder for the chaos run (``bench.chaos``): every connection it
 accepts on its port it joins to a new one to the target port, passing bytes
 both ways (Twisted's ``portforward``).
 
-    python bench/forwarder.py LISTEN_PORT TARGET_PORT
+    python -m bench.peers.forwarder LISTEN_PORT TARGET_PORT
 
 It stands on the path from a node to one Router. Stopped with SIGSTOP, it
 passes nothing while the kernel still accepts connections on its port: a

@@ -1,10 +1,10 @@
 """
-The peers of C{bench/serving.py}, each serving L{serving_model.mlp} on
+The peers of C{bench.serving}, each serving L{serving_model.mlp} on
 loopback from a venv of its own (they pin other versions of grpcio,
 protobuf and numpy than KCoral's):
 
-    python bench/serving_peers.py triton PARAMS HTTP GRPC METRICS --max-batch-delay US
-    python bench/serving_peers.py kserve PARAMS HTTP GRPC
+    python -m bench.peers.serving_peers triton PARAMS HTTP GRPC METRICS --max-batch-delay US
+    python -m bench.peers.serving_peers kserve PARAMS HTTP GRPC
 
 Each logs ``peer ready`` once it answers, and stops on SIGTERM or SIGINT.
 Like a KCoral bundle, the function is compiled for the batch sizes 1, 2,
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
 
-import serving_model as model
+from bench.support import serving_model as model
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 

@@ -1,5 +1,5 @@
 """
-A closed-loop load of C{bench/serving.py} for a front perf_analyzer cannot
+A closed-loop load of C{bench.serving} for a front perf_analyzer cannot
 drive (KServe's, which serves no model configuration) or where there is no
 perf_analyzer (a GPU machine): C{--threads} threads, each with its own
 C{tritonclient} client, send one row at a time from C{--start} (a
@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-import serving_model as model
+from bench.support import serving_model as model
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from pathlib import Path
 from re import Pattern
 from typing import IO, TypeVar
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+
 #: JAX takes most of a GPU's memory when it starts, unless this says "false".
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 

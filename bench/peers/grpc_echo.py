@@ -4,9 +4,9 @@ server of the inference protocol's ``ModelInfer`` that answers every call
 at once with the same answer (a decoding step's: one INT32 token,
 ``NEXT`` ``[1, 1]``), reading nothing of the request. No model, no state,
 no KCoral: what a call costs a client and a server of grpcio, side by side
-with a server's step (``bench/sequence.py`` runs it beside KCoral).
+with a server's step (``bench.sequence`` runs it beside KCoral).
 
-    .venv/bin/python bench/grpc_echo.py     # prints "echo serving on HOST:PORT"
+    .venv/bin/python -m bench.peers.grpc_echo     # prints "echo serving on HOST:PORT"
 """
 
 from __future__ import annotations

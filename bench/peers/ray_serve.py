@@ -1,10 +1,10 @@
 """
-The Ray Serve side of ``bench/compare.py``: a deployment that runs KCoral's
+The Ray Serve side of ``bench.compare``: a deployment that runs KCoral's
 ``/v1/run`` bodies with KCoral's own executor, deployed into a running Ray
 cluster. Run with the Ray venv's interpreter (``.bench-venv/ray``), inside
 the network namespace of that cluster:
 
-    python bench/ray_serve.py --address 127.0.0.1:6379 --port 8000 --capacity 2 \\
+    python -m bench.peers.ray_serve --address 127.0.0.1:6379 --port 8000 --capacity 2 \\
         --warm BODY ANSWER [--warm BODY ANSWER ...]
 
 The deployment decodes each body with ``kcoral.protocol.wire`` and runs it
@@ -31,7 +31,6 @@ from pathlib import Path
 
 from ray import serve
 
-ROOT = Path(__file__).resolve().parent.parent
 ROUTE = "/v1/run"
 
 
@@ -104,5 +103,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    sys.exit(main())
+        sys.exit(main())

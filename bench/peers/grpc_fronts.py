@@ -1,10 +1,10 @@
 """
-The gRPC fronts that ``bench/serving.py --grpc-fronts`` measures side by
+The gRPC fronts that ``bench.serving --grpc-fronts`` measures side by
 side, each run as ``kcoral ARGS`` with its own gRPC front in place of
 KCoral's, and the floors, which answer a fixed response.
 
-    python bench/grpc_fronts.py threaded kcoral-args...    # a KCoral front
-    python bench/grpc_fronts.py floor-aio PORT             # a floor (also floor-threaded, floor-h2)
+    python -m bench.peers.grpc_fronts threaded kcoral-args...    # a KCoral front
+    python -m bench.peers.grpc_fronts floor-aio PORT             # a floor (also floor-threaded, floor-h2)
 
 Variants (KCoral's own front, ``kcoral.inference.h2front``, is the one a
 plain ``kcoral`` serves; those here are built only to be measured beside it):
@@ -24,11 +24,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from concurrent import futures
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 VARIANTS = ("threaded",)
 FLOORS = ("floor-aio", "floor-threaded", "floor-h2")
@@ -79,7 +74,7 @@ def floor(kind: str, port: int) -> None:
     import grpc
     from tritonclient.grpc import model_config_pb2, service_pb2
 
-    import serving_model as model
+    from bench.support import serving_model as model
 
     live = service_pb2.ServerLiveResponse(live=True).SerializeToString()
     ready = service_pb2.ServerReadyResponse(ready=True).SerializeToString()

@@ -1,8 +1,8 @@
 """
-Proxies with nothing of the Router in them, for ``bench/router.py --bare``
+Proxies with nothing of the Router in them, for ``bench.router --bare``
 to measure side by side with the Router.
 
-    python bench/bare_proxy.py WORKER_URL[,WORKER_URL...] [--plain] [--capacity N]
+    python -m bench.peers.bare_proxy WORKER_URL[,WORKER_URL...] [--plain] [--capacity N]
 
 Each sends every ``POST /v1/run`` to a worker, over a persistent connection
 pool, and its answer back, and does nothing else a Router does: no queue, no
@@ -10,7 +10,7 @@ capacity accounting, no request ids, metrics or logs, no cancellation when a
 client leaves, no failure classification, no bounds. With several workers a
 run goes to the one its ``X-KCoral-Program`` header hashes highest with
 (rendezvous hashing: HAProxy's ``balance hdr(X-KCoral-Program)``, for
-``bench/affinity.py``). With ``--capacity N`` it sends a worker at most N
+``bench.affinity``). With ``--capacity N`` it sends a worker at most N
 runs at a time, the rest waiting in the proxy (a ``DeferredSemaphore`` a
 worker), the bound the Router keeps and HAProxy's ``maxconn``. Both run on
 Twisted's HTTP server and treq, as the Router does:
@@ -26,8 +26,6 @@ Twisted's HTTP server and treq, as the Router does:
 
 import argparse
 import hashlib
-import sys
-from pathlib import Path
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
@@ -37,7 +35,6 @@ from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kcoral.heap import settle
 from kcoral.protocol.wire import PROGRAM_HEADER
 from kcoral.router.proxy import Proxy

@@ -1,5 +1,5 @@
 """
-What C{bench/training.py} and C{bench/decode.py} share: the services a loop
+What C{bench.training} and C{bench.decode} share: the services a loop
 on kept arrays runs against (a standalone server, a Router with one node),
 the bytes the client's connection moves as the kernel counts them, the
 ways of a loop taking turns, and the report's machine line and tables.
@@ -11,19 +11,14 @@ import os
 import platform
 import socket
 import struct
-import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from child import SERVER_READY, KCoralChild  # noqa: E402
-from procstat import OutsideLoad  # noqa: E402
-from router import start_node, start_router, wait_ready  # noqa: E402
+from bench.support.child import SERVER_READY, KCoralChild
+from bench.support.procstat import OutsideLoad
+from bench.support.services import start_node, start_router, wait_ready
 
 #: tcpi_bytes_acked and tcpi_bytes_received in Linux's struct tcp_info.
 _TCP_INFO_BYTES = struct.Struct("=QQ")
@@ -211,7 +206,6 @@ def table(head: list[str], rows: list[list[str]]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                          for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([rule, line(head), rule, *map(line, rows), rule])
-
 
 
 # -- the loop ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """
-The model of C{bench/serving.py}, imported by every front it serves from
+The model of C{bench.serving}, imported by every front it serves from
 (KCoral's bundle, PyTriton, KServe) and by its in-process floor, so that
 each runs the same function on the same params.
 """

@@ -1,7 +1,7 @@
 """
 Test hosts on one machine: network namespaces, each with its own address,
 joined by veth links to a bridge in a namespace of their own (the switch),
-for the runs and tests that need faults between hosts (C{bench/netfaults.py},
+for the runs and tests that need faults between hosts (C{bench.netfaults},
 C{tests/test_hosts.py}). Made with Debian's iproute2 and nftables, as root;
 no traffic leaves the namespaces made here, and everything is removed on
 L{Hosts.remove} (also when a step of L{Hosts.make} failed).

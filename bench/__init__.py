@@ -1,0 +1,9 @@
+"""
+KCoral's benchmarks, each a module run from the repository root as
+``python -m bench.NAME`` (``--quick`` for a short form; ``make bench`` runs
+every one's). What two or more of them share is in L{bench.support}; the
+programs they measure KCoral against (proxies, servers, floors) are in
+L{bench.peers}. A benchmark that measures another's services with another
+load imports that benchmark (C{bench.fleet} C{bench.affinity}'s pool,
+C{bench.large} C{bench.compare}'s, C{bench.netfaults} C{bench.chaos}'s run).
+"""
