@@ -45,8 +45,38 @@ lint: $(STAMP)
 docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -E -W --keep-going -n -b html doc doc/_build/html
 
-bench: $(STAMP)
-	$(PY) -m bench.server
+# Every benchmark's quick form (python -m bench.NAME --quick: seconds of the
+# same run, to show it works, not how fast), one after another, on the CPU; a
+# failed one is named at the end and the target fails. What a benchmark needs
+# beyond the venv, where this machine lacks it, is said in a "skipped" line,
+# never left out silently: HAProxy and wrk (compare, large, affinity, fleet;
+# compare also unshare, nsenter and ss), root for network namespaces
+# (netfaults; hosts-tools installs ip and nft), a GPU (cudashm_check, the CUDA
+# shared memory check). The peers fetched from PyPI on first use are left out
+# of every quick run, saying so: Ray Serve (compare: --paths without ray-*)
+# and PyTriton, KServe and perf_analyzer (serving: KCoral and the floor under
+# its own load). large runs its 16 MiB and 5 ms bodies at one connection.
+bench: $(STAMP) hosts-tools
+	@failed=; \
+	run() { echo "== python -m bench.$$*"; $(PY) -m bench."$$@" || failed="$$failed $$1"; }; \
+	skip() { echo "== bench.$$1: skipped, $$2"; }; \
+	have() { for tool; do command -v $$tool >/dev/null 2>&1 || return 1; done; }; \
+	for name in server router routing node pool programcheck kept_request shm decode training sequence chaos; do \
+	  run $$name --quick; done; \
+	echo "== bench.serving: Triton, KServe and perf_analyzer left out (fetched from PyPI)"; \
+	run serving --quick --fronts kcoral,floor --load loop; \
+	if have haproxy wrk unshare nsenter ss; then \
+	  echo "== bench.compare: Ray Serve left out (fetched from PyPI)"; \
+	  run compare --quick --paths direct,router,haproxy --bare; \
+	  run large --quick --bare --programs 16mib,5ms --connections 1; \
+	else skip compare "needs haproxy, wrk, unshare, nsenter and ss"; skip large "needs haproxy and wrk"; fi; \
+	if have haproxy; then run affinity --quick; run fleet --quick; \
+	else skip affinity "needs haproxy"; skip fleet "needs haproxy"; fi; \
+	if [ "$$(id -u)" = 0 ]; then run netfaults --quick; \
+	else skip netfaults "needs root (network namespaces)"; fi; \
+	if have nvidia-smi; then run cudashm_check --gpus 0; \
+	else skip cudashm_check "needs an NVIDIA GPU (no nvidia-smi)"; fi; \
+	[ -z "$$failed" ] || { echo "make bench: failed:$$failed" >&2; exit 1; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache doc/_build

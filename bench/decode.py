@@ -62,6 +62,7 @@ from bench.support.kept_loops import (
     take_turns,
     way_row,
 )
+from bench.support.quick import parse_quick
 from kcoral.common.serverconfig import ServerConfig
 
 D_MODEL = 512
@@ -240,7 +241,7 @@ def main() -> int:
     parser.add_argument("--ways", default=",".join(WAYS),
                         help=f"which ways to run, of {', '.join(WAYS)} (default: all)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, layers=1)
     wanted = args.ways.split(",")
     if unknown := set(wanted) - set(WAYS):
         parser.error(f"no such way: {', '.join(sorted(unknown))}")

@@ -33,6 +33,7 @@ import numpy as np
 
 from bench.support.kept_loops import clients, descendants
 from bench.support.procstat import cpu_seconds, wake_ups
+from bench.support.quick import parse_quick
 
 WARM_UP = 50
 
@@ -65,7 +66,7 @@ def main() -> int:
     parser.add_argument("--way", choices=("kept", "router"), default="kept",
                         help="a standalone server, or a Router in front of one node (default: kept)")
     parser.add_argument("--requests", type=int, default=2000, help="timed requests (default 2000)")
-    args = parser.parse_args()
+    args = parse_quick(parser, requests=50)
 
     from kcoral import Program
 

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from bench.support.child import KCoralChild, write_results
 from bench.support.procstat import OutsideLoad, cpu_seconds
+from bench.support.quick import parse_quick
 from bench.support.timing import percentile
 
 TARGET_RUN_SECONDS = 0.05
@@ -280,7 +281,7 @@ def main() -> int:
                         help="on a shared machine, wait up to this long before each measurement "
                              "for other processes to leave the cores alone (default: 0)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, seconds=1.0, count=50)
 
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax

@@ -52,6 +52,7 @@ import numpy as np
 from bench.support.answers import read_answer
 from bench.support.child import write_results
 from bench.support.procstat import cpu_seconds
+from bench.support.quick import parse_quick
 from bench.support.services import start_router
 from kcoral._version import __version__
 from kcoral.common.report import NodeReport, WorkerReport
@@ -349,7 +350,7 @@ def main() -> int:
                                                       "(default: the largest)")
     parser.add_argument("--rounds", type=int, default=3, help="times each pool size is measured")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, nodes="10", runs=200, report_seconds=2.0, rounds=1)
     counts = [int(n) for n in args.nodes.split(",")]
     rss_at = args.rss_nodes or max(counts)
     # A connection per queued run, and the fake workers' sockets.

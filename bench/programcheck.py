@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 
+from bench.support.quick import parse_quick
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 TARGET_MS = 20.0
@@ -79,7 +81,7 @@ def median_ms(fn, repeat: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1].strip())
     parser.add_argument("--repeat", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_quick(parser, repeat=3)
 
     import cachetools
     import jax

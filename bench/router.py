@@ -67,6 +67,7 @@ from bench.support.answers import BadAnswer, read_answer
 from bench.support.child import KCoralChild, start_jax, start_py_spy, stop_py_spy, write_results
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 from bench.support.programs import programs
+from bench.support.quick import parse_quick
 from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
 from bench.support.timing import ms, percentile
 
@@ -325,7 +326,8 @@ def main() -> int:
                         help="the node's --gpus: none (the CPU, the default) or one GPU's index; "
                              "the programs are calibrated on the same device in-process")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, seconds=1.0, warmup=0.2, rounds=1, clients="1,16",
+                       programs="trivial")
     if args.gpus != "none" and not args.gpus.isdigit():
         parser.error(f"--gpus {args.gpus}: 'none' or one GPU's index (the node has one worker)")
 

@@ -36,6 +36,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 
+from bench.support.quick import parse_quick
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import settle
 from kcoral.metrics import HttpMetrics
@@ -127,7 +128,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=30)
-    args = parser.parse_args()
+    args = parse_quick(parser, requests=200, rounds=3)
     request = run_request()
     ways = {f"{name} {way}": connection(service, way == "Klein")
             for name, service in (("router", router), ("server", server))

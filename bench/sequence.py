@@ -51,6 +51,7 @@ import numpy as np
 
 from bench.peers.grpc_echo import READY as ECHO_READY
 from bench.support.child import SERVER_READY, KCoralChild, write_results
+from bench.support.quick import parse_quick
 
 LAYERS, WIDTH, HEADS, CONTEXT, VOCAB = 4, 256, 4, 128, 256
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -310,7 +311,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=2,
                         help="client processes the live sequences are shared among")
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parse_quick(parser, live="1,4", steps=4, rounds=1)
     counts = [int(n) for n in args.live.split(",")]
     params = init_params()
     floor = {rows: model_ms(params, rows) for rows in sorted({1, *counts})}

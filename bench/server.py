@@ -36,6 +36,7 @@ from pathlib import Path
 from bench.support.child import KCoralChild, start_jax, write_results
 from bench.support.procstat import cpu_seconds
 from bench.support.programs import programs
+from bench.support.quick import parse_quick
 from bench.support.timing import ms, percentile, timings
 
 TARGET_ADDED_MS = 1.0
@@ -162,7 +163,7 @@ def main() -> int:
                              "DIR (e.g. git archive REV kcoral | tar -x -C DIR), in the same "
                              "rounds, and its throughput beside this version's")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, count=50, seconds=1.0, clients=2)
 
     device = start_jax(args.gpus)
     import jax

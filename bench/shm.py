@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.support.quick import parse_quick
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -111,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--megabytes", type=int, default=64)
-    options = parser.parse_args()
+    options = parse_quick(parser, requests=2, megabytes=4)
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 

@@ -66,6 +66,7 @@ from bench.support.kept_loops import (
     take_turns,
     way_row,
 )
+from bench.support.quick import parse_quick
 
 LAYERS = 4
 WIDTH = 2048  # LAYERS x WIDTH x WIDTH float32: 64 MiB of weights
@@ -234,7 +235,7 @@ def main() -> int:
     parser.add_argument("--ways", default=",".join(WAYS),
                         help=f"which ways to run, of {', '.join(WAYS)} (default: all)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parse_quick(parser, steps=3)
     wanted = args.ways.split(",")
     if unknown := set(wanted) - set(WAYS):
         parser.error(f"no such way: {', '.join(sorted(unknown))}")
