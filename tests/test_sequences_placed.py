@@ -4,8 +4,10 @@ tritonclient: a node's gateway before two workers (REST, gRPC and gRPC's
 stream, two client tokens), and two Routers before one node of two workers.
 Every step of a sequence reaches the worker that holds it, sequences spread
 over the workers, ids are per client token, a sequence whose worker died is
-410 sequence_lost (gRPC ABORTED) and starts again, and a sequence started
-through one Router goes on through the other.
+410 sequence_lost (gRPC ABORTED) and starts again, a sequence started
+through one Router goes on through the other, and drawn interleavings of
+sequences' requests and worker losses through two Routers answer as each
+sequence alone, or as lost.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import attrs
 import numpy as np
 import pytest
 import pytest_twisted
@@ -27,14 +32,18 @@ import tritonclient.http as httpclient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
-from twisted.internet import threads
+from twisted.internet import reactor, threads
 from twisted.internet.defer import Deferred, gatherResults
+from twisted.internet.threads import blockingCallFromThread
 
+from kcoral.router.member import Member
+from kcoral.router.member import Node as PoolNode
+from kcoral.router.sequences import SequenceKey, rendezvous
 from tests.conftest import server_args
 from tests.harness import until
 from tests.httputil import request
 from tests.test_models import start_grpc_front
-from tests.test_routed import start_node, start_router, until_ready
+from tests.test_routed import Node, start_node, start_router, until_ready
 from tests.test_sequences import EXAMPLES, SEQUENCE_MODELS, _mixed_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -59,9 +68,9 @@ async def _repository(tmp_path_factory) -> str:
     return str(root)
 
 
-def _loads() -> list[str]:
+def _loads(names=SEQUENCE_MODELS) -> list[str]:
     return ["--model-control-mode", "explicit",
-            *(arg for name in SEQUENCE_MODELS for arg in ("--load-model", name))]
+            *(arg for name in names for arg in ("--load-model", name))]
 
 
 @pytest_twisted.async_fixture(scope="module")
@@ -247,6 +256,12 @@ async def test_a_client_cannot_name_another_as_its_sequences_owner(gateway):
     assert "must specify the START flag" in message
 
 
+def _pid(supervisor, worker: str) -> int:
+    """The pid of C{worker}'s latest process, as its C{supervisor} logged it."""
+    [pid] = re.findall(r"\(pid (\d+)\)", supervisor.matching(rf"\b{worker} started \(pid \d+\)")[-1])
+    return int(pid)
+
+
 def _refused(module, address: str, token: str, id) -> InferenceServerException:
     client = module.InferenceServerClient(address)
     try:
@@ -266,9 +281,7 @@ async def test_a_sequence_whose_worker_died_is_lost_and_starts_again(gateway):
     await threads.deferToThread(_started, httpclient, rest, TOKENS[1], {id: 7})
     workers = await _workers(url)
     [holder] = [w for w in workers if await _live(w["url"]) >= 1]
-    started = child.matching(rf"{holder['name']} started \(pid \d+\)")[-1]
-    pid = int(re.search(r"\(pid (\d+)\)", started).group(1))
-    os.kill(pid, signal.SIGKILL)
+    os.kill(_pid(child, holder["name"]), signal.SIGKILL)
 
     async def moved():
         now = {w["name"]: w for w in await _workers(url)}[holder["name"]]
@@ -286,22 +299,38 @@ async def test_a_sequence_whose_worker_died_is_lost_and_starts_again(gateway):
 
 
 @pytest_twisted.async_fixture(scope="module")
-async def routers(module_processes, tmp_path_factory):
-    """Routers A and B, and one node of two CPU workers serving the sequence models that
-    reports to both: the Routers' URLs."""
+async def routed(module_processes, tmp_path_factory):
+    """Routers A and B, and one node of two CPU workers serving SUMS with
+    --batch-invariant (only SUMS: a lost worker starts again sooner) that reports to
+    both: the Routers' URLs and the node."""
     root = await _repository(tmp_path_factory)
     both = [await start_router(module_processes, name=f"seq-router-{n}") for n in "ab"]
-    await start_node(module_processes, ",".join(r.url for r in both), "seq-node",
-                     "--cpu-workers", "2", "--model-repository", root, *_loads())
+    node = await start_node(module_processes, ",".join(r.url for r in both), "seq-node",
+                            "--cpu-workers", "2", "--model-repository", root, "--batch-invariant",
+                            *_loads([SUMS]))
     for router in both:
         await until_ready(router, "seq-node")
         await until(lambda r=router: _sequences_served(r.url), "the models served", 120)
-    return [router.url for router in both]
+    for worker in (await _nodes(both[0].url))[0]["workers"]:
+        health = (await request("GET", worker["url"] + "/health")).json
+        assert [m["batch_invariant"] for m in health["models"] if m["name"] == SUMS] == [True]
+    return [router.url for router in both], node
+
+
+@pytest.fixture(scope="module")
+def routers(routed):
+    """The URLs of L{routed}'s two Routers."""
+    return routed[0]
+
+
+async def _nodes(url: str) -> list[dict]:
+    answer = await request("GET", url + "/v1/nodes")
+    assert answer.code == 200, answer
+    return answer.json["nodes"]
 
 
 async def _sequences_served(url: str) -> bool | None:
-    answer = await request("GET", url + "/v1/nodes")
-    workers = [w for node in answer.json["nodes"] for w in node["workers"]]
+    workers = [w for node in await _nodes(url) for w in node["workers"]]
     return len(workers) == 2 and all(
         w["healthy"] and any(m["name"] == SUMS and m.get("sequence") for m in w["models"])
         for w in workers) or None
@@ -353,44 +382,241 @@ async def _in_thread(f, *args):
 #: says (a START, a step, an END, or a START that is also the END), its value.
 requests = st.tuples(st.integers(0, 5), st.integers(0, 1),
                      st.sampled_from(["start", "step", "end", "once"]), st.integers(0, 100))
+#: A worker's loss in a schedule: which of the two, and the requests sent
+#: while it goes, at once (at most one a sequence: two steps of one sequence
+#: sent at once through two Routers would race each other to its worker).
+losses = st.tuples(st.just("lost"), st.integers(0, 1),
+                   st.lists(requests, max_size=6, unique_by=lambda r: r[0]))
+#: Seconds a request may take: a step that would hang fails its test instead.
+STEP_SECONDS = 30
 
 
-@pytest_twisted.ensureDeferred
-async def test_interleavings_through_two_routers_equal_each_sequence_alone(routers):
-    """Any interleaving of starts, steps and ends of six sequences, each request through
-    either Router, answers what each sequence alone would: its running sum (plus its id on
-    its END), or Triton's 400 for a step of a sequence not live."""
-    clients = [httpclient.InferenceServerClient(url.removeprefix("http://")) for url in routers]
-    bases = itertools.count(10_000, 10)
+#: The first id of each schedule's sequences, none used twice in this module: a
+#: Router remembers a START it placed whose END went through the other one.
+_bases = itertools.count(10_000, 10)
 
-    @settings(max_examples=40, deadline=None, database=None)
-    @given(st.lists(requests, min_size=1, max_size=24))
-    def check(schedule):
-        base, live = next(bases), {}
-        got, want = [], []
 
-        def send(id: int, router: int, start: bool, end: bool, value: int) -> None:
-            if not start and id not in live:
-                want.append("400")
+@attrs.define
+class Alone:
+    """
+    What each request of a schedule answers when every sequence's answers
+    are those it gets run alone: its running sum (plus its id on its END),
+    or Triton's 400 for a step of a sequence its worker does not hold. Once
+    a worker is lost, a step through a Router that placed the sequence's
+    START on it is 410 C{sequence_lost}, with nothing sent, until that
+    Router places a START of it again or forgets it with its END; a step
+    sent to the worker as it goes is 502, and is not sent again.
+    """
+
+    #: Each sequence's worker, where the rendezvous of its key places it.
+    holder: Callable[[int], str]
+    #: Each worker's lives: a START is placed on one of them.
+    lives: dict[str, int]
+    #: The running sums of the sequences their workers hold.
+    sums: dict[int, int] = attrs.Factory(dict)
+    #: Each Router's placed STARTs: the life of the worker each went to.
+    placed: tuple[dict[int, int], dict[int, int]] = attrs.Factory(lambda: ({}, {}))
+    #: A worker being lost: its steps are in flight when it dies.
+    going: str | None = None
+
+    def answer(self, id: int, router: int, start: bool, end: bool, value: int) -> int | str:
+        worker, placed = self.holder(id), self.placed[router]
+        if start:
+            placed.pop(id, None)
+            if not end:
+                placed[id] = self.lives[worker]
+        elif (placed.pop(id, None) if end else placed.get(id)) not in (None, self.lives[worker]):
+            return "410"
+        if worker == self.going:
+            return "502"
+        if not start and id not in self.sums:
+            return "400"
+        total = value + (0 if start else self.sums[id])
+        if end:
+            self.sums.pop(id, None)
+        else:
+            self.sums[id] = total
+        return total + (id if end else 0)
+
+    def lose(self, worker: str) -> None:
+        """C{worker} died and started again, holding no sequence."""
+        self.lives[worker] += 1
+        self.going = None
+        for id in [id for id in self.sums if self.holder(id) == worker]:
+            del self.sums[id]
+
+    def ending(self) -> list[tuple[int, int, bool, bool, int]]:
+        """The ENDs of the sequences still held, each through a Router that
+        did not place its START on a lost worker."""
+        return [(id, 1 if self.placed[1].get(id) in (None, self.lives[self.holder(id)]) else 0,
+                 False, True, 0) for id in self.sums]
+
+
+def _client(url: str) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(url.removeprefix("http://"),
+                                            connection_timeout=STEP_SECONDS,
+                                            network_timeout=STEP_SECONDS)
+
+
+def _answer(client, id: int, start: bool, end: bool, value: int) -> int | str:
+    """A step's output, or its refusal's status (a 410 only as sequence_lost)."""
+    try:
+        return _step(client, httpclient, id, value, sequence_start=start, sequence_end=end)
+    except InferenceServerException as e:
+        return e.message() if e.status() == "410" and "sequence_lost" not in e.message() \
+            else e.status()
+
+
+def _answer_alone(url: str, id: int, start: bool, end: bool, value: int) -> int | str:
+    """L{_answer} on a client of its own, for requests sent at once."""
+    client = _client(url)
+    try:
+        return _answer(client, id, start, end, value)
+    finally:
+        client.close()
+
+
+@attrs.define
+class Interleavings:
+    """Schedules of requests and worker losses, sent through L{routed}'s two
+    Routers, from a thread: each request's answer against L{Alone}'s."""
+
+    urls: list[str]
+    node: Node
+    #: The node's workers, by name: each sequence's is the rendezvous of its key over them.
+    members: list[Member]
+    clients: list = attrs.Factory(list)
+
+    @classmethod
+    async def of(cls, routed) -> Interleavings:
+        urls, node = routed
+        [reported] = await _nodes(urls[0])
+        members = [Member(PoolNode(reported["node_id"], None), w["name"], w["url"])
+                   for w in reported["workers"]]
+        return cls(urls, node, sorted(members, key=lambda m: m.name),
+                   [_client(url) for url in urls])
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def holder(self, id: int) -> str:
+        member = rendezvous(SequenceKey(None, SUMS, id), self.members)
+        assert member is not None
+        return member.name
+
+    def run(self, schedule) -> None:
+        base = next(_bases)
+        alone = Alone(self.holder, {m.name: 0 for m in self.members})
+        got: list[int | str] = []
+        want: list[int | str] = []
+        for item in schedule:
+            if item[0] == "lost":
+                self._lose(alone, self.members[item[1]].name,
+                           [(base + seq, *rest) for seq, *rest in item[2]], got, want)
             else:
-                live[id] = value + (0 if start else live[id])
-                want.append(live[id] + (id if end else 0))
-                if end:
-                    del live[id]
-            try:
-                got.append(_step(clients[router], httpclient, id, value, sequence_start=start,
-                                 sequence_end=end))
-            except InferenceServerException as e:
-                got.append(e.status())
-
-        for seq, router, kind, value in schedule:
-            send(base + seq, router, kind in ("start", "once"), kind in ("end", "once"), value)
-        for id in list(live):
-            send(id, 1, False, True, 0)
+                seq, router, kind, value = item
+                self._send(alone, (base + seq, router, kind in ("start", "once"),
+                                   kind in ("end", "once"), value), got, want)
+        for ended in alone.ending():
+            self._send(alone, ended, got, want)
         assert got == want
+
+    def _send(self, alone: Alone, request, got: list, want: list) -> None:
+        id, router, start, end, value = request
+        want.append(alone.answer(*request))
+        got.append(_answer(self.clients[router], id, start, end, value))
+
+    def _lose(self, alone: Alone, worker: str, during: list, got: list, want: list) -> None:
+        """
+        Lose C{worker} with the requests C{during} sent at once: stopped
+        (SIGSTOP), so that those sent to it are still in flight there, and
+        killed (SIGKILL) once both Routers report it unhealthy, which they
+        learn only after a health probe of it has timed out, long after
+        they forwarded its steps. Then its supervisor starts it again, and
+        both Routers report its new instance.
+        """
+        before = blockingCallFromThread(reactor, lambda: Deferred.fromCoroutine(
+            _worker_reported(self.urls[0], worker)))
+        pid = _pid(self.node.process, worker)
+        os.kill(pid, signal.SIGSTOP)
+        alone.going = worker
+        sent = [(id, router, kind in ("start", "once"), kind in ("end", "once"), value)
+                for id, router, kind, value in during]
+        wanted = [alone.answer(*request) for request in sent]
+        want.extend(wanted)
+        # The Routers that forward steps to the stopped worker hold a slot of it.
+        holding = {request[1] for request, answer in zip(sent, wanted, strict=True)
+                   if answer == "502"}
+        with ThreadPoolExecutor(max(len(sent), 1)) as pool:
+            answers = [pool.submit(_answer_alone, self.urls[router], id, start, end, value)
+                       for id, router, start, end, value in sent]
+            self._until(lambda router, r: not r["healthy"] and (r["active"] or router not in holding),
+                        worker, "reported unhealthy")
+            os.kill(pid, signal.SIGKILL)
+            got.extend(answer.result() for answer in answers)
+        alone.lose(worker)
+        self._until(lambda router, r: r["healthy"]
+                    and r["instance"] not in (None, before["instance"])
+                    and any(m["name"] == SUMS and m.get("sequence") for m in r["models"]),
+                    worker, "started again, serving SUMS")
+
+    def _until(self, condition: Callable[[int, dict], bool], worker: str, what: str) -> None:
+        """Poll until each Router (its index) reports C{worker} as C{condition} holds."""
+        async def both():
+            return all([condition(router, await _worker_reported(url, worker))
+                        for router, url in enumerate(self.urls)])
+        blockingCallFromThread(reactor, lambda: Deferred.fromCoroutine(
+            until(both, f"{worker} {what} on both Routers", 120)))
+
+
+async def _worker_reported(url: str, worker: str) -> dict:
+    """What the Router at C{url} reports of C{worker}."""
+    [reported] = [w for node in await _nodes(url) for w in node["workers"] if w["name"] == worker]
+    return reported
+
+
+async def _interleavings(routed, schedules, examples: int) -> None:
+    """Check L{Interleavings} of up to C{examples} of C{schedules}."""
+    interleavings = await Interleavings.of(routed)
+
+    @settings(max_examples=examples, deadline=None, database=None)
+    @given(schedules)
+    def check(schedule):
+        interleavings.run(schedule)
 
     try:
         await threads.deferToThread(check)
     finally:
-        for client in clients:
-            client.close()
+        interleavings.close()
+
+
+@pytest_twisted.ensureDeferred
+async def test_interleavings_through_two_routers_equal_each_sequence_alone(routed):
+    """Any interleaving of starts, steps and ends of six sequences, each request through
+    either Router, answers what each sequence alone would: its running sum (plus its id on
+    its END), or Triton's 400 for a step of a sequence not live."""
+    await _interleavings(routed, st.lists(requests, min_size=1, max_size=24), 40)
+
+
+#: A step of every sequence through each Router: after a loss, what each says of each.
+probes = [(seq, router, "step", 1) for seq in range(6) for router in (0, 1)]
+#: Schedules with one or two worker losses, each with requests before it and,
+#: after it, L{probes} and more requests.
+with_losses = st.tuples(
+    st.lists(requests, min_size=1, max_size=10),
+    st.lists(st.tuples(losses, st.lists(requests, max_size=10)), min_size=1, max_size=2),
+).map(lambda drawn: [*drawn[0], *(item for loss, after in drawn[1]
+                                  for item in (loss, *probes, *after))])
+
+
+@pytest_twisted.ensureDeferred
+async def test_interleavings_with_worker_losses_equal_each_sequence_alone_or_are_lost(routed):
+    """Interleavings with worker losses (the worker stopped, steps sent to it, killed, started
+    again by its supervisor), other sequences' steps in flight meanwhile: a sequence whose
+    worker was not lost since its START answers what it would alone; a step of one whose worker
+    was, through a Router that placed its START there, is 410 sequence_lost until that Router
+    sees its START or END again, and through the other Triton's 400, never an answer from an
+    empty state; after a new START it answers as alone; a step in flight on the lost worker is
+    502, never sent again; nothing else fails."""
+    await _interleavings(routed, with_losses, 4)
