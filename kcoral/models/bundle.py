@@ -15,6 +15,7 @@ import os
 import secrets
 import stat
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -79,7 +80,7 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
                   output_names: Sequence[str] | None = None,
                   platforms: Sequence[str] = DEFAULT_PLATFORMS, state=None,
                   controls: Sequence[str] = (), sequence_batching: str = DIRECT,
-                  max_sequence_idle_seconds: float = 1.0) -> ModelManifest:
+                  max_sequence_idle_seconds: float = 1.0, decoupled: bool = False) -> ModelManifest:
     """
     Write the model C{fn(params, *inputs)} (C{fn(*inputs)} when C{params} is
     None) to the bundle folder C{dir}, created if missing, and return its
@@ -95,6 +96,13 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
     an execution, C{"oldest"} the steps of different waiting sequences in
     one execution, each row with its own state; a sequence idle
     C{max_sequence_idle_seconds} is freed.
+
+    With C{decoupled}, it is a decoupled model, as Triton's: a request gets
+    several answers (none, one, or more), on gRPC's ModelStreamInfer.
+    C{fn} returns each output with a first dimension of answers, the same
+    for every output, and answer i holds row i of each. It is not batched:
+    each request runs alone, its inputs of the example inputs' shapes,
+    whole (C{batch_sizes} is not used).
 
     C{params} is any pytree of arrays; the first dimension of every example
     input and of every output is the batch dimension, and only the example
@@ -127,6 +135,8 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         _check_sequence(initial, controls, sequence_batching)
     elif controls:
         raise ValueError("controls are a sequence model's: export it with its state")
+    if decoupled and stateful:
+        raise ValueError("a decoupled model is not a sequence model: export it without a state")
     # The program takes the state and controls as it takes inputs, each
     # with the batch as its first dimension: one row a sequence.
     examples = [*initial, *(_control(name) for name in controls), *examples]
@@ -156,8 +166,11 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         return jax.export.export(jitted, platforms=tuple(platforms))(
             *fixed, *[jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype) for x in examples])
 
-    symbolic = _export_symbolic(export, sizes, len(fixed))
-    if symbolic is not None:
+    symbolic = None if decoupled else _export_symbolic(export, sizes, len(fixed))
+    exported: dict[str, tuple[Any, tuple[int, ...]]]
+    if decoupled:
+        exported = {PROGRAM: (_export_decoupled(jitted, platforms, fixed, examples), ())}
+    elif symbolic is not None:
         exported = {PROGRAM: (symbolic, sizes)}
     else:
         sized = [_export_sized(export, size) for size in sizes]
@@ -166,8 +179,10 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         exported = {SIZED_PROGRAM.format(size=size): (program, (size,))
                     for program, size in zip(sized, sizes)}
     first = next(iter(exported.values()))[0]
-    inputs = _specs(first.in_avals[len(fixed) + carried:], input_names, "input", strings)
-    outputs = _specs(first.out_avals[len(initial):], output_names, "output", returned)
+    inputs = _specs(first.in_avals[len(fixed) + carried:], input_names, "input", strings,
+                    dims=tuple if decoupled else _batched)
+    outputs = _specs(first.out_avals[len(initial):], output_names, "output", returned,
+                     dims=_answer if decoupled else _batched)
     sequence = None
     if stateful:
         state_specs = _specs(first.in_avals[len(fixed):len(fixed) + len(initial)],
@@ -199,9 +214,11 @@ def export_bundle(fn: Callable, params, *example_inputs, dir: str | os.PathLike,
         sequence = SequenceSpec(
             sequence_batching, float(max_sequence_idle_seconds), control_specs, state_specs,
             ParamsFile(INITIAL_STATE, _sha256(files[INITIAL_STATE]), len(initial)))
-    manifest = ModelManifest(name=name, inputs=inputs, outputs=outputs, max_batch_size=sizes[-1],
-                             batch_sizes=sizes, programs=programs, params=params_file,
-                             platforms=tuple(platforms), sequence=sequence)
+    manifest = ModelManifest(name=name, inputs=inputs, outputs=outputs,
+                             max_batch_size=0 if decoupled else sizes[-1],
+                             batch_sizes=() if decoupled else sizes, programs=programs,
+                             params=params_file, platforms=tuple(platforms), sequence=sequence,
+                             decoupled=decoupled)
     # What is written is what a worker will accept.
     try:
         ModelManifest.loads(manifest.dumps())
@@ -322,6 +339,25 @@ def _export_symbolic(export, sizes: tuple[int, ...], fixed: int):
     return program
 
 
+def _export_decoupled(jitted, platforms: Sequence[str], fixed: list, examples: list[np.ndarray]):
+    """A decoupled model's program, of its example inputs' shapes, whole;
+    every output with a first dimension of answers, the same for all."""
+    import jax
+
+    try:
+        program = jax.export.export(jitted, platforms=tuple(platforms))(
+            *fixed, *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in examples])
+    except Exception as e:
+        raise ProgramExportError(f"jax.export could not export the model: "
+                                 f"{type(e).__name__}: {e}") from e
+    answers = {aval.shape[0] if aval.shape else None for aval in program.out_avals}
+    if len(answers) != 1 or None in answers:
+        raise ValueError("a decoupled model's outputs have one row for each answer, the same "
+                         "number in every output: it returns "
+                         + ", ".join(f"{a.dtype}{list(a.shape)}" for a in program.out_avals))
+    return program
+
+
 def _export_sized(export, size: int):
     try:
         return export(size)
@@ -343,10 +379,22 @@ def _check_batched(program, size: int, first) -> None:
                              "only its first dimension, the batch, may change with the batch")
 
 
+def _batched(shape: tuple) -> tuple[int, ...]:
+    """A batched tensor's shape as its spec has it: -1 for the batch."""
+    return (-1, *shape[1:])
+
+
+def _answer(shape: tuple) -> tuple[int, ...]:
+    """A decoupled model's output's shape in one answer: a row of it."""
+    return tuple(shape[1:])
+
+
 def _specs(avals, names: Sequence[str] | None, kind: str,
-           strings: Sequence[bool] | None = None) -> tuple[TensorSpec, ...]:
+           strings: Sequence[bool] | None = None,
+           dims: Callable[[tuple], tuple[int, ...]] = _batched) -> tuple[TensorSpec, ...]:
     """The specs of the program's C{avals}, in which a BYTES tensor (where
-    C{strings} says; None: none is) is two: its bytes, then its lengths."""
+    C{strings} says; None: none is) is two: its bytes, then its lengths;
+    C{dims} makes a spec's shape of its program's."""
     if strings is None:
         strings = [False] * len(avals)
     if names is None:
@@ -358,7 +406,7 @@ def _specs(avals, names: Sequence[str] | None, kind: str,
         aval = next(given)
         if not is_strings:
             try:
-                specs.append(TensorSpec(name, datatype_of(aval.dtype), (-1, *aval.shape[1:])))
+                specs.append(TensorSpec(name, datatype_of(aval.dtype), dims(aval.shape)))
             except ValueError as e:
                 raise ValueError(f"{kind} {i}: {e}") from None
             continue
@@ -367,7 +415,7 @@ def _specs(avals, names: Sequence[str] | None, kind: str,
                 aval.shape[:-1] != lengths.shape):
             raise ValueError(f"{kind} {i}: a BYTES {kind} is a Strings of uint8 bytes, of its "
                              "shape and its max_length, and int32 lengths of its shape")
-        specs.append(TensorSpec(name, BYTES, (-1, *lengths.shape[1:]), aval.shape[-1]))
+        specs.append(TensorSpec(name, BYTES, dims(lengths.shape), aval.shape[-1]))
     return tuple(specs)
 
 

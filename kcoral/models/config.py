@@ -160,6 +160,8 @@ def config_of(manifest: ModelManifest, config: ModelConfig = NO_CONFIG) -> dict:
                    "output": [tensor_config(t, batched) for t in manifest.outputs]}
     if config.policy is not None:
         value["version_policy"] = config.policy.to_json()
+    if manifest.decoupled:
+        value["model_transaction_policy"] = {"decoupled": True}
     if manifest.sequence is not None:
         value["sequence_batching"] = sequence_config(manifest.sequence)
     elif batched:

@@ -225,10 +225,20 @@ class ModelManifest:
     version: int = 1
     #: None: a model whose every request stands alone.
     sequence: SequenceSpec | None = None
+    #: Whether it is decoupled: a request gets one answer for each row of
+    #: its program's outputs (their first dimension, the same for all), each
+    #: output of an answer of the shape its spec says. Such a model is not
+    #: batched.
+    decoupled: bool = False
 
     def as_program(self) -> ModelManifest:
         """The manifest of its program alone: a sequence model's state and
-        controls before its inputs, and its new state before its outputs."""
+        controls before its inputs, and its new state before its outputs; a
+        decoupled model's outputs with their answers' dimension first (-1:
+        any number of answers)."""
+        if self.decoupled:
+            return attrs.evolve(self, outputs=tuple(
+                attrs.evolve(t, shape=(-1, *t.shape)) for t in self.outputs), decoupled=False)
         if self.sequence is None:
             return self
         return attrs.evolve(self, inputs=self.sequence.state + self.sequence.controls + self.inputs,
@@ -244,6 +254,9 @@ class ModelManifest:
             "programs": [p.to_json() for p in self.programs],
             "params": None if self.params is None else self.params.to_json(),
             "sequence": None if self.sequence is None else self.sequence.to_json(),
+            # Written only for a decoupled model: a bundle of any other reads
+            # as it did before there were any.
+            **({"decoupled": True} if self.decoupled else {}),
         }
 
     @property
@@ -302,6 +315,13 @@ class ModelManifest:
             value["sequence"])
         if sequence is not None and not batched:
             raise InvalidManifest("a sequence model is batched: its controls are (batch, 1)")
+        decoupled = value.get("decoupled", False)
+        if not isinstance(decoupled, bool):
+            raise InvalidManifest("decoupled must be true or false")
+        if decoupled and (batched or sequence is not None):
+            raise InvalidManifest("a decoupled model is neither batched (max_batch_size 0) nor a "
+                                  "sequence model: each request runs alone, its answers one "
+                                  "row each of its outputs")
         files = ([p.file for p in programs] + ([] if params is None else [params.file])
                  + ([] if sequence is None else [sequence.initial.file]))
         if len(set(files)) != len(files):
@@ -313,7 +333,8 @@ class ModelManifest:
             raise InvalidManifest("platforms must list the platforms the program was exported for")
         return cls(name=name, version=version, inputs=inputs, outputs=outputs,
                    max_batch_size=most, batch_sizes=tuple(sorted(sizes)), programs=programs,
-                   params=params, platforms=tuple(platforms), sequence=sequence)
+                   params=params, platforms=tuple(platforms), sequence=sequence,
+                   decoupled=decoupled)
 
     def batch_size_for(self, rows: int) -> int:
         """The smallest compiled batch size that holds C{rows} rows."""

@@ -332,6 +332,10 @@ class ModelRepository:
             except ProgramRejected as e:
                 raise _Unavailable(str(e)) from None
             _check_signature(program.file, programs[program.file], manifest.as_program(), params)
+            returned = [(a.dtype, a.shape) for a in programs[program.file].out_avals]
+            if manifest.decoupled and len({shape[0] for _, shape in returned}) > 1:
+                raise _Unavailable(f"{program.file} returns {_signature(returned)}: a decoupled "
+                                   "model's outputs have one row an answer, the same number in each")
         manifest = _configured(manifest, config, programs, len(params))
         sharding = SingleDeviceSharding(device)
         invariant = self._batch_invariant and manifest.max_batch_size > 0
