@@ -10,6 +10,10 @@ src/python/examples) expect, made with kcoral.export_bundle:
   integer, to OUTPUT0 their sum and OUTPUT1 their difference, as decimal
   BYTES (the string clients, and grpc_explicit_byte_content_client.py);
 - simple_identity: INPUT0 [-1, 16] BYTES to OUTPUT0 the same, any bytes;
+- repeat_int32, a decoupled model (simple_grpc_custom_repeat.py): IN [10]
+  INT32, DELAY [10] UINT32 and WAIT [1] UINT32 to ten answers, answer i
+  OUT [1] INT32 holding IN[i] and IDX [1] UINT32 holding i (DELAY and WAIT,
+  Triton's pacing of its answers, are taken and not used);
 - filler models (filler0, ...) up to --models folders in all: the model
   control clients count the repository index (7 for HTTP's, 8 for gRPC's);
 - with --sequences, the sequence (stateful) models of the sequence clients
@@ -86,6 +90,17 @@ def doubled(x):
     return x * 2
 
 
+#: The elements of repeat_int32's IN, as simple_grpc_custom_repeat.py sends it.
+REPEATS = 10
+
+
+def repeated(values, delay, wait):
+    """repeat_int32: an answer for each element of C{values}, the element
+    and its index (a program cannot wait: C{delay} and C{wait} are not used)."""
+    del delay, wait
+    return values[:, None], jnp.arange(values.shape[0], dtype=jnp.uint32)[:, None]
+
+
 def counted_step(count, start, ready, x):
     """simple_sequence: its input, plus one on its sequence's first step."""
     count = jnp.where(start == 1, 0, count) + ready
@@ -142,10 +157,14 @@ def main() -> None:
                          dir=os.path.join(args.dir, "simple_identity", "1"),
                          name="simple_identity", batch_sizes=[1, 8],
                          input_names=["INPUT0"], output_names=["OUTPUT0"])
+    kcoral.export_bundle(repeated, None, np.zeros(REPEATS, np.int32), np.zeros(REPEATS, np.uint32),
+                         np.zeros(1, np.uint32), dir=os.path.join(args.dir, "repeat_int32", "1"),
+                         name="repeat_int32", input_names=["IN", "DELAY", "WAIT"],
+                         output_names=["OUT", "IDX"], decoupled=True)
     if args.sequences:
         sequence_models(args.dir)
         return
-    for i in range(max(args.models - 5, 0)):
+    for i in range(max(args.models - 6, 0)):
         kcoral.export_bundle(doubled, None, np.zeros((1, 4), np.float32),
                              dir=os.path.join(args.dir, f"filler{i}"), name=f"filler{i}",
                              batch_sizes=[1])

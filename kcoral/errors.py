@@ -82,6 +82,23 @@ class LoadFailed(BadRequest):
     type = "load_failed"
 
 
+class DecoupledModel(BadRequest):
+    """501: an inference of a decoupled model (several answers to one
+    request) asked where only one answer can be given (a REST inference,
+    gRPC's unary ModelInfer): such a model answers on gRPC's
+    ModelStreamInfer. The message is Triton's words, which its clients look
+    for: L{REST_DECOUPLED} here (a gRPC front says L{GRPC_DECOUPLED})."""
+
+    status = 501
+    type = "decoupled_model"
+
+
+#: Triton's words for an inference of a decoupled model over REST, and
+#: over gRPC's unary ModelInfer.
+REST_DECOUPLED = "HTTP end point doesn't support models with decoupled transaction policy"
+GRPC_DECOUPLED = "ModelInfer RPC doesn't support models with decoupled transaction policy"
+
+
 class MethodNotAllowed(BadRequest):
     """405: the route does not take this method."""
 
@@ -263,6 +280,7 @@ ERRORS: tuple[type[KCoralError], ...] = CLIENT_ERRORS + (
     ArraysApart,
     SequenceLost,
     InternalError,
+    DecoupledModel,
 )
 
 #: The class of each status: the client's, and the finer ones whose status

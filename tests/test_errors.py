@@ -108,7 +108,7 @@ def test_busy_reason_is_kept():
 
 
 @pytest.mark.parametrize("status, cls", [(418, BadRequest), (421, BadRequest), (451, BadRequest),
-                                         (501, ProgramFailed), (505, ProgramFailed)])
+                                         (506, ProgramFailed), (505, ProgramFailed)])
 def test_unknown_statuses_fall_back_by_class(status, cls):
     """An unknown 4xx rebuilds as BadRequest and an unknown 5xx as ProgramFailed."""
     assert type(error_from_body(status, {"error": {"message": "x"}}, "")) is cls

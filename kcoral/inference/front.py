@@ -50,7 +50,10 @@ class InferCall:
     came in), the request id, and the headers to forward with it
     (C{traceparent} and the like); C{formed}: a front batcher formed it, and
     it runs without waiting for more rows; C{token}: the client token it
-    came with (None: none), whose sequences it may step.
+    came with (None: none), whose sequences it may step; C{decoupled}: it
+    may be answered several times (it came on a stream), as a decoupled
+    model answers, where any other call of a decoupled model is refused
+    (L{kcoral.errors.DecoupledModel}).
     """
 
     message: IInferMessage
@@ -58,6 +61,7 @@ class InferCall:
     headers: dict[bytes, bytes] = attrs.field(factory=dict)
     formed: bool = False
     token: bytes | None = None
+    decoupled: bool = False
 
 
 class IInferenceFront(Interface):

@@ -20,13 +20,22 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.python.failure import Failure
 
 from kcoral.common.offreactor import off_reactor
-from kcoral.errors import BadRequest, KCoralError, LoadFailed, ModelNotReady
+from kcoral.errors import (
+    GRPC_DECOUPLED,
+    BadRequest,
+    DecoupledModel,
+    KCoralError,
+    LoadFailed,
+    ModelNotReady,
+)
 from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.front import IInferenceFront, InferAnswer, InferCall, load_config, load_files
 from kcoral.inference.message import GrpcAnswer, GrpcMessage, IInferMessage
 from kcoral.inference.sharedmemory import OFF, Caller, Placement, SharedMemory
+from kcoral.protocol.decoupled import DECOUPLED_ANSWERS, LAST, answers_of, empty_final
 from kcoral.protocol.inference import grpc_of_rest_answer
 from kcoral.web.family import TRACE_HEADERS
 
@@ -50,6 +59,8 @@ _CODES = {
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
+    # A decoupled model asked for one answer: Triton's code for it.
+    501: grpc.StatusCode.UNIMPLEMENTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
     507: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -74,9 +85,10 @@ def status_code_of(error: KCoralError) -> grpc.StatusCode:
 class Streamed:
     """
     How a streaming method's call answers each of its messages, on the
-    stream: C{answered} makes what is sent of a message's serialized answer,
-    C{failed} of the message of the error that message failed with (the
-    call goes on).
+    stream: C{answered} makes what is sent of each of a message's
+    serialized answers (none, one or more: a decoupled model's), C{failed}
+    of the message of the error that message failed with (the call goes
+    on).
     """
 
     answered: Callable[[bytes], bytes]
@@ -92,16 +104,16 @@ class Method:
     """
     One method: C{read(message, metadata)} gives (or fires with) what its
     message says, then C{answer(read, request_id, metadata)} fires with the
-    serialized answer. An C{open} method needs no client token and never
-    reads its message (it is empty): no number of slow calls keeps a probe
-    waiting. A C{streamed} one's call carries any number of messages, each
-    answered so, each read handed to C{answer} in the order the messages
-    came: a large message is read in a thread, and a later one read sooner
-    must not overtake it (a sequence's steps run in the order they reach
-    its model).
+    serialized answer (a C{streamed} one's: a list of them, each sent). An
+    C{open} method needs no client token and never reads its message (it is
+    empty): no number of slow calls keeps a probe waiting. A C{streamed}
+    one's call carries any number of messages, each answered so, each read
+    handed to C{answer} in the order the messages came: a large message is
+    read in a thread, and a later one read sooner must not overtake it (a
+    sequence's steps run in the order they reach its model).
     """
 
-    answer: Callable[[Any, str, Mapping[bytes, bytes]], Deferred[bytes]]
+    answer: Callable[[Any, str, Mapping[bytes, bytes]], Deferred[bytes] | Deferred[list[bytes]]]
     open: bool = False
     streamed: Streamed | None = None
     read: Callable[[bytes, Mapping[bytes, bytes]], Any] = _as_sent
@@ -207,9 +219,10 @@ class GrpcMethods:
                 service_pb2.CudaSharedMemoryUnregisterRequest, _cuda_unregister),
             "CudaSharedMemoryRegister": self._cuda_method(
                 service_pb2.CudaSharedMemoryRegisterRequest, _cuda_register),
-            "ModelInfer": Method(self._infer, read=self._read_infer),
-            # Each message of the stream is one ModelInfer, answered as one.
-            "ModelStreamInfer": Method(self._infer, read=self._read_infer,
+            "ModelInfer": Method(self._unary_infer, read=self._read_infer),
+            # Each message of the stream is one ModelInfer, answered as one
+            # (a decoupled model's: as many times as it answers).
+            "ModelStreamInfer": Method(self._stream_infer, read=self._read_infer,
                                        streamed=Streamed(_stream_answer, _stream_error)),
         }
 
@@ -278,14 +291,35 @@ class GrpcMethods:
                            ).addCallback(resolve)
 
     def _infer(self, read: tuple[service_pb2.ModelInferRequest, IInferMessage, Placement | None],
-               rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
+               rid: str, metadata: Mapping[bytes, bytes], decoupled: bool
+               ) -> Deferred[InferAnswer | GrpcAnswer]:
         pb, message, placement = read
         headers = {name: metadata[name] for name in TRACE_HEADERS if name in metadata}
         answered = self._front.infer(pb.model_name, pb.model_version or None, InferCall(
-            message, rid, headers, token=_caller(metadata).token))
+            message, rid, headers, token=_caller(metadata).token, decoupled=decoupled))
         if placement is not None:
             answered.addCallback(placement.place)
-        return answered.addCallback(_grpc_form)
+        return answered
+
+    def _unary_infer(self, read: tuple[service_pb2.ModelInferRequest, IInferMessage,
+                                       Placement | None],
+                     rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[bytes]:
+        def refused(failure: Failure) -> Failure:
+            # The front refused it in REST's words, which the member a
+            # gateway forwarded it to answered in: gRPC's are Triton's own.
+            refusal = failure.trap(DecoupledModel) and failure.value
+            assert isinstance(refusal, DecoupledModel)
+            return Failure(DecoupledModel(GRPC_DECOUPLED, request_id=refusal.request_id))
+
+        return self._infer(read, rid, metadata, decoupled=False).addCallbacks(
+            _grpc_form, refused)
+
+    def _stream_infer(self, read: tuple[service_pb2.ModelInferRequest, IInferMessage,
+                                        Placement | None],
+                      rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[list[bytes]]:
+        """Its answers: one, or a decoupled model's, one a row of its outputs."""
+        ended = empty_final(read[0].parameters)
+        return self._infer(read, rid, metadata, decoupled=True).addCallback(_answers, ended)
 
 
 def _caller(metadata: Mapping[bytes, bytes]) -> Caller:
@@ -340,6 +374,25 @@ def _grpc_form(answered: InferAnswer | GrpcAnswer) -> bytes | Deferred[bytes]:
 
 def _converted(answered: InferAnswer) -> bytes:
     return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
+
+
+def _answers(answered: InferAnswer | GrpcAnswer, ended: bool) -> Deferred[list[bytes]]:
+    """The serialized answers of a stream's message: its answer, the last
+    of its request's; or a decoupled model's answers (L{answers_of})."""
+    if isinstance(answered, GrpcAnswer) and not answered.decoupled:
+        return succeed([answered.message + LAST])
+    size = len(answered.message if isinstance(answered, GrpcAnswer) else answered.body)
+    return off_reactor(size, _split, answered, ended)
+
+
+def _split(answered: InferAnswer | GrpcAnswer, ended: bool) -> list[bytes]:
+    if isinstance(answered, GrpcAnswer):
+        response = service_pb2.ModelInferResponse.FromString(answered.message)
+    else:
+        response = grpc_of_rest_answer(answered.body, answered.header_length)
+        if DECOUPLED_ANSWERS not in response.parameters:
+            return [response.SerializeToString() + LAST]
+    return answers_of(response, ended)
 
 
 #: The key of ModelStreamInferResponse's C{infer_response} (field 2, a message).

@@ -319,14 +319,15 @@ _UNREAD = object()
 class _Answer:
     """One message of a stream being answered: its request id, what it
     says once read (or how its reading failed) until it is handed on to be
-    answered, then its answer, serialized, once it has one."""
+    answered, then its answers, serialized, once it has them (a decoupled
+    model's request may have none, or several)."""
 
     __slots__ = ("answer", "deferred", "read", "request_id")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.read: object = _UNREAD
-        self.answer: bytes | None = None
+        self.answer: list[bytes] | None = None
         #: Its reading, then its answering.
         self.deferred: Deferred | None = None
 
@@ -459,10 +460,10 @@ class _Streamed(_Call):
             d.addCallbacks(self._answered, self._failed, callbackArgs=(answer,),
                            errbackArgs=(answer,))
 
-    def _answered(self, result: bytes, answer: _Answer) -> None:
+    def _answered(self, result: list[bytes], answer: _Answer) -> None:
         streamed = self.method.streamed
         assert streamed is not None
-        answer.answer = streamed.answered(result)
+        answer.answer = [streamed.answered(message) for message in result]
         self._send()
 
     def _failed(self, failure: Failure, answer: _Answer) -> None:
@@ -470,15 +471,16 @@ class _Streamed(_Call):
             return  # ended, and its answers cancelled with it
         streamed = self.method.streamed
         assert streamed is not None
-        answer.answer = streamed.failed(self.connection.why(answer.request_id, failure).details)
+        answer.answer = [streamed.failed(self.connection.why(answer.request_id, failure).details)]
         self._send()
 
     def _send(self) -> None:
         """Sends the answers ready in order, then takes more messages."""
         while self.answers and self.answers[0].answer is not None:
-            answer = self.answers.popleft().answer
-            assert answer is not None
-            self.connection.deliver(self, answer)
+            answers = self.answers.popleft().answer
+            assert answers is not None
+            for message in answers:
+                self.connection.deliver(self, message)
         self.pump()
 
     def _settle(self) -> None:

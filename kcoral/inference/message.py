@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from zope.interface import Attribute, Interface, implementer
 
 from kcoral.common.offreactor import off_reactor
+from kcoral.protocol.decoupled import DECOUPLED_ANSWERS
 from kcoral.protocol.inference import (
     InferAnswer,
     InferRequest,
@@ -52,8 +53,11 @@ class IInferMessage(Interface):
         (L{BadRequest}: what is wrong with its controls)."""
 
     def answer(model_name: str, model_version: str, request: InferRequest,
-               outputs: Mapping[str, np.ndarray]) -> InferAnswer | GrpcAnswer:
-        """The answer to C{request} with C{outputs}, in this message's form."""
+               outputs: Mapping[str, np.ndarray], decoupled: bool = False
+               ) -> InferAnswer | GrpcAnswer:
+        """The answer to C{request} with C{outputs}, in this message's form;
+        C{decoupled}: the answers of a decoupled model, one a row of the
+        outputs, as one (L{kcoral.protocol.decoupled})."""
 
 
 @implementer(IInferMessage)
@@ -85,15 +89,18 @@ class RestMessage:
         return off_reactor(size, sequence_of_infer, self.body, self.header_length)
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
-               outputs: Mapping[str, np.ndarray]) -> InferAnswer:
-        return encode_infer(model_name, model_version, request, outputs)
+               outputs: Mapping[str, np.ndarray], decoupled: bool = False) -> InferAnswer:
+        return encode_infer(model_name, model_version, request, outputs,
+                            {DECOUPLED_ANSWERS: True} if decoupled else None)
 
 
 @attrs.frozen
 class GrpcAnswer:
-    """A serialized C{ModelInferResponse}."""
+    """A serialized C{ModelInferResponse}; C{decoupled}: a decoupled
+    model's answers, one a row of its outputs."""
 
     message: bytes
+    decoupled: bool = False
 
 
 @implementer(IInferMessage)
@@ -121,5 +128,5 @@ class GrpcMessage:
             return fail()
 
     def answer(self, model_name: str, model_version: str, request: InferRequest,
-               outputs: Mapping[str, np.ndarray]) -> GrpcAnswer:
-        return GrpcAnswer(grpc_infer_answer(model_name, model_version, request, outputs))
+               outputs: Mapping[str, np.ndarray], decoupled: bool = False) -> GrpcAnswer:
+        return GrpcAnswer(grpc_infer_answer(model_name, model_version, request, outputs), decoupled)

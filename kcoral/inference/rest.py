@@ -30,6 +30,7 @@ from kcoral.inference.front import (
 from kcoral.inference.message import IInferMessage, RestMessage
 from kcoral.inference.sharedmemory import OFF, Caller, Placement, SharedMemory
 from kcoral.protocol.counts import MOST_BYTES, read_count
+from kcoral.protocol.decoupled import DECOUPLED_HEADER
 from kcoral.protocol.sequence import OWNER_HEADER
 from kcoral.web.auth import request_authorization
 from kcoral.web.body import SpooledBody, body_of
@@ -365,18 +366,21 @@ class InferenceRoutes:
             # digest of the client's token), else the token it presents.
             named = request.getHeader(OWNER_HEADER) if self._named_owners else None
             owner = named or _caller(request).token
+            # A front answering a stream forwards it so: a decoupled model's
+            # answers come back as one, for it to send one at a time.
+            decoupled = request.getHeader(DECOUPLED_HEADER) == b"true"
 
             def ask(body: memoryview) -> Deferred:
                 message = RestMessage(body, header_length)
                 resolved = self._shared_memory.resolve(_caller(request), message)
                 if resolved is None:
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed, owner))
+                        message, request.request_id, headers, formed, owner, decoupled))
 
                 def placed(resolution: tuple[IInferMessage, Placement]) -> Deferred[InferAnswer]:
                     message, placement = resolution
                     return self._front.infer(model, version, InferCall(
-                        message, request.request_id, headers, formed, owner)
+                        message, request.request_id, headers, formed, owner, decoupled)
                     ).addCallback(placement.place)
 
                 return resolved.addCallback(placed)

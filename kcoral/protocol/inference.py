@@ -21,6 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from kcoral.errors import BadRequest, ProgramFailed
+from kcoral.protocol.decoupled import DECOUPLED_ANSWERS
 from kcoral.protocol.sequence import SequenceControls, controls_of_grpc, controls_of_rest
 from kcoral.protocol.strings import OBJECT, InvalidStrings, deserialize, serialize
 from kcoral.protocol.tensors import (
@@ -306,9 +307,10 @@ def _requested(value: object) -> tuple[RequestedOutput, ...]:
 
 
 def encode_infer(model_name: str, model_version: str, request: InferRequest,
-                 outputs: Mapping[str, np.ndarray]) -> InferAnswer:
+                 outputs: Mapping[str, np.ndarray], parameters: dict | None = None) -> InferAnswer:
     """The answer to C{request} with C{outputs} (by name, in the model's
-    order): those it asks for, else all, each binary or JSON as it asks."""
+    order): those it asks for, else all, each binary or JSON as it asks;
+    with C{parameters}, if given."""
     tensors, buffers = [], []
     for name, binary in _chosen(model_name, request, outputs):
         array = outputs[name]
@@ -323,6 +325,8 @@ def encode_infer(model_name: str, model_version: str, request: InferRequest,
     answer: dict = {"model_name": model_name, "model_version": model_version, "outputs": tensors}
     if request.id is not None:
         answer["id"] = request.id
+    if parameters:
+        answer["parameters"] = parameters
     header = json.dumps(answer, allow_nan=False).encode()
     if not buffers:
         return InferAnswer(header, None)
@@ -568,7 +572,9 @@ def _varint(wire: bytes, at: int) -> tuple[int, int]:
 def grpc_of_rest_answer(body: bytes | memoryview, header_length: int | None
                         ) -> service_pb2.ModelInferResponse:
     """The gRPC form of a REST inference answer, every output in
-    raw_output_contents (the only place gRPC clients read tensors from)."""
+    raw_output_contents (the only place gRPC clients read tensors from),
+    and whether it holds a decoupled model's answers
+    (L{kcoral.protocol.decoupled})."""
     view = memoryview(body).cast("B")
     try:
         header, offset = _header(view, header_length)
@@ -592,6 +598,8 @@ def grpc_of_rest_answer(body: bytes | memoryview, header_length: int | None
                 offset += size
             response.outputs.add(name=name, datatype=datatype, shape=shape)
             response.raw_output_contents.append(data)
+        if _parameters(header.get("parameters"), "the answer").get(DECOUPLED_ANSWERS) is True:
+            response.parameters[DECOUPLED_ANSWERS].bool_param = True
     except (BadRequest, InvalidInput, KeyError, TypeError, ValueError) as e:
         raise ProgramFailed(f"a malformed inference answer: {str(e)[:200]}") from None
     return response

@@ -86,6 +86,7 @@ from kcoral.inference.front import InferAnswer, InferCall
 from kcoral.inference.message import GrpcAnswer, RestMessage
 from kcoral.logs import debug_enabled
 from kcoral.protocol.counts import MOST_BYTES, read_count
+from kcoral.protocol.decoupled import DECOUPLED_HEADER
 from kcoral.protocol.inference import (
     ON_REACTOR_BYTES,
     InferRequest,
@@ -117,6 +118,9 @@ def forwarded(path: bytes, call: InferCall) -> Call:
     # Sent because a worker is free: the worker's own wait for more rows
     # would only be a second delay on a batch already formed.
     headers = {**call.headers, FORMED_BATCH_HEADER: b"true"}
+    if call.decoupled:
+        # Answered on a stream: a decoupled model's answers may come back.
+        headers[DECOUPLED_HEADER] = b"true"
     return Call(INFERENCE, path, call.request_id, tuple(headers.items()))
 
 

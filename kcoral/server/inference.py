@@ -17,7 +17,9 @@ from zope.interface import implementer
 from kcoral._version import __version__
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import (
+    REST_DECOUPLED,
     BadRequest,
+    DecoupledModel,
     KCoralError,
     LoadFailed,
     ModelNotReady,
@@ -241,6 +243,8 @@ class ServerInference:
             model = self._model(name, version)
             manifest = model.manifest
             counted = self.statistics.of(manifest.name, str(manifest.version))
+            if manifest.decoupled and not call.decoupled:
+                raise DecoupledModel(REST_DECOUPLED)
             refusal = self._busy()
             if refusal is not None:
                 raise refusal
@@ -272,8 +276,8 @@ class ServerInference:
                 outputs = yield self._alone(model, request.inputs, call.request_id)
             computed = clock.seconds()
             answer = yield off_reactor(sum(encoded_size(o) for o in outputs.values()),
-                                       call.message.answer,
-                                       manifest.name, str(manifest.version), request, outputs)
+                                       call.message.answer, manifest.name,
+                                       str(manifest.version), request, outputs, manifest.decoupled)
             # Counted with its output, not as it was read: the batch's
             # execution is counted in the same turn of the reactor when the
             # answer is encoded on it, so that statistics read while
