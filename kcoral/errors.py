@@ -87,7 +87,7 @@ class DecoupledModel(BadRequest):
     request) asked where only one answer can be given (a REST inference,
     gRPC's unary ModelInfer): such a model answers on gRPC's
     ModelStreamInfer. The message is Triton's words, which its clients look
-    for: L{REST_DECOUPLED} here (a gRPC front says L{GRPC_DECOUPLED})."""
+    for: C{REST_DECOUPLED} here (a gRPC front says C{GRPC_DECOUPLED})."""
 
     status = 501
     type = "decoupled_model"
