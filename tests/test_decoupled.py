@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 import kcoral
 from kcoral.errors import BadRequest, ProgramFailed
-from kcoral.models.config import config_of
+from kcoral.models.config import ConfigError, config_of, parse_config
 from kcoral.models.manifest import MANIFEST, InvalidManifest, ModelManifest
 from kcoral.protocol.decoupled import FINAL, answers_of, empty_final
 from kcoral.protocol.strings import serialize
@@ -108,6 +108,20 @@ def test_a_manifest_of_a_decoupled_model_it_cannot_be_is_refused(tmp_path, chang
             tensor["shape"] = [-1, *tensor["shape"]]
     with pytest.raises(InvalidManifest, match=why):
         ModelManifest.from_json(value)
+
+
+def test_a_configuration_may_say_decoupled_as_the_model_is(tmp_path):
+    """A load's configuration may carry model_transaction_policy as the model's config shows
+    it (read, changed and sent back, it loads); one saying otherwise than the model is refused,
+    naming the field."""
+    decoupled, ordinary = export_repeat(tmp_path), attrs.evolve(export_repeat(tmp_path),
+                                                                decoupled=False)
+    parse_config(json.dumps(config_of(decoupled))).check(decoupled)
+    for manifest, said in ((decoupled, False), (ordinary, True)):
+        given = parse_config(json.dumps({"model_transaction_policy": {"decoupled": said}}))
+        with pytest.raises(ConfigError, match="model_transaction_policy.decoupled must be "
+                           f"the model's own, {str(not said).lower()}"):
+            given.check(manifest)
 
 
 # -- a front's answers of one execution --------------------------------------------------------

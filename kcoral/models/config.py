@@ -5,11 +5,11 @@ what the model's folder says. KCoral honours C{max_batch_size},
 C{version_policy}, C{dynamic_batching}'s C{max_queue_delay_microseconds}
 and, for a sequence model, C{sequence_batching}'s strategy (C{direct} or
 C{oldest}) and C{max_sequence_idle_microseconds};
-C{name}, C{platform} (or C{backend}), C{input} and C{output} may be given
-when they are the model's own, as C{GET .../config} shows them, so that a
-configuration read, changed and sent back loads. Any other field is refused,
-naming it: a load that silently ignored it would serve another model than
-the client asked for.
+C{name}, C{platform} (or C{backend}), C{input}, C{output} and
+C{model_transaction_policy} may be given when they are the model's own, as
+C{GET .../config} shows them, so that a configuration read, changed and
+sent back loads. Any other field is refused, naming it: a load that
+silently ignored it would serve another model than the client asked for.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ PLATFORM = "jax"
 MAX_CONFIG_BYTES = 64 * 1024
 #: The fields KCoral reads of a configuration; the others are refused.
 _HONOURED = frozenset({"name", "platform", "backend", "max_batch_size", "version_policy",
-                       "dynamic_batching", "sequence_batching", "input", "output"})
+                       "dynamic_batching", "sequence_batching", "input", "output",
+                       "model_transaction_policy"})
 _IDLE = "max_sequence_idle_microseconds"
 #: Triton's kind of each control.
 _CONTROL_KINDS = {"START": "CONTROL_SEQUENCE_START", "END": "CONTROL_SEQUENCE_END",
@@ -77,12 +78,18 @@ class ModelConfig:
     sequence_idle_microseconds: int | None = None
     #: Each control as C{(name, Triton's kind)}, when given: the model's own.
     sequence_controls: tuple[tuple[str, str], ...] | None = None
+    #: Whether the model is decoupled, when given: the model's own.
+    decoupled: bool | None = None
 
     def check(self, manifest: ModelManifest) -> None:
         """ConfigError unless the model of C{manifest}, configured so, is
         the one this configuration describes."""
         if self.name and self.name != manifest.name:
             raise ConfigError(f"name {self.name[:64]!r} is not the model's, {manifest.name!r}")
+        if self.decoupled is not None and self.decoupled != manifest.decoupled:
+            raise ConfigError(f"model_transaction_policy.decoupled must be the model's own, "
+                              f"{str(manifest.decoupled).lower()}: a model is decoupled as it "
+                              "was exported (kcoral.export_bundle(..., decoupled=True))")
         batched = manifest.max_batch_size > 0
         if self.batch_delay_microseconds is not None and not batched:
             raise ConfigError("dynamic_batching needs a max_batch_size of 1 or more")
@@ -211,7 +218,9 @@ def parse_config(text: str) -> ModelConfig:
         batch_delay_microseconds=_delay(message, value) if "dynamic_batching" in present else None,
         inputs=_tensors(message.input) if "input" in present else None,
         outputs=_tensors(message.output) if "output" in present else None,
-        name=message.name)
+        name=message.name,
+        decoupled=(message.model_transaction_policy.decoupled
+                   if "model_transaction_policy" in present else None))
 
 
 def read_config(folder: str) -> ModelConfig:
