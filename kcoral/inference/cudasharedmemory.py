@@ -4,36 +4,58 @@ memory on a GPU, exports it as a CUDA IPC handle (64 opaque bytes), and
 registers the handle as a named region; inferences then name the region
 instead of carrying an input's or an output's bytes.
 
-Only a process that holds that GPU can open the handle, and no front holds
-one: a front keeps the registry (by client token, as for system shared
-memory) and a worker on the region's device opens it, through an
-L{IDeviceMemoryOpener}. The CUDA one, L{CudaIpcOpener}, imports cuda-python
-when it first opens a region, so nothing else needs it installed. Where no
-worker holds a GPU, the registry is empty and registration is refused with
-the reason, after the request itself is checked.
+Only a process that holds that GPU can open the handle: a standalone server
+on the GPU, whose front and runs are one process. It opens a region as it
+is registered, through an L{IDeviceMemoryOpener} (the CUDA one,
+L{CudaIpcOpener}, imports cuda-python when it first opens a region, so
+nothing else needs it installed), and keeps it in the registry of its
+system shared-memory regions, one namespace of names per client token as
+in Triton; an inference names either kind the same way
+(L{kcoral.inference.sharedmemory}). A node's gateway and a Router hold no
+GPU, and refuse registration naming where to register instead; so does a
+server without a GPU, after the request itself is checked.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import importlib
+import weakref
 from typing import Any
 
 import attrs
-from zope.interface import Interface, implementer
+import numpy as np
+from twisted.internet.defer import Deferred, fail
+from zope.interface import Attribute, Interface, implementer
 
+from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest
-from kcoral.inference.sharedmemory import MAX_NAME_CHARS, MAX_REGIONS, Caller
+from kcoral.inference.sharedmemory import (
+    IN_THREAD,
+    MAX_NAME_CHARS,
+    NOT_LOOPBACK,
+    OFF,
+    Caller,
+    IRegion,
+    SharedMemory,
+)
 
-__all__ = ["HANDLE_BYTES", "NO_GPU", "CudaIpcOpener", "CudaRegistration", "CudaSharedMemory",
-           "IDeviceMemoryOpener", "IDeviceRegion"]
+__all__ = ["CUDA", "CUDA_OFF", "HANDLE_BYTES", "NOT_HERE", "NO_GPU", "CudaIpcOpener",
+           "CudaRegistration", "CudaSharedMemory", "IDeviceMemoryOpener", "IDeviceRegion"]
 
 #: The size of a CUDA IPC memory handle (C{cudaIpcMemHandle_t}).
 HANDLE_BYTES = 64
 #: Why registration is refused where no worker holds a GPU.
 NO_GPU = "CUDA shared memory is not served: no worker of this service holds a GPU"
+#: Why a server on a GPU refuses it where it was not told to serve it.
+CUDA_OFF = "CUDA shared memory is off: start the server with --allow-client-shm to serve it"
+#: Why a node's gateway and a Router refuse it.
+NOT_HERE = ("CUDA shared memory is served only by a standalone server on the region's GPU "
+            "(kcoral server --allow-client-shm): a node's gateway and a Router hold no GPU, "
+            "and do not pass a region on to the worker that holds its device")
+#: The kind of a CUDA region (L{kcoral.inference.sharedmemory.IRegion}).
+CUDA = "cuda"
 #: The largest device number a request may name.
 MAX_DEVICE_ID = 1023
 #: The most bytes a region may hold where no bound is given: what gRPC's
@@ -89,9 +111,19 @@ class CudaRegistration:
         """Its status, in Triton's form."""
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
+    def within(self, offset: int, size: int) -> None:
+        """L{BadRequest} unless C{size} bytes from C{offset} lie within the
+        region: an opener checks every copy, so that none runs past the
+        client's allocation (and faults the device's context)."""
+        if not 0 <= offset <= offset + size <= self.byte_size:
+            raise BadRequest(f"Invalid offset + byte size for shared memory region: "
+                             f"{self.name[:64]!r}")
+
 
 class IDeviceRegion(Interface):
     """A region of device memory opened from another process's handle."""
+
+    device = Attribute("The JAX device it is on.")
 
     def read(offset: int, size: int) -> Any:
         """C{size} bytes from C{offset}, as a one-dimensional uint8 JAX array
@@ -146,27 +178,26 @@ class _CudaRegion:
     _pointer: int
     _registration: CudaRegistration
 
-    def read(self, offset: int, size: int) -> Any:
+    @property
+    def device(self) -> Any:
         import jax
+
+        return jax.devices("gpu")[self._registration.device_id]
+
+    def read(self, offset: int, size: int) -> Any:
         import jax.numpy as jnp
 
-        self._within(offset, size)
-        device = jax.devices("gpu")[self._registration.device_id]
+        self._registration.within(offset, size)
         # A fresh array of the size, which nothing else holds: the copy
         # overwrites it in place before it is handed out.
-        out = jnp.zeros((size,), jnp.uint8, device=device).block_until_ready()
+        out = jnp.zeros((size,), jnp.uint8, device=self.device).block_until_ready()
         self._copy(out.unsafe_buffer_pointer(), self._pointer + offset, size)
         return out
 
     def write(self, offset: int, data: Any) -> None:
-        self._within(offset, data.nbytes)
+        self._registration.within(offset, data.nbytes)
         data.block_until_ready()
         self._copy(self._pointer + offset, data.unsafe_buffer_pointer(), data.nbytes)
-
-    def _within(self, offset: int, size: int) -> None:
-        if not 0 <= offset <= offset + size <= self._registration.byte_size:
-            raise BadRequest(f"Invalid offset + byte size for shared memory region: "
-                             f"{self._registration.name[:64]!r}")
 
     def _copy(self, to: int, source: int, size: int) -> None:
         _checked(self._runtime, self._runtime.cudaMemcpy(
@@ -189,26 +220,56 @@ def _checked(runtime: Any, result: tuple, registration: CudaRegistration) -> Any
     return values[0] if values else None
 
 
+@implementer(IRegion)
+@attrs.frozen(eq=False)
+class _DeviceRegion:
+    """A registered CUDA region, opened; let go once no one holds it (its
+    registry, an inference in flight that names it)."""
+
+    registration: CudaRegistration
+    opened: IDeviceRegion
+    kind = CUDA
+    on_device = True
+
+    def __attrs_post_init__(self) -> None:
+        weakref.finalize(self, self.opened.close)
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+    @property
+    def byte_size(self) -> int:
+        return self.registration.byte_size
+
+    def status(self) -> dict:
+        return self.registration.status()
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        # The inference's binary tensor is on the host: the model's input
+        # is placed on the device from it, as any other input.
+        np.frombuffer(view, np.uint8)[:] = np.asarray(self.opened.read(offset, len(view)))
+
+    def write(self, offset: int, data: memoryview) -> None:
+        import jax
+
+        self.opened.write(offset, jax.device_put(np.frombuffer(data, np.uint8), self.opened.device))
+
+
 class CudaSharedMemory:
     """
-    The CUDA shared-memory regions of one front, by client token (with
-    C{namespaced} False, where the service has no tokens, one namespace).
-    C{refused}: why registration is refused (None: it is served); a region
-    is at most C{max_bytes}.
+    The CUDA shared-memory regions of one front, kept in C{shared}'s
+    registry beside its system ones. C{refused}: why registration is
+    refused (None: it is served, each region opened with C{opener}); a
+    region is at most C{max_bytes}.
     """
 
-    def __init__(self, *, refused: str | None = NO_GPU, max_bytes: int = MAX_BYTE_SIZE,
-                 namespaced: bool = False):
+    def __init__(self, shared: SharedMemory | None = None, *, refused: str | None = NOT_HERE,
+                 opener: IDeviceMemoryOpener | None = None, max_bytes: int = MAX_BYTE_SIZE):
         self.refused = refused
+        self._shared = shared or SharedMemory(refused=OFF, max_bytes=0)
+        self._opener = opener or CudaIpcOpener()
         self._max_bytes = max_bytes
-        self._namespaced = namespaced
-        self._regions: dict[bytes, dict[str, CudaRegistration]] = {}
-
-    def _space(self, caller: Caller) -> bytes:
-        # A digest: the token itself is never kept.
-        if not self._namespaced or caller.token is None:
-            return b""
-        return hashlib.sha256(caller.token).digest()
 
     def registration(self, name: str, body: object) -> CudaRegistration:
         """What a REST body asks to register as C{name}, checked."""
@@ -220,29 +281,27 @@ class CudaSharedMemory:
         return CudaRegistration.checked(name, handle, device_id, byte_size,
                                         max_bytes=self._max_bytes)
 
-    def register(self, caller: Caller, registration: CudaRegistration) -> None:
-        """Register a checked region for C{caller}; L{BadRequest} says why not."""
+    def register(self, caller: Caller, registration: CudaRegistration) -> Deferred[None]:
+        """Open and register a checked region for C{caller} (in a thread:
+        opening waits on the device); L{BadRequest} says why not."""
         if self.refused is not None:
-            raise BadRequest(self.refused)
-        regions = self._regions.setdefault(self._space(caller), {})
-        if registration.name in regions:
-            raise BadRequest(f"shared memory region {registration.name[:64]!r} already in manager")
-        if len(regions) >= MAX_REGIONS:
-            raise BadRequest(f"failed to register CUDA shared memory region "
-                             f"{registration.name[:64]!r}: {MAX_REGIONS} regions are already "
-                             "registered")
-        regions[registration.name] = registration
+            return fail(BadRequest(self.refused))
+        if not caller.local:
+            return fail(BadRequest(NOT_LOOPBACK))
+        try:
+            self._shared.room(caller, registration.name)
+        except BadRequest:
+            return fail()
+        # Added on the reactor once open; a region that lost a race for
+        # its name is let go as it is dropped.
+        return off_reactor(IN_THREAD, self._opener.open, registration).addCallback(
+            lambda opened: self._shared.add(caller, _DeviceRegion(registration, opened)))
 
     def unregister(self, caller: Caller, name: str | None) -> None:
         """Unregister C{caller}'s region C{name} (None: all of them); one
         not registered is already gone, as Triton answers."""
-        regions = self._regions.get(self._space(caller), {})
-        if name is None:
-            regions.clear()
-        else:
-            regions.pop(name, None)
+        self._shared.remove(caller, name, CUDA)
 
     def status(self, caller: Caller, name: str | None) -> list[dict]:
         """The status of C{caller}'s region C{name} (None: all of them)."""
-        regions = self._regions.get(self._space(caller), {})
-        return [r.status() for n, r in regions.items() if name is None or n == name]
+        return [r.status() for r in self._shared.regions(caller, CUDA) if name in (None, r.name)]

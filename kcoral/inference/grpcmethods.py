@@ -351,10 +351,10 @@ def _unregister(shm: SharedMemory, caller: Caller,
 
 def _cuda_register(cuda: CudaSharedMemory, caller: Caller,
                    request: service_pb2.CudaSharedMemoryRegisterRequest
-                   ) -> service_pb2.CudaSharedMemoryRegisterResponse:
-    cuda.register(caller, cuda.checked(request.name, request.raw_handle, request.device_id,
-                                       request.byte_size))
-    return service_pb2.CudaSharedMemoryRegisterResponse()
+                   ) -> Deferred[service_pb2.CudaSharedMemoryRegisterResponse]:
+    return cuda.register(caller, cuda.checked(request.name, request.raw_handle, request.device_id,
+                                              request.byte_size)).addCallback(
+        lambda _: service_pb2.CudaSharedMemoryRegisterResponse())
 
 
 def _cuda_unregister(cuda: CudaSharedMemory, caller: Caller,

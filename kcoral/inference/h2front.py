@@ -72,6 +72,7 @@ from zope.interface import Interface, implementer
 
 from kcoral.common.keepalive import DEFAULT_KEEPALIVE
 from kcoral.errors import KCoralError, ServerBusy
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.front import IInferenceFront
 from kcoral.inference.grpcmethods import (
     CALLER_HOST,
@@ -913,6 +914,8 @@ class GrpcFront(service.Service):
     calls at once, of which at most C{max_unread} wait for their message,
     each at most C{message_seconds} by C{clock} (the reactor's unless given);
     at most C{max_in_flight} messages of a stream in flight at once.
+    Its clients' system and CUDA shared-memory regions are in
+    C{shared_memory} and C{cuda_memory} (by default, neither is served).
     With C{share_port}, other processes may serve the same port (a node's
     front processes): the kernel gives each its share of the connections.
     """
@@ -922,9 +925,10 @@ class GrpcFront(service.Service):
                  max_unread: int = MAX_UNREAD, message_seconds: float = MESSAGE_SECONDS,
                  max_in_flight: int = MAX_IN_FLIGHT, guard: IGuard | None = None,
                  tls: tuple[str, str] | None = None, client_ca: str | None = None, clock=None,
-                 share_port: bool = False, shared_memory: SharedMemory | None = None):
+                 share_port: bool = False, shared_memory: SharedMemory | None = None,
+                 cuda_memory: CudaSharedMemory | None = None):
         self.front = front
-        self.methods = GrpcMethods(front, shared_memory)
+        self.methods = GrpcMethods(front, shared_memory, cuda_memory=cuda_memory)
         self.guard = guard
         self.host = host
         self.port = port

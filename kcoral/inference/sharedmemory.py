@@ -20,6 +20,11 @@ descriptor is closed when the last of them lets go, never under a read or
 write in a thread: a closed descriptor's number is the next one the process
 opens, perhaps another client's region, which an inference still holding
 the old number would then read from and write into.
+
+A region is one of two kinds behind L{IRegion}: a system one here, a CUDA
+one (L{kcoral.inference.cudasharedmemory}) in device memory. Both kinds
+share one registry, one namespace of names per client token as in Triton,
+and one way of naming them in an inference, read and written here.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ import weakref
 import attrs
 from tritonclient.grpc import service_pb2
 from twisted.internet.defer import Deferred, succeed
+from zope.interface import Attribute, Interface, implementer
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest
 from kcoral.inference.message import GrpcAnswer, IInferMessage, RestMessage
-from kcoral.protocol.inference import MAX_HEADER_BYTES, InferAnswer, rest_of_grpc_infer
+from kcoral.protocol.inference import (
+    MAX_HEADER_BYTES,
+    ON_REACTOR_BYTES,
+    InferAnswer,
+    rest_of_grpc_infer,
+)
 
-__all__ = ["SHM_DIR", "Caller", "Placement", "SharedMemory"]
+__all__ = ["SHM_DIR", "SYSTEM", "Caller", "IRegion", "Placement", "SharedMemory"]
 
 #: Where Linux keeps POSIX shared-memory objects: C{shm_open("/x")} is
 #: the file C{/dev/shm/x}.
@@ -68,6 +79,11 @@ ROUTER = ("a Router serves no shared memory: its clients' regions are on another
           "register them with the server or node gateway on the client's host")
 #: Why a client on another host is refused.
 NOT_LOOPBACK = "shared memory is served only to clients on this host (loopback)"
+#: The kind of a system shared-memory region.
+SYSTEM = "system"
+#: A size past what L{off_reactor} does on the reactor: a region whose
+#: reads and writes wait on its device is always read and written in a thread.
+IN_THREAD = ON_REACTOR_BYTES + 1
 
 
 @attrs.frozen
@@ -87,6 +103,26 @@ class Caller:
             return False
 
 
+class IRegion(Interface):
+    """A registered region of one kind, which lets go of what it holds
+    (a descriptor, a device mapping) once no one holds it."""
+
+    name = Attribute("Its name, as its client registered it.")
+    byte_size = Attribute("How many bytes it holds.")
+    kind = Attribute("Which kind it is: L{SYSTEM}, or a device's (its status's family).")
+    on_device = Attribute("Whether its reads and writes wait on a device (then in a thread).")
+
+    def status() -> dict:
+        """Its status, in Triton's form for its kind."""
+
+    def read_into(offset: int, view: memoryview) -> None:
+        """Its bytes from C{offset}, as many as C{view} holds, into C{view}."""
+
+    def write(offset: int, data: memoryview) -> None:
+        """C{data} into it at C{offset}."""
+
+
+@implementer(IRegion)
 @attrs.frozen(eq=False)
 class _Region:
     """A registered region: C{byte_size} bytes from C{offset} of the object
@@ -97,6 +133,8 @@ class _Region:
     offset: int
     byte_size: int
     fd: int
+    kind = SYSTEM
+    on_device = False
 
     def __attrs_post_init__(self) -> None:
         weakref.finalize(self, os.close, self.fd)
@@ -105,35 +143,41 @@ class _Region:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}
 
+    def read_into(self, offset: int, view: memoryview) -> None:
+        start, done = self.offset + offset, 0
+        while done < len(view):
+            count = os.preadv(self.fd, [view[done:]], start + done)
+            if count == 0:
+                raise BadRequest(f"shared memory region {self.name[:64]!r} is shorter "
+                                 "than it was when registered")
+            done += count
+
+    def write(self, offset: int, data: memoryview) -> None:
+        # The object may have shrunk since it was registered: a write past
+        # its end would grow it again, which its owner did not ask for.
+        if os.fstat(self.fd).st_size < self.offset + offset + len(data):
+            raise BadRequest(f"shared memory region {self.name[:64]!r} is shorter than it "
+                             "was when registered")
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self.fd, data[written:], self.offset + offset + written)
+
 
 @attrs.frozen
 class _Slice:
     """Where an input or output lies: C{size} bytes from C{offset} of C{region}."""
 
-    region: _Region
+    region: IRegion
     offset: int
     size: int
 
     def read_into(self, view: memoryview) -> None:
         """Its bytes into C{view}, of its size."""
-        start, done = self.region.offset + self.offset, 0
-        while done < self.size:
-            count = os.preadv(self.region.fd, [view[done:]], start + done)
-            if count == 0:
-                raise BadRequest(f"shared memory region {self.region.name[:64]!r} is shorter "
-                                 "than it was when registered")
-            done += count
+        self.region.read_into(self.offset, view)
 
     def write(self, data: memoryview) -> None:
-        # The object may have shrunk since it was registered: a write past
-        # its end would grow it again, which its owner did not ask for.
-        if os.fstat(self.region.fd).st_size < self.region.offset + self.offset + self.size:
-            raise BadRequest(f"shared memory region {self.region.name[:64]!r} is shorter than it "
-                             "was when registered")
-        written = 0
-        while written < len(data):
-            written += os.pwrite(self.region.fd, data[written:],
-                                 self.region.offset + self.offset + written)
+        """C{data}, at most its size, into its place."""
+        self.region.write(self.offset, data)
 
 
 @attrs.frozen
@@ -149,7 +193,8 @@ class Placement:
         assert isinstance(answer, InferAnswer)
         if not self.outputs:
             return succeed(answer)
-        return off_reactor(len(answer.body), self._placed, answer)
+        on_device = any(where.region.on_device for where in self.outputs.values())
+        return off_reactor(IN_THREAD if on_device else len(answer.body), self._placed, answer)
 
     def _placed(self, answer: InferAnswer) -> InferAnswer:
         view = memoryview(answer.body)
@@ -197,7 +242,7 @@ class SharedMemory:
         self._max_bytes = max_bytes
         self._namespaced = namespaced
         self._directory = directory
-        self._regions: dict[bytes, dict[str, _Region]] = {}
+        self._regions: dict[bytes, dict[str, IRegion]] = {}
 
     @property
     def descriptors(self) -> int:
@@ -229,7 +274,19 @@ class SharedMemory:
         if byte_size > self._max_bytes:
             raise BadRequest(f"failed to register shared memory region {name[:64]!r}: byte_size "
                              f"{byte_size} is over the {self._max_bytes} bytes a request may hold")
-        regions = self._regions.setdefault(self._space(caller), {})
+        self.room(caller, name)
+        fd = self._open(key)
+        size = os.fstat(fd).st_size
+        if offset + byte_size > size:
+            os.close(fd)
+            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: offset "
+                             f"{offset} and byte_size {byte_size} run past the object's "
+                             f"{size} bytes")
+        self.add(caller, _Region(name, key, offset, byte_size, fd))
+
+    def room(self, caller: Caller, name: str) -> None:
+        """L{BadRequest} unless C{caller} may register a region C{name}, of any kind."""
+        regions = self._regions.get(self._space(caller), {})
         if name in regions:
             raise BadRequest(f"shared memory region {name[:64]!r} already in manager")
         if len(regions) >= MAX_REGIONS:
@@ -238,14 +295,12 @@ class SharedMemory:
         if sum(map(len, self._regions.values())) >= MAX_OPEN_REGIONS:
             raise BadRequest(f"failed to register shared memory region {name[:64]!r}: "
                              f"{MAX_OPEN_REGIONS} regions of all clients are registered")
-        fd = self._open(key)
-        size = os.fstat(fd).st_size
-        if offset + byte_size > size:
-            os.close(fd)
-            raise BadRequest(f"failed to register shared memory region {name[:64]!r}: offset "
-                             f"{offset} and byte_size {byte_size} run past the object's "
-                             f"{size} bytes")
-        regions[name] = _Region(name, key, offset, byte_size, fd)
+
+    def add(self, caller: Caller, region: IRegion) -> None:
+        """Register C{region} of any kind for C{caller}, if there is L{room}
+        for it still (its opening may have run in a thread)."""
+        self.room(caller, region.name)
+        self._regions.setdefault(self._space(caller), {})[region.name] = region
 
     def _open(self, key: str) -> int:
         """The object C{key}, open to read and write: a regular file of
@@ -265,24 +320,35 @@ class SharedMemory:
         return fd
 
     def unregister(self, caller: Caller, name: str | None) -> None:
-        """Unregister region C{name} of C{caller}'s (None: all of them)."""
-        regions = self._regions.get(self._space(caller), {})
-        if name is None:
-            regions.clear()
-            return
-        if name not in regions:
+        """Unregister system region C{name} of C{caller}'s (None: all of them)."""
+        if not self.remove(caller, name, SYSTEM) and name is not None:
             raise BadRequest(f"Unable to find system shared memory region: {name[:64]!r}")
-        del regions[name]
+
+    def remove(self, caller: Caller, name: str | None, kind: str) -> bool:
+        """Unregister C{caller}'s region C{name} of C{kind} (None: all of
+        that kind); whether there was one. An inference in flight that
+        names it keeps it until it is done."""
+        regions = self._regions.get(self._space(caller), {})
+        found = [n for n, r in regions.items() if r.kind == kind and name in (None, n)]
+        for n in found:
+            del regions[n]
+        return bool(found)
 
     def status(self, caller: Caller, name: str | None) -> list[dict]:
-        """The status of region C{name} of C{caller}'s (None: all of them)."""
-        regions = self._regions.get(self._space(caller), {})
+        """The status of system region C{name} of C{caller}'s (None: all of them)."""
         if name is None:
-            return [region.status() for region in regions.values()]
-        return [self._region(regions, name).status()]
+            return [region.status() for region in self.regions(caller, SYSTEM)]
+        region = self._region(self._regions.get(self._space(caller), {}), name)
+        if region.kind != SYSTEM:
+            raise BadRequest(f"Unable to find system shared memory region: {name[:64]!r}")
+        return [region.status()]
+
+    def regions(self, caller: Caller, kind: str) -> list[IRegion]:
+        """C{caller}'s regions of C{kind}."""
+        return [r for r in self._regions.get(self._space(caller), {}).values() if r.kind == kind]
 
     @staticmethod
-    def _region(regions: dict[str, _Region], name: object) -> _Region:
+    def _region(regions: dict[str, IRegion], name: object) -> IRegion:
         region = regions.get(name) if isinstance(name, str) else None
         if region is None:
             raise BadRequest(f"Unable to find shared memory region: {str(name)[:64]!r}")
@@ -318,12 +384,19 @@ class SharedMemory:
             if not isinstance(header, dict) or not isinstance(header.get("inputs", []), list) \
                     or not isinstance(header.get("outputs") or [], list):
                 return None
-            return off_reactor(self._bound(header), self._rest, caller, message, header, size)
+            return off_reactor(self._in_thread(caller) or self._bound(header), self._rest, caller,
+                               message, header, size)
         pb = getattr(message, "message", None)
         if not isinstance(pb, service_pb2.ModelInferRequest) or not any(
                 REGION in t.parameters for t in (*pb.inputs, *pb.outputs)):
             return None
-        return off_reactor(self._bound_of(pb), self._grpc, caller, pb)
+        return off_reactor(self._in_thread(caller) or self._bound_of(pb), self._grpc, caller, pb)
+
+    def _in_thread(self, caller: Caller) -> int:
+        """L{IN_THREAD} where C{caller} holds a region on a device (whose
+        copies wait for the device's work), else 0."""
+        regions = self._regions.get(self._space(caller), {}).values()
+        return IN_THREAD if any(r.on_device for r in regions) else 0
 
     def _bound(self, header: dict) -> int:
         """How many bytes a request's regions may give it, at most: for

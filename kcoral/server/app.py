@@ -21,6 +21,7 @@ from kcoral._version import __version__
 from kcoral.common.queue import QueueFull, QueueTimeout
 from kcoral.common.report import Sandbox
 from kcoral.errors import BadRequest, KCoralError, ProgramFailed, ServerBusy
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.rest import InferenceRoutes
 from kcoral.inference.sharedmemory import SharedMemory
 from kcoral.logs import debug_enabled
@@ -60,7 +61,8 @@ class ServerApp:
                  registry: CollectorRegistry, tracing: ITracing = NO_TRACING,
                  client_guard: IGuard | None = None,
                  inference: Callable[[ServerApp], ServerInference] | None = None,
-                 run_limit: RunLimit = NO_RUN_LIMIT, shared_memory: SharedMemory | None = None):
+                 run_limit: RunLimit = NO_RUN_LIMIT, shared_memory: SharedMemory | None = None,
+                 cuda_memory: CudaSharedMemory | None = None):
         self.executor = executor
         self.admission = admission
         self._threadpool = threadpool
@@ -73,6 +75,8 @@ class ServerApp:
         self.sandbox = Sandbox("off", no_new_privs=False, seccomp=False, landlock_abi=0)
         #: The system shared-memory regions its clients registered.
         self.shared_memory = shared_memory
+        #: The CUDA shared-memory regions they registered, in the same registry.
+        self.cuda_memory = cuda_memory
         #: How long a run may execute (by default, for ever).
         self.run_limit = run_limit
         self.status = STARTING
@@ -92,7 +96,8 @@ class ServerApp:
                                         ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
             routes.update(InferenceRoutes(self.inference, self.shared_memory,
-                                          named_owners=True).handlers())
+                                          named_owners=True, cuda_memory=self.cuda_memory
+                                          ).handlers())
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- health -----------------------------------------------------------

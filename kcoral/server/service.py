@@ -21,6 +21,12 @@ from kcoral.common.announce import announce
 from kcoral.common.queue import WaitQueue
 from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS, ServerConfig
 from kcoral.heap import settle
+from kcoral.inference.cudasharedmemory import (
+    CUDA_OFF,
+    NO_GPU,
+    CudaSharedMemory,
+    IDeviceMemoryOpener,
+)
 from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.sharedmemory import OFF, SharedMemory
 from kcoral.metrics import HttpMetrics
@@ -58,11 +64,16 @@ EXIT_GRACE_SECONDS = 1.0
 
 
 class ServerService(service.MultiService):
-    """Loads the device off the reactor, serves, and drains on stop."""
+    """
+    Loads the device off the reactor, serves, and drains on stop. Its
+    clients' CUDA shared-memory regions are opened with C{device_memory}
+    where given, else with CUDA's once the device it loaded is a GPU.
+    """
 
     exit_status = 0
 
-    def __init__(self, config: ServerConfig, reactor):
+    def __init__(self, config: ServerConfig, reactor, *,
+                 device_memory: IDeviceMemoryOpener | None = None):
         super().__init__()
         self.config = config
         self._reactor = reactor
@@ -124,11 +135,14 @@ class ServerService(service.MultiService):
         self._tracing = tracing_maker(config.tracing, "kcoral-server")
         shared_memory = SharedMemory(refused=None if config.allow_client_shm else OFF,
                                      max_bytes=config.max_request_bytes, namespaced=guard is not None)
+        self.cuda_memory = CudaSharedMemory(
+            shared_memory, refused=self._cuda_refused(device_memory is not None),
+            opener=device_memory, max_bytes=config.max_request_bytes)
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
                              client_guard=guard, inference=inference,
                              run_limit=RunLimit(config.max_run_seconds, reactor, self._ran_too_long),
-                             shared_memory=shared_memory)
+                             shared_memory=shared_memory, cuda_memory=self.cuda_memory)
         watch(guard, self)
         site = KCoralSite(self.app.resource(), metrics=HttpMetrics(registry, ROUTES),
                           max_request_bytes=config.max_request_bytes, log=log, clock=reactor,
@@ -148,8 +162,15 @@ class ServerService(service.MultiService):
                 self.app.inference, reactor=reactor, host=config.host, port=config.grpc_port,
                 max_message_bytes=config.max_request_bytes, guard=guard,
                 tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
-                else None, client_ca=config.tls_client_ca, shared_memory=self.app.shared_memory)
+                else None, client_ca=config.tls_client_ca, shared_memory=self.app.shared_memory,
+                cuda_memory=self.cuda_memory)
             self.grpc.setServiceParent(self)
+
+    def _cuda_refused(self, on_gpu: bool) -> str | None:
+        """Why CUDA shared memory is refused (None: it is served)."""
+        if not on_gpu:
+            return NO_GPU
+        return None if self.config.allow_client_shm else CUDA_OFF
 
     def privilegedStartService(self):
         super().privilegedStartService()
@@ -180,6 +201,8 @@ class ServerService(service.MultiService):
         threads = cast(ThreadPool, self._threadpool)
         try:
             info = yield deferToThreadPool(self._reactor, threads, self.executor.load)
+            if info.platform == "cuda":
+                self.cuda_memory.refused = self._cuda_refused(True)
             if self.control is not None:
                 # Every model compiled before the server says it is ready.
                 yield deferToThreadPool(self._reactor, threads,
