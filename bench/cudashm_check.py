@@ -10,11 +10,18 @@ it also checks that a size past the exported memory, and a read past the
 region, are refused.
 This process then checks what it finds in its memory.
 
+Then an inference end to end: a standalone server on the same GPU
+(``--allow-client-shm``, confined as by default) serving Triton's
+``simple`` (INT32 ``[1, 16]`` inputs to their sum and difference); this
+process registers an input and an output region with Triton's HTTP and gRPC
+clients, infers through them with each, and checks the outputs it finds in
+its device memory; a slice past a region is refused.
+
     python3 -m bench.cudashm_check --gpus 0
 
-The last line says what was found; the exit status is 0 only if both
-processes saw the right bytes. An IPC handle cannot be opened by the
-process that made it, hence two.
+The last line says what was found; the exit status is 0 only if every
+check passed. An IPC handle cannot be opened by the process that made it,
+hence two processes.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -63,6 +72,100 @@ def owner(device: int) -> int:
         return 1
     print(f"CUDA shared memory on GPU {device}: {SIZE} bytes registered from Triton's JSON, "
           "opened in another process, read into JAX and written back, bit for bit")
+    return served(runtime, device)
+
+
+class DeviceBuffer:
+    """C{size} bytes of this process's memory on the GPU, and their IPC handle."""
+
+    def __init__(self, runtime, size: int):
+        self.runtime, self.size = runtime, size
+        self.pointer = _call(runtime, runtime.cudaMalloc(size))
+        self.handle = base64.b64encode(bytes(_call(runtime, runtime.cudaIpcGetMemHandle(
+            self.pointer)).reserved))
+
+    def put(self, data: bytes) -> None:
+        host = np.frombuffer(data, np.uint8)
+        _call(self.runtime, self.runtime.cudaMemcpy(
+            self.pointer, host.ctypes.data, host.nbytes,
+            self.runtime.cudaMemcpyKind.cudaMemcpyHostToDevice))
+
+    def get(self) -> np.ndarray:
+        out = np.empty(self.size, np.uint8)
+        _call(self.runtime, self.runtime.cudaMemcpy(
+            out.ctypes.data, self.pointer, self.size,
+            self.runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        return out
+
+    def free(self) -> None:
+        _call(self.runtime, self.runtime.cudaFree(self.pointer))
+
+
+def served(runtime, device: int) -> int:
+    """Infer Triton's C{simple} through two regions of this process's device
+    memory, on a server on the same GPU, over REST and gRPC."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from bench.support.child import KCoralChild
+
+    # The bundle is exported on the CPU (for both platforms): this process
+    # leaves the GPU's memory to the server.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import kcoral
+
+    repository = tempfile.mkdtemp(prefix="kcoral-cudashm-")
+    x = np.zeros((1, 16), np.int32)
+    kcoral.export_bundle(lambda a, b: (a + b, a - b), None, x, x, dir=f"{repository}/simple",
+                         name="simple", input_names=["INPUT0", "INPUT1"],
+                         output_names=["OUTPUT0", "OUTPUT1"])
+    server = KCoralChild(
+        ["server", "--port", "0", "--grpc-port", "0", "--gpus", str(device), "--allow-client-shm",
+         "--model-repository", repository],
+        {"url": r"kcoral server listening on http://(\S+)", "grpc": r"over gRPC on (\S+)",
+         "ready": r"kcoral server (ready) on"}, name="server", env={"JAX_PLATFORMS": None})
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 7, np.int32)
+    inputs, outputs = DeviceBuffer(runtime, 128), DeviceBuffer(runtime, 128)
+    try:
+        inputs.put(a.tobytes() + b.tobytes())
+        for module, address in ((httpclient, server.found["url"]),
+                                (grpcclient, server.found["grpc"])):
+            outputs.put(bytes(128))
+            client = module.InferenceServerClient(address)
+            try:
+                client.register_cuda_shared_memory("in", inputs.handle, device, 128)
+                client.register_cuda_shared_memory("out", outputs.handle, device, 128)
+                tensors = [module.InferInput("INPUT0", [1, 16], "INT32"),
+                           module.InferInput("INPUT1", [1, 16], "INT32")]
+                tensors[0].set_shared_memory("in", 64)
+                tensors[1].set_shared_memory("in", 64, offset=64)
+                wanted = [module.InferRequestedOutput("OUTPUT0"),
+                          module.InferRequestedOutput("OUTPUT1")]
+                wanted[0].set_shared_memory("out", 64)
+                wanted[1].set_shared_memory("out", 64, offset=64)
+                client.infer("simple", tensors, outputs=wanted)
+                found = outputs.get().view(np.int32).reshape(2, 16)
+                assert np.array_equal(found[0], (a + b)[0]), f"OUTPUT0 is {found[0]}"
+                assert np.array_equal(found[1], (a - b)[0]), f"OUTPUT1 is {found[1]}"
+                tensors[1].set_shared_memory("in", 64, offset=100)
+                try:
+                    client.infer("simple", tensors, outputs=wanted)
+                except InferenceServerException as e:
+                    assert "Invalid offset + byte size" in str(e), e
+                else:
+                    raise AssertionError("a slice past the region was read")
+                client.unregister_cuda_shared_memory()
+                print(f"{module.__name__}: inputs read from and outputs written to CUDA regions")
+            finally:
+                client.close()
+    finally:
+        inputs.free()
+        outputs.free()
+        server.stop()
+    print(f"CUDA shared memory on GPU {device}: opened by the opener, and an inference through "
+          "it on a confined server over REST and gRPC, outputs as JAX computes them")
     return 0
 
 

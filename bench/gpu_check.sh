@@ -16,7 +16,8 @@
 # 2. devices: nvidia-smi and the devices JAX sees, which must be GPUs; then
 #    CUDA shared memory as Triton's clients share it: a region exported by
 #    this process, opened by KCoral's opener in another, read into JAX and
-#    written back (bench.cudashm_check);
+#    written back, then an inference through two regions on a server on the
+#    same GPU, over REST and gRPC (bench.cudashm_check);
 # 3. node: a node of one worker on GPU 0 (a supervisor, its gateway and the
 #    worker, confined as by default), its /health (the gpu_target, and the
 #    sandbox the worker says it runs in, the same as the worker's own), no
@@ -142,7 +143,7 @@ step install 60 bash -c '[ -f "$2/requirements.txt" ] || { echo "no wheels in $2
 }
 
 if [ "$MODE" = gpu ]; then
-    step devices 45 bash -c 'nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv \
+    step devices 100 bash -c 'nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv \
         && "$0" -c "import jax; print(jax.__version__, jax.devices()); assert jax.devices()[0].platform == \"gpu\"" \
         && "$0" -m bench.cudashm_check --gpus 0' "$PY"
 else
