@@ -323,3 +323,30 @@ async def test_one_answer_alone_is_refused_in_tritons_words(front):
         over_rest.message())
     answers = await in_thread(stream, address, [("repeat", 7, False)])
     assert [a[2] for a in answers] == [[i] for i in range(REPEATS)]
+
+
+def cancelled_stream(address: str, count: int) -> str:
+    """tritonclient's stream of C{count} requests of repeat, cancelled
+    (stop_stream(cancel_requests=True)) once its first answer has come: that answer's id."""
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        client.start_stream(lambda result, error: got.put((result, error)))
+        for index in range(count):
+            client.async_stream_infer("repeat", inputs(grpcclient, "repeat", index),
+                                      request_id=str(index))
+        result, error = got.get(timeout=30)
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    return error.message() if error is not None else result.get_response().id
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_cancelled_stream_of_a_decoupled_model_leaves_the_front_serving(front):
+    """A stream of 64 requests of repeat that tritonclient cancels once its first answer (the
+    first request's) has come leaves the front serving: another stream is answered whole."""
+    address, _ = front
+    assert await in_thread(cancelled_stream, address, 64) == "0"
+    answers = await in_thread(stream, address, [("repeat", 9, True), ("double", 1, False)])
+    assert [(a[0], a[3]) for a in answers] == [("0", False)] * REPEATS + [("0", True), ("1", True)]
