@@ -262,6 +262,23 @@ def test_where_it_is_not_served_a_well_formed_registration_is_refused_naming_why
     assert cuda.status(A, None) == []
 
 
+@pytest.mark.parametrize("opener, allowed, refused", [
+    (False, True, NO_GPU), (True, False, CUDA_OFF), (True, True, None)])
+def test_a_server_serves_cuda_regions_on_a_device_it_can_open_and_with_the_option(
+        tmp_path, opener, allowed, refused):
+    """A standalone server refuses CUDA regions naming why until it has a
+    device it can open them on (the CUDA opener's once its device is a GPU,
+    or one given), and without --allow-client-shm names the option."""
+    from twisted.internet.task import Clock
+
+    from kcoral.common.serverconfig import ServerConfig
+    from kcoral.server.service import ServerService
+
+    server = ServerService(ServerConfig(port=0, gpus="none", allow_client_shm=allowed), Clock(),
+                           device_memory=HostMemoryOpener(str(tmp_path)) if opener else None)
+    assert server.cuda_memory.refused == refused
+
+
 def _failure(d):
     """The Failure a Deferred that has failed holds (then handled)."""
     out: list = []

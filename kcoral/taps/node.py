@@ -155,7 +155,8 @@ class NodeOptions(KCoralOptions):
                                    "own: slower) [node file: batch_invariant].")],
         ["allow-client-shm", None, ("Serve system shared memory to clients on this host: they "
                                     "name any object of /dev/shm, which the server or gateway "
-                                    "opens [node file: allow_client_shm].")],
+                                    "opens; and CUDA shared memory, on a standalone server on "
+                                    "a GPU [node file: allow_client_shm].")],
     ]
 
     environment = {"router": "KCORAL_ROUTER_ENDPOINT", "node-id": "KCORAL_NODE_ID",
