@@ -350,3 +350,53 @@ async def test_a_cancelled_stream_of_a_decoupled_model_leaves_the_front_serving(
     assert await in_thread(cancelled_stream, address, 64) == "0"
     answers = await in_thread(stream, address, [("repeat", 9, True), ("double", 1, False)])
     assert [(a[0], a[3]) for a in answers] == [("0", False)] * REPEATS + [("0", True), ("1", True)]
+
+
+def through_shared_memory(address: str) -> tuple[list, list, np.ndarray]:
+    """repeat's IN read out of a system shared-memory region, on a stream: its answers when its
+    outputs come in them, then when OUT is asked into a region; and that region after."""
+    import tritonclient.utils.shared_memory as shm
+
+    key = f"/kcoral-decoupled-{os.getpid()}"
+    given = shm.create_shared_memory_region("in", key + "-in", 4 * REPEATS)
+    out = shm.create_shared_memory_region("out", key + "-out", 4 * REPEATS)
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        shm.set_shared_memory_region(given, [np.arange(30, 30 + REPEATS, dtype=np.int32)])
+        client.register_system_shared_memory("in", key + "-in", 4 * REPEATS)
+        client.register_system_shared_memory("out", key + "-out", 4 * REPEATS)
+        answers = []
+        for into_region in (False, True):
+            got: queue.Queue = queue.Queue()
+            tensors = inputs(grpcclient, "repeat", 0)
+            tensors[0].set_shared_memory("in", 4 * REPEATS)
+            asked = [grpcclient.InferRequestedOutput("OUT"), grpcclient.InferRequestedOutput("IDX")]
+            if into_region:
+                asked[0].set_shared_memory("out", 4 * REPEATS)
+            client.start_stream(lambda result, error, got=got: got.put((result, error)))
+            client.async_stream_infer("repeat", tensors, outputs=asked, request_id="s")
+            client.stop_stream()
+            answers.append([error.message() if error is not None else
+                            result.as_numpy("OUT").tolist() for result, error in got.queue])
+        # A copy: the view is of the mapping, unmapped below.
+        return answers[0], answers[1], shm.get_contents_as_numpy(out, np.int32, [REPEATS]).copy()
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+        shm.destroy_shared_memory_region(given)
+        shm.destroy_shared_memory_region(out)
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_decoupled_model_reads_shared_memory_and_answers_in_its_answers(
+        processes, tmp_path):
+    """A standalone server with --allow-client-shm: a decoupled model's input is read out of
+    a region, each answer as from the wire; its outputs asked into a region are refused on the
+    stream (one slice cannot hold several answers'), the region left as it was."""
+    repository = export_models(tmp_path)
+    address, _, _ = await start_grpc_front(processes, "server", server_args(
+        "--model-repository", repository, "--grpc-port", "0", "--allow-client-shm"))
+    in_answers, into_region, region = await in_thread(through_shared_memory, address)
+    assert in_answers == [[30 + i] for i in range(REPEATS)]
+    assert len(into_region) == 1 and "not written to shared memory" in into_region[0], into_region
+    assert region.tolist() == [0] * REPEATS

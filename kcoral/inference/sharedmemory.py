@@ -46,6 +46,7 @@ from zope.interface import Attribute, Interface, implementer
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest
 from kcoral.inference.message import GrpcAnswer, IInferMessage, RestMessage
+from kcoral.protocol.decoupled import DECOUPLED_ANSWERS
 from kcoral.protocol.inference import (
     MAX_HEADER_BYTES,
     ON_REACTOR_BYTES,
@@ -200,6 +201,11 @@ class Placement:
         view = memoryview(answer.body)
         size = len(view) if answer.header_length is None else answer.header_length
         header = json.loads(bytes(view[:size]))
+        if (header.get("parameters") or {}).get(DECOUPLED_ANSWERS):
+            # One slice cannot hold several answers' outputs: refused before
+            # any is written over.
+            raise BadRequest("a decoupled model's outputs are not written to shared memory: "
+                             "ask for them in its answers")
         offset, kept = size, []
         for output in header.get("outputs", []):
             parameters = output.get("parameters") or {}
