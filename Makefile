@@ -73,7 +73,8 @@ docs: $(DOCS_STAMP)
 # its own load). large runs its 16 MiB and 5 ms bodies at one connection.
 bench: $(STAMP) hosts-tools
 	@failed=; \
-	run() { echo "== python -m bench.$$*"; $(PY) -m bench."$$@" || failed="$$failed $$1"; }; \
+	run() { echo "== python -m bench.$$*"; started=$$(date +%s); \
+	  $(PY) -m bench."$$@" || failed="$$failed $$1"; echo "== bench.$$1: $$(($$(date +%s) - started)) s"; }; \
 	skip() { echo "== bench.$$1: skipped, $$2"; }; \
 	have() { for tool; do command -v $$tool >/dev/null 2>&1 || return 1; done; }; \
 	for name in server router routing node pool programcheck kept_request shm decode training sequence chaos; do \

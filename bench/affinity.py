@@ -55,7 +55,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +67,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.support.child import ChildFailed, KCoralChild, start_jax, until
+from bench.support.ports import free_port
 from bench.support.procstat import cpu_seconds
 from bench.support.services import start_bare_proxy
 from bench.support.timing import percentile
@@ -109,12 +109,6 @@ def start_node(router_url: str, index: int) -> tuple[KCoralChild, list[str], lis
                        ready, name=f"node{index}")
     return (node, [node.found[name] for name in names],
             [int(node.found[f"{name} pid"]) for name in names])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def haproxy_config(port: int, workers: list[str], balance: str) -> str:

@@ -65,7 +65,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.support.child import KCoralChild, child_environment, start_jax, until, write_results
+from bench.support.ports import free_port
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 from bench.support.programs import programs
 from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
@@ -128,12 +128,6 @@ def post(url: str, body: Path, digest: str, content_type: str) -> bytes:
                                               "X-KCoral-Program": digest})
     with urllib.request.urlopen(request, timeout=300) as answer:
         return answer.read()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- HAProxy ----------------------------------------------------------------------

@@ -80,7 +80,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -97,6 +96,7 @@ import numpy as np
 
 from bench.support import serving_model as model
 from bench.support.child import ChildFailed, KCoralChild, start_jax, until, write_results
+from bench.support.ports import free_port
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,12 +125,6 @@ TARGET_TRITON_C1 = 0.9
 TARGET_KSERVE = 3.0
 TARGET_ROUTER = 0.9
 TARGET_BATCH = 0.8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the peers' venvs and perf_analyzer ---------------------------------------
