@@ -73,7 +73,7 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-from bench.support.child import KCoralChild, child_environment, start_jax, until, write_results
+from bench.support.child import KCoralChild, child_environment, command_line, start_jax, until, write_results
 from bench.support.ports import free_port
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 from bench.support.programs import programs
@@ -544,7 +544,7 @@ def main() -> int:
                                inline=True))
         haproxy_version = subprocess.run(["haproxy", "-v"], capture_output=True,
                                          text=True).stdout.split(" - ")[0]
-        results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+        results = {"command": command_line(),
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                    "jax": jax.__version__, "device": str(device), "haproxy": haproxy_version,

@@ -47,11 +47,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.support.child import start_jax, write_results
+from bench.support.child import command_line, start_jax, write_results
 from bench.support.kept_loops import (
     Traffic,
     Way,
@@ -254,7 +253,7 @@ def main() -> int:
     layers = args.layers or calibrate(args.step_ms / 1000, device)
     params = initial_params(np.random.default_rng(0), layers)
     cache = empty_cache(layers)
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv), **machine(),
+    results = {"command": command_line(), **machine(),
                "jax": jax.__version__, "device": str(device), "layers": layers, "tokens": TOKENS,
                "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
                "cache_bytes": cache.nbytes}

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from bench.compare import Body, measure, post, start_haproxy
-from bench.support.child import start_jax, start_py_spy, stop_py_spy, write_results
+from bench.support.child import command_line, start_jax, start_py_spy, stop_py_spy, write_results
 from bench.support.procstat import cpu_seconds
 from bench.support.programs import programs
 from bench.support.services import CAPACITY, start_bare_proxy, start_node, start_router, wait_ready
@@ -184,7 +184,7 @@ def main() -> int:
                 del big
         haproxy_version = subprocess.run(["haproxy", "-v"], capture_output=True,
                                          text=True).stdout.split(" - ")[0]
-        results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+        results = {"command": command_line(),
                    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                    "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                    "jax": jax.__version__, "haproxy": haproxy_version,

@@ -45,9 +45,8 @@ import platform
 import sys
 import threading
 import time
-from pathlib import Path
 
-from bench.support.child import KCoralChild, write_results
+from bench.support.child import KCoralChild, command_line, write_results
 from bench.support.procstat import OutsideLoad, cpu_seconds
 from bench.support.quick import parse_quick
 from bench.support.timing import percentile
@@ -286,7 +285,7 @@ def main() -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+    results = {"command": command_line(),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "seconds": args.seconds, "throughput": []}

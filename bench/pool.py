@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from bench.support.answers import read_answer
-from bench.support.child import write_results
+from bench.support.child import command_line, write_results
 from bench.support.procstat import cpu_seconds
 from bench.support.quick import parse_quick
 from bench.support.services import start_router
@@ -358,7 +358,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard < args.runs + 4 * max(counts) + 100:
         parser.error(f"{args.runs} runs at once need more open files than the limit, {hard}")
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+    results = {"command": command_line(),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                "load": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
                "runs": args.runs, "delay": args.delay, "report_seconds": args.report_seconds,

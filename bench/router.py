@@ -64,7 +64,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.support.answers import BadAnswer, read_answer
-from bench.support.child import KCoralChild, start_jax, start_py_spy, stop_py_spy, write_results
+from bench.support.child import KCoralChild, command_line, start_jax, start_py_spy, stop_py_spy, write_results
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 from bench.support.programs import programs
 from bench.support.quick import parse_quick
@@ -350,7 +350,7 @@ def main() -> int:
 
     wanted = args.programs.split(",")
     concurrency = [int(c) for c in args.clients.split(",")]
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+    results = {"command": command_line(),
                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                "jax": jax.__version__, "device": str(device),
                "seconds": args.seconds, "rounds": args.rounds,

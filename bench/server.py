@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.support.child import KCoralChild, start_jax, write_results
+from bench.support.child import KCoralChild, command_line, start_jax, write_results
 from bench.support.procstat import cpu_seconds
 from bench.support.programs import programs
 from bench.support.quick import parse_quick
@@ -172,7 +172,7 @@ def main() -> int:
     from kcoral import Client, Program
 
     rng = np.random.default_rng(0)
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+    results = {"command": command_line(),
                "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs ({platform.machine()})",
                "jax": jax.__version__, "device": str(device), "latency": [],
                "load_before": os.getloadavg()[0]}

@@ -95,7 +95,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.support import serving_model as model
-from bench.support.child import ChildFailed, KCoralChild, start_jax, until, write_results
+from bench.support.child import ChildFailed, KCoralChild, command_line, start_jax, until, write_results
 from bench.support.ports import free_port
 from bench.support.procstat import cpu_seconds, machine_busy_seconds
 
@@ -710,7 +710,7 @@ def main() -> int:
     measured = [f for f in fronts if f in ("gateway", "router", "triton", "server")]
     perf_analyzer = ensure_perf_analyzer() if args.load == "perf_analyzer" and measured else None
 
-    results = {"command": " ".join(sys.argv), "machine": machine(), "seconds": seconds,
+    results = {"command": command_line(), "machine": machine(), "seconds": seconds,
                "max_batch_delay_us": args.max_batch_delay, "cells": []}
     started: list[Front] = []
     directory = Path(tempfile.mkdtemp(prefix="kcoral-serving-"))
@@ -823,7 +823,7 @@ def main_swap(args) -> int:
         return 1
     finally:
         stop_all(started, directory)
-    results = {"command": " ".join(sys.argv), "machine": machine(), "swap": result}
+    results = {"command": command_line(), "machine": machine(), "swap": result}
     write_results(results, args.json)
     print(f"\nswap: {result['failed_requests']} failed requests, p99 during / before "
           f"{fmt(result['p99_ratio'], '.2f')}x, version 2 alone after "

@@ -51,11 +51,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.support.child import start_jax, write_results
+from bench.support.child import command_line, start_jax, write_results
 from bench.support.kept_loops import (
     Traffic,
     Way,
@@ -249,7 +248,7 @@ def main() -> int:
     params, opt_state = initial_state(rng)
     data = list(batches(rng, args.steps))
     warm = stand_in(data[0])
-    results = {"command": " ".join([Path(sys.executable).name] + sys.argv), **machine(),
+    results = {"command": command_line(), **machine(),
                "jax": jax.__version__, "device": str(device), "steps": args.steps,
                "exact": args.gpus == "none",
                "state_bytes": sum(a.nbytes for a in jax.tree.leaves((params, opt_state))),

@@ -326,6 +326,14 @@ def start_jax(gpus: str):
     return device
 
 
+def command_line() -> str:
+    """This process's command as it was given, for the results: with
+    C{python -m bench.NAME}, that and not the module's file."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = ["-m", spec.name] if spec is not None else sys.argv[:1]
+    return " ".join([Path(sys.executable).name, *program, *sys.argv[1:]])
+
+
 def write_results(results: object, path: str | None) -> None:
     """C{results} as JSON in the file C{path}, where one is given (--json)."""
     if path:
