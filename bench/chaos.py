@@ -423,23 +423,25 @@ class Workload:
             a = rng.integers(-50, 50, self.a_shape, dtype=np.int32)
             b = rng.integers(-50, 50, 16, dtype=np.int32)
             want = {"y": a @ b, "s": np.int32(a.sum())}
-            return "short", self.short, (a, b), lambda out: _diff(out, want)
+            return "short", self.short, (a, b), lambda out: mismatch(out, want)
         if draw < self.mix[0] + self.mix[1]:
             v = rng.integers(-1000, 1000, self.v_shape, dtype=np.int32)
             want = (self.blob_sum + v, v * 2)
-            return "big", self.big, (self.blob, v), lambda out: _diff(out, want)
+            return "big", self.big, (self.blob, v), lambda out: mismatch(out, want)
         n = self.long_n[int(rng.integers(len(self.long_n)))]
         x = rng.integers(-1000, 1000, self.x_shape, dtype=np.int32)
         want = {"x": x * 3 + 1, "v": self.long_v[n], "i": np.int32(n)}
-        return "long", self.long, (np.int32(n), x, self.v0), lambda out: _diff(out, want)
+        return "long", self.long, (np.int32(n), x, self.v0), lambda out: mismatch(out, want)
 
 
-def _diff(got, want, path="outputs") -> str | None:
+def mismatch(got, want, path="outputs") -> str | None:
+    """Where C{got}, an answer's outputs, is not C{want} (the first place, named
+    by its C{path}), or None: integers exactly, floats to a tolerance."""
     if isinstance(want, dict):
         if not isinstance(got, dict) or set(got) != set(want):
             return f"{path}: {type(got).__name__} with keys {sorted(got) if isinstance(got, dict) else '-'}"
         for key in want:
-            problem = _diff(got[key], want[key], f"{path}[{key!r}]")
+            problem = mismatch(got[key], want[key], f"{path}[{key!r}]")
             if problem:
                 return problem
         return None
@@ -447,7 +449,7 @@ def _diff(got, want, path="outputs") -> str | None:
         if not isinstance(got, (tuple, list)) or len(got) != len(want):
             return f"{path}: {type(got).__name__} instead of {len(want)} items"
         for i, (g, w) in enumerate(zip(got, want)):
-            problem = _diff(g, w, f"{path}[{i}]")
+            problem = mismatch(g, w, f"{path}[{i}]")
             if problem:
                 return problem
         return None
@@ -1057,7 +1059,8 @@ def run(settings: Settings, deployment_class: Callable[..., Deployment] = Deploy
 
 # -- the table ----------------------------------------------------------------------------
 
-def _seconds(values: list[float]) -> str:
+def seconds_summary(values: list[float]) -> str:
+    """A table cell: the median and the longest of C{values}, in seconds."""
     if not values:
         return "-"
     return f"median {statistics.median(values):.1f} s, max {max(values):.1f} s"
@@ -1096,14 +1099,14 @@ def table(result: Result) -> str:
         if kind == FREEZE and of_kind:
             extra = f", {sum(f.killed for f in of_kind)} ended by the supervisor"
         if kind in (NODE_STOP, ROUTER_RESTART) and of_kind:
-            extra = f", drain {_seconds([f.seconds for f in of_kind])}"
+            extra = f", drain {seconds_summary([f.seconds for f in of_kind])}"
         if kind == CUT and of_kind:
-            extra = (f", {_seconds([f.seconds for f in of_kind])} each, "
+            extra = (f", {seconds_summary([f.seconds for f in of_kind])} each, "
                      f"{sum(f.killed for f in of_kind)} noticed by that Router")
         if kind == SUPERVISOR_KILL and of_kind:
-            extra = f", orphaned worker drained and gone {_seconds([f.seconds for f in of_kind])}"
+            extra = f", orphaned worker drained and gone {seconds_summary([f.seconds for f in of_kind])}"
         rows.append((f"faults: {kind}", f"{len(of_kind)}{extra}"))
-        rows.append((f"  recovery after {kind}", _seconds([f.recovery for f in of_kind
+        rows.append((f"  recovery after {kind}", seconds_summary([f.recovery for f in of_kind
                                                            if f.recovery is not None])))
     rows.append(("faults injected",
                  f"{len(faults)} of {s.faults}, {sum(f.overlapped for f in faults)} overlapping another"))

@@ -483,7 +483,7 @@ class LongWorkload(chaos.Workload):
         def check(out) -> str | None:
             if not isinstance(out, dict) or set(out) != {"x", "v", "k"}:
                 return f"outputs {out!r:.80}"
-            return chaos._diff({"x": out["x"], "k": out["k"]},
+            return chaos.mismatch({"x": out["x"], "k": out["k"]},
                                {"x": x * 3 + 1, "k": np.int32(self.hold_n)})
 
         return self.hold, (np.int32(self.hold_n), x, self.v0), check
@@ -544,7 +544,7 @@ def table(net: NetResult) -> str:
     for kind in NETWORK_KINDS:
         faults = [f for f in result.faults if f.kind == kind and f.target_back is not None]
         heals = [f.target_back - (f.start + f.seconds) for f in faults]
-        rows.append((f"{kind} target back after heal", chaos._seconds(heals)))
+        rows.append((f"{kind} target back after heal", chaos.seconds_summary(heals)))
     latency = sorted(r.end - r.start for r in result.records if r.end)
     rows.append(("longest request", f"{latency[-1]:.1f} s (bound {s.hang_bound:.1f} s)"
                  if latency else "-"))
