@@ -125,16 +125,18 @@ def test_the_keys_of_two_tokens_spread_independently():
 
 
 def test_only_members_that_serve_the_model_ready_are_candidates():
-    """Unhealthy members, members of a node that is not ready, of no instance, or without the
-    model (or the version asked) ready are left out; one this front suspects is not."""
+    """Members of a node that is not ready, of no instance, or without the model (or the
+    version asked) ready are left out; one this front suspects is not, nor one reported
+    unhealthy that names its instance (alive: it holds its sequences still)."""
     members = fleet(6)
     members[0].healthy = False
     members[1].node.state = "unhealthy"
     members[2].instance = None
     members[3].serves((ModelState("other", sequence=True),))
     members[4].suspect = True
-    assert candidates(members, "seq", None) == members[4:]
-    assert candidates(members, "seq", "1") == members[4:]
+    alive = [members[0], *members[4:]]
+    assert candidates(members, "seq", None) == alive
+    assert candidates(members, "seq", "1") == alive
     assert candidates(members, "seq", "2") == []
 
 
@@ -148,10 +150,11 @@ def test_every_step_goes_to_the_member_its_start_went_to():
     assert len(sequences) == 0  # ended: forgotten
 
 
-@pytest.mark.parametrize("change", ["restarted", "left", "joined", "unhealthy"])
+@pytest.mark.parametrize("change", ["restarted", "left", "joined", "exited"])
 def test_a_step_whose_start_went_to_a_member_that_no_longer_holds_it_is_lost(change):
-    """A worker restarted (a new instance), gone, outbid by a new member, or no longer healthy:
-    the sequence's next steps are 410 sequence_lost, until a START starts it again."""
+    """A worker restarted (a new instance), gone, outbid by a new member, or exited (reported
+    with no instance): the sequence's next steps are 410 sequence_lost, until a START starts
+    it again."""
     members, sequences = fleet(4), Sequences()
     holder = sequences.place(key(), START, members)
     assert holder is not None
@@ -159,8 +162,8 @@ def test_a_step_whose_start_went_to_a_member_that_no_longer_holds_it_is_lost(cha
         holder.instance = "e" * 16
     elif change == "left":
         members.remove(holder)
-    elif change == "unhealthy":
-        holder.healthy = False
+    elif change == "exited":
+        holder.healthy, holder.instance = False, None
     else:
         # A member of a name that outbids the holder for this sequence.
         members.append(next(m for i in range(1000)
@@ -499,6 +502,33 @@ def test_a_start_waiting_for_a_worker_that_restarts_starts_where_it_now_belongs(
     assert dict(proxy.forwards[2][1].headers)[OWNER_HEADER]
     proxy.forwards[2][3].callback(ok())
     assert waiting.result.body == busy.result.body == b'{"outputs": []}'
+
+
+def report_health(pool, unhealthy: str | None) -> None:
+    """The node reports its two workers, their instances the same, the one named
+    C{unhealthy} unhealthy and without its models, as its supervisor does."""
+    body = node_report(capacities=(1, 1))
+    for i, worker in enumerate(body["workers"]):
+        worker["instance"] = f"{i:016x}"
+        worker["healthy"] = worker["name"] != unhealthy
+        worker["models"] = [ONE_ROW] if worker["healthy"] else []
+    pool.report("n", parse_report(body))
+
+
+def test_a_start_waits_for_its_worker_while_it_is_reported_unhealthy():
+    """A sequence's worker reported unhealthy, its instance the same (it missed probes),
+    holds the sequence still: a START of it waits for that worker, not placed on the other
+    (which would leave the older state there, for a front that did not see this START to
+    step), and goes to it once it is reported healthy again."""
+    inference, pool, proxy, holder, _ = waiting_behind_a_restart()
+    report_health(pool, unhealthy=holder.name)
+    answers: list = []
+    inference.infer("seq", None, rest_step(7, start=True)).addBoth(answers.append)
+    assert len(proxy.forwards) == 1 and answers == []
+    report_health(pool, unhealthy=None)
+    assert len(proxy.forwards) == 2 and proxy.forwards[1][0] == holder.url
+    proxy.forwards[1][3].callback(ok())
+    assert [answer.body for answer in answers] == [b'{"outputs": []}']
 
 
 def test_the_steps_on_one_worker_share_its_slot_up_to_a_batch():

@@ -302,12 +302,13 @@ async def test_a_sequence_whose_worker_died_is_lost_and_starts_again(gateway):
 async def routed(module_processes, tmp_path_factory):
     """Routers A and B, and one node of two CPU workers serving SUMS with
     --batch-invariant (only SUMS: a lost worker starts again sooner) that reports to
-    both: the Routers' URLs and the node."""
+    both: the Routers' URLs and the node. A worker is replaced only after 20 failed
+    probes in a row, so that one the tests stop for a while is not."""
     root = await _repository(tmp_path_factory)
     both = [await start_router(module_processes, name=f"seq-router-{n}") for n in "ab"]
     node = await start_node(module_processes, ",".join(r.url for r in both), "seq-node",
                             "--cpu-workers", "2", "--model-repository", root, "--batch-invariant",
-                            *_loads([SUMS]))
+                            "--failure-threshold", "20", *_loads([SUMS]))
     for router in both:
         await until_ready(router, "seq-node")
         await until(lambda r=router: _sequences_served(r.url), "the models served", 120)
@@ -476,6 +477,20 @@ def _answer_alone(url: str, id: int, start: bool, end: bool, value: int) -> int 
         client.close()
 
 
+async def _members(url: str) -> list[Member]:
+    """The workers of the one node the Router at C{url} knows, by name, as members."""
+    [reported] = await _nodes(url)
+    return sorted((Member(PoolNode(reported["node_id"], None), w["name"], w["url"])
+                   for w in reported["workers"]), key=lambda m: m.name)
+
+
+def _holder(members: list[Member], id: int) -> str:
+    """The name of the worker of C{members} that holds sequence C{id} of SUMS."""
+    member = rendezvous(SequenceKey(None, SUMS, id), members)
+    assert member is not None
+    return member.name
+
+
 @attrs.define
 class Interleavings:
     """Schedules of requests and worker losses, sent through L{routed}'s two
@@ -490,20 +505,14 @@ class Interleavings:
     @classmethod
     async def of(cls, routed) -> Interleavings:
         urls, node = routed
-        [reported] = await _nodes(urls[0])
-        members = [Member(PoolNode(reported["node_id"], None), w["name"], w["url"])
-                   for w in reported["workers"]]
-        return cls(urls, node, sorted(members, key=lambda m: m.name),
-                   [_client(url) for url in urls])
+        return cls(urls, node, await _members(urls[0]), [_client(url) for url in urls])
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
 
     def holder(self, id: int) -> str:
-        member = rendezvous(SequenceKey(None, SUMS, id), self.members)
-        assert member is not None
-        return member.name
+        return _holder(self.members, id)
 
     def run(self, schedule) -> None:
         base = next(_bases)
@@ -562,12 +571,18 @@ class Interleavings:
                     worker, "started again, serving SUMS")
 
     def _until(self, condition: Callable[[int, dict], bool], worker: str, what: str) -> None:
-        """Poll until each Router (its index) reports C{worker} as C{condition} holds."""
-        async def both():
-            return all([condition(router, await _worker_reported(url, worker))
-                        for router, url in enumerate(self.urls)])
         blockingCallFromThread(reactor, lambda: Deferred.fromCoroutine(
-            until(both, f"{worker} {what} on both Routers", 120)))
+            _until_reported(self.urls, worker, condition, what)))
+
+
+async def _until_reported(urls: list[str], worker: str, condition: Callable[[int, dict], bool],
+                          what: str) -> None:
+    """Poll until each Router of C{urls} (its index) reports C{worker} as C{condition}
+    holds."""
+    async def each():
+        return all([condition(router, await _worker_reported(url, worker))
+                    for router, url in enumerate(urls)])
+    await until(each, f"{worker} {what} on both Routers", 120)
 
 
 async def _worker_reported(url: str, worker: str) -> dict:
@@ -617,6 +632,38 @@ async def test_interleavings_with_worker_losses_equal_each_sequence_alone_or_are
     worker was not lost since its START answers what it would alone; a step of one whose worker
     was, through a Router that placed its START there, is 410 sequence_lost until that Router
     sees its START or END again, and through the other Triton's 400, never an answer from an
-    empty state; after a new START it answers as alone; a step in flight on the lost worker is
-    502, never sent again; nothing else fails."""
+    empty state; after a new START through a Router it answers there as alone; a step in
+    flight on the lost worker is 502, never sent again; nothing else fails."""
     await _interleavings(routed, with_losses, 4)
+
+
+async def _queued(url: str) -> int:
+    """The requests waiting for capacity on the Router at C{url}."""
+    metrics = (await request("GET", url + "/metrics")).body.decode()
+    return int(float(re.search(r"^kcoral_queued_requests (\S+)$", metrics, re.M).group(1)))
+
+
+@pytest_twisted.ensureDeferred
+async def test_a_start_waits_for_its_worker_while_it_misses_probes(routed):
+    """A worker stopped until both Routers report it unhealthy, then continued (its
+    instance the same), holds its sequences still: a START of one of them through A
+    meanwhile waits for it (queued on A), not started on the other worker, so that both
+    Routers' steps then find the state of that START, never the one before it."""
+    urls, node = routed
+    id = next(_bases)
+    worker = _holder(await _members(urls[0]), id)
+    assert await threads.deferToThread(_answer_alone, urls[0], id, True, False, 5) == 5
+    before = await _worker_reported(urls[0], worker)
+    pid = _pid(node.process, worker)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await _until_reported(urls, worker, lambda _, r: not r["healthy"], "reported unhealthy")
+        again = threads.deferToThread(_answer_alone, urls[0], id, True, False, 7)
+        await until(lambda: again.called or _queued(urls[0]), "the START answered or queued", 30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await _until_reported(urls, worker, lambda _, r: r["healthy"], "reported healthy again")
+    assert (await _worker_reported(urls[0], worker))["instance"] == before["instance"]
+    assert await again == 7
+    assert await threads.deferToThread(_answer_alone, urls[1], id, False, False, 1) == 8
+    assert await threads.deferToThread(_answer_alone, urls[0], id, False, True, 1) == 9 + id

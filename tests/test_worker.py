@@ -184,6 +184,23 @@ def test_a_worker_that_stops_on_term_is_not_killed():
     assert len(s.reactor.processes) > 1
 
 
+def test_a_worker_that_misses_a_probe_names_its_instance_until_it_exits():
+    """A live worker that missed a probe is reported unhealthy with the instance it holds
+    arrays and sequences in; once it exits, until its next start answers, with none."""
+    s = Supervised()
+    s.worker.startService()
+    s.listening()
+    s.http.answer(URL + "/health", 200, {**HEALTHY, "instance": "a" * 16})
+    s.reactor.advance(2)
+    assert s.worker.report(URL).instance == "a" * 16
+    del s.http.answers[URL + "/health"]  # it stops answering
+    s.reactor.advance(2)
+    report = s.worker.report(URL)
+    assert (report.healthy, report.instance) == (False, "a" * 16)
+    s.process.end(status=1)
+    assert s.worker.report(URL).instance is None
+
+
 def test_crashes_are_restarted_with_doubling_delays():
     """A child that keeps crashing is restarted after 1, 2, 4 s... up to the maximum delay."""
     s = Supervised(restart_max_delay_seconds=4)

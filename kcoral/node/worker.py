@@ -215,8 +215,9 @@ class _Core:
         self.signal("KILL")
 
     def gone(self) -> None:
-        """The child exited: forget it and its murder."""
-        self.process, self.healthy = None, False
+        """The child exited: forget it, what it said of itself (its instance
+        with it: it holds nothing now) and its murder."""
+        self.process, self.healthy, self.health = None, False, {}
         if self.murder is not None and self.murder.active():
             self.murder.cancel()
         self.murder = None

@@ -155,7 +155,11 @@ class Pool:
             self.residency.reported(member.held, worker.cache)
             member.devices = worker.devices
             member.restarts = worker.restarts
-            self.serve(member, worker.models)
+            if worker.healthy or worker.instance is None or worker.instance != member.instance:
+                # A worker that missed a probe is reported without its models;
+                # its instance the same, it still has them, and the sequences
+                # placed on it stay there (kcoral.router.sequences).
+                self.serve(member, worker.models)
             member.instance = worker.instance
             member.sandbox = worker.sandbox
 

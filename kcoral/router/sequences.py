@@ -14,11 +14,16 @@ joins takes only the sequences it now wins, about one in as many as there
 are members. Ids are per client token: two clients' sequences of one id are
 two keys.
 
-The members are those that report the model ready, are healthy, belong to a
-node the front counts as ready and name their instance: what their
-supervisors report, the same on every front, and not what one front's own
-connections met (a member this front suspects keeps its sequences, whose
-steps wait for it). A step is never run twice: it is pinned to its worker's
+The members are those that report the model ready, belong to a node the
+front counts as ready and name their instance: what their supervisors
+report, the same on every front, and not what one front's own connections
+met. A member this front suspects, or whose supervisor reports it unhealthy
+but still names its instance (a worker that missed probes, stopped or
+slow), keeps its sequences, whose steps and STARTs wait for it: were they
+placed elsewhere meanwhile, a START there would leave the sequence's older
+state on the worker, for a front that did not see that START to step once
+the worker answers again. A supervisor forgets a worker's instance once the
+worker exits. A step is never run twice: it is pinned to its worker's
 instance, and a forward lost after it was sent is the client's 502.
 
 A sequence can still lose its worker: the worker died or restarted (a new
@@ -82,10 +87,10 @@ class SequenceKey:
 
 def candidates(members: Iterable[Member], model: str, version: str | None) -> list[Member]:
     """The members of C{members} a sequence of C{model} (of C{version}, None:
-    any) may be placed on: healthy, of a ready node, naming their instance,
-    with the model ready."""
+    any) may be placed on: of a ready node, naming their instance (healthy
+    or not: alive), with the model ready."""
     return [member for member in members
-            if member.healthy and member.node.state == READY and member.instance is not None
+            if member.node.state == READY and member.instance is not None
             and model in member.sequence_models
             and (version is None or any(state.name == model and state.version == version
                                         and state.ready for state in member.models))]
