@@ -23,6 +23,7 @@ from twisted.web.resource import Resource
 from kcoral.metrics import HttpMetrics
 from kcoral.protocol.wire import PROGRAM_HEADER, REQUEST_CONTENT_TYPE
 from kcoral.router.call import Call
+from kcoral.web.body import MemoryBody
 from kcoral.web.family import RUN
 from kcoral.web.site import KCoralSite
 
@@ -160,3 +161,26 @@ def connect(site):
     transport = StringTransport()
     channel.makeConnection(transport)
     return channel, transport
+
+
+class AsKCoralSite(Resource):
+    """
+    C{wrapped}, under a site that is not KCoral's (C{StubTreq}'s): each
+    request it renders is given the L{body<kcoral.web.request.KCoralRequest.body>}
+    a KCoral request has, its content in memory; the C{notifyFinish()} of
+    each is in C{finishing}.
+    """
+
+    isLeaf = True
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self.wrapped = wrapped
+        self.finishing: list = []
+
+    def render(self, request):
+        # Twisted's content: in memory, or in a file when large.
+        request.content.seek(0)
+        request.body = MemoryBody(request.content.read())
+        self.finishing.append(request.notifyFinish())
+        return self.wrapped.render(request)

@@ -18,7 +18,6 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
 from twisted.python.threadpool import ThreadPool
-from twisted.web.resource import Resource
 
 from kcoral.common.queue import WaitQueue
 from kcoral.errors import RunTimeout
@@ -30,29 +29,9 @@ from kcoral.server.device_cache import DeviceCache
 from kcoral.server.executor import Executor, ExecutorMetrics
 from kcoral.server.runlimit import NO_RUN_LIMIT, RunLimit, RunTimer
 from kcoral.server.upload_cache import UploadCache
-from kcoral.web.request import RequestBody
+from tests.httputil import AsKCoralSite
 
 RID = b"X-Request-ID"
-
-
-class AsKCoralSite(Resource):
-    """
-    C{wrapped}, its requests' bodies kept as L{kcoral.web.site.KCoralSite}
-    keeps them (handlers view them without copying); the C{notifyFinish()}
-    of each request it renders is in C{finishing}.
-    """
-
-    isLeaf = True
-
-    def __init__(self, wrapped):
-        super().__init__()
-        self.wrapped = wrapped
-        self.finishing: list[Deferred] = []
-
-    def render(self, request):
-        request.content = RequestBody(request.content.getvalue())
-        self.finishing.append(request.notifyFinish())
-        return self.wrapped.render(request)
 
 
 class Harness:

@@ -27,7 +27,7 @@ from kcoral.web.outgoing import INLINE_BODY_BYTES, BytesProducer, Endpoints, Out
 from kcoral.web.sendnow import SendNowEndpoint
 from tests.fakes import FakeWorker
 from tests.harness import until
-from tests.httputil import RUN_CALL
+from tests.httputil import RUN_CALL, AsKCoralSite
 
 
 def test_a_small_body_is_written_at_once():
@@ -233,7 +233,7 @@ async def test_a_run_whose_client_left_is_not_sent_again(peer):
             "session": "s", "gpu_target": "cpu", "runtime": {}, "workers": [
                 {"name": "worker0", "url": worker_url, "healthy": True, "capacity": 4}]}))
         app.pool.observe()
-        router_port = peer.serve(site.resource)
+        router_port = peer.serve(AsKCoralSite(site.resource))
         client = HTTPConnectionPool(reactor, persistent=False)
         leaving = treq.post(f"http://127.0.0.1:{router_port}/v1/run", data=b"run", pool=client)
         leaving.addErrback(lambda _: None)

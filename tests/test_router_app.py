@@ -16,6 +16,7 @@ from twisted.internet.task import Clock
 from kcoral.router.app import MAX_CONTROL_BYTES
 from kcoral.router.service import RouterConfig, build_router
 from tests.fakes import RUNTIME, node_report
+from tests.httputil import AsKCoralSite
 
 RID = b"X-Request-ID"
 TOKEN = "s3cret-token"
@@ -28,7 +29,7 @@ class Router:
         self.clock = Clock()
         self.app, self.site = build_router(RouterConfig(**config), self.clock)
         self.pool = self.app.pool
-        self.treq = StubTreq(self.app.resource())
+        self.treq = StubTreq(AsKCoralSite(self.app.resource()))
 
     def request(self, method, path, *, body=None, headers=None):
         done = []

@@ -164,7 +164,7 @@ def test_withhold_continue_from_gotLength(withheld):
         def gotLength(self, length):
             super().gotLength(length)
             if withheld:
-                withhold_continue(self)
+                withhold_continue(self.requestHeaders)
 
     channel, transport = channel_of(site_of(request_factory=Expecting))
     channel.dataReceived(b"POST / HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")

@@ -42,8 +42,9 @@ from kcoral.web.body import (
     MemoryBody,
     SpooledBody,
 )
-from kcoral.web.request import JOIN_BYTES
-from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Serial, Spool
+from kcoral.web.intake import JOIN_BYTES
+from kcoral.web.serial import serial
+from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Spool
 from tests.harness import until
 from tests.httputil import RUN_CALL, connect, fake_site, parse_raw
 from tests.test_outgoing import Peer
@@ -211,7 +212,7 @@ def test_a_reader_sends_the_whole_file_and_waits_while_paused(tmp_path):
     file = (tmp_path / "body").open("w+b")
     file.write(data)
     file.flush()
-    body = SpooledBody(len(data), Serial(threads), file, len(data))
+    body = SpooledBody(len(data), serial(threads), file, len(data))
     for _ in range(2):
         reader = body.send()
         assert isinstance(reader, FileReader) and reader.length == len(data)
@@ -251,7 +252,7 @@ async def test_a_spooled_body_is_sent_again_whole_after_a_503(tmp_path):
     file = (tmp_path / "body").open("w+b")
     file.write(data)
     file.flush()
-    body = SpooledBody(len(data), Serial(Spool(reactor).in_thread), file, len(data))
+    body = SpooledBody(len(data), serial(Spool(reactor).in_thread), file, len(data))
     peer = Peer()
     try:
         url = f"http://127.0.0.1:{peer.serve(_BusyOnce())}"
@@ -686,7 +687,7 @@ def test_a_body_is_behind_only_when_late_while_a_forward_waits_on_it():
     """A body still arriving is behind when, while a reader last followed it, it arrived under
     the pace a forward asks; time a reader spent paused (the member's) is not counted."""
     clock = Clock()
-    body = SpooledBody(10 * PACE_BYTES_PER_SECOND, Serial(Threads()), chunks=[], clock=clock)
+    body = SpooledBody(10 * PACE_BYTES_PER_SECOND, serial(Threads()), chunks=[], clock=clock)
     consumer = Consumer(pause=False)
     reader = consumer.producer = body.send()
     reader.startProducing(consumer)
@@ -753,8 +754,9 @@ def test_a_whole_body_is_read_from_its_file_or_its_chunks(tmp_path):
     file.write(data)
     file.flush()
     in_thread = Threads()
-    on_file = SpooledBody(len(data), Serial(in_thread), file, len(data)).read()
-    assert not on_file.called  # nothing read on the calling thread
+    on_file: list = []
+    SpooledBody(len(data), serial(in_thread), file, len(data)).read().addCallback(on_file.append)
+    assert on_file == []  # nothing read on the calling thread
     in_thread.run()
-    in_memory = SpooledBody(len(data), Serial(in_thread), chunks=[data[:5], data[5:]]).read()
-    assert on_file.result == data and in_memory.result == data
+    in_memory = SpooledBody(len(data), serial(in_thread), chunks=[data[:5], data[5:]]).read()
+    assert on_file == [data] and in_memory.result == data

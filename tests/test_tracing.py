@@ -36,6 +36,7 @@ from kcoral.server.app import OK
 from kcoral.tracing import NO_SPAN, NO_TRACING, OpenTelemetry, tracing_for
 from tests.fakes import FakeClient, node_report
 from tests.harness import until
+from tests.httputil import AsKCoralSite
 from tests.test_http import Harness
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -67,7 +68,7 @@ class Deployment:
                                 outgoing=types.SimpleNamespace(client=self.forwards),
                                 reactor=reactor, registry=CollectorRegistry(),
                                 tracing=router_tracing or recording(exporter))
-        self.treq = StubTreq(self.router.resource())
+        self.treq = StubTreq(AsKCoralSite(self.router.resource()))
 
     async def run(self, body: bytes, headers: dict):
         """The Router's answer (status, body) to C{body}, once both apps are done."""

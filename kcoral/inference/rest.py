@@ -33,7 +33,7 @@ from kcoral.protocol.counts import MOST_BYTES, read_count
 from kcoral.protocol.decoupled import DECOUPLED_HEADER
 from kcoral.protocol.sequence import OWNER_HEADER
 from kcoral.web.auth import request_authorization
-from kcoral.web.body import SpooledBody, body_of
+from kcoral.web.body import held
 from kcoral.web.errors import internal_error
 from kcoral.web.family import (
     CUDA_REGION_STATUS,
@@ -133,22 +133,10 @@ def _caller(request) -> Caller:
     return Caller(request_authorization(request), getattr(request.getClientAddress(), "host", ""))
 
 
-def _body(request) -> Deferred[memoryview]:
-    """The whole request body: a view of it in memory, or what a KCoral site
-    spooled to a file, read in the spool's thread (never on the reactor's)."""
-    view = request.content.getbuffer()
-    if view.nbytes:
-        return succeed(view)
-    body = body_of(request)
-    if isinstance(body, SpooledBody):
-        return body.read().addCallback(memoryview)
-    return succeed(view)
-
-
 def _registration(request) -> object:
     """The JSON value of a registration's (small) body."""
-    data = request.content.getvalue()
-    if len(data) > MAX_REGISTER_BODY:
+    data = held(request.body, MAX_REGISTER_BODY)
+    if data is None:
         raise BadRequest(f"a registration is over {MAX_REGISTER_BODY} bytes")
     try:
         return json.loads(data)
@@ -235,7 +223,7 @@ class InferenceRoutes:
             return self._front.load_model(model, config, files)
 
         def call() -> Deferred[dict]:
-            return _body(request).addCallback(
+            return request.body.read().addCallback(
                 lambda body: deferToThread(_load_request, body, model)).addCallback(load)
         return self._answer(request, call, lambda value: _json(request, 200, value))
 
@@ -295,11 +283,11 @@ class InferenceRoutes:
 
     def _only_ready(self, request) -> bool:
         """Whether the index request asks for the ready models alone."""
-        data = request.content.getvalue()
+        data = held(request.body, MAX_INDEX_BODY)
+        if data is None:
+            raise BadRequest(f"a repository index request is over {MAX_INDEX_BODY} bytes")
         if not data.strip():
             return False
-        if len(data) > MAX_INDEX_BODY:
-            raise BadRequest(f"a repository index request is over {MAX_INDEX_BODY} bytes")
         try:
             value = json.loads(data)
         except (ValueError, RecursionError):
@@ -385,7 +373,7 @@ class InferenceRoutes:
 
                 return resolved.addCallback(placed)
 
-            return _body(request).addCallback(ask)
+            return request.body.read().addCallback(ask)
 
         def render(answer: InferAnswer) -> bytes:
             if answer.header_length is None:

@@ -57,7 +57,7 @@ from kcoral.router.scheduler import Scheduler
 from kcoral.tracing import NO_TRACING, ITracing
 from kcoral.web import errors
 from kcoral.web.auth import NODE_ROUTES, IGuard, TokenGuard, trusted
-from kcoral.web.body import MemoryBody, body_of
+from kcoral.web.body import MemoryBody, held
 from kcoral.web.family import (
     ARRAY,
     ARRAYS,
@@ -227,7 +227,7 @@ class RouterApp:
         else:
             span = self.tracing.start("kcoral.router.run", request.requestHeaders,
                                       request_id=request.request_id)
-            d = self.forwarder.forward(Call.of(request, RUN), body_of(request), demand, devices,
+            d = self.forwarder.forward(Call.of(request, RUN), request.body, demand, devices,
                                        span)
             d.addBoth(span.ended)
         d.addCallbacks(_relayed, _refused, callbackArgs=(request,), errbackArgs=(request,))
@@ -318,13 +318,9 @@ class RouterApp:
         return self._node_guard.refusal(request, f"node {node_id}")
 
     def _control_body(self, request) -> dict:
-        # A body past the bound may be in a file (spooled, or Twisted's own
-        # content under another Site): its length first, then its bytes.
-        body = body_of(request)
-        if body.length > MAX_CONTROL_BYTES:
+        data = held(request.body, MAX_CONTROL_BYTES)
+        if data is None:
             raise PayloadTooLarge(f"a node report is limited to {MAX_CONTROL_BYTES} bytes")
-        assert isinstance(body, MemoryBody)  # a spooled one is past the bound
-        data = body.data
         try:
             return json.loads(data)
         except (ValueError, RecursionError):

@@ -148,8 +148,9 @@ class ServerApp:
             refusal = self.arrived()
             if refusal is not None:
                 raise refusal
+            data = yield request.body.read()
             try:
-                run = decode_request(request.content.getbuffer())
+                run = decode_request(data)
                 run.routed_by(kept_ids(request.getHeader(KEPT_HEADER)))
             except WireError as e:
                 raise BadRequest(str(e)) from None

@@ -7,6 +7,7 @@ handed on chunk by chunk as it arrives to a reader that has caught up.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from typing import IO
@@ -16,7 +17,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.web.iweb import IBodyProducer
 from zope.interface import Attribute, Interface, implementer
 
-from kcoral.web.serial import Serial
+from kcoral.web.serial import InThread
 
 #: Bytes read from a spooled body at a time: large enough that a thread hop
 #: per chunk costs little, small enough to be all the memory a forward holds.
@@ -38,6 +39,10 @@ class IBody(Interface):
         """What treq sends as this body, once: bytes, or a new producer for
         each attempt (a producer cannot be started twice)."""
 
+    def read() -> Deferred[memoryview]:
+        """All of it, once it has all arrived: a view of it in memory, or
+        what was read from its file in a thread (never the reactor's)."""
+
     def close() -> Deferred[None]:
         """Let go of what holds it; it is not sent again."""
 
@@ -47,19 +52,31 @@ class IBody(Interface):
         arrived under L{PACE_BYTES_PER_SECOND}."""
 
 
+class RequestBody(io.BytesIO):
+    """A request body as it arrives, in memory, which handlers view without
+    copying (L{MemoryBody}): closing it would fail while such views exist,
+    and the GC frees it."""
+
+    def close(self):
+        pass
+
+
 @implementer(IBody)
 @attrs.frozen
 class MemoryBody:
-    """A body held in memory."""
+    """A body held in memory: bytes, or a view of a request's content (no copy)."""
 
-    data: bytes
+    data: bytes | memoryview
 
     @property
     def length(self) -> int:
-        return len(self.data)
+        return memoryview(self.data).nbytes
 
     def send(self) -> bytes:
-        return self.data
+        return self.data if isinstance(self.data, bytes) else bytes(self.data)
+
+    def read(self) -> Deferred[memoryview]:
+        return succeed(memoryview(self.data))
 
     def close(self) -> Deferred[None]:
         return succeed(None)
@@ -68,15 +85,13 @@ class MemoryBody:
         return False
 
 
-def body_of(request) -> IBody:
-    """The whole body of C{request}, under any C{Site}: a KCoral request's
-    own (L{kcoral.web.request.KCoralRequest.body}), else its content read
-    into memory (under C{treq.testing.StubTreq}, for one)."""
-    body = getattr(request, "body", None)
-    if body is not None:
-        return body
-    request.content.seek(0)
-    return MemoryBody(request.content.read())
+def held(body: IBody, most: int) -> bytes | None:
+    """The bytes of C{body} if it is in memory and at most C{most} bytes
+    long, else None: a body its handler reads at once must be small, and a
+    site spools only bodies larger than its threshold."""
+    if body.length > most or not isinstance(body, MemoryBody):
+        return None
+    return bytes(body.data)
 
 
 @implementer(IBody)
@@ -98,7 +113,7 @@ class SpooledBody:
     window, and C{stalled} is told when a window ends behind.
     """
 
-    def __init__(self, length: int, serial: Serial, file: IO[bytes] | None = None,
+    def __init__(self, length: int, serial: InThread, file: IO[bytes] | None = None,
                  written: int = 0, chunks: list[bytes] | None = None,
                  kept: Callable[[], object] = lambda: None, clock=None):
         self.length = length
@@ -189,12 +204,12 @@ class SpooledBody:
     def send(self) -> IBodyProducer:
         return FileReader(self)
 
-    def read(self) -> Deferred[bytes]:
+    def read(self) -> Deferred[memoryview]:
         """All of it, once it has all arrived: joined from its chunks, or
         read from its file in its serial's thread (never on the reactor's)."""
         if self.chunks is not None:
-            return succeed(b"".join(self.chunks))
-        return self.serial.call(_read_whole, self.file, self.length)
+            return succeed(memoryview(b"".join(self.chunks)))
+        return self.serial(_read_whole, self.file, self.length).addCallback(memoryview)
 
     def close(self) -> Deferred[None]:
         self._waiting = []
@@ -205,7 +220,7 @@ class SpooledBody:
             self.chunks = None
             self._kept()
         file = self.file
-        return succeed(None) if file is None else self.serial.call(file.close)
+        return succeed(None) if file is None else self.serial(file.close)
 
 
 def _pread(file: IO[bytes], size: int, offset: int) -> bytes:
@@ -272,7 +287,7 @@ class FileReader:
                 return
             assert body.file is not None  # written to
             self._reading = True
-            d = body.serial.call(_pread, body.file, min(READ_BYTES, body.written - self._offset),
+            d = body.serial(_pread, body.file, min(READ_BYTES, body.written - self._offset),
                                  self._offset)
             d.addCallbacks(self._got, self._failed)
             return

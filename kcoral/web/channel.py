@@ -11,9 +11,9 @@ from twisted.internet.interfaces import IConsumer, IDelayedCall, ISSLTransport, 
 from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
 from twisted.web import http
+from zope.interface import Attribute, Interface
 
 from kcoral.errors import BadRequest
-from kcoral.web.isite import IKCoralSite
 from kcoral.web.requestid import request_id_from
 from kcoral.web.responses import raw_error_response
 from kcoral.web.seams import close_after_requests, drop_input, requests_of
@@ -21,6 +21,25 @@ from kcoral.web.seams import close_after_requests, drop_input, requests_of
 #: After refusing a body, how long to keep reading (and discarding) it so the
 #: client sees our answer instead of a connection reset.
 LINGER_SECONDS = 2.0
+
+
+class IKCoralSite(Interface):
+    """The site that builds a connection (C{KCoralSite}): its settings and
+    shared state, as the connection and its requests read them."""
+
+    bounds = Attribute("The body's bounds (kcoral.web.bounds.BodyBounds).")
+    spool = Attribute("Where large bodies go (kcoral.web.spool.Spool), or None.")
+    streams = Attribute("Whether a request (method, path) whose body is spooled is processed "
+                        "while its body arrives.")
+    client_guard = Attribute("The client tokens guarded paths need (IGuard), or None.")
+    clock = Attribute("The reactor's clock (IReactorTime).")
+    logger = Attribute("The service's twisted.logger Logger.")
+    metrics = Attribute("The service's HTTP metrics (kcoral.metrics.HttpMetrics).")
+    header_timeout = Attribute("Seconds each request head may take.")
+    keepalive = Attribute("How the kernel probes each connection for a silent peer "
+                          "(kcoral.common.keepalive.Keepalive).")
+    connections = Attribute("The open connections (kcoral.web.connections.Connections).")
+    closing = Attribute("True once every answer closes its connection.")
 
 
 class KCoralChannel(http.HTTPChannel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from twisted.web import http
 
@@ -45,13 +46,20 @@ def error_response(request, error: KCoralError) -> bytes:
                          _document(error, request.request_id, request.path or b""))
 
 
-def raw_error_response(error: KCoralError, request_id: str, path: bytes = b"") -> bytes:
-    """A whole HTTP/1.1 response, for answers sent before Twisted's request
-    machinery runs (a body refused from its headers) to a request for C{path}."""
-    body = json.dumps(_document(error, request_id, path)).encode() + b"\n"
-    head = [b"HTTP/1.1 %d %s" % (error.status, http.RESPONSES[error.status]),
-            b"Content-Type: application/json",
-            b"Content-Length: %d" % len(body),
-            b"X-Request-ID: " + request_id.encode(),
-            b"Connection: close"]
+def raw_response(status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A whole HTTP/1.1 response of C{status}, C{headers} and C{body}, for
+    answers sent before Twisted's request machinery runs (a request refused
+    from its head): the connection closes after it."""
+    head = [b"HTTP/1.1 %d %s" % (status, http.RESPONSES[status])]
+    head.extend(name + b": " + value for name, value in headers)
+    head.append(b"Connection: close")
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def raw_error_response(error: KCoralError, request_id: str, path: bytes = b"") -> bytes:
+    """The whole HTTP/1.1 response (L{raw_response}) of C{error}, to a
+    request for C{path}."""
+    body = json.dumps(_document(error, request_id, path)).encode() + b"\n"
+    return raw_response(error.status, [(b"Content-Type", b"application/json"),
+                                       (b"Content-Length", b"%d" % len(body)),
+                                       (b"X-Request-ID", request_id.encode())], body)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from twisted.internet.abstract import FileDescriptor
 from twisted.web import http
+from twisted.web.http_headers import Headers
 
 #: What Twisted's HTTP/1.1 channel writes to HTTP it cannot parse (request
 #: line, header count or size, Content-Length, chunk framing), just before it
@@ -58,12 +59,12 @@ def _dropped(data: bytes) -> None:
     """Where input a channel no longer parses goes."""
 
 
-def withhold_continue(request: http.Request) -> None:
-    """Keep C{request}'s channel from answering C{Expect: 100-continue}: it
-    reads that header only once C{gotLength} has returned, so a request
-    refused from its head is not followed by a stray 100.
-    Contract: C{test_withhold_continue_from_gotLength}."""
-    request.requestHeaders.removeHeader(b"Expect")
+def withhold_continue(request_headers: Headers) -> None:
+    """Keep the channel of a request (of C{request_headers}) from answering
+    C{Expect: 100-continue}: it reads that header only once C{gotLength} has
+    returned, so a request refused from its head is not followed by a stray
+    100. Contract: C{test_withhold_continue_from_gotLength}."""
+    request_headers.removeHeader(b"Expect")
 
 
 def close_after_requests(channel: http.HTTPChannel) -> None:

@@ -28,9 +28,8 @@ from kcoral.common.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from kcoral.web.auth import IGuard
 from kcoral.web.badrequest import JSONBadRequest
 from kcoral.web.bounds import BodyBounds
-from kcoral.web.channel import KCoralChannel
+from kcoral.web.channel import IKCoralSite, KCoralChannel
 from kcoral.web.connections import Connections, Refused
-from kcoral.web.isite import IKCoralSite
 from kcoral.web.request import KCoralRequest
 from kcoral.web.seams import requests_of
 from kcoral.web.spool import Spool

@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.web.body import IBody, MemoryBody, SpooledBody
-from kcoral.web.serial import InThread, Serial
+from kcoral.web.serial import InThread, serial
 
 #: Bodies larger than this go to a file (those of unknown length once they
 #: grow past it).
@@ -80,7 +80,7 @@ class Spool:
         def closed() -> None:
             self._kept -= length
 
-        return SpooledBody(length, Serial(self.in_thread), chunks=[], kept=closed,
+        return SpooledBody(length, serial(self.in_thread), chunks=[], kept=closed,
                            clock=self.clock)
 
     def writer(self, holds: Holds, failed: Callable[[Failure], object],
@@ -179,7 +179,7 @@ class SpoolWriter:
                  length: int | None = None):
         self.length = 0
         self._spool = spool
-        self._serial = Serial(spool.in_thread)
+        self._serial = serial(spool.in_thread)
         self._holds = holds
         self._failed = failed
         self._pending: list[bytes] = []
@@ -213,7 +213,7 @@ class SpoolWriter:
     def _flush(self) -> None:
         chunks, self._pending = self._pending, []
         self._writing = True
-        d = self._serial.call(_write, self._file, self._spool.directory, chunks)
+        d = self._serial(_write, self._file, self._spool.directory, chunks)
         d.addCallbacks(self._written, self._write_failed, callbackArgs=(sum(map(len, chunks)),))
 
     def _written(self, file: IO[bytes], size: int) -> None:
@@ -222,7 +222,7 @@ class SpoolWriter:
         self._waiting -= size
         self._on_disk += size
         if self._discarded:
-            self._serial.call(file.close)
+            self._serial(file.close)
             return
         if self.body is not None:
             self.body.grew(file, self._on_disk)
@@ -270,4 +270,4 @@ class SpoolWriter:
         # So that the connection reads (and drops) what its client sends.
         self._holds.release_all()
         if not self._writing and self._file is not None:
-            self._serial.call(self._file.close)
+            self._serial(self._file.close)

@@ -1,0 +1,522 @@
+"""
+A request body's intake, from its head to the body its handler reads
+(L{kcoral.web.body.IBody}) or to its refusal: one state machine, fed by the
+calls Twisted makes on the request (L{kcoral.web.request.KCoralRequest}),
+with L{kcoral.web.bounds.BodyBounds} as its policy::
+
+    head --drop---> dropping ----------------------whole---+
+      |                                                    |
+      +--keep---> in memory ---------------------whole---+ |
+      |                                                  v v
+      +--spool--> spooling --whole--> flushing --spooled--> received
+      |                                                    ^
+      +--stream-> streaming ----------------------whole----+
+      |              |
+      |              +--answered--> answered early
+      v
+    refused <--refuse, spool_failed, stalled-- (every state but received
+                                                from head to streaming)
+
+    every state --lost--> gone
+
+From its head, a request is refused (its target, its announced length, a
+guard), or its body is dropped as it arrives (no route reads it), kept in
+memory, spooled to a file while it arrives (its request processed once
+every write has ended: L{kcoral.web.spool}), or streamed: its request is
+processed as soon as its head is whole, its body followed by readers while
+it arrives, its client read only while one does. A body breaking its bounds
+while it arrives is refused there, without reading the rest; one answered
+while it still arrives has the rest dropped, and its connection closes.
+
+Each transition runs to its end before another starts (a call made during
+one waits for it), so nothing here hands control to a handler: the request
+processes itself after the calls that say it may (L{_Inputs.head},
+L{_Inputs.whole}) return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+from automat import TypeMachineBuilder, pep614
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IPushProducer
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from kcoral.errors import BadRequest, InternalError, KCoralError, RequestTimeout
+from kcoral.web.body import PACE_BYTES_PER_SECOND, IBody, RequestBody
+from kcoral.web.channel import KCoralChannel
+from kcoral.web.family import guarded, takes_body
+from kcoral.web.path import canonical, form_of
+from kcoral.web.requestid import HEADER
+from kcoral.web.responses import raw_error_response, raw_response
+from kcoral.web.seams import withhold_continue
+from kcoral.web.spool import UNREAD, Holds, Spool, SpoolWriter
+
+#: Chunks of a body forwarded while it arrives smaller than this are joined
+#: before it keeps them: each chunk it keeps is then at least this large
+#: (but its last), so what objects cost beside their bytes stays negligible.
+JOIN_BYTES = 64 << 10
+
+
+class Taken(Protocol):
+    """What the intake reads and sets of its request (Twisted's names, and
+    KCoral's request id)."""
+
+    content: Any
+    path: bytes
+    code: int
+    startedWriting: int
+    requestHeaders: Headers
+    responseHeaders: Headers
+
+    @property
+    def request_id(self) -> str: ...
+
+    def notifyFinish(self) -> Deferred[None]: ...
+
+    def connectionLost(self, reason: Failure) -> None: ...
+
+    def close_after_response(self) -> None: ...
+
+
+class _Inputs(Protocol):
+    def head(self, length: int | None, method: bytes, uri: bytes) -> bool:
+        """The head is whole (C{length}: its announced body length, None:
+        chunked): judged, the body goes where it must. Whether the request
+        is processed now, while its body arrives."""
+
+    def refuse(self, error: KCoralError) -> None:
+        """Answer C{error}, reading no more of the body."""
+
+    def turn_away(self, answer: bytes) -> None:
+        """Answer C{answer}, as the request has it (status, headers), reading no more."""
+
+    def drop(self) -> None:
+        """No route reads this body: it is read within its bounds, and dropped."""
+
+    def keep(self) -> None:
+        """The body is kept in memory as it arrives."""
+
+    def spool(self, spool: Spool, length: int | None) -> None:
+        """The body goes to C{spool}'s file as it arrives."""
+
+    def stream(self, spool: Spool, length: int) -> None:
+        """The request is processed now, its body followed while it arrives."""
+
+    def chunk(self, data: bytes) -> None:
+        """C{data} of the body arrived."""
+
+    def whole(self) -> Deferred[bool]:
+        """All of the body arrived: fires with whether the request is to be
+        processed now (once a spooled body is all written)."""
+
+    def spooled(self, body: IBody) -> None:
+        """Every write of a spooled body has ended: C{body} is all of it."""
+
+    def spool_failed(self, failure: Failure) -> None:
+        """A spool's write failed."""
+
+    def stalled(self) -> None:
+        """A streamed body arrives too slowly for the forward waiting on it."""
+
+    def answered(self) -> None:
+        """The request is finished."""
+
+    def lost(self) -> None:
+        """The connection is gone."""
+
+
+@attrs.define(eq=False)
+class _Core:
+    """What the intake's states share: the request, its site, and where its
+    body goes."""
+
+    request: Taken
+    channel: KCoralChannel
+    #: When its head was whole (the site's clock; None: not yet).
+    started: float | None = None
+    #: Its target, canonical (L{kcoral.web.path.canonical}).
+    target: bytes = b""
+    received: int = 0
+    #: Bytes a streamed body announced.
+    expected: int = 0
+    holds: Holds | None = None
+    writer: SpoolWriter | None = None
+    #: The body spooled or streamed (one in memory is the request's content).
+    body: IBody | None = None
+    #: Where a streamed body's chunks go once joined (L{join}), and the small
+    #: ones waiting to be joined.
+    keep: Callable[[bytes], object] | None = None
+    small: bytearray = attrs.Factory(bytearray)
+    #: Fires once a spooled body is all written (L{_Inputs.whole}).
+    ready: Deferred[bool] | None = None
+
+    @property
+    def site(self) -> Any:
+        return self.channel.site
+
+    def within_bounds(self, inputs: _Inputs, data: bytes) -> bool:
+        """Count C{data} against the body's bounds: False (and refused) if it breaks them."""
+        self.received += len(data)
+        site = self.site
+        # The time its client was held (not read) is not the client's.
+        held = self.holds.held_seconds() if self.holds is not None else 0.0
+        assert self.started is not None  # a body follows its head
+        error = site.bounds.refuse_received(self.received, site.clock.seconds() - self.started - held)
+        if error is not None:
+            inputs.refuse(error)
+            return False
+        return True
+
+    def holding(self) -> Holds:
+        """What holds (pauses) its client: writes that lag, a body nobody reads."""
+        self.holds = Holds(IPushProducer(self.channel.transport, None), self.channel,
+                           self.site.clock)
+        return self.holds
+
+    def join(self, data: bytes) -> None:
+        """Hand C{data} on to the body, small chunks joined first: a budget
+        counts bytes, and a client sending tiny TCP segments would otherwise
+        have tens of bytes of object kept (or queued for writing) for each."""
+        assert self.keep is not None  # streamed
+        small = self.small
+        if not small and len(data) >= JOIN_BYTES:
+            self.keep(data)
+            return
+        small += data
+        if len(small) >= JOIN_BYTES or self.received >= self.expected:
+            self.keep(bytes(small))
+            small.clear()
+
+    def paced(self, following: bool) -> None:
+        """Whether a reader follows the body as it arrives: if none does
+        (none has started, or the one that did is paused), its client is
+        held until one does."""
+        assert self.holds is not None  # streamed bodies are held
+        if following or self.received >= self.expected:
+            self.holds.release(UNREAD)
+        else:
+            self.holds.hold(UNREAD)
+
+    def let_go_of_body(self) -> None:
+        """A body processed while it arrived is no longer needed."""
+        self.discard_writes()
+        assert self.body is not None
+        self.body.close()
+
+    def discard_writes(self) -> None:
+        if self.writer is not None:
+            self.writer.discard()
+            self.writer = None
+
+    def let_go_of_client(self) -> None:
+        """The connection is gone: nothing is to be resumed, nor written."""
+        if self.holds is not None:
+            self.holds.drop()
+        self.discard_writes()
+
+    def refusal(self, error: KCoralError) -> tuple[int, bytes]:
+        self.site.logger.warn("{request_id} refused: {message}",
+                              request_id=self.request.request_id, message=error.message)
+        return error.status, raw_error_response(error, self.request.request_id, self.request.path)
+
+    def answer_refusal(self, status: int, response: bytes) -> None:
+        """Answer C{response} (a whole HTTP response) at once, reading no more."""
+        self.stop_reading(status)
+        self.channel.refuse(response)
+
+    def stop_reading(self, status: int) -> None:
+        """What arrived is let go at once, and what still arrives is dropped."""
+        # Read by the channel once gotLength returns: a client told to go on
+        # with a body already refused would send it for nothing.
+        withhold_continue(self.request.requestHeaders)
+        self.request.content = RequestBody()
+        self.discard_writes()
+        self.read_the_rest()
+        self.site.metrics.observe(self.request.path or b"other", status, 0.0)
+
+    def read_the_rest(self) -> None:
+        """Read (and drop) what its client still sends: a client held while
+        its answer is sent, then closed on, would get a reset, not the answer."""
+        if self.holds is not None:
+            self.holds.release_all()
+
+    def spool_failure(self, failure: Failure) -> KCoralError:
+        self.site.logger.failure("{request_id} could not spool its body",
+                                 failure, request_id=self.request.request_id)
+        return InternalError("could not buffer the request body")
+
+
+def _machine() -> Callable[[_Core], _Inputs]:
+    machine = TypeMachineBuilder(_Inputs, _Core)
+
+    head = machine.state("Head")
+    dropping = machine.state("Dropping")
+    in_memory = machine.state("InMemory")
+    spooling = machine.state("Spooling")
+    flushing = machine.state("Flushing")
+    streaming = machine.state("Streaming")
+    received = machine.state("Received")
+    refused = machine.state("Refused")
+    answered_early = machine.state("AnsweredEarly")
+    gone = machine.state("Gone")
+
+    @pep614(head.upon(_Inputs.head).loop())
+    def judge(inputs: _Inputs, core: _Core, length: int | None, method: bytes,
+              uri: bytes) -> bool:
+        request, site = core.request, core.site
+        core.started = site.clock.seconds()
+        # The one path everything reads (the guard here, then the resources,
+        # Klein and the metrics): Twisted parses it from the canonical target,
+        # never from the raw one.
+        try:
+            request.path, core.target = canonical(uri)
+        except BadRequest as e:
+            request.path = form_of(uri)
+            inputs.refuse(e)
+            return False
+        error = site.bounds.refuse_length(length)
+        if error is not None:
+            inputs.refuse(error)
+            return False
+        guard = site.client_guard
+        if guard is not None and method == b"POST" and guarded(request.path):
+            # Refused before a byte of its body is read, let alone spooled.
+            answer = guard.refusal(request, request.request_id)
+            if answer is not None:
+                inputs.turn_away(answer)
+                return False
+        spool = site.spool
+        if not takes_body(method, request.path):
+            inputs.drop()
+        elif spool is None or (length is not None and length <= spool.threshold):
+            inputs.keep()
+        elif length is not None and site.streams(method, request.path):
+            inputs.stream(spool, length)
+            return True
+        else:
+            inputs.spool(spool, length)
+        return False
+
+    @pep614(head.upon(_Inputs.refuse).to(refused))
+    @pep614(dropping.upon(_Inputs.refuse).to(refused))
+    @pep614(in_memory.upon(_Inputs.refuse).to(refused))
+    @pep614(spooling.upon(_Inputs.refuse).to(refused))
+    def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
+        core.answer_refusal(*core.refusal(error))
+
+    @pep614(head.upon(_Inputs.turn_away).to(refused))
+    def turn_away(inputs: _Inputs, core: _Core, answer: bytes) -> None:
+        request = core.request
+        request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
+        headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
+                   for value in values]
+        core.answer_refusal(request.code, raw_response(request.code, headers, answer))
+
+    @pep614(head.upon(_Inputs.drop).to(dropping))
+    @pep614(head.upon(_Inputs.keep).to(in_memory))
+    def begin(inputs: _Inputs, core: _Core) -> None:
+        core.request.content = RequestBody()
+
+    @pep614(head.upon(_Inputs.spool).to(spooling))
+    def spool(inputs: _Inputs, core: _Core, spool: Spool, length: int | None) -> None:
+        core.request.content = RequestBody()
+        core.writer = spool.writer(core.holding(), inputs.spool_failed, length)
+
+    @pep614(head.upon(_Inputs.stream).to(streaming))
+    def stream(inputs: _Inputs, core: _Core, spool: Spool, length: int) -> None:
+        # Kept in memory while the spool's budget allows, else written to a
+        # file; read as fast as it is forwarded: nothing while it waits for
+        # a member, then at the member's pace.
+        core.request.content = RequestBody()
+        holds = core.holding()
+        body = spool.kept(length)
+        if body is None:
+            core.writer = spool.writer(holds, inputs.spool_failed, length)
+            core.keep = core.writer.write
+            body = core.writer.body
+            assert body is not None  # of known length
+        else:
+            core.keep = body.arrived
+        core.body = body
+        core.expected = length
+        holds.hold(UNREAD)
+        body.paced = core.paced
+        body.stalled = inputs.stalled
+        core.request.notifyFinish().addBoth(lambda _: core.let_go_of_body())
+
+    @pep614(dropping.upon(_Inputs.chunk).loop())
+    def dropped(inputs: _Inputs, core: _Core, data: bytes) -> None:
+        core.within_bounds(inputs, data)
+
+    @pep614(in_memory.upon(_Inputs.chunk).loop())
+    def kept(inputs: _Inputs, core: _Core, data: bytes) -> None:
+        if core.within_bounds(inputs, data):
+            core.request.content.write(data)
+
+    @pep614(spooling.upon(_Inputs.chunk).loop())
+    def written(inputs: _Inputs, core: _Core, data: bytes) -> None:
+        if core.within_bounds(inputs, data):
+            assert core.writer is not None  # made with the state
+            core.writer.write(data)
+
+    @pep614(streaming.upon(_Inputs.chunk).loop())
+    def followed(inputs: _Inputs, core: _Core, data: bytes) -> None:
+        if not core.within_bounds(inputs, data):
+            return
+        core.join(data)
+        if core.received >= core.expected:
+            # Its last byte: the client is never held again, and its
+            # connection's idle timeout is back on before Twisted's channel
+            # sets it aside for the processing that follows.
+            core.paced(True)
+
+    @pep614(dropping.upon(_Inputs.whole).to(received))
+    @pep614(in_memory.upon(_Inputs.whole).to(received))
+    def arrived(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        return succeed(True)
+
+    @pep614(spooling.upon(_Inputs.whole).to(flushing))
+    def flush(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        # The channel reads nothing more until this request is done: its
+        # processing may wait for the last writes.
+        assert core.writer is not None  # made with the state
+        core.ready = Deferred()
+        core.writer.finish().addCallbacks(inputs.spooled, inputs.spool_failed)
+        return core.ready
+
+    @pep614(flushing.upon(_Inputs.spooled).to(received))
+    def spooled(inputs: _Inputs, core: _Core, body: IBody) -> None:
+        core.writer = None
+        core.body = body
+        core.request.notifyFinish().addBoth(lambda _: body.close())
+        assert core.ready is not None  # made with the state
+        core.ready.callback(True)
+
+    @pep614(gone.upon(_Inputs.spooled).loop())
+    def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> None:
+        body.close()
+
+    @pep614(spooling.upon(_Inputs.spool_failed).to(refused))
+    @pep614(received.upon(_Inputs.spool_failed).to(refused))
+    def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        core.writer = None
+        core.answer_refusal(*core.refusal(core.spool_failure(failure)))
+
+    @pep614(flushing.upon(_Inputs.spool_failed).to(refused))
+    def failed_at_the_end(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        failed(inputs, core, failure)
+        assert core.ready is not None  # made with the state
+        core.ready.callback(False)
+
+    @pep614(streaming.upon(_Inputs.whole).to(received))
+    @pep614(refused.upon(_Inputs.whole).loop())
+    @pep614(answered_early.upon(_Inputs.whole).loop())
+    def processed_already(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        # Streamed: processed since its head (its body is now all here, and
+        # written to its file as the spool goes while readers follow); else
+        # answered already.
+        return succeed(False)
+
+    def refuse_streamed(core: _Core, status: int, response: bytes) -> None:
+        # Processed while its body arrived: what it waits on (a forward of
+        # that body) is cancelled as if its client had left, and an answer
+        # already under way cannot be followed by another.
+        core.stop_reading(status)
+        channel, request = core.channel, core.request
+        if request.startedWriting:
+            channel.discard_input()
+            assert channel.transport is not None
+            channel.transport.abortConnection()
+        else:
+            channel.refuse(response)
+            request.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
+
+    @pep614(streaming.upon(_Inputs.refuse).to(refused))
+    def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
+        refuse_streamed(core, *core.refusal(error))
+
+    @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
+    def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        core.writer = None
+        refuse_streamed(core, *core.refusal(core.spool_failure(failure)))
+
+    @pep614(streaming.upon(_Inputs.stalled).to(refused))
+    def stalled(inputs: _Inputs, core: _Core) -> None:
+        # It frees the member the forward holds.
+        refuse_streamed(core, *core.refusal(RequestTimeout(
+            f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
+
+    @pep614(streaming.upon(_Inputs.answered).to(answered_early))
+    def answered_early_(inputs: _Inputs, core: _Core) -> None:
+        # The rest of the body cannot be told from a next request: it is
+        # dropped, and the connection closes. Twisted's channel answers
+        # "Expect: 100-continue" once gotLength returns, and this request may
+        # be answered from within it: a stray 100 would follow the answer.
+        withhold_continue(core.request.requestHeaders)
+        core.request.close_after_response()
+        core.channel.discard_input()
+        core.read_the_rest()
+
+    for state in (refused, answered_early, gone):
+        state.upon(_Inputs.chunk).loop().returns(None)
+        state.upon(_Inputs.spool_failed).loop().returns(None)
+    for state in (received, refused, answered_early, gone):
+        state.upon(_Inputs.stalled).loop().returns(None)
+    # Answered before its body was whole, only a streamed one has the rest
+    # dropped: no other is processed before then.
+    for state in (head, dropping, in_memory, spooling, flushing, received, refused,
+                  answered_early, gone):
+        state.upon(_Inputs.answered).loop().returns(None)
+
+    @pep614(gone.upon(_Inputs.whole).loop())
+    def not_processed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        return succeed(False)
+
+    @pep614(head.upon(_Inputs.lost).to(gone))
+    @pep614(dropping.upon(_Inputs.lost).to(gone))
+    @pep614(in_memory.upon(_Inputs.lost).to(gone))
+    @pep614(spooling.upon(_Inputs.lost).to(gone))
+    @pep614(flushing.upon(_Inputs.lost).to(gone))
+    @pep614(streaming.upon(_Inputs.lost).to(gone))
+    @pep614(received.upon(_Inputs.lost).to(gone))
+    @pep614(refused.upon(_Inputs.lost).to(gone))
+    @pep614(answered_early.upon(_Inputs.lost).to(gone))
+    @pep614(gone.upon(_Inputs.lost).loop())
+    def lost(inputs: _Inputs, core: _Core) -> None:
+        core.let_go_of_client()
+
+    return machine.build()
+
+
+_build = _machine()
+
+
+class Intake:
+    """
+    The intake of one request's body (C{request}, on C{channel}): the
+    inputs above, what the request's handler reads (L{body}), and the
+    target it is processed with.
+    """
+
+    def __init__(self, request: Taken, channel: KCoralChannel):
+        self._core = _Core(request, channel)
+        self.inputs = _build(self._core)
+
+    @property
+    def target(self) -> bytes:
+        return self._core.target
+
+    @property
+    def started(self) -> float | None:
+        """When its head was whole (None: not yet)."""
+        return self._core.started
+
+    def body(self) -> IBody | None:
+        """The body spooled or streamed; None: in the request's content."""
+        return self._core.body
