@@ -7,6 +7,7 @@ well-behaved client sends, and a L{KCoralSite} on fake transports.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
@@ -184,3 +185,40 @@ class AsKCoralSite(Resource):
         request.body = MemoryBody(request.content.read())
         self.finishing.append(request.notifyFinish())
         return self.wrapped.render(request)
+
+
+#: How long a check that nothing arrived waits: the reactor does not run
+#: meanwhile, so what Twisted buffered cannot be sent during it.
+NOTHING_SECONDS = 0.2
+
+
+class Listener:
+    """A plain listening socket on loopback, outside the reactor."""
+
+    def __init__(self):
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+
+    def accept(self) -> socket.socket:
+        peer, _ = self.socket.accept()
+        peer.setblocking(False)
+        return peer
+
+    def close(self):
+        self.socket.close()
+
+
+def readable(peer: socket.socket, seconds: float) -> bytes:
+    """What C{peer} has received within C{seconds}, without running the reactor."""
+    ready, _, _ = select.select([peer], [], [], seconds)
+    return peer.recv(1 << 16) if ready else b""
+
+
+class Pulling:
+    """A pull producer, which a transport asks for more whenever it is empty."""
+
+    def resumeProducing(self):
+        pass
+
+    def stopProducing(self):
+        pass

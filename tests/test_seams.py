@@ -8,9 +8,10 @@ release breaking a seam fails here, naming it.
 
 from __future__ import annotations
 
-import select
 import socket
+from typing import Any
 
+import attrs
 import pytest
 import pytest_twisted
 from twisted.internet import protocol, reactor
@@ -38,10 +39,7 @@ from kcoral.web.seams import (
     unhindered,
     withhold_continue,
 )
-
-#: How long a check that nothing arrived waits: the reactor does not run
-#: meanwhile, so what Twisted buffered cannot be sent during it.
-NOTHING_SECONDS = 0.2
+from tests.httputil import NOTHING_SECONDS, Listener, Pulling, readable
 
 
 class Held(Resource):
@@ -273,34 +271,12 @@ def test_a_lost_request_has_no_channel():
     assert request.channel is None
 
 
-class Listener:
-    """A plain listening socket on loopback, outside the reactor."""
-
-    def __init__(self):
-        self.socket = socket.create_server(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-
-    def accept(self) -> socket.socket:
-        peer, _ = self.socket.accept()
-        peer.setblocking(False)
-        return peer
-
-    def close(self):
-        self.socket.close()
-
-
-def readable(peer: socket.socket, seconds: float) -> bytes:
-    """What C{peer} has received within C{seconds}, without running the reactor."""
-    ready, _, _ = select.select([peer], [], [], seconds)
-    return peer.recv(1 << 16) if ready else b""
-
-
 class Reads(protocol.Protocol):
     """Keeps the size of each read; C{enough} fires once C{wanted} bytes came."""
 
-    def __init__(self, wanted: int = 0):
+    def __init__(self):
         self.sizes: list[int] = []
-        self.wanted = wanted
+        self.wanted = 0
         self.enough: Deferred[None] = Deferred()
 
     def dataReceived(self, data):
@@ -309,121 +285,85 @@ class Reads(protocol.Protocol):
             self.enough.callback(None)
 
 
-async def tcp_pair(listener: Listener, client: protocol.Protocol):
-    """A real TCP connection: the reactor's transport of C{client}, and its peer."""
-    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", listener.port)
-    await endpoint.connect(protocol.Factory.forProtocol(lambda: client))
-    return client.transport, listener.accept()
+@attrs.frozen
+class TCP:
+    """A real TCP connection: the reactor's side (C{transport}, read by
+    C{reads}) and its plain socket C{peer}."""
+
+    transport: Any
+    reads: Reads
+    peer: socket.socket
 
 
-@pytest_twisted.ensureDeferred
-async def test_tcp_connection_is_a_descriptor():
+@pytest_twisted.async_yield_fixture
+async def tcp():
+    listener = Listener()
+    reads = Reads()
+    try:
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", listener.port)
+        await endpoint.connect(protocol.Factory.forProtocol(lambda: reads))
+        connection = TCP(reads.transport, reads, listener.accept())
+        yield connection
+        connection.transport.loseConnection()
+        connection.peer.close()
+    finally:
+        listener.close()
+
+
+def test_tcp_connection_is_a_descriptor(tcp):
     """A TCP transport is a descriptor the seams reach; a test's transport is not."""
-    listener = Listener()
-    try:
-        transport, peer = await tcp_pair(listener, Reads())
-        assert tcp_connection(transport) is transport
-        assert tcp_connection(StringTransport()) is None
-        transport.loseConnection()
-        peer.close()
-    finally:
-        listener.close()
+    assert tcp_connection(tcp.transport) is tcp.transport
+    assert tcp_connection(StringTransport()) is None
 
 
-@pytest_twisted.ensureDeferred
-async def test_send_some_sends_at_once():
+def test_send_some_sends_at_once(tcp):
     """send_some puts data on the wire before the reactor's turn, and says how much."""
-    listener = Listener()
-    try:
-        transport, peer = await tcp_pair(listener, Reads())
-        assert send_some(tcp_connection(transport), b"hello") == 5
-        assert readable(peer, 5.0) == b"hello"
-        transport.loseConnection()
-        peer.close()
-    finally:
-        listener.close()
+    assert send_some(tcp_connection(tcp.transport), b"hello") == 5
+    assert readable(tcp.peer, 5.0) == b"hello"
 
 
-@pytest_twisted.ensureDeferred
-async def test_send_buffered_sends_what_write_kept():
+def test_send_buffered_sends_what_write_kept(tcp):
     """What write() keeps for the reactor's turn, send_buffered sends now."""
-    listener = Listener()
-    try:
-        transport, peer = await tcp_pair(listener, Reads())
-        transport.write(b"kept")
-        assert readable(peer, NOTHING_SECONDS) == b""
-        send_buffered(tcp_connection(transport))
-        assert readable(peer, 5.0) == b"kept"
-        transport.loseConnection()
-        peer.close()
-    finally:
-        listener.close()
+    tcp.transport.write(b"kept")
+    assert readable(tcp.peer, NOTHING_SECONDS) == b""
+    send_buffered(tcp_connection(tcp.transport))
+    assert readable(tcp.peer, 5.0) == b"kept"
 
 
 @pytest_twisted.ensureDeferred
-async def test_set_io_size_reads_and_sends_that_much():
+async def test_set_io_size_reads_and_sends_that_much(tcp):
     """After set_io_size, each read and each send is at most that many bytes."""
-    listener = Listener()
-    try:
-        reads = Reads(wanted=100)
-        transport, peer = await tcp_pair(listener, reads)
-        connection = tcp_connection(transport)
-        set_io_size(connection, 7)
-        assert io_size(connection) == 7
-        assert send_some(connection, b"x" * 100) == 7
-        peer.sendall(b"y" * 100)
-        await reads.enough
-        assert max(reads.sizes) <= 7
-        transport.loseConnection()
-        peer.close()
-    finally:
-        listener.close()
+    connection = tcp_connection(tcp.transport)
+    set_io_size(connection, 7)
+    assert io_size(connection) == 7
+    assert send_some(connection, b"x" * 100) == 7
+    tcp.reads.wanted = 100
+    tcp.peer.sendall(b"y" * 100)
+    await tcp.reads.enough
+    assert max(tcp.reads.sizes) <= 7
 
 
 @implementer(IPushProducer)
-class Pushing:
+class Pushing(Pulling):
     """A streaming producer that does nothing when told."""
 
     def pauseProducing(self):
         pass
 
-    def resumeProducing(self):
-        pass
 
-    def stopProducing(self):
-        pass
-
-
-class Pulling:
-    """A pull producer, which a transport asks for more whenever it is empty."""
-
-    def resumeProducing(self):
-        pass
-
-    def stopProducing(self):
-        pass
-
-
-@pytest_twisted.ensureDeferred
-async def test_unhindered_follows_the_producer():
+def test_unhindered_follows_the_producer(tcp):
     """unhindered: no producer, or a streaming one the transport has not
     paused; not once the transport pauses it (its buffer past io_size), nor
     with a pull producer."""
-    listener = Listener()
-    try:
-        transport, peer = await tcp_pair(listener, Reads())
-        connection = tcp_connection(transport)
-        assert unhindered(connection)
-        transport.registerProducer(Pushing(), True)
-        assert unhindered(connection)
-        set_io_size(connection, 10)
-        transport.write(b"z" * 100)
-        assert not unhindered(connection)
-        transport.unregisterProducer()
-        transport.registerProducer(Pulling(), False)
-        assert not unhindered(connection)
-        transport.unregisterProducer()
-        transport.loseConnection()
-        peer.close()
-    finally:
-        listener.close()
+    transport = tcp.transport
+    connection = tcp_connection(transport)
+    assert unhindered(connection)
+    transport.registerProducer(Pushing(), True)
+    assert unhindered(connection)
+    set_io_size(connection, 10)
+    transport.write(b"z" * 100)
+    assert not unhindered(connection)
+    transport.unregisterProducer()
+    transport.registerProducer(Pulling(), False)
+    assert not unhindered(connection)
+    transport.unregisterProducer()

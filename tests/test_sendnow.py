@@ -7,9 +7,6 @@ reactor wherever sending it at once could reenter a protocol.
 
 from __future__ import annotations
 
-import select
-import socket
-
 import pytest_twisted
 from twisted.internet import protocol, reactor
 from twisted.internet.abstract import FileDescriptor
@@ -19,33 +16,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactor, StringTransport
 
 from kcoral.web.sendnow import READ_BYTES, SendNow, SendNowEndpoint, SendNowFactory, together
-from tests.httputil import fake_site
-
-#: How long a check that nothing arrived waits: the reactor does not run
-#: meanwhile, so what Twisted buffered cannot be sent during it.
-NOTHING_SECONDS = 0.2
-
-
-class Listener:
-    """A plain listening socket on loopback, outside the reactor."""
-
-    def __init__(self):
-        self.socket = socket.create_server(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-
-    def accept(self) -> socket.socket:
-        peer, _ = self.socket.accept()
-        peer.setblocking(False)
-        return peer
-
-    def close(self):
-        self.socket.close()
-
-
-def readable(peer: socket.socket, seconds: float) -> bytes:
-    """What C{peer} has received within C{seconds}, without running the reactor."""
-    ready, _, _ = select.select([peer], [], [], seconds)
-    return peer.recv(1 << 16) if ready else b""
+from tests.httputil import NOTHING_SECONDS, Listener, Pulling, fake_site, readable
 
 
 async def connected(endpoint) -> protocol.Protocol:
@@ -106,16 +77,6 @@ class Descriptor(FileDescriptor):
 
     def getHost(self):
         return IPv4Address("TCP", "127.0.0.1", 8000)
-
-
-class Pulling:
-    """A pull producer, which a transport asks for more whenever it is empty."""
-
-    def resumeProducing(self):
-        pass
-
-    def stopProducing(self):
-        pass
 
 
 def wrapped(transport) -> SendNow:

@@ -14,8 +14,9 @@ with L{kcoral.web.bounds.BodyBounds} as its policy::
       |              |
       |              +--answered--> answered early
       v
-    refused <--refuse, spool_failed, stalled-- (every state but received
-                                                from head to streaming)
+    refused, from: head (refuse, turn_away); dropping, in memory (refuse);
+                   spooling (refuse, spool_failed); flushing, received
+                   (spool_failed); streaming (refuse, spool_failed, stalled)
 
     every state --lost--> gone
 
