@@ -30,9 +30,10 @@ while it arrives is refused there, without reading the rest; one answered
 while it still arrives has the rest dropped, and its connection closes.
 
 Each transition runs to its end before another starts (a call made during
-one waits for it), so nothing here hands control to a handler: the request
-processes itself after the calls that say it may (L{_Inputs.head},
-L{_Inputs.whole}) return.
+one waits for it), so a request is never processed from inside one: it
+processes itself once the calls that say it may (L{_Inputs.head},
+L{_Inputs.whole}) have returned, and a handler that answers at once finds
+the intake between transitions.
 """
 
 from __future__ import annotations
