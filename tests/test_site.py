@@ -21,6 +21,7 @@ from twisted.internet.testing import StringTransport
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger, formatEvent
 from twisted.python.failure import Failure
+from twisted.web.resource import Resource
 
 from kcoral.errors import PayloadTooLarge, RequestTimeout
 from kcoral.web.badrequest import TWISTED_BAD_REQUEST, JSONBadRequest
@@ -365,3 +366,30 @@ async def test_a_tls_connection_closed_for_its_header_deadline_says_so_at_once(t
         assert await deferToThread(ask_then_wait) == b""  # the close alert: the end of the stream
     finally:
         await port.stopListening()
+
+
+class ReadsItsBody(Resource):
+    """Answers C{ok}, keeping what each request's body read gave, and its content."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.read: list[tuple[memoryview, object]] = []
+
+    def render(self, request):
+        request.body.read().addCallback(lambda view: self.read.append((view, request.content)))
+        return b"ok"
+
+
+def test_a_body_in_memory_is_read_as_a_view_of_the_content():
+    """A body kept in memory is what request.body reads, with no copy: a view
+    of the request's content."""
+    resource = ReadsItsBody()
+    channel, transport = connect(fake_site(Clock(), resource=resource))
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+    [(view, content)] = resource.read
+    assert bytes(view) == b"hello"
+    content.getbuffer()[0:1] = b"j"  # the same memory
+    assert bytes(view) == b"jello"
+    assert parse_raw(transport.value())[0] == 200
