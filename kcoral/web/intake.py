@@ -242,6 +242,21 @@ class _Core:
         self.read_the_rest()
         self.site.metrics.observe(self.request.path or b"other", status, 0.0)
 
+    def answer_refusal_while_processed(self, status: int, response: bytes) -> None:
+        """As L{answer_refusal}, for a request processed while its body
+        arrived: what it waits on (a forward of that body) is cancelled as
+        if its client had left, and an answer already under way cannot be
+        followed by another: the connection is cut instead."""
+        self.stop_reading(status)
+        channel, request = self.channel, self.request
+        if request.startedWriting:
+            channel.discard_input()
+            assert channel.transport is not None
+            channel.transport.abortConnection()
+        else:
+            channel.refuse(response)
+            request.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
+
     def read_the_rest(self) -> None:
         """Read (and drop) what its client still sends: a client held while
         its answer is sent, then closed on, would get a reset, not the answer."""
@@ -425,33 +440,19 @@ def _machine() -> Callable[[_Core], _Inputs]:
         # answered already.
         return succeed(False)
 
-    def refuse_streamed(core: _Core, status: int, response: bytes) -> None:
-        # Processed while its body arrived: what it waits on (a forward of
-        # that body) is cancelled as if its client had left, and an answer
-        # already under way cannot be followed by another.
-        core.stop_reading(status)
-        channel, request = core.channel, core.request
-        if request.startedWriting:
-            channel.discard_input()
-            assert channel.transport is not None
-            channel.transport.abortConnection()
-        else:
-            channel.refuse(response)
-            request.connectionLost(Failure(ConnectionDone(f"refused with {status}")))
-
     @pep614(streaming.upon(_Inputs.refuse).to(refused))
     def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        refuse_streamed(core, *core.refusal(error))
+        core.answer_refusal_while_processed(*core.refusal(error))
 
     @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
     def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
         core.writer = None
-        refuse_streamed(core, *core.refusal(core.spool_failure(failure)))
+        core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))
 
     @pep614(streaming.upon(_Inputs.stalled).to(refused))
     def stalled(inputs: _Inputs, core: _Core) -> None:
         # It frees the member the forward holds.
-        refuse_streamed(core, *core.refusal(RequestTimeout(
+        core.answer_refusal_while_processed(*core.refusal(RequestTimeout(
             f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
 
     @pep614(streaming.upon(_Inputs.answered).to(answered_early))
