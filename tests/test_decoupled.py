@@ -32,6 +32,7 @@ from kcoral.models.manifest import MANIFEST, InvalidManifest, ModelManifest
 from kcoral.protocol.decoupled import FINAL, answers_of, empty_final
 from kcoral.protocol.strings import serialize
 from tests.conftest import server_args
+from tests.httputil import request
 from tests.test_grpc_front import in_thread
 from tests.test_models import grpc_address, start_grpc_front
 from tests.test_routed import start_node, start_router, until_ready
@@ -323,6 +324,25 @@ async def test_one_answer_alone_is_refused_in_tritons_words(front):
         over_rest.message())
     answers = await in_thread(stream, address, [("repeat", 7, False)])
     assert [a[2] for a in answers] == [[i] for i in range(REPEATS)]
+
+
+@pytest.mark.parametrize("front", ["gateway", "router"], indirect=True)
+@pytest_twisted.ensureDeferred
+async def test_a_client_saying_it_is_a_stream_is_not_taken_at_its_word(front):
+    """X-KCoral-Decoupled is what a front says to its worker: a REST client that sends it to
+    a gateway or a Router is refused as any REST inference of a decoupled model is (501, the
+    request's id), not answered with all its answers as one."""
+    _, url = front
+    body = json.dumps({"inputs": [
+        {"name": "IN", "shape": [REPEATS], "datatype": "INT32", "data": list(range(REPEATS))},
+        {"name": "DELAY", "shape": [REPEATS], "datatype": "UINT32", "data": [0] * REPEATS},
+    ]}).encode()
+    answer = await request("POST", url + "/v2/models/repeat/infer", body=body, headers={
+        "Content-Type": "application/json", "X-KCoral-Decoupled": "true",
+        "X-Request-ID": "forged-1"})
+    assert answer.code == 501, answer
+    assert answer.request_id == "forged-1"
+    assert "decoupled transaction policy" in answer.json["error"]
 
 
 def cancelled_stream(address: str, count: int) -> str:

@@ -152,18 +152,21 @@ class InferenceRoutes:
     and answers wrong methods. A client that goes away cancels what it waits
     for. Inputs are views of the request body, as a
     L{kcoral.web.request.KCoralRequest} keeps it (a plain C{BytesIO} body
-    cannot be closed while they live). With C{named_owners} (a server's,
-    which a node's fronts forward to), the client whose sequences a request
-    steps is the one a front names in it (L{OWNER_HEADER}), else its token;
-    a front's own are always its token's.
+    cannot be closed while they live). With C{from_fronts} (a server's,
+    which a node's fronts forward to), it takes what a front says of a
+    request in its headers: the client whose sequences it steps
+    (L{OWNER_HEADER}), else its token, and that it is answered on a stream
+    (L{DECOUPLED_HEADER}); a front's own requests come from clients, which
+    say neither: their sequences are always their token's, and a decoupled
+    model is refused to them over REST.
     """
 
     def __init__(self, front: IInferenceFront, shared_memory: SharedMemory | None = None, *,
-                 named_owners: bool = False, cuda_memory: CudaSharedMemory | None = None):
+                 from_fronts: bool = False, cuda_memory: CudaSharedMemory | None = None):
         self._front = front
         self._shared_memory = shared_memory or SharedMemory(refused=OFF, max_bytes=0)
         self._cuda_memory = cuda_memory or CudaSharedMemory()
-        self._named_owners = named_owners
+        self._from_fronts = from_fronts
 
     def handlers(self) -> dict[Route, Handler]:
         """Each route of the family, and its handler."""
@@ -352,11 +355,11 @@ class InferenceRoutes:
             formed = request.getHeader(FORMED_BATCH_HEADER) == b"true"
             # Whose sequences it may step: the client a front names (a
             # digest of the client's token), else the token it presents.
-            named = request.getHeader(OWNER_HEADER) if self._named_owners else None
+            named = request.getHeader(OWNER_HEADER) if self._from_fronts else None
             owner = named or _caller(request).token
             # A front answering a stream forwards it so: a decoupled model's
             # answers come back as one, for it to send one at a time.
-            decoupled = request.getHeader(DECOUPLED_HEADER) == b"true"
+            decoupled = self._from_fronts and request.getHeader(DECOUPLED_HEADER) == b"true"
 
             def ask(body: memoryview) -> Deferred:
                 message = RestMessage(body, header_length)

@@ -96,7 +96,7 @@ class ServerApp:
                                         ARRAYS_NAMED: self.delete_arrays}
         if self.inference is not None:
             routes.update(InferenceRoutes(self.inference, self.shared_memory,
-                                          named_owners=True, cuda_memory=self.cuda_memory
+                                          from_fronts=True, cuda_memory=self.cuda_memory
                                           ).handlers())
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
