@@ -292,6 +292,21 @@ def test_the_cuda_opener_provides_the_interface_without_cuda_python():
     assert verifyObject(IDeviceMemoryOpener, CudaIpcOpener())
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_server_without_cuda_python_refuses_a_registration_saying_so(
+        tmp_path, monkeypatch):
+    """On a GPU, a server whose environment lacks cuda-python's bindings (the cuda extra)
+    refuses a registration as a bad request naming what to install, not an internal error;
+    nothing is registered."""
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", None)
+    shared = SharedMemory(refused=None, max_bytes=1 << 20, namespaced=True,
+                          directory=str(tmp_path))
+    cuda = CudaSharedMemory(shared, refused=None, opener=CudaIpcOpener(), max_bytes=1 << 20)
+    with pytest.raises(BadRequest, match=r"kcoral\[cuda\]"):
+        await cuda.register(A, cuda.checked("r", bytes(HANDLE_BYTES), 0, 64))
+    assert cuda.status(A, None) == []
+
+
 @pytest_twisted.async_fixture(scope="module", params=["server", "gateway"])
 async def front(request: pytest.FixtureRequest, module_processes, tmp_path_factory):
     """A standalone server, or a node's gateway before two CPU workers, with

@@ -41,7 +41,7 @@ from kcoral.inference.sharedmemory import (
     SharedMemory,
 )
 
-__all__ = ["CUDA", "CUDA_OFF", "HANDLE_BYTES", "NOT_HERE", "NO_GPU", "CudaIpcOpener",
+__all__ = ["CUDA", "CUDA_OFF", "HANDLE_BYTES", "NOT_HERE", "NO_BINDINGS", "NO_GPU", "CudaIpcOpener",
            "CudaRegistration", "CudaSharedMemory", "IDeviceMemoryOpener", "IDeviceRegion"]
 
 #: The size of a CUDA IPC memory handle (C{cudaIpcMemHandle_t}).
@@ -50,6 +50,9 @@ HANDLE_BYTES = 64
 NO_GPU = "CUDA shared memory is not served: no worker of this service holds a GPU"
 #: Why a server on a GPU refuses it where it was not told to serve it.
 CUDA_OFF = "CUDA shared memory is off: start the server with --allow-client-shm to serve it"
+#: Why a server on a GPU refuses it where it lacks cuda-python's bindings.
+NO_BINDINGS = ("CUDA shared memory is not served: this server lacks cuda-python's bindings "
+               "(install kcoral[cuda] beside it)")
 #: Why a node's gateway and a Router refuse it.
 NOT_HERE = ("CUDA shared memory is served only by a standalone server on the region's GPU "
             "(kcoral server --allow-client-shm): a node's gateway and a Router hold no GPU, "
@@ -152,8 +155,14 @@ class CudaIpcOpener:
     """
 
     def open(self, registration: CudaRegistration) -> IDeviceRegion:
-        runtime = importlib.import_module("cuda.bindings.runtime")
-        driver = importlib.import_module("cuda.bindings.driver")
+        try:
+            runtime = importlib.import_module("cuda.bindings.runtime")
+            driver = importlib.import_module("cuda.bindings.driver")
+        except ImportError:
+            # The server's environment, not the request, is at fault; but
+            # each registration would otherwise be an internal error and a
+            # traceback in the log, saying nothing of the fix.
+            raise BadRequest(NO_BINDINGS) from None
         _checked(runtime, runtime.cudaSetDevice(registration.device_id), registration)
         handle = runtime.cudaIpcMemHandle_t()
         handle.reserved = registration.handle
