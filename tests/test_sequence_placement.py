@@ -531,6 +531,31 @@ def test_a_start_waits_for_its_worker_while_it_is_reported_unhealthy():
     assert [answer.body for answer in answers] == [b'{"outputs": []}']
 
 
+def test_a_step_waiting_for_its_unhealthy_worker_is_busy_past_the_queues_wait():
+    """A sequence's worker reported unhealthy for good (alive, its instance the same) holds
+    its steps no longer than the front's queue wait (30 s here): each is then a 503 saying
+    so, never sent, and the front's wait for that worker is let go, so that the worker's
+    next step is taken as it comes."""
+    inference, pool, proxy, holder, _ = waiting_behind_a_restart()
+    clock = inference._clock
+    report_health(pool, unhealthy=holder.name)
+    answers: list = []
+    inference.infer("seq", None, rest_step(7)).addBoth(answers.append)
+    for _ in range(7):  # reported as its supervisor does, every 4 s
+        report_health(pool, unhealthy=holder.name)
+        clock.advance(4)
+    assert answers == []
+    report_health(pool, unhealthy=holder.name)
+    clock.advance(4)
+    assert len(answers) == 1 and isinstance(answers[0].value, ServerBusy), answers
+    assert answers[0].value.status == 503 and len(proxy.forwards) == 1
+    report_health(pool, unhealthy=None)
+    again = inference.infer("seq", None, rest_step(7))
+    assert len(proxy.forwards) == 2 and proxy.forwards[1][0] == holder.url
+    proxy.forwards[1][3].callback(ok())
+    assert again.result.body == b'{"outputs": []}'
+
+
 def test_the_steps_on_one_worker_share_its_slot_up_to_a_batch():
     """Steps of different sequences on one worker ride one slot of it, as many as a batch of
     the model's holds, all forwarded at once (the worker runs them as one execution); one more
