@@ -1,12 +1,12 @@
 """
-Tests for L{kcoral.web.serial}: calls in threads, one after another.
+Tests for L{kcoral.web.spool.serial}: calls in threads, one after another.
 """
 
 from __future__ import annotations
 
 from twisted.internet.defer import Deferred, succeed
 
-from kcoral.web.serial import serial
+from kcoral.web.spool import serial
 
 
 class Refusing:

@@ -43,8 +43,7 @@ from kcoral.web.body import (
     SpooledBody,
 )
 from kcoral.web.intake import JOIN_BYTES
-from kcoral.web.serial import serial
-from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Spool
+from kcoral.web.spool import KEPT_BYTES, SPOOL_THRESHOLD, WAITING_BYTES, Spool, serial
 from tests.harness import until
 from tests.httputil import RUN_CALL, connect, fake_site, parse_raw
 from tests.test_outgoing import Peer

@@ -17,7 +17,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.web.iweb import IBodyProducer
 from zope.interface import Attribute, Interface, implementer
 
-from kcoral.web.serial import InThread
+#: Runs a call in a thread: the result of C{f(*args)}, as a Deferred.
+InThread = Callable[..., Deferred]
+
 
 #: Bytes read from a spooled body at a time: large enough that a thread hop
 #: per chunk costs little, small enough to be all the memory a forward holds.

@@ -8,7 +8,7 @@ flight. Smaller bodies stay in memory, untouched by any of this.
 The writes run in a small thread pool of their own, in order, never on the
 reactor thread; while more than L{WAITING_BYTES} wait to be written, the
 client's transport is paused, so what waits in memory stays bounded. A body
-forwarded while it arrives (L{kcoral.web.request}) also holds its client
+forwarded while it arrives (L{kcoral.web.intake}) also holds its client
 while no reader follows it (L{Holds}): it is read at the pace it is sent on;
 it is kept in memory instead, as it arrived, while all those kept fit in
 L{KEPT_BYTES} (L{Spool.kept}).
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import IO, Any
 
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, DeferredLock, fail, succeed
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from kcoral.web.body import IBody, MemoryBody, SpooledBody
-from kcoral.web.serial import InThread, serial
+from kcoral.web.body import IBody, InThread, MemoryBody, SpooledBody
 
 #: Bodies larger than this go to a file (those of unknown length once they
 #: grow past it).
@@ -36,7 +36,7 @@ SPOOL_THRESHOLD = 8 << 20
 WAITING_BYTES = 4 << 20
 #: Bytes of the bodies forwarded while they arrive that a service keeps in
 #: memory, all of them together, as the chunks they arrived in (no copy;
-#: small ones joined, L{kcoral.web.request.JOIN_BYTES}, so that their bytes
+#: small ones joined, L{kcoral.web.intake.JOIN_BYTES}, so that their bytes
 #: are nearly all they cost): a body that would take it past this goes to a file.
 KEPT_BYTES = 48 << 20
 #: Threads writing and reading spooled bodies: disk bandwidth, not threads,
@@ -271,3 +271,15 @@ class SpoolWriter:
         self._holds.release_all()
         if not self._writing and self._file is not None:
             self._serial(self._file.close)
+
+
+def serial(in_thread: InThread) -> InThread:
+    """
+    C{in_thread}, each call of it started once the one before has ended,
+    failed or not (Twisted's C{DeferredLock}; a runner that raises, its pool
+    stopped, fails that call alone): the writes and reads of one spooled
+    body keep their order, whichever thread runs each. Measured against a
+    hand-made chain of Deferreds, uncontended, it costs about 1 us more a
+    call (8.5 against 7.5): nothing beside the thread hop each call makes.
+    """
+    return partial(DeferredLock().run, in_thread)
