@@ -272,6 +272,33 @@ async def test_the_half_close_ends_the_call_ok_once_all_is_answered(serve):
         calls.close()
 
 
+@pytest_twisted.ensureDeferred
+async def test_a_failed_messages_error_names_the_request_it_answers(serve):
+    """As Triton's: the error answer of a request that fails (an unknown model) carries that
+    request's id in its infer_response, so that a client can tell which of its requests
+    failed (a decoupled model's answers being any number); a message that is no request has
+    no id to carry."""
+    grpc_front = await serve(DoubleFront())
+    calls = H2Calls(grpc_front.port)
+
+    def call():
+        stream_id = calls.start(STREAM, flush=False)
+        messages = [infer_request(0), infer_request(7, model="nope"), b"\xff\xff\xff",
+                    infer_request(3)]
+        calls.send(stream_id, b"".join(framed(m) for m in messages), end=True)
+        return calls.wait(stream_id)[0]
+
+    try:
+        ended = await in_thread(call)
+        assert ended["status"] == OK, ended
+        answers = [service_pb2.ModelStreamInferResponse.FromString(m) for m in ended["messages"]]
+        assert [(a.infer_response.id, bool(a.error_message)) for a in answers] == [
+            ("0", False), ("7", True), ("", True), ("3", False)]
+        assert "nope" in answers[1].error_message
+    finally:
+        calls.close()
+
+
 #: What ends a stream mid-way, after two good messages, and the status it ends with.
 BAD_ENDINGS = {
     "a message over the bound": (struct.pack(">BI", 0, (1 << 20) + 1), False,

@@ -87,12 +87,12 @@ class Streamed:
     How a streaming method's call answers each of its messages, on the
     stream: C{answered} makes what is sent of each of a message's
     serialized answers (none, one or more: a decoupled model's), C{failed}
-    of the message of the error that message failed with (the call goes
-    on).
+    of what the message's read gave (None: its read failed) and the message
+    of the error it failed with (the call goes on).
     """
 
     answered: Callable[[bytes], bytes]
-    failed: Callable[[str], bytes]
+    failed: Callable[[Any, str], bytes]
 
 
 def _as_sent(message: bytes, metadata: Mapping[bytes, bytes]) -> bytes:
@@ -412,8 +412,15 @@ def _stream_answer(answer: bytes) -> bytes:
     return b"".join((_INFER_RESPONSE, length, answer))
 
 
-def _stream_error(message: str) -> bytes:
-    return service_pb2.ModelStreamInferResponse(error_message=message).SerializeToString()
+def _stream_error(read: tuple[service_pb2.ModelInferRequest, IInferMessage, Placement | None] | None,
+                  message: str) -> bytes:
+    """The answer of a request that failed with C{message}: as Triton's,
+    it names the request (its id, where it was read), so that a client
+    tells which of its requests failed among any number of answers."""
+    response = service_pb2.ModelStreamInferResponse(error_message=message)
+    if read is not None:
+        response.infer_response.id = read[0].id
+    return response.SerializeToString()
 
 
 _LIVE = service_pb2.ServerLiveResponse(live=True).SerializeToString()

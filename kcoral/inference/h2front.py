@@ -455,11 +455,12 @@ class _Streamed(_Call):
             read, answer.read = answer.read, None
             if isinstance(read, Failure):
                 answer.deferred = d = fail(read)
+                read = None
             else:
                 answer.deferred = d = maybeDeferred(self.method.answer, read, answer.request_id,
                                                     self.metadata)
             d.addCallbacks(self._answered, self._failed, callbackArgs=(answer,),
-                           errbackArgs=(answer,))
+                           errbackArgs=(answer, read))
 
     def _answered(self, result: list[bytes], answer: _Answer) -> None:
         streamed = self.method.streamed
@@ -467,12 +468,13 @@ class _Streamed(_Call):
         answer.answer = [streamed.answered(message) for message in result]
         self._send()
 
-    def _failed(self, failure: Failure, answer: _Answer) -> None:
+    def _failed(self, failure: Failure, answer: _Answer, read: object) -> None:
         if not self.live:
             return  # ended, and its answers cancelled with it
         streamed = self.method.streamed
         assert streamed is not None
-        answer.answer = [streamed.failed(self.connection.why(answer.request_id, failure).details)]
+        answer.answer = [streamed.failed(read, self.connection.why(answer.request_id,
+                                                                   failure).details)]
         self._send()
 
     def _send(self) -> None:
