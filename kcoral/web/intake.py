@@ -31,9 +31,11 @@ while it still arrives has the rest dropped, and its connection closes.
 
 Each transition runs to its end before another starts (a call made during
 one waits for it), so a request is never processed from inside one: it
-processes itself once the calls that say it may (L{_Inputs.head},
+processes itself once the calls that say it may (L{Intake.head},
 L{_Inputs.whole}) have returned, and a handler that answers at once finds
-the intake between transitions.
+the intake between transitions. The head is judged, and each chunk of the
+body taken, outside the machine, by what its state set (L{Intake.chunk}):
+see there why.
 """
 
 from __future__ import annotations
@@ -87,11 +89,6 @@ class Taken(Protocol):
 
 
 class _Inputs(Protocol):
-    def head(self, length: int | None, method: bytes, uri: bytes) -> bool:
-        """The head is whole (C{length}: its announced body length, None:
-        chunked): judged, the body goes where it must. Whether the request
-        is processed now, while its body arrives."""
-
     def refuse(self, error: KCoralError) -> None:
         """Answer C{error}, reading no more of the body."""
 
@@ -110,9 +107,6 @@ class _Inputs(Protocol):
     def stream(self, spool: Spool, length: int) -> None:
         """The request is processed now, its body followed while it arrives."""
 
-    def chunk(self, data: bytes) -> None:
-        """C{data} of the body arrived."""
-
     def whole(self) -> Deferred[bool]:
         """All of the body arrived: fires with whether the request is to be
         processed now (once a spooled body is all written)."""
@@ -127,7 +121,7 @@ class _Inputs(Protocol):
         """A streamed body arrives too slowly for the forward waiting on it."""
 
     def answered(self) -> None:
-        """The request is finished."""
+        """A streamed request is finished."""
 
     def lost(self) -> None:
         """The connection is gone."""
@@ -157,6 +151,11 @@ class _Core:
     small: bytearray = attrs.Factory(bytearray)
     #: Fires once a spooled body is all written (L{_Inputs.whole}).
     ready: Deferred[bool] | None = None
+    #: What takes each chunk of the body as it arrives, set by each state
+    #: as it is entered (see L{Intake.chunk}).
+    sink: Callable[[_Core, _Inputs, bytes], None] = attrs.field(default=lambda core, inputs, data: None)
+    #: Told when the request is finished, once it is streamed (see L{Intake.answered}).
+    on_answered: Callable[[], None] | None = None
 
     @property
     def site(self) -> Any:
@@ -283,9 +282,242 @@ def _machine() -> Callable[[_Core], _Inputs]:
     answered_early = machine.state("AnsweredEarly")
     gone = machine.state("Gone")
 
-    @pep614(head.upon(_Inputs.head).loop())
-    def judge(inputs: _Inputs, core: _Core, length: int | None, method: bytes,
-              uri: bytes) -> bool:
+    @pep614(head.upon(_Inputs.refuse).to(refused))
+    @pep614(dropping.upon(_Inputs.refuse).to(refused))
+    @pep614(in_memory.upon(_Inputs.refuse).to(refused))
+    @pep614(spooling.upon(_Inputs.refuse).to(refused))
+    def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
+        core.sink = _ignored
+        core.answer_refusal(*core.refusal(error))
+
+    @pep614(head.upon(_Inputs.turn_away).to(refused))
+    def turn_away(inputs: _Inputs, core: _Core, answer: bytes) -> None:
+        request = core.request
+        request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
+        headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
+                   for value in values]
+        core.sink = _ignored
+        core.answer_refusal(request.code, raw_response(request.code, headers, answer))
+
+    @pep614(head.upon(_Inputs.drop).to(dropping))
+    def drop(inputs: _Inputs, core: _Core) -> None:
+        core.request.content = RequestBody()
+        core.sink = _dropped
+
+    @pep614(head.upon(_Inputs.keep).to(in_memory))
+    def keep(inputs: _Inputs, core: _Core) -> None:
+        core.request.content = RequestBody()
+        core.sink = _kept
+
+    @pep614(head.upon(_Inputs.spool).to(spooling))
+    def spool(inputs: _Inputs, core: _Core, spool: Spool, length: int | None) -> None:
+        core.request.content = RequestBody()
+        core.writer = spool.writer(core.holding(), inputs.spool_failed, length)
+        core.sink = _written
+
+    @pep614(head.upon(_Inputs.stream).to(streaming))
+    def stream(inputs: _Inputs, core: _Core, spool: Spool, length: int) -> None:
+        # Kept in memory while the spool's budget allows, else written to a
+        # file; read as fast as it is forwarded: nothing while it waits for
+        # a member, then at the member's pace.
+        core.request.content = RequestBody()
+        holds = core.holding()
+        body = spool.kept(length)
+        if body is None:
+            core.writer = spool.writer(holds, inputs.spool_failed, length)
+            core.keep = core.writer.write
+            body = core.writer.body
+            assert body is not None  # of known length
+        else:
+            core.keep = body.arrived
+        core.body = body
+        core.expected = length
+        holds.hold(UNREAD)
+        body.paced = core.paced
+        body.stalled = inputs.stalled
+        core.sink = _followed
+        core.on_answered = inputs.answered
+        core.request.notifyFinish().addBoth(lambda _: core.let_go_of_body())
+
+    @pep614(dropping.upon(_Inputs.whole).to(received))
+    @pep614(in_memory.upon(_Inputs.whole).to(received))
+    def arrived(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        return succeed(True)
+
+    @pep614(spooling.upon(_Inputs.whole).to(flushing))
+    def flush(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        # The channel reads nothing more until this request is done: its
+        # processing may wait for the last writes.
+        assert core.writer is not None  # made with the state
+        core.ready = Deferred()
+        core.writer.finish().addCallbacks(inputs.spooled, inputs.spool_failed)
+        return core.ready
+
+    @pep614(flushing.upon(_Inputs.spooled).to(received))
+    def spooled(inputs: _Inputs, core: _Core, body: IBody) -> None:
+        core.writer = None
+        core.body = body
+        core.request.notifyFinish().addBoth(lambda _: body.close())
+        assert core.ready is not None  # made with the state
+        core.ready.callback(True)
+
+    @pep614(gone.upon(_Inputs.spooled).loop())
+    def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> None:
+        body.close()
+
+    @pep614(spooling.upon(_Inputs.spool_failed).to(refused))
+    @pep614(received.upon(_Inputs.spool_failed).to(refused))
+    def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        core.writer = None
+        core.sink = _ignored
+        core.answer_refusal(*core.refusal(core.spool_failure(failure)))
+
+    @pep614(flushing.upon(_Inputs.spool_failed).to(refused))
+    def failed_at_the_end(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        failed(inputs, core, failure)
+        assert core.ready is not None  # made with the state
+        core.ready.callback(False)
+
+    @pep614(streaming.upon(_Inputs.whole).to(received))
+    @pep614(refused.upon(_Inputs.whole).loop())
+    @pep614(answered_early.upon(_Inputs.whole).loop())
+    def processed_already(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        # Streamed: processed since its head (its body is now all here, and
+        # written to its file as the spool goes while readers follow); else
+        # answered already.
+        return succeed(False)
+
+    @pep614(streaming.upon(_Inputs.refuse).to(refused))
+    def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
+        core.sink = _ignored
+        core.answer_refusal_while_processed(*core.refusal(error))
+
+    @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
+    def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
+        core.writer = None
+        core.sink = _ignored
+        core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))
+
+    @pep614(streaming.upon(_Inputs.stalled).to(refused))
+    def stalled(inputs: _Inputs, core: _Core) -> None:
+        # It frees the member the forward holds.
+        core.sink = _ignored
+        core.answer_refusal_while_processed(*core.refusal(RequestTimeout(
+            f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
+
+    @pep614(streaming.upon(_Inputs.answered).to(answered_early))
+    def answered_early_(inputs: _Inputs, core: _Core) -> None:
+        # The rest of the body cannot be told from a next request: it is
+        # dropped, and the connection closes. Twisted's channel answers
+        # "Expect: 100-continue" once gotLength returns, and this request may
+        # be answered from within it: a stray 100 would follow the answer.
+        withhold_continue(core.request.requestHeaders)
+        core.sink = _ignored
+        core.request.close_after_response()
+        core.channel.discard_input()
+        core.read_the_rest()
+
+    for state in (refused, answered_early, gone):
+        state.upon(_Inputs.spool_failed).loop().returns(None)
+    for state in (received, refused, answered_early, gone):
+        state.upon(_Inputs.stalled).loop().returns(None)
+    # Only a streamed request is told it is answered (one answered before
+    # its body was whole has the rest dropped), in whatever state it is by then.
+    for state in (received, refused, answered_early, gone):
+        state.upon(_Inputs.answered).loop().returns(None)
+
+    @pep614(gone.upon(_Inputs.whole).loop())
+    def not_processed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        return succeed(False)
+
+    @pep614(head.upon(_Inputs.lost).to(gone))
+    @pep614(dropping.upon(_Inputs.lost).to(gone))
+    @pep614(in_memory.upon(_Inputs.lost).to(gone))
+    @pep614(spooling.upon(_Inputs.lost).to(gone))
+    @pep614(flushing.upon(_Inputs.lost).to(gone))
+    @pep614(streaming.upon(_Inputs.lost).to(gone))
+    @pep614(received.upon(_Inputs.lost).to(gone))
+    @pep614(refused.upon(_Inputs.lost).to(gone))
+    @pep614(answered_early.upon(_Inputs.lost).to(gone))
+    @pep614(gone.upon(_Inputs.lost).loop())
+    def lost(inputs: _Inputs, core: _Core) -> None:
+        core.sink = _ignored
+        core.let_go_of_client()
+
+    return machine.build()
+
+
+_build = _machine()
+
+
+# A body's chunks go to what its state set as the core's sink, not through
+# the machine: automat finds a transition by comparing the state and input
+# with each of the machine's transitions in turn (about 10 us here), and a
+# large body arrives in thousands of chunks. The same holds of the head's
+# judgement (a pure function of the head and the site) and of a request's
+# answer (which only a streamed one heeds): a request kept in memory takes
+# two transitions, where it took five, and measured 90 us of CPU a request
+# through its site against 40 before the machine; now see doc/architecture.rst.
+
+def _ignored(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    """A chunk of a body refused, answered, or whose client is gone."""
+
+
+def _dropped(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    core.within_bounds(inputs, data)
+
+
+def _kept(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if core.within_bounds(inputs, data):
+        core.request.content.write(data)
+
+
+def _written(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if core.within_bounds(inputs, data):
+        assert core.writer is not None  # made with the state
+        core.writer.write(data)
+
+
+def _followed(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if not core.within_bounds(inputs, data):
+        return
+    core.join(data)
+    if core.received >= core.expected:
+        # Its last byte: the client is never held again, and its
+        # connection's idle timeout is back on before Twisted's channel
+        # sets it aside for the processing that follows.
+        core.paced(True)
+
+
+class Intake:
+    """
+    The intake of one request's body (C{request}, on C{channel}): the
+    inputs above, what the request's handler reads (L{body}), and the
+    target it is processed with.
+    """
+
+    def __init__(self, request: Taken, channel: KCoralChannel):
+        self._core = _Core(request, channel)
+        self.inputs = _build(self._core)
+
+    @property
+    def target(self) -> bytes:
+        return self._core.target
+
+    @property
+    def started(self) -> float | None:
+        """When its head was whole (None: not yet)."""
+        return self._core.started
+
+    def body(self) -> IBody | None:
+        """The body spooled or streamed; None: in the request's content."""
+        return self._core.body
+
+    def head(self, length: int | None, method: bytes, uri: bytes) -> bool:
+        """The head is whole (C{length}: its announced body length, None:
+        chunked): judged, the body goes where it must. Whether the request
+        is processed now, while its body arrives."""
+        core, inputs = self._core, self.inputs
         request, site = core.request, core.site
         core.started = site.clock.seconds()
         # The one path everything reads (the guard here, then the resources,
@@ -320,206 +552,11 @@ def _machine() -> Callable[[_Core], _Inputs]:
             inputs.spool(spool, length)
         return False
 
-    @pep614(head.upon(_Inputs.refuse).to(refused))
-    @pep614(dropping.upon(_Inputs.refuse).to(refused))
-    @pep614(in_memory.upon(_Inputs.refuse).to(refused))
-    @pep614(spooling.upon(_Inputs.refuse).to(refused))
-    def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        core.answer_refusal(*core.refusal(error))
+    def chunk(self, data: bytes) -> None:
+        """C{data} of the body arrived: where its state has it go."""
+        self._core.sink(self._core, self.inputs, data)
 
-    @pep614(head.upon(_Inputs.turn_away).to(refused))
-    def turn_away(inputs: _Inputs, core: _Core, answer: bytes) -> None:
-        request = core.request
-        request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
-        headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
-                   for value in values]
-        core.answer_refusal(request.code, raw_response(request.code, headers, answer))
-
-    @pep614(head.upon(_Inputs.drop).to(dropping))
-    @pep614(head.upon(_Inputs.keep).to(in_memory))
-    def begin(inputs: _Inputs, core: _Core) -> None:
-        core.request.content = RequestBody()
-
-    @pep614(head.upon(_Inputs.spool).to(spooling))
-    def spool(inputs: _Inputs, core: _Core, spool: Spool, length: int | None) -> None:
-        core.request.content = RequestBody()
-        core.writer = spool.writer(core.holding(), inputs.spool_failed, length)
-
-    @pep614(head.upon(_Inputs.stream).to(streaming))
-    def stream(inputs: _Inputs, core: _Core, spool: Spool, length: int) -> None:
-        # Kept in memory while the spool's budget allows, else written to a
-        # file; read as fast as it is forwarded: nothing while it waits for
-        # a member, then at the member's pace.
-        core.request.content = RequestBody()
-        holds = core.holding()
-        body = spool.kept(length)
-        if body is None:
-            core.writer = spool.writer(holds, inputs.spool_failed, length)
-            core.keep = core.writer.write
-            body = core.writer.body
-            assert body is not None  # of known length
-        else:
-            core.keep = body.arrived
-        core.body = body
-        core.expected = length
-        holds.hold(UNREAD)
-        body.paced = core.paced
-        body.stalled = inputs.stalled
-        core.request.notifyFinish().addBoth(lambda _: core.let_go_of_body())
-
-    @pep614(dropping.upon(_Inputs.chunk).loop())
-    def dropped(inputs: _Inputs, core: _Core, data: bytes) -> None:
-        core.within_bounds(inputs, data)
-
-    @pep614(in_memory.upon(_Inputs.chunk).loop())
-    def kept(inputs: _Inputs, core: _Core, data: bytes) -> None:
-        if core.within_bounds(inputs, data):
-            core.request.content.write(data)
-
-    @pep614(spooling.upon(_Inputs.chunk).loop())
-    def written(inputs: _Inputs, core: _Core, data: bytes) -> None:
-        if core.within_bounds(inputs, data):
-            assert core.writer is not None  # made with the state
-            core.writer.write(data)
-
-    @pep614(streaming.upon(_Inputs.chunk).loop())
-    def followed(inputs: _Inputs, core: _Core, data: bytes) -> None:
-        if not core.within_bounds(inputs, data):
-            return
-        core.join(data)
-        if core.received >= core.expected:
-            # Its last byte: the client is never held again, and its
-            # connection's idle timeout is back on before Twisted's channel
-            # sets it aside for the processing that follows.
-            core.paced(True)
-
-    @pep614(dropping.upon(_Inputs.whole).to(received))
-    @pep614(in_memory.upon(_Inputs.whole).to(received))
-    def arrived(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        return succeed(True)
-
-    @pep614(spooling.upon(_Inputs.whole).to(flushing))
-    def flush(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        # The channel reads nothing more until this request is done: its
-        # processing may wait for the last writes.
-        assert core.writer is not None  # made with the state
-        core.ready = Deferred()
-        core.writer.finish().addCallbacks(inputs.spooled, inputs.spool_failed)
-        return core.ready
-
-    @pep614(flushing.upon(_Inputs.spooled).to(received))
-    def spooled(inputs: _Inputs, core: _Core, body: IBody) -> None:
-        core.writer = None
-        core.body = body
-        core.request.notifyFinish().addBoth(lambda _: body.close())
-        assert core.ready is not None  # made with the state
-        core.ready.callback(True)
-
-    @pep614(gone.upon(_Inputs.spooled).loop())
-    def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> None:
-        body.close()
-
-    @pep614(spooling.upon(_Inputs.spool_failed).to(refused))
-    @pep614(received.upon(_Inputs.spool_failed).to(refused))
-    def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        core.writer = None
-        core.answer_refusal(*core.refusal(core.spool_failure(failure)))
-
-    @pep614(flushing.upon(_Inputs.spool_failed).to(refused))
-    def failed_at_the_end(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        failed(inputs, core, failure)
-        assert core.ready is not None  # made with the state
-        core.ready.callback(False)
-
-    @pep614(streaming.upon(_Inputs.whole).to(received))
-    @pep614(refused.upon(_Inputs.whole).loop())
-    @pep614(answered_early.upon(_Inputs.whole).loop())
-    def processed_already(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        # Streamed: processed since its head (its body is now all here, and
-        # written to its file as the spool goes while readers follow); else
-        # answered already.
-        return succeed(False)
-
-    @pep614(streaming.upon(_Inputs.refuse).to(refused))
-    def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        core.answer_refusal_while_processed(*core.refusal(error))
-
-    @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
-    def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        core.writer = None
-        core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))
-
-    @pep614(streaming.upon(_Inputs.stalled).to(refused))
-    def stalled(inputs: _Inputs, core: _Core) -> None:
-        # It frees the member the forward holds.
-        core.answer_refusal_while_processed(*core.refusal(RequestTimeout(
-            f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
-
-    @pep614(streaming.upon(_Inputs.answered).to(answered_early))
-    def answered_early_(inputs: _Inputs, core: _Core) -> None:
-        # The rest of the body cannot be told from a next request: it is
-        # dropped, and the connection closes. Twisted's channel answers
-        # "Expect: 100-continue" once gotLength returns, and this request may
-        # be answered from within it: a stray 100 would follow the answer.
-        withhold_continue(core.request.requestHeaders)
-        core.request.close_after_response()
-        core.channel.discard_input()
-        core.read_the_rest()
-
-    for state in (refused, answered_early, gone):
-        state.upon(_Inputs.chunk).loop().returns(None)
-        state.upon(_Inputs.spool_failed).loop().returns(None)
-    for state in (received, refused, answered_early, gone):
-        state.upon(_Inputs.stalled).loop().returns(None)
-    # Answered before its body was whole, only a streamed one has the rest
-    # dropped: no other is processed before then.
-    for state in (head, dropping, in_memory, spooling, flushing, received, refused,
-                  answered_early, gone):
-        state.upon(_Inputs.answered).loop().returns(None)
-
-    @pep614(gone.upon(_Inputs.whole).loop())
-    def not_processed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        return succeed(False)
-
-    @pep614(head.upon(_Inputs.lost).to(gone))
-    @pep614(dropping.upon(_Inputs.lost).to(gone))
-    @pep614(in_memory.upon(_Inputs.lost).to(gone))
-    @pep614(spooling.upon(_Inputs.lost).to(gone))
-    @pep614(flushing.upon(_Inputs.lost).to(gone))
-    @pep614(streaming.upon(_Inputs.lost).to(gone))
-    @pep614(received.upon(_Inputs.lost).to(gone))
-    @pep614(refused.upon(_Inputs.lost).to(gone))
-    @pep614(answered_early.upon(_Inputs.lost).to(gone))
-    @pep614(gone.upon(_Inputs.lost).loop())
-    def lost(inputs: _Inputs, core: _Core) -> None:
-        core.let_go_of_client()
-
-    return machine.build()
-
-
-_build = _machine()
-
-
-class Intake:
-    """
-    The intake of one request's body (C{request}, on C{channel}): the
-    inputs above, what the request's handler reads (L{body}), and the
-    target it is processed with.
-    """
-
-    def __init__(self, request: Taken, channel: KCoralChannel):
-        self._core = _Core(request, channel)
-        self.inputs = _build(self._core)
-
-    @property
-    def target(self) -> bytes:
-        return self._core.target
-
-    @property
-    def started(self) -> float | None:
-        """When its head was whole (None: not yet)."""
-        return self._core.started
-
-    def body(self) -> IBody | None:
-        """The body spooled or streamed; None: in the request's content."""
-        return self._core.body
+    def answered(self) -> None:
+        """The request is finished (a streamed one drops the rest of its body)."""
+        if self._core.on_answered is not None:
+            self._core.on_answered()

@@ -57,11 +57,11 @@ class KCoralRequest(server.Request):
 
     def gotLength(self, length):
         method, uri, version = self.channel.headers_complete()
-        if self._intake.inputs.head(length, method, uri):
+        if self._intake.head(length, method, uri):
             super().requestReceived(method, self._intake.target, version)
 
     def handleContentChunk(self, data):
-        self._intake.inputs.chunk(data)
+        self._intake.chunk(data)
 
     def requestReceived(self, command, path, version):
         # Twisted's channel hands on the target as its request line spelled
@@ -118,7 +118,7 @@ class KCoralRequest(server.Request):
             close_after_requests(self.channel)
 
     def finish(self):
-        self._intake.inputs.answered()
+        self._intake.answered()
         site = self.channel.site if self.channel is not None else None
         started = self._intake.started
         if site is not None and not self.finished and started is not None:
