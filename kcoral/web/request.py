@@ -57,7 +57,7 @@ class KCoralRequest(server.Request):
 
     def gotLength(self, length):
         method, uri, version = self.channel.headers_complete()
-        if self._intake.head(length, method, uri):
+        if self._intake.head(self, length, method, uri):
             super().requestReceived(method, self._intake.target, version)
 
     def handleContentChunk(self, data):
