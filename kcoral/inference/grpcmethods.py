@@ -307,8 +307,9 @@ class GrpcMethods:
         def refused(failure: Failure) -> Failure:
             # The front refused it in REST's words, which the member a
             # gateway forwarded it to answered in: gRPC's are Triton's own.
-            refusal = failure.trap(DecoupledModel) and failure.value
-            assert isinstance(refusal, DecoupledModel)
+            failure.trap(DecoupledModel)
+            refusal = failure.value
+            assert isinstance(refusal, DecoupledModel)  # trapped
             return Failure(DecoupledModel(GRPC_DECOUPLED, request_id=refusal.request_id))
 
         return self._infer(read, rid, metadata, decoupled=False).addCallbacks(

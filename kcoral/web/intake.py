@@ -243,6 +243,7 @@ class _Core:
         # Read by the channel once gotLength returns: a client told to go on
         # with a body already refused would send it for nothing.
         withhold_continue(self.request.requestHeaders)
+        self.sink = _ignored
         self.request.content = RequestBody()
         self.discard_writes()
         self.read_the_rest()
@@ -294,7 +295,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(in_memory.upon(_Inputs.refuse).to(refused))
     @pep614(spooling.upon(_Inputs.refuse).to(refused))
     def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        core.sink = _ignored
         core.answer_refusal(*core.refusal(error))
 
     @pep614(head.upon(_Inputs.turn_away).to(refused))
@@ -303,7 +303,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
         request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
         headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
                    for value in values]
-        core.sink = _ignored
         core.answer_refusal(request.code, raw_response(request.code, headers, answer))
 
     @pep614(head.upon(_Inputs.drop).to(dropping))
@@ -376,7 +375,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(received.upon(_Inputs.spool_failed).to(refused))
     def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
         core.writer = None
-        core.sink = _ignored
         core.answer_refusal(*core.refusal(core.spool_failure(failure)))
 
     @pep614(flushing.upon(_Inputs.spool_failed).to(refused))
@@ -396,19 +394,16 @@ def _machine() -> Callable[[_Core], _Inputs]:
 
     @pep614(streaming.upon(_Inputs.refuse).to(refused))
     def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        core.sink = _ignored
         core.answer_refusal_while_processed(*core.refusal(error))
 
     @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
     def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
         core.writer = None
-        core.sink = _ignored
         core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))
 
     @pep614(streaming.upon(_Inputs.stalled).to(refused))
     def stalled(inputs: _Inputs, core: _Core) -> None:
         # It frees the member the forward holds.
-        core.sink = _ignored
         core.answer_refusal_while_processed(*core.refusal(RequestTimeout(
             f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
 
