@@ -154,7 +154,8 @@ async def test_queue_full_and_queue_timeout(deployment, spin):
         assert reactor.seconds() - started < QUEUE_WAIT + 5
 
         # A queued request whose client goes away frees its place at once.
-        gone = await leave_once(router, run_frame(quick, [np.float32(1)]), "leaves-1", "queued")
+        gone = await leave_once(router, run_frame(quick, [np.float32(1)]), "leaves-1",
+                                lambda: _health_at_least(router, "queued", 1), "queued")
         assert len(gone) == 1 and (await router_health(router))["queued"] == 0
         assert not any(d.called for d in slow), "the slow programs ended too soon"
 
@@ -179,8 +180,15 @@ async def test_a_client_that_leaves_mid_run_cancels_the_forwarded_request(deploy
     router = deployment.router
     marks = {n: node.process.mark() for n, node in deployment.nodes.items()}
     router_mark = router.process.mark()
+
+    async def running():
+        # Not the Router's count: it counts a run active once it holds a
+        # lease, before the worker has read it (and a worker says nothing of
+        # a request whose body never came).
+        return any([await worker_active(node.worker_url) for node in deployment.nodes.values()])
+
     gone = await leave_once(router, run_frame(program, [spin_seconds(rate, 2), x]), "leaves-2",
-                            "active")
+                            running, "running on a worker")
     # Its lease is released at once...
     assert len(gone) == 1 and (await router_health(router))["active"] == 0
     # ...and the Router closed its request to the node: the worker finishes
@@ -195,17 +203,17 @@ async def test_a_client_that_leaves_mid_run_cancels_the_forwarded_request(deploy
     assert not router.process.matching(r"leaves-2 (answered|failed on)", since=router_mark)
 
 
-async def leave_once(router, frame: bytes, rid: str, counted_as: str) -> list:
-    """Send a run on a connection of its own, wait until the Router counts it
-    as C{counted_as} ("queued" or "active"), then go away, and wait for the
-    Router to log that; the failures the client saw (one)."""
+async def leave_once(router, frame: bytes, rid: str, where, what: str) -> list:
+    """Send a run on a connection of its own, wait until C{where()} says it
+    is C{what}, then go away, and wait for the Router to log that; the
+    failures the client saw (one)."""
     mark = router.process.mark()
     leaving = treq.post(router.url + "/v1/run", data=frame,
                         headers={"Content-Type": REQUEST_CONTENT_TYPE, "X-Request-ID": rid},
                         pool=HTTPConnectionPool(reactor, persistent=False))
     gone: list = []
     leaving.addErrback(gone.append)
-    await until(lambda: _health_at_least(router, counted_as, 1), f"{rid} {counted_as}")
+    await until(where, f"{rid} {what}")
     leaving.cancel()
     await router.process.wait_for_line(rf"{rid} cancelled: the client went away", 10, since=mark)
     return gone
