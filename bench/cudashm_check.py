@@ -5,7 +5,7 @@ allocates device memory, fills it and exports it as a CUDA IPC handle (as
 ``cudaIpcGetMemHandle``, the handle's 64 bytes in base64); a second process
 registers the handle from the JSON body Triton's HTTP client sends, opens it
 with KCoral's opener (kcoral.inference.cudasharedmemory.CudaIpcOpener),
-reads it into a JAX array, checks it, and writes its bytes plus one back;
+reads it into host memory, checks it, and writes its bytes plus one back;
 it also checks that a size past the exported memory, and a read past the
 region, are refused.
 This process then checks what it finds in its memory.
@@ -15,7 +15,8 @@ Then an inference end to end: a standalone server on the same GPU
 ``simple`` (INT32 ``[1, 16]`` inputs to their sum and difference); this
 process registers an input and an output region with Triton's HTTP and gRPC
 clients, infers through them with each, and checks the outputs it finds in
-its device memory; a slice past a region is refused.
+its device memory; a slice past a region is refused. On a host of two GPUs
+or more, the same through the gateway of a node of a worker on each.
 
     python3 -m bench.cudashm_check --gpus 0
 
@@ -33,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -71,7 +73,7 @@ def owner(device: int) -> int:
         print("the region does not hold what the other process wrote")
         return 1
     print(f"CUDA shared memory on GPU {device}: {SIZE} bytes registered from Triton's JSON, "
-          "opened in another process, read into JAX and written back, bit for bit")
+          "opened in another process, read and written back, bit for bit")
     return served(runtime, device)
 
 
@@ -103,13 +105,8 @@ class DeviceBuffer:
 
 def served(runtime, device: int) -> int:
     """Infer Triton's C{simple} through two regions of this process's device
-    memory, on a server on the same GPU, over REST and gRPC."""
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
-    from tritonclient.utils import InferenceServerException
-
-    from bench.support.child import KCoralChild
-
+    memory, over REST and gRPC, on a server on the same GPU and, on a host
+    of two GPUs or more, on the gateway of a node of a worker on each."""
     # The bundle is exported on the CPU (for both platforms): this process
     # leaves the GPU's memory to the server.
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -120,21 +117,50 @@ def served(runtime, device: int) -> int:
     kcoral.export_bundle(lambda a, b: (a + b, a - b), None, x, x, dir=f"{repository}/simple",
                          name="simple", input_names=["INPUT0", "INPUT1"],
                          output_names=["OUTPUT0", "OUTPUT1"])
-    server = KCoralChild(
-        ["server", "--port", "0", "--grpc-port", "0", "--gpus", str(device), "--allow-client-shm",
-         "--model-repository", repository],
-        {"url": r"kcoral server listening on http://(\S+)", "grpc": r"over gRPC on (\S+)",
-         "ready": r"kcoral server (ready) on"}, name="server", env={"JAX_PLATFORMS": None})
+    common = ["server", "--port", "0", "--grpc-port", "0", "--allow-client-shm",
+              "--model-repository", repository]
+    fronts = [("a confined server", [*common, "--gpus", str(device)],
+               {"url": r"kcoral server listening on http://(\S+)", "grpc": r"over gRPC on (\S+)",
+                "ready": r"kcoral server (ready) on"})]
+    if _call(runtime, runtime.cudaGetDeviceCount()) > 1:
+        fronts.append(("a node's gateway", [*common, "--gpus", "all"],
+                       {"url": r"kcoral gateway listening on http://(\S+)",
+                        "grpc": r"over gRPC on (\S+)", "ready": r"worker1 is (ready) at"}))
+    else:
+        print("one GPU: a node's gateway (two GPU workers or more) not checked")
+    from bench.support.child import KCoralChild
+
+    for what, args, ready in fronts:
+        front = KCoralChild(args, ready, name="front", env={"JAX_PLATFORMS": None})
+        try:
+            through_regions(runtime, device, front.found["url"], front.found["grpc"])
+        finally:
+            front.stop()
+        print(f"CUDA shared memory on GPU {device}: opened by the opener, and an inference "
+              f"through it on {what} over REST and gRPC, outputs as JAX computes them")
+    return 0
+
+
+def through_regions(runtime, device: int, url: str, grpc: str) -> None:
+    """Infer C{simple} through an input and an output region with Triton's
+    HTTP client at C{url} and its gRPC client at C{grpc}."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.full((1, 16), 7, np.int32)
     inputs, outputs = DeviceBuffer(runtime, 128), DeviceBuffer(runtime, 128)
     try:
         inputs.put(a.tobytes() + b.tobytes())
-        for module, address in ((httpclient, server.found["url"]),
-                                (grpcclient, server.found["grpc"])):
+        for module, address in ((httpclient, url), (grpcclient, grpc)):
             outputs.put(bytes(128))
             client = module.InferenceServerClient(address)
             try:
+                deadline = time.monotonic() + 60
+                while not client.is_server_ready():  # a gateway: until its workers are
+                    assert time.monotonic() < deadline, "the front never said it was ready"
+                    time.sleep(0.5)
                 client.register_cuda_shared_memory("in", inputs.handle, device, 128)
                 client.register_cuda_shared_memory("out", outputs.handle, device, 128)
                 tensors = [module.InferInput("INPUT0", [1, 16], "INT32"),
@@ -163,16 +189,11 @@ def served(runtime, device: int) -> int:
     finally:
         inputs.free()
         outputs.free()
-        server.stop()
-    print(f"CUDA shared memory on GPU {device}: opened by the opener, and an inference through "
-          "it on a confined server over REST and gRPC, outputs as JAX computes them")
-    return 0
 
 
 def opener(body: str) -> int:
-    """Open the region a registration body names, as a worker on its device would."""
+    """Open the region a registration body names, as a front on its host would."""
     import attrs
-    import jax
 
     from kcoral.errors import BadRequest
     from kcoral.inference.cudasharedmemory import CudaIpcOpener, CudaRegistration
@@ -187,16 +208,16 @@ def opener(body: str) -> int:
     region = CudaIpcOpener().open(registration)
     try:
         try:
-            region.read(SIZE - 8, 16)
+            region.read_into(SIZE - 8, memoryview(bytearray(16)))
         except BadRequest as e:
             print(f"a read past the region refused: {e}")
         else:
             raise AssertionError("a read past the region was made")
-        read = region.read(0, SIZE)
-        print(f"read {read.nbytes} bytes into a JAX array on {read.devices()}")
-        expected = jax.device_put((np.arange(SIZE) % 251).astype(np.uint8), read.devices().pop())
-        assert bool((read == expected).all()), "the region's bytes are not the owner's"
-        region.write(0, read + 1)
+        read = np.empty(SIZE, np.uint8)
+        region.read_into(0, memoryview(read))
+        expected = (np.arange(SIZE) % 251).astype(np.uint8)
+        assert np.array_equal(read, expected), "the region's bytes are not the owner's"
+        region.write(0, memoryview(read + 1))
     finally:
         region.close()
     return 0

@@ -269,13 +269,14 @@ class ProcessGroup:
     @inlineCallbacks
     def start_service(self, args: Iterable[str], *, name: str,
                       ready: str | Pattern | None = None, env: dict | None = None,
-                      timeout: float = START_TIMEOUT):
+                      timeout: float = START_TIMEOUT, argv=kcoral_argv):
         """
-        Start C{kcoral ARGS}, wait for its listening line (the URL, whose port
-        may be ephemeral) and then for C{ready} if given. A child that exits
-        or stays silent fails the call, and is stopped.
+        Start C{kcoral ARGS} (the command line C{argv(*ARGS)}), wait for its
+        listening line (the URL, whose port may be ephemeral) and then for
+        C{ready} if given. A child that exits or stays silent fails the
+        call, and is stopped.
         """
-        child = self.spawn(kcoral_argv(*args), name=name, env=env)
+        child = self.spawn(argv(*args), name=name, env=env)
         try:
             listening = yield child.wait_for_line(LISTENING, timeout)
             matched = (yield child.wait_for_line(ready, timeout)) if ready is not None else None

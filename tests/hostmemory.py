@@ -3,19 +3,18 @@ Device memory over host memory, for tests without a GPU: an
 L{IDeviceMemoryOpener} whose handles name files of one folder, which a
 client process fills and reads as the region's memory (as a CUDA client
 does its device allocation), mapped shared so that each process sees the
-other's writes. Reads and writes go through JAX arrays on the CPU device,
-as the CUDA opener's go through arrays on the GPU.
+other's writes.
 
 A handle is a file's name, NUL-padded to the 64 bytes of a CUDA IPC
 handle (L{handle_of}). C{python -m tests.hostmemory FOLDER OPTIONS...}
-runs C{kcoral server OPTIONS...} with this opener over C{FOLDER}.
+runs C{kcoral server OPTIONS...} with this opener over C{FOLDER}: a
+standalone server's, or a node's gateway's.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 import attrs
 import numpy as np
@@ -67,23 +66,15 @@ class HostRegion:
     registration: CudaRegistration
     closed: list[str]
 
-    @property
-    def device(self) -> Any:
-        import jax
-
-        return jax.devices("cpu")[0]
-
-    def read(self, offset: int, size: int) -> Any:
-        import jax
-
-        self.registration.within(offset, size)
+    def read_into(self, offset: int, view: memoryview) -> None:
+        self.registration.within(offset, len(view))
         assert self.memory is not None, "read after close"
-        return jax.device_put(np.array(self.memory[offset:offset + size]), self.device)
+        np.frombuffer(view, np.uint8)[:] = self.memory[offset:offset + len(view)]
 
-    def write(self, offset: int, data: Any) -> None:
-        self.registration.within(offset, data.nbytes)
+    def write(self, offset: int, data: memoryview) -> None:
+        self.registration.within(offset, len(data))
         assert self.memory is not None, "written after close"
-        self.memory[offset:offset + data.nbytes] = np.asarray(data)
+        self.memory[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
 
     def close(self) -> None:
         self.memory = None
@@ -91,14 +82,18 @@ class HostRegion:
 
 
 def main(folder: str, args: list[str]) -> int:
-    """Run C{kcoral server ARGS} with regions opened over C{folder}."""
+    """Run C{kcoral server ARGS} with regions opened over C{folder}: by the
+    server, or by the node's gateway where ARGS make a node."""
     from kcoral.cli import run_service
+    from kcoral.node.supervisor import make_supervisor_service
     from kcoral.server.service import ServerService
     from kcoral.taps.node import NodeOptions
 
     class Tap:
         @staticmethod
-        def makeService(options: NodeOptions, reactor) -> ServerService:
+        def makeService(options: NodeOptions, reactor):
+            if options.supervised:
+                return make_supervisor_service(options, reactor, HostMemoryOpener(folder))
             return ServerService(options.server_config(), reactor,
                                  device_memory=HostMemoryOpener(folder))
 

@@ -5,9 +5,9 @@ registration, and the answers of a service none of whose workers holds a
 GPU (status empty, unregistration accepted, registration refused with the
 reason once the request itself is well formed), over REST and gRPC on a
 standalone server and a node's gateway. Inferences through regions run on
-a standalone server whose opener maps host memory (tests.hostmemory), the
-same paths as CUDA's but for the copies; opening a region on a GPU is
-bench/gpu_check.sh's to verify (bench.cudashm_check).
+a standalone server and a node's gateway whose opener maps host memory
+(tests.hostmemory), the same paths as CUDA's but for the copies; opening a
+region on a GPU is bench/gpu_check.sh's to verify (bench.cudashm_check).
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ from kcoral.inference.h2front import SERVICE
 from kcoral.inference.message import RestMessage
 from kcoral.inference.sharedmemory import MAX_REGIONS, NOT_LOOPBACK, Caller, SharedMemory
 from kcoral.protocol.inference import InferAnswer
-from tests.conftest import server_args, server_env
-from tests.harness import LISTENING, SERVER_READY, START_TIMEOUT
+from tests.conftest import server_args
 from tests.hostmemory import HostMemoryOpener, handle_of
-from tests.test_models import grpc_address, start_grpc_front
+from tests.test_models import start_grpc_front
 from tests.test_shared_memory import TOKENS, _headers, export_simple
 
 A, B = Caller(b"Bearer a", "127.0.0.1"), Caller(b"Bearer b", "127.0.0.1")
@@ -251,7 +250,7 @@ def test_a_malformed_registration_is_refused_with_what_is_wrong(body, words):
 @pytest.mark.parametrize("refused", [NO_GPU, CUDA_OFF, NOT_HERE])
 def test_where_it_is_not_served_a_well_formed_registration_is_refused_naming_why(refused):
     """Where it is not served (a server without a GPU, one on a GPU without
-    --allow-client-shm, a gateway or a Router, the default) the registry
+    --allow-client-shm, a Router, the default) the registry
     stays empty and a well-formed registration is refused with the reason; a
     malformed one is refused for what is wrong with it first."""
     cuda = CudaSharedMemory(refused=refused) if refused != NOT_HERE else CudaSharedMemory()
@@ -277,6 +276,26 @@ def test_a_server_serves_cuda_regions_on_a_device_it_can_open_and_with_the_optio
     server = ServerService(ServerConfig(port=0, gpus="none", allow_client_shm=allowed), Clock(),
                            device_memory=HostMemoryOpener(str(tmp_path)) if opener else None)
     assert server.cuda_memory.refused == refused
+
+
+@pytest.mark.parametrize("gpus, opener, allowed, refused", [
+    (False, False, True, NO_GPU), (True, False, False, CUDA_OFF), (True, False, True, None),
+    (False, True, True, None)])
+def test_a_gateway_serves_cuda_regions_where_its_node_has_gpus_and_with_the_option(
+        tmp_path, gpus, opener, allowed, refused):
+    """A node's gateway, on the GPUs' host, serves its clients' CUDA regions
+    where its node has GPU workers (or it was given an opener) and the
+    option; a Router, whose clients are on other hosts, never does."""
+    from twisted.internet.task import Clock
+
+    from kcoral.node.gateway import Gateway
+    from kcoral.router.service import RouterConfig, build_router
+
+    gateway = Gateway(RouterConfig(port=0), Clock(), allowed, on_gpu=gpus,
+                      device_memory=HostMemoryOpener(str(tmp_path)) if opener else None)
+    assert gateway.app.cuda_memory.refused == refused
+    router, _ = build_router(RouterConfig(port=0), Clock())
+    assert router.cuda_memory.refused == NOT_HERE
 
 
 def _failure(d):
@@ -317,7 +336,7 @@ async def front(request: pytest.FixtureRequest, module_processes, tmp_path_facto
     args = server_args("--model-repository", export_simple(root), "--grpc-port", "0",
                        "--client-tokens-file", str(root / "tokens"), "--allow-client-shm")
     address, url, _ = await start_grpc_front(module_processes, request.param, args)
-    return url.removeprefix("http://"), address, NO_GPU if request.param == "server" else NOT_HERE
+    return url.removeprefix("http://"), address, NO_GPU
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -370,7 +389,7 @@ async def test_hostile_rest_registrations_are_json_400s_with_a_request_id(front)
     """Any registration body (not JSON, too deep, too large, any JSON value,
     handles that are not 64 bytes of base64, device numbers and sizes of any
     type and range) is a 400 with a JSON error and a request id, a
-    well-formed one included (a server holds no GPU, a gateway none), never
+    well-formed one included (no worker behind the front holds a GPU), never
     a 5xx; status is empty and unregistration accepted, through Triton's
     client library; the front is live after."""
     await threads.deferToThread(_rest_hostile, front[0], front[2])
@@ -421,21 +440,24 @@ async def test_hostile_grpc_registrations_are_invalid_argument(front):
 
 # -- inferences through regions, on a server whose opener maps host memory ----------------------
 
-@pytest_twisted.async_fixture(scope="module")
-async def host_memory_server(module_processes, tmp_path_factory):
-    """A standalone server of C{simple} with two client tokens whose CUDA
-    regions are files of /dev/shm (tests.hostmemory): its REST host:port and
-    its gRPC address."""
+def _over_host_memory(*args: str) -> list[str]:
+    """C{kcoral server ARGS...}, its CUDA regions files of /dev/shm."""
+    assert args[0] == "server", args
+    return [sys.executable, "-m", "tests.hostmemory", "/dev/shm", *args[1:]]
+
+
+@pytest_twisted.async_fixture(scope="module", params=["server", "gateway"])
+async def host_memory_server(request: pytest.FixtureRequest, module_processes, tmp_path_factory):
+    """A standalone server of C{simple}, or a node's gateway before two CPU
+    workers, with two client tokens, whose CUDA regions are files of
+    /dev/shm (tests.hostmemory): its REST host:port and its gRPC address."""
     root = tmp_path_factory.mktemp("cudainfer")
     (root / "tokens").write_text("\n".join(TOKENS) + "\n")
     args = server_args("--model-repository", export_simple(root), "--grpc-port", "0",
                        "--client-tokens-file", str(root / "tokens"), "--allow-client-shm")
-    child = module_processes.spawn(
-        [sys.executable, "-m", "tests.hostmemory", "/dev/shm", *args[1:]], name="server",
-        env=server_env())
-    url = (await child.wait_for_line(LISTENING, START_TIMEOUT)).group("url")
-    await child.wait_for_line(SERVER_READY, START_TIMEOUT)
-    return url.removeprefix("http://"), await grpc_address(child)
+    address, url, _ = await start_grpc_front(module_processes, request.param, args,
+                                             argv=_over_host_memory)
+    return url.removeprefix("http://"), address
 
 
 class DeviceRegions:

@@ -231,16 +231,18 @@ async def grpc_address(child: ChildProcess) -> str:
     return f"127.0.0.1:{found.group('port')}"
 
 
-async def start_grpc_front(group, kind: str, args: list[str]) -> tuple[str, str, ChildProcess]:
-    """C{kcoral ARGS} as a standalone server (C{kind} "server") or as a
-    node's gateway before two CPU workers ("gateway"), in C{group}: its gRPC
-    address, its URL and its process, once it is ready."""
+async def start_grpc_front(group, kind: str, args: list[str], argv=kcoral_argv
+                           ) -> tuple[str, str, ChildProcess]:
+    """C{kcoral ARGS} (the command line C{argv(*ARGS)}) as a standalone
+    server (C{kind} "server") or as a node's gateway before two CPU workers
+    ("gateway"), in C{group}: its gRPC address, its URL and its process,
+    once it is ready."""
     if kind == "server":
         service = await group.start_service(args, name="server", ready=SERVER_READY,
-                                            env=server_env())
+                                            env=server_env(), argv=argv)
         return await grpc_address(service.process), service.url, service.process
-    child = group.spawn(kcoral_argv(*args, "--cpu-workers", "2", "--health-interval-seconds",
-                                    "0.5"), name="node", env=server_env())
+    child = group.spawn(argv(*args, "--cpu-workers", "2", "--health-interval-seconds", "0.5"),
+                        name="node", env=server_env())
     url = (await child.wait_for_line(GATEWAY, START_TIMEOUT)).group("url")
     address = await grpc_address(child)
 

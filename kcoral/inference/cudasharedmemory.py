@@ -4,16 +4,18 @@ memory on a GPU, exports it as a CUDA IPC handle (64 opaque bytes), and
 registers the handle as a named region; inferences then name the region
 instead of carrying an input's or an output's bytes.
 
-Only a process that holds that GPU can open the handle: a standalone server
-on the GPU, whose front and runs are one process. It opens a region as it
-is registered, through an L{IDeviceMemoryOpener} (the CUDA one,
-L{CudaIpcOpener}, imports cuda-python when it first opens a region, so
-nothing else needs it installed), and keeps it in the registry of its
+Only a process on the GPU's host can open the handle: the front that the
+client registers with, a standalone server or a node's gateway. It opens a
+region as it is registered, through an L{IDeviceMemoryOpener} (the CUDA
+one, L{CudaIpcOpener}, imports cuda-python when it first opens a region,
+so nothing else needs it installed), and keeps it in the registry of its
 system shared-memory regions, one namespace of names per client token as
 in Triton; an inference names either kind the same way
-(L{kcoral.inference.sharedmemory}). A node's gateway and a Router hold no
-GPU, and refuse registration naming where to register instead; so does a
-server without a GPU, after the request itself is checked.
+(L{kcoral.inference.sharedmemory}), and the front copies a region's slice
+to or from the inference's bytes on the host, as it reads and writes a
+system region, whichever worker and device then run the model. A Router,
+whose clients are on other hosts, refuses registration; so does a front
+without a GPU, after the request itself is checked.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import attrs
 import numpy as np
 from twisted.internet.defer import Deferred, fail
-from zope.interface import Attribute, Interface, implementer
+from zope.interface import Interface, implementer
 
 from kcoral.common.offreactor import off_reactor
 from kcoral.errors import BadRequest
@@ -42,7 +44,8 @@ from kcoral.inference.sharedmemory import (
 )
 
 __all__ = ["CUDA", "CUDA_OFF", "HANDLE_BYTES", "NOT_HERE", "NO_BINDINGS", "NO_GPU", "CudaIpcOpener",
-           "CudaRegistration", "CudaSharedMemory", "IDeviceMemoryOpener", "IDeviceRegion"]
+           "CudaRegistration", "CudaSharedMemory", "IDeviceMemoryOpener", "IDeviceRegion",
+           "refusal"]
 
 #: The size of a CUDA IPC memory handle (C{cudaIpcMemHandle_t}).
 HANDLE_BYTES = 64
@@ -53,10 +56,20 @@ CUDA_OFF = "CUDA shared memory is off: start the server with --allow-client-shm 
 #: Why a server on a GPU refuses it where it lacks cuda-python's bindings.
 NO_BINDINGS = ("CUDA shared memory is not served: this server lacks cuda-python's bindings "
                "(install kcoral[cuda] beside it)")
-#: Why a node's gateway and a Router refuse it.
-NOT_HERE = ("CUDA shared memory is served only by a standalone server on the region's GPU "
-            "(kcoral server --allow-client-shm): a node's gateway and a Router hold no GPU, "
-            "and do not pass a region on to the worker that holds its device")
+#: Why a Router refuses it.
+NOT_HERE = ("CUDA shared memory is served only on the region's host, by a standalone server or "
+            "a node's gateway (--allow-client-shm): a Router's clients are on other hosts")
+
+
+def refusal(on_gpu: bool, allowed: bool) -> str | None:
+    """Why a front on a host with a GPU (C{on_gpu}) whose clients' shared
+    memory is C{allowed} (--allow-client-shm) refuses CUDA regions; None:
+    it serves them."""
+    if not on_gpu:
+        return NO_GPU
+    return None if allowed else CUDA_OFF
+
+
 #: The kind of a CUDA region (L{kcoral.inference.sharedmemory.IRegion}).
 CUDA = "cuda"
 #: The largest device number a request may name.
@@ -124,16 +137,14 @@ class CudaRegistration:
 
 
 class IDeviceRegion(Interface):
-    """A region of device memory opened from another process's handle."""
+    """A region of device memory opened from another process's handle; its
+    copies wait on the device (call them in a thread)."""
 
-    device = Attribute("The JAX device it is on.")
+    def read_into(offset: int, view: memoryview) -> None:
+        """Copy C{len(view)} bytes from C{offset} into the host memory C{view}."""
 
-    def read(offset: int, size: int) -> Any:
-        """C{size} bytes from C{offset}, as a one-dimensional uint8 JAX array
-        on the region's device."""
-
-    def write(offset: int, data: Any) -> None:
-        """The bytes of the JAX array C{data}, on the region's device, at C{offset}."""
+    def write(offset: int, data: memoryview) -> None:
+        """Copy the host memory C{data} to C{offset}."""
 
     def close() -> None:
         """Let the region go (its owner's memory stays allocated)."""
@@ -150,8 +161,9 @@ class IDeviceMemoryOpener(Interface):
 class CudaIpcOpener:
     """
     Opens a CUDA IPC handle with C{cudaIpcOpenMemHandle}. Bytes move between
-    the region and JAX arrays on the same device with device-to-device
-    copies: nothing goes through the host.
+    the region and the host with C{cudaMemcpy}: the one copy across the bus
+    that the front's inference bytes need either way, and no JAX, so that
+    a gateway, which runs no model, opens a region as a server does.
     """
 
     def open(self, registration: CudaRegistration) -> IDeviceRegion:
@@ -187,33 +199,27 @@ class _CudaRegion:
     _pointer: int
     _registration: CudaRegistration
 
-    @property
-    def device(self) -> Any:
-        import jax
+    def read_into(self, offset: int, view: memoryview) -> None:
+        self._registration.within(offset, len(view))
+        host = np.frombuffer(view, np.uint8)
+        self._copy(host.ctypes.data, self._pointer + offset, host.nbytes,
+                   self._runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost)
 
-        return jax.devices("gpu")[self._registration.device_id]
+    def write(self, offset: int, data: memoryview) -> None:
+        self._registration.within(offset, len(data))
+        host = np.frombuffer(data, np.uint8)
+        self._copy(self._pointer + offset, host.ctypes.data, host.nbytes,
+                   self._runtime.cudaMemcpyKind.cudaMemcpyHostToDevice)
 
-    def read(self, offset: int, size: int) -> Any:
-        import jax.numpy as jnp
-
-        self._registration.within(offset, size)
-        # A fresh array of the size, which nothing else holds: the copy
-        # overwrites it in place before it is handed out.
-        out = jnp.zeros((size,), jnp.uint8, device=self.device).block_until_ready()
-        self._copy(out.unsafe_buffer_pointer(), self._pointer + offset, size)
-        return out
-
-    def write(self, offset: int, data: Any) -> None:
-        self._registration.within(offset, data.nbytes)
-        data.block_until_ready()
-        self._copy(self._pointer + offset, data.unsafe_buffer_pointer(), data.nbytes)
-
-    def _copy(self, to: int, source: int, size: int) -> None:
-        _checked(self._runtime, self._runtime.cudaMemcpy(
-            to, source, size, self._runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice),
-            self._registration)
-        # A copy between device buffers may still run when cudaMemcpy
-        # returns, and JAX's streams do not wait for the default one.
+    def _copy(self, to: int, source: int, size: int, kind: Any) -> None:
+        # The device is a thread's setting, and copies run in whichever
+        # thread of the pool is free.
+        _checked(self._runtime, self._runtime.cudaSetDevice(self._registration.device_id),
+                 self._registration)
+        _checked(self._runtime, self._runtime.cudaMemcpy(to, source, size, kind),
+                 self._registration)
+        # A copy to the device from pageable memory may still run when
+        # cudaMemcpy returns; the client reads its region once answered.
         _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
 
     def close(self) -> None:
@@ -257,12 +263,10 @@ class _DeviceRegion:
     def read_into(self, offset: int, view: memoryview) -> None:
         # The inference's binary tensor is on the host: the model's input
         # is placed on the device from it, as any other input.
-        np.frombuffer(view, np.uint8)[:] = np.asarray(self.opened.read(offset, len(view)))
+        self.opened.read_into(offset, view)
 
     def write(self, offset: int, data: memoryview) -> None:
-        import jax
-
-        self.opened.write(offset, jax.device_put(np.frombuffer(data, np.uint8), self.opened.device))
+        self.opened.write(offset, data)
 
 
 class CudaSharedMemory:

@@ -15,6 +15,7 @@ from twisted.logger import Logger
 
 from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
+from kcoral.inference.cudasharedmemory import CudaSharedMemory, IDeviceMemoryOpener, refusal
 from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.sharedmemory import OFF, SharedMemory
 from kcoral.node.config import NodeConfig
@@ -50,14 +51,24 @@ def gateway_config(node: NodeConfig, server: ServerConfig) -> RouterConfig:
 
 
 class Gateway(service.MultiService):
-    """Serves the node's public port; stopping drains its runs, then closes it."""
+    """
+    Serves the node's public port; stopping drains its runs, then closes it.
+    With C{allow_client_shm}, it serves its clients' system shared memory,
+    and their CUDA regions where the node has GPUs (C{on_gpu}), opened with
+    C{device_memory} (by default, CUDA's IPC).
+    """
 
-    def __init__(self, config: RouterConfig, reactor, allow_client_shm: bool = False):
+    def __init__(self, config: RouterConfig, reactor, allow_client_shm: bool = False, *,
+                 on_gpu: bool = False, device_memory: IDeviceMemoryOpener | None = None):
         super().__init__()
         self.config = config
-        self.app, site = build_router(config, reactor, SharedMemory(
+        shared_memory = SharedMemory(
             refused=None if allow_client_shm else OFF, max_bytes=config.max_request_bytes,
-            namespaced=bool(config.client_token or config.client_tokens_file)))
+            namespaced=bool(config.client_token or config.client_tokens_file))
+        cuda_memory = CudaSharedMemory(
+            shared_memory, refused=refusal(on_gpu or device_memory is not None, allow_client_shm),
+            opener=device_memory, max_bytes=config.max_request_bytes)
+        self.app, site = build_router(config, reactor, shared_memory, cuda_memory)
         self.registry = self.app.registry
         self.app.metrics_source = self._metrics
         self.app.history.setServiceParent(self)

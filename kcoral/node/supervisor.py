@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from kcoral.common.report import WorkerReport
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.heap import SettledHeap
+from kcoral.inference.cudasharedmemory import IDeviceMemoryOpener
 from kcoral.node.config import NodeConfig
 from kcoral.node.devices import WorkerSpec, detect_gpus, plan_workers
 from kcoral.node.environment import SECURED_ENV, WorkerEnvironment
@@ -101,14 +102,16 @@ class SupervisorService(service.MultiService):
     """
     The node with the settings C{node}, whose workers run with C{server}'s:
     one per C{specs}, worker i on C{ports[i]} (and gRPC on C{grpc_ports[i]}
-    when given); the reporter (with a Router) or the gateway (without).
+    when given); the reporter (with a Router) or the gateway (without),
+    which opens its clients' CUDA regions with C{device_memory}.
     """
 
     exit_status = 0
 
     def __init__(self, node: NodeConfig, server: ServerConfig, reactor, specs: list[WorkerSpec],
                  ports: list[int], account: str, *, outgoing: Outgoing | None = None,
-                 grpc_ports: list[int | None] | None = None):
+                 grpc_ports: list[int | None] | None = None,
+                 device_memory: IDeviceMemoryOpener | None = None):
         super().__init__()
         self._account = account
         self._advertise = node.advertise_host or server.host
@@ -127,7 +130,9 @@ class SupervisorService(service.MultiService):
                                       timeout=settings.health_interval_seconds, reactor=reactor)
             self.reporter.setServiceParent(self)
         else:
-            self.gateway = Gateway(gateway_config(node, server), reactor, server.allow_client_shm)
+            self.gateway = Gateway(gateway_config(node, server), reactor, server.allow_client_shm,
+                                   on_gpu=any(spec.gpus is not None for spec in specs),
+                                   device_memory=device_memory)
         restarts = Counter("kcoral_worker_restarts", "Worker restarts by the supervisor", ["worker"],
                            registry=self.gateway.registry if self.gateway else None)
         self.workers = service.MultiService()
@@ -203,15 +208,17 @@ class SupervisorService(service.MultiService):
         log.info("kcoral node stopped")
 
 
-def make_supervisor_service(options, reactor) -> SupervisorService:
-    """The supervisor of the node that the options C{options} describe."""
+def make_supervisor_service(options, reactor, device_memory: IDeviceMemoryOpener | None = None
+                            ) -> SupervisorService:
+    """The supervisor of the node that the options C{options} describe (its
+    gateway opens CUDA regions with C{device_memory})."""
     specs, account = plan_workers(options["gpus"], options["cpu-workers"], detect_gpus(),
                                   options["devices-per-worker"])
     ports = [worker_port(options, spec.index) for spec in specs]
     grpc_ports = [worker_grpc_port(options, spec.index) for spec in specs]
     check_distinct_ports(options, ports, grpc_ports)
     return SupervisorService(options.node_config(), options.server_config(), reactor, specs,
-                             ports, account, grpc_ports=grpc_ports)
+                             ports, account, grpc_ports=grpc_ports, device_memory=device_memory)
 
 
 def check_distinct_ports(options, ports: list[int], grpc_ports: list[int | None]) -> None:

@@ -32,6 +32,7 @@ from kcoral.errors import (
     PayloadTooLarge,
     ServerBusy,
 )
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.rest import InferenceRoutes
 from kcoral.inference.sharedmemory import ROUTER, SharedMemory
 from kcoral.metrics import SECONDS_BUCKETS, render
@@ -119,12 +120,16 @@ class RouterApp:
                  health_lists_workers: bool = False, status_check_interval: float = 1.0,
                  metrics_source=None, tracing: ITracing = NO_TRACING,
                  max_redispatches: int = MAX_REDISPATCHES,
-                 shared_memory: SharedMemory | None = None):
+                 shared_memory: SharedMemory | None = None,
+                 cuda_memory: CudaSharedMemory | None = None):
         self.pool = pool
         #: The system shared-memory regions of its clients: a node's gateway
         #: serves them to clients on its host; a Router, whose clients are
         #: on other hosts, refuses them.
         self.shared_memory = shared_memory or SharedMemory(refused=ROUTER, max_bytes=0)
+        #: Its clients' CUDA regions, kept with their system ones: a
+        #: gateway on a GPU host serves them; a Router refuses them.
+        self.cuda_memory = cuda_memory or CudaSharedMemory(self.shared_memory)
         self.scheduler = scheduler
         #: The HTTP client runs are forwarded with; other outgoing requests
         #: (a gateway's scrapes of its workers) share its connection pool.
@@ -162,7 +167,8 @@ class RouterApp:
         routes: dict[Route, Handler] = {
             RUN_ROUTE: self.post_run, ARRAY: self.array, ARRAYS_NAMED: self.arrays,
             NODE_LIST: self.get_nodes, NODE_CONTROL: self.node_control,
-            **InferenceRoutes(self.inference, self.shared_memory).handlers()}
+            **InferenceRoutes(self.inference, self.shared_memory,
+                              cuda_memory=self.cuda_memory).handlers()}
         return RequestIdResource(Front(self.app.resource(), routes, guard=self.client_guard))
 
     # -- client routes --------------------------------------------------------

@@ -16,6 +16,7 @@ from kcoral.common.announce import announce
 from kcoral.common.keepalive import COUNT, IDLE_SECONDS, INTERVAL_SECONDS, Keepalive
 from kcoral.common.queue import WaitQueue
 from kcoral.heap import SettledHeap
+from kcoral.inference.cudasharedmemory import CudaSharedMemory
 from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.sharedmemory import SharedMemory
 from kcoral.metrics import HttpMetrics
@@ -93,9 +94,10 @@ class RouterConfig:
                          self.keepalive_count)
 
 
-def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | None = None):
+def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | None = None,
+                 cuda_memory: CudaSharedMemory | None = None):
     """The pool, scheduler and app of a Router; the gateway builds the same,
-    with its C{shared_memory}."""
+    with its C{shared_memory} and C{cuda_memory}."""
     pool = Pool(reactor, max_status_age_seconds=config.max_status_age_seconds,
                 unhealthy_threshold=config.unhealthy_threshold,
                 recovery_threshold=config.recovery_threshold,
@@ -108,7 +110,7 @@ def build_router(config: RouterConfig, reactor, shared_memory: SharedMemory | No
                                                                      keepalive=config.keepalive),
                     reactor=reactor, registry=registry, node_token=config.node_token,
                     client_guard=client_guard(config, reactor),
-                    shared_memory=shared_memory,
+                    shared_memory=shared_memory, cuda_memory=cuda_memory,
                     health_lists_workers=config.health_lists_workers,
                     status_check_interval=config.status_check_interval_seconds,
                     tracing=tracing_for(config.tracing, config.service_name),
@@ -132,7 +134,8 @@ def grpc_front(config: RouterConfig, app: RouterApp, reactor) -> service.IServic
                      max_message_bytes=config.max_request_bytes, guard=app.client_guard,
                      tls=(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key
                      else None, client_ca=config.tls_client_ca,
-                     share_port=config.front_processes > 1, shared_memory=app.shared_memory)
+                     share_port=config.front_processes > 1, shared_memory=app.shared_memory,
+                     cuda_memory=app.cuda_memory)
 
 
 def _client_connections(limit: int, pool: Pool):

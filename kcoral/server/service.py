@@ -22,10 +22,9 @@ from kcoral.common.queue import WaitQueue
 from kcoral.common.serverconfig import RUN_TIMEOUT_EXIT_STATUS, ServerConfig
 from kcoral.heap import settle
 from kcoral.inference.cudasharedmemory import (
-    CUDA_OFF,
-    NO_GPU,
     CudaSharedMemory,
     IDeviceMemoryOpener,
+    refusal,
 )
 from kcoral.inference.h2front import GrpcFront
 from kcoral.inference.sharedmemory import OFF, SharedMemory
@@ -136,7 +135,7 @@ class ServerService(service.MultiService):
         shared_memory = SharedMemory(refused=None if config.allow_client_shm else OFF,
                                      max_bytes=config.max_request_bytes, namespaced=guard is not None)
         self.cuda_memory = CudaSharedMemory(
-            shared_memory, refused=self._cuda_refused(device_memory is not None),
+            shared_memory, refused=refusal(device_memory is not None, config.allow_client_shm),
             opener=device_memory, max_bytes=config.max_request_bytes)
         self.app = ServerApp(executor=self.executor, admission=admission,
                              threadpool=self._threadpool, reactor=reactor, registry=registry,
@@ -165,12 +164,6 @@ class ServerService(service.MultiService):
                 else None, client_ca=config.tls_client_ca, shared_memory=self.app.shared_memory,
                 cuda_memory=self.cuda_memory)
             self.grpc.setServiceParent(self)
-
-    def _cuda_refused(self, on_gpu: bool) -> str | None:
-        """Why CUDA shared memory is refused (None: it is served)."""
-        if not on_gpu:
-            return NO_GPU
-        return None if self.config.allow_client_shm else CUDA_OFF
 
     def privilegedStartService(self):
         super().privilegedStartService()
@@ -202,7 +195,7 @@ class ServerService(service.MultiService):
         try:
             info = yield deferToThreadPool(self._reactor, threads, self.executor.load)
             if info.platform == "cuda":
-                self.cuda_memory.refused = self._cuda_refused(True)
+                self.cuda_memory.refused = refusal(True, self.config.allow_client_shm)
             if self.control is not None:
                 # Every model compiled before the server says it is ready.
                 yield deferToThreadPool(self._reactor, threads,
