@@ -31,7 +31,10 @@ steps per second over the whole run, each model in turn, ``--rounds``
 times (the median and the spread printed), and the mean steps in each of
 ``oldest``'s executions (the server's statistics). The same clients call a
 bare ``grpc.aio`` server that answers at once (``bench.peers.grpc_echo``):
-gRPC's own round trip on this host, side by side. Beside them, the model's
+gRPC's own round trip on this host, side by side; and a sequence model
+whose step does almost nothing (``count_direct``: its state a count, its
+answer the token plus one), run as ``direct``: a step's own cost in KCoral
+beside that round trip, with no model's time to take away. Beside them, the model's
 own time for one step in this process (``jax.jit``, at batch 1 and at each
 count of live sequences), alone and as a server takes it (the rows' states
 gathered out of tables and scattered back): the floor no server beats,
@@ -63,7 +66,9 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 GRPC = re.compile(r"serving the inference protocol over gRPC on (\S+)")
 #: What the bare gRPC server (bench.peers.grpc_echo) is asked for: its one method answers any model.
 ECHO = "echo"
-MODELS = ("decode_oldest", "decode_direct", ECHO)
+#: The sequence model whose step does almost nothing.
+COUNT = "count_direct"
+MODELS = ("decode_oldest", "decode_direct", COUNT, ECHO)
 
 
 def init_params(seed: int = 0) -> dict:
@@ -104,6 +109,12 @@ def decode_step(params, state, token):
     new_state = {"cache": jnp.stack(caches, axis=1),
                  "pos": jnp.minimum(state["pos"] + 1, CONTEXT - 1)}
     return new_state, next_token
+
+
+def count_step(state, token):
+    """A step that does almost nothing: a count kept, the next token the
+    token plus one."""
+    return {"count": state["count"] + 1}, (token + 1) % VOCAB
 
 
 def decode_in_place(params, tables, slots, token):
@@ -164,6 +175,10 @@ def export(repository: Path, params: dict, max_batch: int) -> None:
                              batch_sizes=sizes, input_names=["TOKEN"], output_names=["NEXT"],
                              state=initial_state(), sequence_batching=batching,
                              max_sequence_idle_seconds=60.0)
+    kcoral.export_bundle(count_step, None, token, dir=repository / COUNT, name=COUNT,
+                         batch_sizes=(1,), input_names=["TOKEN"], output_names=["NEXT"],
+                         state={"count": np.zeros((1, 1), np.int32)}, sequence_batching="direct",
+                         max_sequence_idle_seconds=60.0)
 
 
 def model_ms(params: dict, rows: int, repeats: int = 30) -> tuple[float, float]:
@@ -366,6 +381,7 @@ def main() -> None:
                       f"execution), alone {median['decode_direct']:8.1f} steps/s "
                       f"({_spread(rates['decode_direct'])}), "
                       f"{median['decode_oldest'] / median['decode_direct']:5.2f}x; "
+                      f"{COUNT} {median[COUNT]:8.1f} steps/s ({_spread(rates[COUNT])}); "
                       f"bare gRPC echo {median[ECHO]:8.1f} calls/s ({_spread(rates[ECHO])}); "
                       f"{differ} of {live} sequences' tokens differ", flush=True)
         finally:
@@ -391,6 +407,11 @@ def main() -> None:
         print(f"one sequence alone: a step {step:.2f} ms, of which the model's as a server "
               f"takes it {own:.2f} ms of CPU; the rest {step - own:.2f} ms against a bare gRPC "
               f"round trip of {call:.2f} ms ({(step - own) / call:.2f}x)")
+        # The same, with no model's time to take away.
+        counted = 1e3 / alone[COUNT]
+        print(f"one sequence alone of a step that does almost nothing ({COUNT}): a step "
+              f"{counted:.2f} ms against a bare gRPC round trip of {call:.2f} ms "
+              f"({counted / call:.2f}x)")
     write_results(results, args.json)
 
 
