@@ -53,8 +53,8 @@ HANDLE_BYTES = 64
 NO_GPU = "CUDA shared memory is not served: no worker of this service holds a GPU"
 #: Why a server on a GPU refuses it where it was not told to serve it.
 CUDA_OFF = "CUDA shared memory is off: start the server with --allow-client-shm to serve it"
-#: Why a server on a GPU refuses it where it lacks cuda-python's bindings.
-NO_BINDINGS = ("CUDA shared memory is not served: this server lacks cuda-python's bindings "
+#: Why a front on a GPU host refuses it where it lacks cuda-python's bindings.
+NO_BINDINGS = ("CUDA shared memory is not served: this service lacks cuda-python's bindings "
                "(install kcoral[cuda] beside it)")
 #: Why a Router refuses it.
 NOT_HERE = ("CUDA shared memory is served only on the region's host, by a standalone server or "
