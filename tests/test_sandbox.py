@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.threads import deferToThread
 
+from bench.support.ports import free_port
 from kcoral.common.serverconfig import ServerConfig
 from kcoral.sandbox import landlock, seccomp
 from kcoral.sandbox.policy import otlp_port, policy_for, serves_gpu
@@ -147,12 +148,6 @@ def listeners():
     yield [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
