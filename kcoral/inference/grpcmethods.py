@@ -11,7 +11,7 @@ another thread would; an inference's, when large, go to a thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, ItemsView, Mapping
+from collections.abc import Callable, ItemsView, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -86,12 +86,13 @@ class Streamed:
     """
     How a streaming method's call answers each of its messages, on the
     stream: C{answered} makes what is sent of each of a message's
-    serialized answers (none, one or more: a decoupled model's), C{failed}
+    serialized answers (none, one or more: a decoupled model's), each given
+    in parts, C{failed}
     of what the message's read gave (None: its read failed) and the message
     of the error it failed with (the call goes on).
     """
 
-    answered: Callable[[bytes], bytes]
+    answered: Callable[[Sequence[bytes]], bytes]
     failed: Callable[[Any, str], bytes]
 
 
@@ -113,7 +114,8 @@ class Method:
     sequence's steps run in the order they reach its model).
     """
 
-    answer: Callable[[Any, str, Mapping[bytes, bytes]], Deferred[bytes] | Deferred[list[bytes]]]
+    answer: Callable[[Any, str, Mapping[bytes, bytes]],
+                     Deferred[bytes] | Deferred[list[tuple[bytes, ...]]]]
     open: bool = False
     streamed: Streamed | None = None
     read: Callable[[bytes, Mapping[bytes, bytes]], Any] = _as_sent
@@ -317,8 +319,10 @@ class GrpcMethods:
 
     def _stream_infer(self, read: tuple[service_pb2.ModelInferRequest, IInferMessage,
                                         Placement | None],
-                      rid: str, metadata: Mapping[bytes, bytes]) -> Deferred[list[bytes]]:
-        """Its answers: one, or a decoupled model's, one a row of its outputs."""
+                      rid: str, metadata: Mapping[bytes, bytes]
+                      ) -> Deferred[list[tuple[bytes, ...]]]:
+        """Its answers, each in parts: one, or a decoupled model's, one a row
+        of its outputs."""
         ended = empty_final(read[0].parameters)
         return self._infer(read, rid, metadata, decoupled=True).addCallback(_answers, ended)
 
@@ -377,40 +381,43 @@ def _converted(answered: InferAnswer) -> bytes:
     return grpc_of_rest_answer(answered.body, answered.header_length).SerializeToString()
 
 
-def _answers(answered: InferAnswer | GrpcAnswer, ended: bool) -> Deferred[list[bytes]]:
-    """The serialized answers of a stream's message: its answer, the last
-    of its request's; or a decoupled model's answers (L{answers_of})."""
+def _answers(answered: InferAnswer | GrpcAnswer, ended: bool
+             ) -> Deferred[list[tuple[bytes, ...]]]:
+    """The serialized answers of a stream's message, each in parts (joined
+    once, as the stream's message is made): its answer, the last of its
+    request's; or a decoupled model's answers (L{answers_of})."""
     if isinstance(answered, GrpcAnswer) and not answered.decoupled:
-        return succeed([answered.message + LAST])
+        return succeed([(answered.message, LAST)])
     size = len(answered.message if isinstance(answered, GrpcAnswer) else answered.body)
     return off_reactor(size, _split, answered, ended)
 
 
-def _split(answered: InferAnswer | GrpcAnswer, ended: bool) -> list[bytes]:
+def _split(answered: InferAnswer | GrpcAnswer, ended: bool) -> list[tuple[bytes, ...]]:
     if isinstance(answered, GrpcAnswer):
         response = service_pb2.ModelInferResponse.FromString(answered.message)
     else:
         response = grpc_of_rest_answer(answered.body, answered.header_length)
         if DECOUPLED_ANSWERS not in response.parameters:
-            return [response.SerializeToString() + LAST]
-    return answers_of(response, ended)
+            return [(response.SerializeToString(), LAST)]
+    return [(answer,) for answer in answers_of(response, ended)]
 
 
 #: The key of ModelStreamInferResponse's C{infer_response} (field 2, a message).
 _INFER_RESPONSE = bytes([2 << 3 | 2])
 
 
-def _stream_answer(answer: bytes) -> bytes:
-    """A ModelStreamInferResponse of C{answer}, a serialized ModelInferResponse,
-    made without parsing it again: a message field is its key, its length
-    (a varint), then the message's own bytes."""
+def _stream_answer(answer: Sequence[bytes]) -> bytes:
+    """A ModelStreamInferResponse of C{answer}, the parts of a serialized
+    ModelInferResponse, made without parsing it again and with one copy: a
+    message field is its key, its length (a varint), then the message's own
+    bytes."""
     length = bytearray()
-    size = len(answer)
+    size = sum(len(part) for part in answer)
     while size > 0x7F:
         length.append(size & 0x7F | 0x80)
         size >>= 7
     length.append(size)
-    return b"".join((_INFER_RESPONSE, length, answer))
+    return b"".join((_INFER_RESPONSE, length, *answer))
 
 
 def _stream_error(read: tuple[service_pb2.ModelInferRequest, IInferMessage, Placement | None] | None,

@@ -462,7 +462,7 @@ class _Streamed(_Call):
             d.addCallbacks(self._answered, self._failed, callbackArgs=(answer,),
                            errbackArgs=(answer, read))
 
-    def _answered(self, result: list[bytes], answer: _Answer) -> None:
+    def _answered(self, result: list[tuple[bytes, ...]], answer: _Answer) -> None:
         streamed = self.method.streamed
         assert streamed is not None
         answer.answer = [streamed.answered(message) for message in result]
