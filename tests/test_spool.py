@@ -363,6 +363,42 @@ def test_a_streamed_body_that_trickles_in_is_refused_and_its_handling_cancelled(
     assert len(gone) == 1 and transport.producerState == "producing"
 
 
+def _fail_the_next_write(threads: Threads) -> None:
+    """The spool's next call, a write of the body, fails (a full disk)."""
+    _, _, d = threads.calls.pop(0)
+    d.errback(Failure(OSError(28, "No space left on device")))
+
+
+def test_a_streamed_body_whose_write_fails_once_whole_is_refused_as_processed(tmp_path):
+    """A streamed body all arrived, whose file's write then fails before its request is
+    answered, is refused as a request already processed is (a 500, and what its handler waits
+    on learns that its client is gone), not only answered."""
+    post = streamed_post(tmp_path, 50_000, kept_bytes=0)
+    gone: list = []
+    post.request.notifyFinish().addErrback(gone.append)
+    post.channel.dataReceived(b"w" * 50_000)
+    assert post.threads.calls, "a write still pending once the body is whole"
+    _fail_the_next_write(post.threads)
+    status, _, body = parse_raw(post.transport.value())
+    assert status == 500 and b"internal_error" in body
+    assert len(gone) == 1
+
+
+def test_a_write_that_fails_after_the_answer_adds_nothing_to_the_connection(tmp_path):
+    """A streamed request answered and done while its body's writes still run: a write that
+    then fails writes nothing more to its connection, which goes on."""
+    post = streamed_post(tmp_path, 50_000, kept_bytes=0)
+    post.channel.dataReceived(b"w" * 50_000)
+    post.request.setResponseCode(400)
+    post.request.write(b"refused")
+    post.request.finish()
+    answered = post.transport.value()
+    _fail_the_next_write(post.threads)
+    post.threads.run()
+    assert post.transport.value() == answered
+    assert answered.count(b"HTTP/1.1 ") == 1 and not post.transport.disconnecting
+
+
 # -- forwarded while it arrives, through a Router in this process ------------------------------
 
 #: Over the spool's threshold, so that the Router forwards it while it arrives.

@@ -372,7 +372,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
         body.close()
 
     @pep614(spooling.upon(_Inputs.spool_failed).to(refused))
-    @pep614(received.upon(_Inputs.spool_failed).to(refused))
     def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
         core.writer = None
         core.answer_refusal(*core.refusal(core.spool_failure(failure)))
@@ -396,7 +395,10 @@ def _machine() -> Callable[[_Core], _Inputs]:
     def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
         core.answer_refusal_while_processed(*core.refusal(error))
 
+    # Received with its writes still going: a streamed body (a spooled one's
+    # have all ended before it is received).
     @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
+    @pep614(received.upon(_Inputs.spool_failed).to(refused))
     def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
         core.writer = None
         core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))

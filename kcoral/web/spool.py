@@ -237,11 +237,14 @@ class SpoolWriter:
     def _write_failed(self, failure: Failure) -> None:
         self._writing = False
         self._failure = failure
+        # A body discarded already (its request done, or refused) has no
+        # one to tell but a caller of finish.
+        unwanted = self._discarded
         self.discard()
         if self._done is not None:
             done, self._done = self._done, None
             done.errback(failure)
-        else:
+        elif not unwanted:
             self._failed(failure)
 
     def finish(self) -> Deferred[IBody]:
