@@ -410,3 +410,28 @@ def test_a_body_in_memory_is_read_as_a_view_of_the_content():
     content.getbuffer()[0:1] = b"j"  # the same memory
     assert bytes(view) == b"jello"
     assert parse_raw(transport.value())[0] == 200
+
+
+class SendsItsBody(Resource):
+    """Answers C{ok}, keeping what each request's body gave to send, twice."""
+
+    isLeaf = True
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list[tuple[bytes, bytes]] = []
+
+    def render(self, request):
+        self.sent.append((request.body.send(), request.body.send()))
+        return b"ok"
+
+
+def test_a_body_in_memory_is_sent_as_its_contents_own_bytes():
+    """A body kept in memory is sent (by a Router, on each try) as the bytes
+    its content holds: the same object every time, not a copy each."""
+    resource = SendsItsBody()
+    channel, transport = connect(fake_site(Clock(), resource=resource))
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+    [(first, again)] = resource.sent
+    assert first == b"hello" and again is first
+    assert parse_raw(transport.value())[0] == 200

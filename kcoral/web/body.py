@@ -63,22 +63,36 @@ class RequestBody(io.BytesIO):
         pass
 
 
+def _bytes_of(data: bytes | io.BytesIO) -> bytes:
+    return data if isinstance(data, bytes) else data.getvalue()
+
+
 @implementer(IBody)
 @attrs.frozen
 class MemoryBody:
-    """A body held in memory: bytes, or a view of a request's content (no copy)."""
+    """
+    A body held in memory: bytes, or a request's content, which neither way
+    of taking it copies while the other is not in use: a view of it to read
+    (C{getbuffer}), or its bytes to send (C{getvalue}: a BytesIO gives up
+    its own buffer while no view of it is held). A Router only sends the
+    body, on each try; a server only reads it.
+    """
 
-    data: bytes | memoryview
+    data: bytes | io.BytesIO = attrs.field(eq=_bytes_of)
 
     @property
     def length(self) -> int:
-        return memoryview(self.data).nbytes
+        if isinstance(self.data, bytes):
+            return len(self.data)
+        with self.data.getbuffer() as view:
+            return view.nbytes
 
     def send(self) -> bytes:
-        return self.data if isinstance(self.data, bytes) else bytes(self.data)
+        return _bytes_of(self.data)
 
     def read(self) -> Deferred[memoryview]:
-        return succeed(memoryview(self.data))
+        data = self.data
+        return succeed(memoryview(data) if isinstance(data, bytes) else data.getbuffer())
 
     def close(self) -> Deferred[None]:
         return succeed(None)
@@ -93,7 +107,7 @@ def held(body: IBody, most: int) -> bytes | None:
     site spools only bodies larger than its threshold."""
     if body.length > most or not isinstance(body, MemoryBody):
         return None
-    return bytes(body.data)
+    return body.send()
 
 
 @implementer(IBody)

@@ -48,12 +48,12 @@ class KCoralRequest(server.Request):
     @property
     def body(self) -> IBody:
         """The whole body, once the request is processed: spooled, streamed,
-        or a view of its content (no copy)."""
+        or its content, taken without a copy (L{MemoryBody})."""
         body = self._intake.body()
         if body is not None:
             return body
         assert self.content is not None  # a processed request has one
-        return MemoryBody(self.content.getbuffer())
+        return MemoryBody(self.content)
 
     def gotLength(self, length):
         method, uri, version = self.channel.headers_complete()
