@@ -307,17 +307,14 @@ def _machine() -> Callable[[_Core], _Inputs]:
 
     @pep614(head.upon(_Inputs.drop).to(dropping))
     def drop(inputs: _Inputs, core: _Core) -> None:
-        core.request.content = RequestBody()
         core.sink = _dropped
 
     @pep614(head.upon(_Inputs.keep).to(in_memory))
     def keep(inputs: _Inputs, core: _Core) -> None:
-        core.request.content = RequestBody()
         core.sink = _kept
 
     @pep614(head.upon(_Inputs.spool).to(spooling))
     def spool(inputs: _Inputs, core: _Core, spool: Spool, length: int | None) -> None:
-        core.request.content = RequestBody()
         core.writer = spool.writer(core.holding(), inputs.spool_failed, length)
         core.sink = _written
 
@@ -326,7 +323,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
         # Kept in memory while the spool's budget allows, else written to a
         # file; read as fast as it is forwarded: nothing while it waits for
         # a member, then at the member's pace.
-        core.request.content = RequestBody()
         holds = core.holding()
         body = spool.kept(length)
         if body is None:
@@ -385,10 +381,11 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(streaming.upon(_Inputs.whole).to(received))
     @pep614(refused.upon(_Inputs.whole).loop())
     @pep614(answered_early.upon(_Inputs.whole).loop())
+    @pep614(gone.upon(_Inputs.whole).loop())
     def processed_already(inputs: _Inputs, core: _Core) -> Deferred[bool]:
         # Streamed: processed since its head (its body is now all here, and
         # written to its file as the spool goes while readers follow); else
-        # answered already.
+        # answered already, or its client gone.
         return succeed(False)
 
     @pep614(streaming.upon(_Inputs.refuse).to(refused))
@@ -429,10 +426,6 @@ def _machine() -> Callable[[_Core], _Inputs]:
     # its body was whole has the rest dropped), in whatever state it is by then.
     for state in (received, refused, answered_early, gone):
         state.upon(_Inputs.answered).loop().returns(None)
-
-    @pep614(gone.upon(_Inputs.whole).loop())
-    def not_processed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        return succeed(False)
 
     @pep614(head.upon(_Inputs.lost).to(gone))
     @pep614(dropping.upon(_Inputs.lost).to(gone))
@@ -544,6 +537,9 @@ class Intake:
             if answer is not None:
                 inputs.turn_away(answer)
                 return False
+        # Its content is this intake's to fill (Twisted's own would go to a
+        # temporary file past 100 KiB, on the reactor).
+        request.content = RequestBody()
         spool = site.spool
         if not takes_body(method, request.path):
             inputs.drop()
