@@ -13,12 +13,15 @@ region on a GPU is bench/gpu_check.sh's to verify (bench.cudashm_check).
 from __future__ import annotations
 
 import base64
+import ctypes
+import enum
 import gc
 import http.client
 import json
 import os
 import re
 import sys
+import types
 import uuid
 
 import grpc
@@ -33,6 +36,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from twisted.internet import threads
 from twisted.internet.defer import Deferred
+from twisted.logger import formatEvent, globalLogPublisher
 from zope.interface.verify import verifyObject
 
 from kcoral.errors import BadRequest
@@ -309,6 +313,107 @@ def test_the_cuda_opener_provides_the_interface_without_cuda_python():
     """The CUDA opener is an IDeviceMemoryOpener, made without importing
     cuda-python (which only a worker on a GPU needs)."""
     assert verifyObject(IDeviceMemoryOpener, CudaIpcOpener())
+
+
+class _Error(enum.Enum):
+    cudaSuccess = 0
+    cudaErrorInvalidValue = 1
+
+
+class _Kind(enum.Enum):
+    cudaMemcpyHostToDevice = 1
+    cudaMemcpyDeviceToHost = 2
+
+
+class FakeCudaRuntime:
+    """
+    cuda-python's runtime bindings, as far as the CUDA opener calls them,
+    over host memory: C{device} is the memory a client exported, its
+    address the pointer an IPC handle opens to; each call is kept in
+    C{calls} (this machine has no GPU, nor cuda-python, to run them).
+    """
+
+    cudaError_t = _Error
+    cudaMemcpyKind = _Kind
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    class cudaIpcMemHandle_t:
+        reserved = b""
+
+    def __init__(self, device: np.ndarray, close_error: _Error = _Error.cudaSuccess):
+        self.device, self.close_error = device, close_error
+        self.calls: list[tuple] = []
+
+    def cudaSetDevice(self, number):
+        self.calls.append(("set", number))
+        return (_Error.cudaSuccess,)
+
+    def cudaIpcOpenMemHandle(self, handle, flags):
+        return _Error.cudaSuccess, self.device.ctypes.data
+
+    def cudaMemcpy(self, to, source, size, kind):
+        self.calls.append(("copy", kind))
+        ctypes.memmove(to, source, size)
+        return (_Error.cudaSuccess,)
+
+    def cudaDeviceSynchronize(self):
+        self.calls.append(("synchronize",))
+        return (_Error.cudaSuccess,)
+
+    def cudaIpcCloseMemHandle(self, pointer):
+        self.calls.append(("close", pointer))
+        return (self.close_error,)
+
+
+def _fake_cuda(monkeypatch, runtime: FakeCudaRuntime) -> None:
+    """cuda-python's bindings, as C{runtime} and a driver that says the
+    handle exports C{runtime.device} whole."""
+    class CUresult(enum.Enum):
+        CUDA_SUCCESS = 0
+
+    driver = types.SimpleNamespace(CUresult=CUresult, cuMemGetAddressRange=lambda pointer: (
+        CUresult.CUDA_SUCCESS, runtime.device.ctypes.data, runtime.device.nbytes))
+    monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", runtime)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+
+
+def test_the_cuda_opener_copies_on_the_regions_device_and_waits_only_for_copies_to_it(
+        monkeypatch):
+    """A region opened by the CUDA opener copies to and from the host on its own device (set
+    in the copying thread each time); it waits for the device after a copy to it, not after one
+    from it (which has ended when it returns); closed, on its device too."""
+    device = np.arange(64, dtype=np.uint8)
+    runtime = FakeCudaRuntime(device)
+    _fake_cuda(monkeypatch, runtime)
+    region = CudaIpcOpener().open(CudaRegistration("r", bytes(HANDLE_BYTES), 3, 64))
+    host = bytearray(8)
+    region.read_into(16, memoryview(host))
+    assert bytes(host) == bytes(range(16, 24))
+    region.write(0, memoryview(b"\xff" * 4))
+    assert bytes(device[:5]) == b"\xff\xff\xff\xff\x04"
+    region.close()
+    assert runtime.calls == [
+        ("set", 3),  # opened on it
+        ("set", 3), ("copy", _Kind.cudaMemcpyDeviceToHost),
+        ("set", 3), ("copy", _Kind.cudaMemcpyHostToDevice), ("synchronize",),
+        ("set", 3), ("close", device.ctypes.data)]
+
+
+def test_a_region_that_fails_to_close_is_logged_not_raised(monkeypatch):
+    """Closing happens as a region is let go, for no request: a failure is logged, naming
+    the region and its device."""
+    runtime = FakeCudaRuntime(np.zeros(64, np.uint8), close_error=_Error.cudaErrorInvalidValue)
+    _fake_cuda(monkeypatch, runtime)
+    region = CudaIpcOpener().open(CudaRegistration("r", bytes(HANDLE_BYTES), 1, 64))
+    logged: list = []
+    globalLogPublisher.addObserver(logged.append)
+    try:
+        region.close()
+    finally:
+        globalLogPublisher.removeObserver(logged.append)
+    [event] = [e for e in logged if "was not closed" in e.get("log_format", "")]
+    assert formatEvent(event) == ("CUDA shared memory region 'r' on device 1 was not closed: "
+                                  "cudaErrorInvalidValue")
 
 
 @pytest_twisted.ensureDeferred

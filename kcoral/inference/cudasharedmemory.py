@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import numpy as np
 from twisted.internet.defer import Deferred, fail
+from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
 from kcoral.common.offreactor import off_reactor
@@ -46,6 +47,8 @@ from kcoral.inference.sharedmemory import (
 __all__ = ["CUDA", "CUDA_OFF", "HANDLE_BYTES", "NOT_HERE", "NO_BINDINGS", "NO_GPU", "CudaIpcOpener",
            "CudaRegistration", "CudaSharedMemory", "IDeviceMemoryOpener", "IDeviceRegion",
            "refusal"]
+
+log = Logger()
 
 #: The size of a CUDA IPC memory handle (C{cudaIpcMemHandle_t}).
 HANDLE_BYTES = 64
@@ -212,18 +215,33 @@ class _CudaRegion:
                    self._runtime.cudaMemcpyKind.cudaMemcpyHostToDevice)
 
     def _copy(self, to: int, source: int, size: int, kind: Any) -> None:
+        self._on_device()
+        _checked(self._runtime, self._runtime.cudaMemcpy(to, source, size, kind),
+                 self._registration)
+        if kind == self._runtime.cudaMemcpyKind.cudaMemcpyHostToDevice:
+            # A copy to the device from pageable memory may still run when
+            # cudaMemcpy returns, and the client reads its region once
+            # answered; one to the host has ended when it returns.
+            _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
+
+    def _on_device(self) -> None:
         # The device is a thread's setting, and copies run in whichever
         # thread of the pool is free.
         _checked(self._runtime, self._runtime.cudaSetDevice(self._registration.device_id),
                  self._registration)
-        _checked(self._runtime, self._runtime.cudaMemcpy(to, source, size, kind),
-                 self._registration)
-        # A copy to the device from pageable memory may still run when
-        # cudaMemcpy returns; the client reads its region once answered.
-        _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
 
     def close(self) -> None:
-        self._runtime.cudaIpcCloseMemHandle(self._pointer)
+        # In whichever thread lets go of the region last (its device set
+        # first, else device 0 is used, in a context made for it), for no
+        # request: a failure is logged.
+        runtime, registration = self._runtime, self._registration
+        error, *_ = runtime.cudaSetDevice(registration.device_id)
+        if error == runtime.cudaError_t.cudaSuccess:
+            error, *_ = runtime.cudaIpcCloseMemHandle(self._pointer)
+        if error != runtime.cudaError_t.cudaSuccess:
+            log.warn("CUDA shared memory region {name!r} on device {device} was not closed: "
+                     "{error}", name=registration.name[:64], device=registration.device_id,
+                     error=error.name)
 
 
 def _checked(runtime: Any, result: tuple, registration: CudaRegistration) -> Any:
