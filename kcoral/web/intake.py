@@ -135,7 +135,9 @@ class _Core:
 
     #: The request, held weakly: it holds its intake, and a cycle would make
     #: every request garbage that only the collector frees (measured: 23
-    #: objects a request, and gen-0 collections five times as often).
+    #: objects a request, and gen-0 collections five times as often). A body
+    #: spooled or streamed holds it (L{Intake.head}): it has calls that may
+    #: come after the request's own (its writes ending, its pace).
     request: Taken
     channel: KCoralChannel
     #: When its head was whole (the site's clock; None: not yet).
@@ -160,9 +162,6 @@ class _Core:
     sink: Callable[[_Core, _Inputs, bytes], None] = attrs.field(default=lambda core, inputs, data: None)
     #: Told when the request is finished, once it is streamed (see L{Intake.answered}).
     on_answered: Callable[[], None] | None = None
-    #: The request, held: a body spooled or streamed has calls that may come
-    #: after the request's own (its writes ending, its pace), and they find it.
-    pinned: Taken | None = None
 
     @property
     def site(self) -> Any:
@@ -546,11 +545,11 @@ class Intake:
         elif spool is None or (length is not None and length <= spool.threshold):
             inputs.keep()
         elif length is not None and site.streams(method, request.path):
-            core.pinned = request
+            core.request = request
             inputs.stream(spool, length)
             return True
         else:
-            core.pinned = request
+            core.request = request
             inputs.spool(spool, length)
         return False
 
