@@ -385,53 +385,51 @@ async def test_a_tls_connection_closed_for_its_header_deadline_says_so_at_once(t
         await port.stopListening()
 
 
-class ReadsItsBody(Resource):
-    """Answers C{ok}, keeping what each request's body read gave, and its content."""
+class TakesItsBody(Resource):
+    """Answers C{ok}, keeping what C{take} made of each request (its body
+    taken as a handler takes it)."""
 
     isLeaf = True
 
-    def __init__(self):
+    def __init__(self, take):
         super().__init__()
-        self.read: list[tuple[memoryview, object]] = []
+        self.take = take
+        self.taken: list = []
 
     def render(self, request):
-        request.body.read().addCallback(lambda view: self.read.append((view, request.content)))
+        self.taken.append(self.take(request))
         return b"ok"
+
+
+def _posted_hello(take) -> tuple[object, bytes]:
+    """What C{take} made of a POST of 5 bytes, and what the site answered."""
+    resource = TakesItsBody(take)
+    channel, transport = connect(fake_site(Clock(), resource=resource))
+    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+    [taken] = resource.taken
+    return taken, transport.value()
+
+
+def _read(request) -> tuple[memoryview, object]:
+    read: list = []
+    request.body.read().addCallback(read.append)
+    return read[0], request.content
 
 
 def test_a_body_in_memory_is_read_as_a_view_of_the_content():
     """A body kept in memory is what request.body reads, with no copy: a view
     of the request's content."""
-    resource = ReadsItsBody()
-    channel, transport = connect(fake_site(Clock(), resource=resource))
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
-    [(view, content)] = resource.read
+    (view, content), answer = _posted_hello(_read)
     assert bytes(view) == b"hello"
     content.getbuffer()[0:1] = b"j"  # the same memory
     assert bytes(view) == b"jello"
-    assert parse_raw(transport.value())[0] == 200
-
-
-class SendsItsBody(Resource):
-    """Answers C{ok}, keeping what each request's body gave to send, twice."""
-
-    isLeaf = True
-
-    def __init__(self):
-        super().__init__()
-        self.sent: list[tuple[bytes, bytes]] = []
-
-    def render(self, request):
-        self.sent.append((request.body.send(), request.body.send()))
-        return b"ok"
+    assert parse_raw(answer)[0] == 200
 
 
 def test_a_body_in_memory_is_sent_as_its_contents_own_bytes():
     """A body kept in memory is sent (by a Router, on each try) as the bytes
     its content holds: the same object every time, not a copy each."""
-    resource = SendsItsBody()
-    channel, transport = connect(fake_site(Clock(), resource=resource))
-    channel.dataReceived(b"POST /v1/run HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
-    [(first, again)] = resource.sent
+    (first, again), answer = _posted_hello(lambda request: (request.body.send(),
+                                                             request.body.send()))
     assert first == b"hello" and again is first
-    assert parse_raw(transport.value())[0] == 200
+    assert parse_raw(answer)[0] == 200
