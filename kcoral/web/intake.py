@@ -4,20 +4,17 @@ A request body's intake, from its head to the body its handler reads
 calls Twisted makes on the request (L{kcoral.web.request.KCoralRequest}),
 with L{kcoral.web.bounds.BodyBounds} as its policy::
 
-    head --drop---> dropping ----------------------whole---+
-      |                                                    |
-      +--keep---> in memory ---------------------whole---+ |
-      |                                                  v v
-      +--spool--> spooling --whole--> flushing --spooled--> received
-      |                                                    ^
-      +--stream-> streaming ----------------------whole----+
-      |              |
-      |              +--answered--> answered early
-      v
-    refused, from: head (refuse, turn_away); dropping, in memory (refuse);
-                   spooling (refuse, spool_failed); flushing, received
-                   (spool_failed); streaming (refuse, spool_failed, stalled)
+    the head's judgement starts it in one of:
 
+    dropping, in memory (whole: processed in that state)
+    spooling --whole--> flushing --spooled--> received
+    streaming (processed from its head) --whole--> received
+       |
+       +--answered--> answered early
+    refused (its head refused)
+
+    refused, from: dropping, in memory, spooling, flushing, streaming,
+                   received (refuse)
     every state --lost--> gone
 
 From its head, a request is refused (its target, its announced length, a
@@ -26,22 +23,25 @@ memory, spooled to a file while it arrives (its request processed once
 every write has ended: L{kcoral.web.spool}), or streamed: its request is
 processed as soon as its head is whole, its body followed by readers while
 it arrives, its client read only while one does. A body breaking its bounds
-while it arrives is refused there, without reading the rest; one answered
-while it still arrives has the rest dropped, and its connection closes.
+while it arrives is refused there, without reading the rest, as is one
+whose spool fails or that arrives too slowly for the forward waiting on it;
+one answered while it still arrives has the rest dropped, and its
+connection closes.
 
 Each transition runs to its end before another starts (a call made during
 one waits for it), so a request is never processed from inside one: it
 processes itself once the calls that say it may (L{Intake.head},
-L{_Inputs.whole}) have returned, and a handler that answers at once finds
-the intake between transitions. The head is judged, and each chunk of the
-body taken, outside the machine, by what its state set (L{Intake.chunk}):
-see there why.
+L{Intake.whole}) have returned, and a handler that answers at once finds
+the intake between transitions. The head is judged outside the machine,
+which it then starts in the state it chose (L{Intake.head}), and each chunk
+of the body is taken by what its state set (L{_Sink}): see there why.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import attrs
@@ -91,41 +91,96 @@ class Taken(Protocol):
 
 class _Inputs(Protocol):
     def refuse(self, error: KCoralError) -> None:
-        """Answer C{error}, reading no more of the body."""
-
-    def turn_away(self, answer: bytes) -> None:
-        """Answer C{answer}, as the request has it (status, headers), reading no more."""
-
-    def drop(self) -> None:
-        """No route reads this body: it is read within its bounds, and dropped."""
-
-    def keep(self) -> None:
-        """The body is kept in memory as it arrives."""
-
-    def spool(self, spool: Spool, length: int | None) -> None:
-        """The body goes to C{spool}'s file as it arrives."""
-
-    def stream(self, spool: Spool, length: int) -> None:
-        """The request is processed now, its body followed while it arrives."""
+        """Answer C{error}, reading no more of the body: it broke its bounds,
+        its spool's write failed, or it arrives too slowly for the forward
+        waiting on it."""
 
     def whole(self) -> Deferred[bool]:
-        """All of the body arrived: fires with whether the request is to be
-        processed now (once a spooled body is all written)."""
+        """All of a spooled or streamed body arrived: fires with whether the
+        request is to be processed now (once a spooled one is all written)."""
 
     def spooled(self, body: IBody) -> None:
         """Every write of a spooled body has ended: C{body} is all of it."""
-
-    def spool_failed(self, failure: Failure) -> None:
-        """A spool's write failed."""
-
-    def stalled(self) -> None:
-        """A streamed body arrives too slowly for the forward waiting on it."""
 
     def answered(self) -> None:
         """A streamed request is finished."""
 
     def lost(self) -> None:
         """The connection is gone."""
+
+
+# A body's chunks go where its state set (the core's sink), not through the
+# machine: automat finds a transition by comparing the state and input with
+# each of the machine's transitions in turn (each comparison a call in
+# Python), and a large body arrives in thousands of chunks. So does the news
+# that all of it arrived, where that changes nothing: a body dropped or kept
+# in memory is processed in that state, and one refused, answered or gone is
+# not. Likewise the head is judged outside it (a pure function of the head
+# and the site), which starts the machine in the state it chose, and only a
+# streamed request is told it was answered: a request kept in memory makes
+# no transition. See doc/architecture.rst for what each cost.
+
+
+def _ignored(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    """A chunk of a body refused, answered, or whose client is gone."""
+
+
+def _dropped(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    core.within_bounds(inputs, data)
+
+
+def _kept(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if core.within_bounds(inputs, data):
+        core.request.content.write(data)
+
+
+def _written(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if core.within_bounds(inputs, data):
+        assert core.writer is not None  # made with the state
+        core.writer.write(data)
+
+
+def _followed(core: _Core, inputs: _Inputs, data: bytes) -> None:
+    if not core.within_bounds(inputs, data):
+        return
+    core.join(data)
+    if core.received >= core.expected:
+        # Its last byte: the client is never held again, and its
+        # connection's idle timeout is back on before Twisted's channel
+        # sets it aside for the processing that follows.
+        core.paced(True)
+
+
+def _now(core: _Core, inputs: _Inputs) -> Deferred[bool]:
+    return succeed(True)
+
+
+def _not_now(core: _Core, inputs: _Inputs) -> Deferred[bool]:
+    return succeed(False)
+
+
+def _transition(core: _Core, inputs: _Inputs) -> Deferred[bool]:
+    return inputs.whole()
+
+
+@attrs.frozen
+class _Sink:
+    """Where a state has its body's chunks go (C{chunk}), and what all of it
+    having arrived does (C{whole}: fires with whether its request is to be
+    processed now)."""
+
+    chunk: Callable[[_Core, _Inputs, bytes], None]
+    whole: Callable[[_Core, _Inputs], Deferred[bool]]
+
+
+#: Refused, answered early, or its client gone.
+_IGNORED = _Sink(_ignored, _not_now)
+_DROPPED = _Sink(_dropped, _now)
+_KEPT = _Sink(_kept, _now)
+#: Spooling: processed once every write has ended (flushing).
+_WRITTEN = _Sink(_written, _transition)
+#: Streaming: processed since its head.
+_FOLLOWED = _Sink(_followed, _transition)
 
 
 @attrs.define(eq=False)
@@ -157,9 +212,9 @@ class _Core:
     small: bytearray = attrs.Factory(bytearray)
     #: Fires once a spooled body is all written (L{_Inputs.whole}).
     ready: Deferred[bool] | None = None
-    #: What takes each chunk of the body as it arrives, set by each state
-    #: as it is entered (see L{Intake.chunk}).
-    sink: Callable[[_Core, _Inputs, bytes], None] = attrs.field(default=lambda core, inputs, data: None)
+    #: Where the body goes as it arrives, set by each state as it is
+    #: entered (see L{_Sink}).
+    sink: _Sink = _IGNORED
     #: Told when the request is finished, once it is streamed (see L{Intake.answered}).
     on_answered: Callable[[], None] | None = None
 
@@ -242,7 +297,7 @@ class _Core:
         # Read by the channel once gotLength returns: a client told to go on
         # with a body already refused would send it for nothing.
         withhold_continue(self.request.requestHeaders)
-        self.sink = _ignored
+        self.sink = _IGNORED
         self.request.content = RequestBody()
         self.discard_writes()
         self.read_the_rest()
@@ -269,16 +324,64 @@ class _Core:
         if self.holds is not None:
             self.holds.release_all()
 
-    def spool_failure(self, failure: Failure) -> KCoralError:
+    def spool_failed(self, inputs: _Inputs, failure: Failure) -> None:
         self.site.logger.failure("{request_id} could not spool its body",
                                  failure, request_id=self.request.request_id)
-        return InternalError("could not buffer the request body")
+        inputs.refuse(InternalError("could not buffer the request body"))
+
+    def turn_away(self, answer: bytes) -> None:
+        """Answer C{answer}, as the request has it (status, headers), reading no more."""
+        request = self.request
+        request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
+        headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
+                   for value in values]
+        self.answer_refusal(request.code, raw_response(request.code, headers, answer))
+
+    def spool(self, inputs: _Inputs, spool: Spool, length: int | None) -> None:
+        """The body goes to C{spool}'s file as it arrives."""
+        self.writer = spool.writer(self.holding(), partial(self.spool_failed, inputs), length)
+        self.sink = _WRITTEN
+
+    def stream(self, inputs: _Inputs, spool: Spool, length: int) -> None:
+        """The request is processed now, its body followed while it arrives:
+        kept in memory while the spool's budget allows, else written to a
+        file; read as fast as it is forwarded (nothing while it waits for a
+        member, then at the member's pace)."""
+        holds = self.holding()
+        body = spool.kept(length)
+        if body is None:
+            self.writer = spool.writer(holds, partial(self.spool_failed, inputs), length)
+            self.keep = self.writer.write
+            body = self.writer.body
+            assert body is not None  # of known length
+        else:
+            self.keep = body.arrived
+        self.body = body
+        self.expected = length
+        holds.hold(UNREAD)
+        body.paced = self.paced
+        body.stalled = partial(inputs.refuse, RequestTimeout(
+            f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded"))
+        self.sink = _FOLLOWED
+        self.on_answered = inputs.answered
+        self.request.notifyFinish().addBoth(lambda _: self.let_go_of_body())
 
 
-def _machine() -> Callable[[_Core], _Inputs]:
+@attrs.frozen
+class _Machine:
+    """The intake's machine, and the states its head's judgement may start it in."""
+
+    build: Callable[[_Core, Any], _Inputs]
+    dropping: Any
+    in_memory: Any
+    spooling: Any
+    streaming: Any
+    refused: Any
+
+
+def _machine() -> _Machine:
     machine = TypeMachineBuilder(_Inputs, _Core)
 
-    head = machine.state("Head")
     dropping = machine.state("Dropping")
     in_memory = machine.state("InMemory")
     spooling = machine.state("Spooling")
@@ -289,69 +392,19 @@ def _machine() -> Callable[[_Core], _Inputs]:
     answered_early = machine.state("AnsweredEarly")
     gone = machine.state("Gone")
 
-    @pep614(head.upon(_Inputs.refuse).to(refused))
     @pep614(dropping.upon(_Inputs.refuse).to(refused))
     @pep614(in_memory.upon(_Inputs.refuse).to(refused))
     @pep614(spooling.upon(_Inputs.refuse).to(refused))
     def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
         core.answer_refusal(*core.refusal(error))
 
-    @pep614(head.upon(_Inputs.turn_away).to(refused))
-    def turn_away(inputs: _Inputs, core: _Core, answer: bytes) -> None:
-        request = core.request
-        request.responseHeaders.setRawHeaders(HEADER, [request.request_id.encode()])
-        headers = [(name, value) for name, values in request.responseHeaders.getAllRawHeaders()
-                   for value in values]
-        core.answer_refusal(request.code, raw_response(request.code, headers, answer))
-
-    @pep614(head.upon(_Inputs.drop).to(dropping))
-    def drop(inputs: _Inputs, core: _Core) -> None:
-        core.sink = _dropped
-
-    @pep614(head.upon(_Inputs.keep).to(in_memory))
-    def keep(inputs: _Inputs, core: _Core) -> None:
-        core.sink = _kept
-
-    @pep614(head.upon(_Inputs.spool).to(spooling))
-    def spool(inputs: _Inputs, core: _Core, spool: Spool, length: int | None) -> None:
-        core.writer = spool.writer(core.holding(), inputs.spool_failed, length)
-        core.sink = _written
-
-    @pep614(head.upon(_Inputs.stream).to(streaming))
-    def stream(inputs: _Inputs, core: _Core, spool: Spool, length: int) -> None:
-        # Kept in memory while the spool's budget allows, else written to a
-        # file; read as fast as it is forwarded: nothing while it waits for
-        # a member, then at the member's pace.
-        holds = core.holding()
-        body = spool.kept(length)
-        if body is None:
-            core.writer = spool.writer(holds, inputs.spool_failed, length)
-            core.keep = core.writer.write
-            body = core.writer.body
-            assert body is not None  # of known length
-        else:
-            core.keep = body.arrived
-        core.body = body
-        core.expected = length
-        holds.hold(UNREAD)
-        body.paced = core.paced
-        body.stalled = inputs.stalled
-        core.sink = _followed
-        core.on_answered = inputs.answered
-        core.request.notifyFinish().addBoth(lambda _: core.let_go_of_body())
-
-    @pep614(dropping.upon(_Inputs.whole).to(received))
-    @pep614(in_memory.upon(_Inputs.whole).to(received))
-    def arrived(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        return succeed(True)
-
     @pep614(spooling.upon(_Inputs.whole).to(flushing))
     def flush(inputs: _Inputs, core: _Core) -> Deferred[bool]:
         # The channel reads nothing more until this request is done: its
         # processing may wait for the last writes.
-        assert core.writer is not None  # made with the state
+        assert core.writer is not None  # made as it started spooling
         core.ready = Deferred()
-        core.writer.finish().addCallbacks(inputs.spooled, inputs.spool_failed)
+        core.writer.finish().addCallbacks(inputs.spooled, partial(core.spool_failed, inputs))
         return core.ready
 
     @pep614(flushing.upon(_Inputs.spooled).to(received))
@@ -366,44 +419,24 @@ def _machine() -> Callable[[_Core], _Inputs]:
     def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> None:
         body.close()
 
-    @pep614(spooling.upon(_Inputs.spool_failed).to(refused))
-    def failed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        core.writer = None
-        core.answer_refusal(*core.refusal(core.spool_failure(failure)))
-
-    @pep614(flushing.upon(_Inputs.spool_failed).to(refused))
-    def failed_at_the_end(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        failed(inputs, core, failure)
+    @pep614(flushing.upon(_Inputs.refuse).to(refused))
+    def failed_at_the_end(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
+        refuse(inputs, core, error)
         assert core.ready is not None  # made with the state
         core.ready.callback(False)
 
     @pep614(streaming.upon(_Inputs.whole).to(received))
-    @pep614(refused.upon(_Inputs.whole).loop())
-    @pep614(answered_early.upon(_Inputs.whole).loop())
-    @pep614(gone.upon(_Inputs.whole).loop())
-    def processed_already(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        # Streamed: processed since its head (its body is now all here, and
-        # written to its file as the spool goes while readers follow); else
-        # answered already, or its client gone.
+    def followed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+        # Processed since its head: its body is now all here (and written to
+        # its file as the spool goes while readers follow).
         return succeed(False)
 
+    # Received with its writes still going: a streamed body (a spooled
+    # one's have all ended before it is received, and one in memory has none).
     @pep614(streaming.upon(_Inputs.refuse).to(refused))
+    @pep614(received.upon(_Inputs.refuse).to(refused))
     def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
         core.answer_refusal_while_processed(*core.refusal(error))
-
-    # Received with its writes still going: a streamed body (a spooled one's
-    # have all ended before it is received).
-    @pep614(streaming.upon(_Inputs.spool_failed).to(refused))
-    @pep614(received.upon(_Inputs.spool_failed).to(refused))
-    def failed_while_streamed(inputs: _Inputs, core: _Core, failure: Failure) -> None:
-        core.writer = None
-        core.answer_refusal_while_processed(*core.refusal(core.spool_failure(failure)))
-
-    @pep614(streaming.upon(_Inputs.stalled).to(refused))
-    def stalled(inputs: _Inputs, core: _Core) -> None:
-        # It frees the member the forward holds.
-        core.answer_refusal_while_processed(*core.refusal(RequestTimeout(
-            f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded")))
 
     @pep614(streaming.upon(_Inputs.answered).to(answered_early))
     def answered_early_(inputs: _Inputs, core: _Core) -> None:
@@ -412,21 +445,20 @@ def _machine() -> Callable[[_Core], _Inputs]:
         # "Expect: 100-continue" once gotLength returns, and this request may
         # be answered from within it: a stray 100 would follow the answer.
         withhold_continue(core.request.requestHeaders)
-        core.sink = _ignored
+        core.sink = _IGNORED
         core.request.close_after_response()
         core.channel.discard_input()
         core.read_the_rest()
 
+    # What its spool or its pace says once its answer is under way, or its
+    # client gone, changes nothing.
     for state in (refused, answered_early, gone):
-        state.upon(_Inputs.spool_failed).loop().returns(None)
-    for state in (received, refused, answered_early, gone):
-        state.upon(_Inputs.stalled).loop().returns(None)
+        state.upon(_Inputs.refuse).loop().returns(None)
     # Only a streamed request is told it is answered (one answered before
     # its body was whole has the rest dropped), in whatever state it is by then.
     for state in (received, refused, answered_early, gone):
         state.upon(_Inputs.answered).loop().returns(None)
 
-    @pep614(head.upon(_Inputs.lost).to(gone))
     @pep614(dropping.upon(_Inputs.lost).to(gone))
     @pep614(in_memory.upon(_Inputs.lost).to(gone))
     @pep614(spooling.upon(_Inputs.lost).to(gone))
@@ -437,64 +469,26 @@ def _machine() -> Callable[[_Core], _Inputs]:
     @pep614(answered_early.upon(_Inputs.lost).to(gone))
     @pep614(gone.upon(_Inputs.lost).loop())
     def lost(inputs: _Inputs, core: _Core) -> None:
-        core.sink = _ignored
+        core.sink = _IGNORED
         core.let_go_of_client()
 
-    return machine.build()
+    return _Machine(machine.build(), dropping, in_memory, spooling, streaming, refused)
 
 
-_build = _machine()
-
-
-# A body's chunks go to what its state set as the core's sink, not through
-# the machine: automat finds a transition by comparing the state and input
-# with each of the machine's transitions in turn (about 10 us here), and a
-# large body arrives in thousands of chunks. The same holds of the head's
-# judgement (a pure function of the head and the site) and of a request's
-# answer (which only a streamed one heeds): a request kept in memory takes
-# two transitions, where it took five, and measured 90 us of CPU a request
-# through its site against 40 before the machine; now see doc/architecture.rst.
-
-def _ignored(core: _Core, inputs: _Inputs, data: bytes) -> None:
-    """A chunk of a body refused, answered, or whose client is gone."""
-
-
-def _dropped(core: _Core, inputs: _Inputs, data: bytes) -> None:
-    core.within_bounds(inputs, data)
-
-
-def _kept(core: _Core, inputs: _Inputs, data: bytes) -> None:
-    if core.within_bounds(inputs, data):
-        core.request.content.write(data)
-
-
-def _written(core: _Core, inputs: _Inputs, data: bytes) -> None:
-    if core.within_bounds(inputs, data):
-        assert core.writer is not None  # made with the state
-        core.writer.write(data)
-
-
-def _followed(core: _Core, inputs: _Inputs, data: bytes) -> None:
-    if not core.within_bounds(inputs, data):
-        return
-    core.join(data)
-    if core.received >= core.expected:
-        # Its last byte: the client is never held again, and its
-        # connection's idle timeout is back on before Twisted's channel
-        # sets it aside for the processing that follows.
-        core.paced(True)
+_MACHINE = _machine()
 
 
 class Intake:
     """
-    The intake of one request's body (C{request}, on C{channel}): the
-    inputs above, what the request's handler reads (L{body}), and the
-    target it is processed with.
+    The intake of one request's body (C{request}, on C{channel}): what its
+    handler reads (L{body}), and the target it is processed with. Its
+    machine starts at the request's head, in the state the head's judgement
+    chose; before that, there is nothing to take.
     """
 
     def __init__(self, request: Taken, channel: KCoralChannel):
         self._core = _Core(weakref.proxy(request), channel)
-        self.inputs = _build(self._core)
+        self._inputs: _Inputs | None = None
 
     @property
     def target(self) -> bytes:
@@ -509,11 +503,21 @@ class Intake:
         """The body spooled or streamed; None: in the request's content."""
         return self._core.body
 
+    def _start(self, state: Any) -> _Inputs:
+        self._inputs = inputs = _MACHINE.build(self._core, state)
+        return inputs
+
+    def _refuse(self, error: KCoralError) -> bool:
+        self._start(_MACHINE.refused)
+        self._core.answer_refusal(*self._core.refusal(error))
+        return False
+
     def head(self, request: Taken, length: int | None, method: bytes, uri: bytes) -> bool:
         """The head of C{request} is whole (C{length}: its announced body
-        length, None: chunked): judged, the body goes where it must. Whether
-        the request is processed now, while its body arrives."""
-        core, inputs = self._core, self.inputs
+        length, None: chunked): judged, its machine starts in the state
+        where its body goes. Whether the request is processed now, while its
+        body arrives."""
+        core = self._core
         site = core.site
         core.started = site.clock.seconds()
         # The one path everything reads (the guard here, then the resources,
@@ -523,41 +527,54 @@ class Intake:
             request.path, core.target = canonical(uri)
         except BadRequest as e:
             request.path = form_of(uri)
-            inputs.refuse(e)
-            return False
+            return self._refuse(e)
         error = site.bounds.refuse_length(length)
         if error is not None:
-            inputs.refuse(error)
-            return False
+            return self._refuse(error)
         guard = site.client_guard
         if guard is not None and method == b"POST" and guarded(request.path):
             # Refused before a byte of its body is read, let alone spooled.
             answer = guard.refusal(request, request.request_id)
             if answer is not None:
-                inputs.turn_away(answer)
+                self._start(_MACHINE.refused)
+                core.turn_away(answer)
                 return False
         # Its content is this intake's to fill (Twisted's own would go to a
         # temporary file past 100 KiB, on the reactor).
         request.content = RequestBody()
         spool = site.spool
         if not takes_body(method, request.path):
-            inputs.drop()
+            self._start(_MACHINE.dropping)
+            core.sink = _DROPPED
         elif spool is None or (length is not None and length <= spool.threshold):
-            inputs.keep()
+            self._start(_MACHINE.in_memory)
+            core.sink = _KEPT
         elif length is not None and site.streams(method, request.path):
             core.request = request
-            inputs.stream(spool, length)
+            core.stream(self._start(_MACHINE.streaming), spool, length)
             return True
         else:
             core.request = request
-            inputs.spool(spool, length)
+            core.spool(self._start(_MACHINE.spooling), spool, length)
         return False
 
     def chunk(self, data: bytes) -> None:
         """C{data} of the body arrived: where its state has it go."""
-        self._core.sink(self._core, self.inputs, data)
+        assert self._inputs is not None  # a body follows its head
+        self._core.sink.chunk(self._core, self._inputs, data)
+
+    def whole(self) -> Deferred[bool]:
+        """All of the body arrived: fires with whether the request is to be
+        processed now."""
+        assert self._inputs is not None  # a body follows its head
+        return self._core.sink.whole(self._core, self._inputs)
 
     def answered(self) -> None:
         """The request is finished (a streamed one drops the rest of its body)."""
         if self._core.on_answered is not None:
             self._core.on_answered()
+
+    def lost(self) -> None:
+        """The connection is gone (before its request's head, nothing was taken)."""
+        if self._inputs is not None:
+            self._inputs.lost()

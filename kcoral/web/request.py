@@ -66,14 +66,14 @@ class KCoralRequest(server.Request):
     def requestReceived(self, command, path, version):
         # Twisted's channel hands on the target as its request line spelled
         # it: each request is processed with its canonical one (gotLength).
-        self._intake.inputs.whole().addCallback(self._processed, command, version)
+        self._intake.whole().addCallback(self._processed, command, version)
 
     def _processed(self, now: bool, command: bytes, version: bytes) -> None:
         if now:
             super().requestReceived(command, self._intake.target, version)
 
     def connectionLost(self, reason):
-        self._intake.inputs.lost()
+        self._intake.lost()
         super().connectionLost(reason)
 
     def process(self):
