@@ -95,12 +95,16 @@ class _Inputs(Protocol):
         its spool's write failed, or it arrives too slowly for the forward
         waiting on it."""
 
-    def whole(self) -> Deferred[bool]:
-        """All of a spooled or streamed body arrived: fires with whether the
-        request is to be processed now (once a spooled one is all written)."""
+    def flush(self) -> Deferred[IBody]:
+        """All of a spooled body arrived: fires with it once every write
+        has ended."""
 
-    def spooled(self, body: IBody) -> None:
-        """Every write of a spooled body has ended: C{body} is all of it."""
+    def spooled(self, body: IBody) -> bool:
+        """Every write of a spooled body has ended: C{body} is all of it.
+        Whether its request is to be processed now."""
+
+    def whole(self) -> None:
+        """All of a streamed body arrived."""
 
     def answered(self) -> None:
         """A streamed request is finished."""
@@ -159,8 +163,16 @@ def _not_now(core: _Core, inputs: _Inputs) -> Deferred[bool]:
     return succeed(False)
 
 
-def _transition(core: _Core, inputs: _Inputs) -> Deferred[bool]:
-    return inputs.whole()
+def _flushed(core: _Core, inputs: _Inputs) -> Deferred[bool]:
+    # What its writes' end says is told once the flush's transition has
+    # ended (they may have ended already): its request is then processed
+    # outside any transition.
+    return inputs.flush().addCallbacks(inputs.spooled, partial(core.spool_failed, inputs))
+
+
+def _arrived(core: _Core, inputs: _Inputs) -> Deferred[bool]:
+    inputs.whole()
+    return succeed(False)
 
 
 @attrs.frozen
@@ -178,9 +190,9 @@ _IGNORED = _Sink(_ignored, _not_now)
 _DROPPED = _Sink(_dropped, _now)
 _KEPT = _Sink(_kept, _now)
 #: Spooling: processed once every write has ended (flushing).
-_WRITTEN = _Sink(_written, _transition)
+_WRITTEN = _Sink(_written, _flushed)
 #: Streaming: processed since its head.
-_FOLLOWED = _Sink(_followed, _transition)
+_FOLLOWED = _Sink(_followed, _arrived)
 
 
 @attrs.define(eq=False)
@@ -210,10 +222,9 @@ class _Core:
     #: ones waiting to be joined.
     keep: Callable[[bytes], object] | None = None
     small: bytearray = attrs.Factory(bytearray)
-    #: Fires once a spooled body is all written (L{_Inputs.whole}).
-    ready: Deferred[bool] | None = None
-    #: Where the body goes as it arrives, set by each state as it is
-    #: entered (see L{_Sink}).
+    #: Where the body goes as it arrives (see L{_Sink}): set as the machine
+    #: starts, and by each transition to a state that takes no more of it
+    #: (flushing and received keep the sink of the state before them).
     sink: _Sink = _IGNORED
     #: Told when the request is finished, once it is streamed (see L{Intake.answered}).
     on_answered: Callable[[], None] | None = None
@@ -324,10 +335,12 @@ class _Core:
         if self.holds is not None:
             self.holds.release_all()
 
-    def spool_failed(self, inputs: _Inputs, failure: Failure) -> None:
+    def spool_failed(self, inputs: _Inputs, failure: Failure) -> bool:
+        """A write of its spool failed: refused (so not to be processed)."""
         self.site.logger.failure("{request_id} could not spool its body",
                                  failure, request_id=self.request.request_id)
         inputs.refuse(InternalError("could not buffer the request body"))
+        return False
 
     def turn_away(self, answer: bytes) -> None:
         """Answer C{answer}, as the request has it (status, headers), reading no more."""
@@ -395,44 +408,36 @@ def _machine() -> _Machine:
     @pep614(dropping.upon(_Inputs.refuse).to(refused))
     @pep614(in_memory.upon(_Inputs.refuse).to(refused))
     @pep614(spooling.upon(_Inputs.refuse).to(refused))
+    @pep614(flushing.upon(_Inputs.refuse).to(refused))
     def refuse(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
         core.answer_refusal(*core.refusal(error))
 
-    @pep614(spooling.upon(_Inputs.whole).to(flushing))
-    def flush(inputs: _Inputs, core: _Core) -> Deferred[bool]:
+    @pep614(spooling.upon(_Inputs.flush).to(flushing))
+    def flush(inputs: _Inputs, core: _Core) -> Deferred[IBody]:
         # The channel reads nothing more until this request is done: its
-        # processing may wait for the last writes.
+        # processing waits for the last writes.
         assert core.writer is not None  # made as it started spooling
-        core.ready = Deferred()
-        core.writer.finish().addCallbacks(inputs.spooled, partial(core.spool_failed, inputs))
-        return core.ready
+        return core.writer.finish()
 
     @pep614(flushing.upon(_Inputs.spooled).to(received))
-    def spooled(inputs: _Inputs, core: _Core, body: IBody) -> None:
+    def spooled(inputs: _Inputs, core: _Core, body: IBody) -> bool:
         core.writer = None
         core.body = body
         core.request.notifyFinish().addBoth(lambda _: body.close())
-        assert core.ready is not None  # made with the state
-        core.ready.callback(True)
+        return True
 
     @pep614(gone.upon(_Inputs.spooled).loop())
-    def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> None:
+    def unwanted(inputs: _Inputs, core: _Core, body: IBody) -> bool:
         body.close()
+        return False
 
-    @pep614(flushing.upon(_Inputs.refuse).to(refused))
-    def failed_at_the_end(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
-        refuse(inputs, core, error)
-        assert core.ready is not None  # made with the state
-        core.ready.callback(False)
+    # A streamed request is processed since its head: its body is now all
+    # here (and written to its file as the spool goes while readers follow).
+    streaming.upon(_Inputs.whole).to(received).returns(None)
 
-    @pep614(streaming.upon(_Inputs.whole).to(received))
-    def followed(inputs: _Inputs, core: _Core) -> Deferred[bool]:
-        # Processed since its head: its body is now all here (and written to
-        # its file as the spool goes while readers follow).
-        return succeed(False)
-
-    # Received with its writes still going: a streamed body (a spooled
-    # one's have all ended before it is received, and one in memory has none).
+    # A streamed body's writes to its file may go on once it is whole, and
+    # one failing refuses it then (a spooled body's have all ended before it
+    # is received, and one kept in memory never leaves that state).
     @pep614(streaming.upon(_Inputs.refuse).to(refused))
     @pep614(received.upon(_Inputs.refuse).to(refused))
     def refuse_while_streamed(inputs: _Inputs, core: _Core, error: KCoralError) -> None:
