@@ -66,8 +66,8 @@ docs: $(DOCS_STAMP)
 # beyond the venv, where this machine lacks it, is said in a "skipped" line,
 # never left out silently: HAProxy and wrk (compare, large, affinity, fleet;
 # compare also unshare, nsenter and ss), root for network namespaces
-# (netfaults; hosts-tools installs ip and nft), a GPU (cudashm_check, the CUDA
-# shared memory check). The peers fetched from PyPI on first use are left out
+# (netfaults; hosts-tools installs ip and nft), valgrind (instructions), a GPU
+# (cudashm_check, the CUDA shared memory check). The peers fetched from PyPI on first use are left out
 # of every quick run, saying so: Ray Serve (compare: --paths without ray-*)
 # and PyTriton, KServe and perf_analyzer (serving: KCoral and the floor under
 # its own load). large runs its 16 MiB and 5 ms bodies at one connection.
@@ -90,6 +90,8 @@ bench: $(STAMP) hosts-tools
 	else skip affinity "needs haproxy"; skip fleet "needs haproxy"; fi; \
 	if [ "$$(id -u)" = 0 ]; then run netfaults --quick; \
 	else skip netfaults "needs root (network namespaces)"; fi; \
+	if have valgrind; then run instructions --quick; \
+	else skip instructions "needs valgrind"; fi; \
 	if have nvidia-smi; then run cudashm_check --gpus 0; \
 	else skip cudashm_check "needs an NVIDIA GPU (no nvidia-smi)"; fi; \
 	[ -z "$$failed" ] || { echo "make bench: failed:$$failed" >&2; exit 1; }

@@ -6,5 +6,5 @@ programs they measure KCoral against (proxies, servers, floors) are in
 L{bench.peers}. A benchmark that puts another load on another's services
 imports that benchmark: C{bench.fleet} takes C{bench.affinity}'s pool,
 C{bench.large} C{bench.compare}'s services, C{bench.netfaults} C{bench.chaos}'s
-run.
+run, C{bench.instructions} C{bench.routing}'s site.
 """
