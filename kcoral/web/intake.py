@@ -175,14 +175,24 @@ def _arrived(core: _Core, inputs: _Inputs) -> Deferred[bool]:
     return succeed(False)
 
 
+def _unheeded(core: _Core, inputs: _Inputs) -> None:
+    """An answer that changes nothing of the body's intake."""
+
+
+def _answered(core: _Core, inputs: _Inputs) -> None:
+    inputs.answered()
+
+
 @attrs.frozen
 class _Sink:
-    """Where a state has its body's chunks go (C{chunk}), and what all of it
+    """Where a state has its body's chunks go (C{chunk}), what all of it
     having arrived does (C{whole}: fires with whether its request is to be
-    processed now)."""
+    processed now), and what its request's answer does (C{answered}: only a
+    streamed body, which may still arrive, heeds it)."""
 
     chunk: Callable[[_Core, _Inputs, bytes], None]
     whole: Callable[[_Core, _Inputs], Deferred[bool]]
+    answered: Callable[[_Core, _Inputs], None] = _unheeded
 
 
 #: Refused, answered early, or its client gone.
@@ -192,7 +202,7 @@ _KEPT = _Sink(_kept, _now)
 #: Spooling: processed once every write has ended (flushing).
 _WRITTEN = _Sink(_written, _flushed)
 #: Streaming: processed since its head.
-_FOLLOWED = _Sink(_followed, _arrived)
+_FOLLOWED = _Sink(_followed, _arrived, _answered)
 
 
 @attrs.define(eq=False)
@@ -226,8 +236,6 @@ class _Core:
     #: starts, and by each transition to a state that takes no more of it
     #: (flushing and received keep the sink of the state before them).
     sink: _Sink = _IGNORED
-    #: Told when the request is finished, once it is streamed (see L{Intake.answered}).
-    on_answered: Callable[[], None] | None = None
 
     @property
     def site(self) -> Any:
@@ -376,7 +384,6 @@ class _Core:
         body.stalled = partial(inputs.refuse, RequestTimeout(
             f"request body arrives under {PACE_BYTES_PER_SECOND} bytes/s while forwarded"))
         self.sink = _FOLLOWED
-        self.on_answered = inputs.answered
         self.request.notifyFinish().addBoth(lambda _: self.let_go_of_body())
 
 
@@ -459,10 +466,10 @@ def _machine() -> _Machine:
     # client gone, changes nothing.
     for state in (refused, answered_early, gone):
         state.upon(_Inputs.refuse).loop().returns(None)
-    # Only a streamed request is told it is answered (one answered before
-    # its body was whole has the rest dropped), in whatever state it is by then.
-    for state in (received, refused, answered_early, gone):
-        state.upon(_Inputs.answered).loop().returns(None)
+    # Only a streamed body's sink tells its request's answer (one answered
+    # before its body was whole has the rest dropped); once whole, it keeps
+    # that sink, and the answer changes nothing.
+    received.upon(_Inputs.answered).loop().returns(None)
 
     @pep614(dropping.upon(_Inputs.lost).to(gone))
     @pep614(in_memory.upon(_Inputs.lost).to(gone))
@@ -575,9 +582,10 @@ class Intake:
         return self._core.sink.whole(self._core, self._inputs)
 
     def answered(self) -> None:
-        """The request is finished (a streamed one drops the rest of its body)."""
-        if self._core.on_answered is not None:
-            self._core.on_answered()
+        """The request is finished (a streamed one drops the rest of its
+        body; before its head, nothing was taken)."""
+        if self._inputs is not None:
+            self._core.sink.answered(self._core, self._inputs)
 
     def lost(self) -> None:
         """The connection is gone (before its request's head, nothing was taken)."""
