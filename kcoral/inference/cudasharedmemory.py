@@ -213,21 +213,17 @@ class _CudaRegion:
         host = np.frombuffer(data, np.uint8)
         self._copy(self._pointer + offset, host.ctypes.data, host.nbytes,
                    self._runtime.cudaMemcpyKind.cudaMemcpyHostToDevice)
+        # A copy to the device from pageable memory may still run when
+        # cudaMemcpy returns, and the client reads its region once answered;
+        # one to the host (read_into) has ended when it returns.
+        _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
 
     def _copy(self, to: int, source: int, size: int, kind: Any) -> None:
-        self._on_device()
-        _checked(self._runtime, self._runtime.cudaMemcpy(to, source, size, kind),
-                 self._registration)
-        if kind == self._runtime.cudaMemcpyKind.cudaMemcpyHostToDevice:
-            # A copy to the device from pageable memory may still run when
-            # cudaMemcpy returns, and the client reads its region once
-            # answered; one to the host has ended when it returns.
-            _checked(self._runtime, self._runtime.cudaDeviceSynchronize(), self._registration)
-
-    def _on_device(self) -> None:
         # The device is a thread's setting, and copies run in whichever
         # thread of the pool is free.
         _checked(self._runtime, self._runtime.cudaSetDevice(self._registration.device_id),
+                 self._registration)
+        _checked(self._runtime, self._runtime.cudaMemcpy(to, source, size, kind),
                  self._registration)
 
     def close(self) -> None:
