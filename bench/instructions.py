@@ -33,6 +33,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.support.child import ROOT, child_environment
 from bench.support.quick import parse_quick
 
 
@@ -54,12 +55,11 @@ def serve(requests: int) -> None:
 
 def count(requests: int, seed: int, tree: str | None) -> int:
     """Instructions callgrind counts for L{serve}C{(requests)} in a fresh process."""
-    env = dict(os.environ, PYTHONHASHSEED=str(seed))
-    here = Path(__file__).resolve().parent.parent
     # "python -m" puts its working directory first on the path: a baseline
     # runs in its own, so that its kcoral is the one imported, not this tree's.
-    cwd = here if tree is None else Path(tree).resolve()
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(cwd), str(here)]))
+    cwd = ROOT if tree is None else Path(tree).resolve()
+    env = child_environment({"PYTHONHASHSEED": str(seed),
+                             "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(cwd), str(ROOT)]))})
     done = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
          sys.executable, "-m", "bench.instructions", "--serve", str(requests)],
